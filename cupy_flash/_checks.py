@@ -1,0 +1,196 @@
+"""Argument checks, all raised before any launch.
+
+The shape/dtype/option checks read only ``.ndim``, ``.shape`` and ``.dtype``, so they run (and are
+tested) on CPU with NumPy arrays standing in for GPU arrays. ``as_gpu_array`` is the one step that
+needs CuPy: it accepts CuPy arrays, and arrays of other frameworks through
+``__cuda_array_interface__`` or DLPack without a copy, and rejects host memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import numpy
+
+from . import _traits
+
+MAX_SEQLEN = 2**30       # keeps every in-kernel row index (and row + tile) inside int32
+MAX_GRID_BLOCKS = 2**31 - 1
+
+
+def _bfloat16():
+    import ml_dtypes
+
+    return numpy.dtype(ml_dtypes.bfloat16)
+
+
+def dtype_name(dtype) -> str | None:
+    """'float16', 'bfloat16' or 'float32' for a supported dtype, else None."""
+    dtype = numpy.dtype(dtype)
+    if dtype == numpy.float16:
+        return "float16"
+    if dtype == numpy.float32:
+        return "float32"
+    if dtype == _bfloat16():
+        return "bfloat16"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def tile(self) -> int:
+        return _traits.head_dim_tile(self.head_dim)
+
+
+def _require_rank4(name: str, x) -> None:
+    if getattr(x, "ndim", None) != 4:
+        raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, heads, head_dim), "
+                         f"got shape {tuple(getattr(x, 'shape', ()))}")
+
+
+def check_qkv(q, k, v) -> AttentionShape:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _require_rank4(name, x)
+    kind = dtype_name(q.dtype)
+    if kind is None:
+        raise TypeError(f"q has dtype {q.dtype}; expected float16, bfloat16 or float32")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but q has dtype {q.dtype}")
+    batch, seqlen_q, heads, head_dim = (int(n) for n in q.shape)
+    if head_dim % 8 or not 8 <= head_dim <= _traits.MAX_HEAD_DIM:
+        raise ValueError(f"q has head_dim {head_dim}; expected a multiple of 8 from 8 to {_traits.MAX_HEAD_DIM}")
+    labels = ("batch", "seqlen", "heads", "head_dim")
+    for axis in (0, 3):
+        if k.shape[axis] != q.shape[axis]:
+            raise ValueError(f"k has {labels[axis]} {k.shape[axis]} but q has {labels[axis]} {q.shape[axis]}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v has shape {tuple(v.shape)} but k has shape {tuple(k.shape)}; they must match")
+    if k.shape[2] != heads:
+        raise ValueError(f"k has {k.shape[2]} heads but q has {heads}; grouped-query attention "
+                         "(heads_kv < heads_q) is not supported yet, so they must match")
+    seqlen_k = int(k.shape[1])
+    for label, n in (("batch", batch), ("heads", heads), ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
+        if n < 1:
+            raise ValueError(f"{label} is {n}; every dimension must be at least 1")
+    for label, n in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
+        if n >= MAX_SEQLEN:
+            raise ValueError(f"{label} is {n}; at most {MAX_SEQLEN - 1} is supported")
+    shape = AttentionShape(batch, seqlen_q, seqlen_k, heads, head_dim, kind)
+    _check_grid(shape)
+    return shape
+
+
+def _check_grid(shape: AttentionShape) -> None:
+    # The kernels use a 1-D grid of (row blocks x batch x heads) blocks; gridDim.x < 2^31.
+    smallest_block = min(min(_traits.FORWARD_BLOCKS[shape.tile]), min(_traits.BACKWARD_BLOCKS[shape.tile]))
+    longest = max(shape.seqlen_q, shape.seqlen_k)
+    blocks = -(-longest // smallest_block) * shape.batch * shape.heads
+    if blocks > MAX_GRID_BLOCKS:
+        raise ValueError(f"batch * heads * seqlen blocks is {blocks}, over CUDA's grid limit of {MAX_GRID_BLOCKS}")
+
+
+def check_softmax_scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, (bool, numpy.bool_)) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+    value = float(softmax_scale)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"softmax_scale must be a finite positive number, got {value}")
+    return value
+
+
+def check_flag(name: str, value) -> bool:
+    if not isinstance(value, (bool, numpy.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def check_backward_extras(shape: AttentionShape, q, do, o, lse) -> None:
+    for name, x in (("do", do), ("o", o)):
+        _require_rank4(name, x)
+        if tuple(x.shape) != tuple(q.shape):
+            raise ValueError(f"{name} has shape {tuple(x.shape)} but q has shape {tuple(q.shape)}; they must match")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but q has dtype {q.dtype}")
+    expected = (shape.batch, shape.heads, shape.seqlen_q)
+    if getattr(lse, "ndim", None) != 3 or tuple(lse.shape) != expected:
+        raise ValueError(f"lse has shape {tuple(getattr(lse, 'shape', ()))}; expected "
+                         f"(batch, heads, seqlen_q) = {expected}")
+    if lse.dtype != numpy.float32:
+        raise TypeError(f"lse has dtype {lse.dtype}; expected float32 (as returned by flash_forward)")
+
+
+def check_no_extra_options(function: str, options: dict) -> None:
+    if options:
+        names = ", ".join(sorted(options))
+        raise TypeError(f"{function}() got unsupported keyword argument(s): {names}")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU arrays.
+
+_DLPACK_CUDA_DEVICES = (2, 13)   # kDLCUDA, kDLCUDAManaged
+
+
+def as_gpu_array(name: str, x):
+    """A CuPy view of ``x`` (no copy), or TypeError naming the argument."""
+    import cupy
+
+    if isinstance(x, cupy.ndarray):
+        return x
+    if isinstance(x, numpy.ndarray):
+        raise TypeError(f"{name} is a NumPy array in host memory; expected a CuPy array "
+                        "(or a GPU array exposing __cuda_array_interface__ or __dlpack__)")
+    if hasattr(x, "__cuda_array_interface__"):
+        return cupy.asarray(x)
+    if hasattr(x, "__dlpack__"):
+        device = x.__dlpack_device__()[0] if hasattr(x, "__dlpack_device__") else None
+        if device is not None and int(device) not in _DLPACK_CUDA_DEVICES:
+            raise TypeError(f"{name} lives on DLPack device type {int(device)}; expected a CUDA GPU array")
+        return cupy.from_dlpack(x)
+    raise TypeError(f"{name} must be a CuPy array (or a GPU array exposing __cuda_array_interface__ "
+                    f"or __dlpack__), got {type(x).__name__}")
+
+
+def prepare_qkv(q, k, v, softmax_scale, causal):
+    """GPU views of q, k, v and their checked shape, scale and causal flag: the checks shared by
+    the forward and backward entry points."""
+    q, k, v = (as_gpu_array(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
+    shape = check_qkv(q, k, v)
+    scale = check_softmax_scale(softmax_scale, shape.head_dim)
+    causal = check_flag("causal", causal)
+    return q, k, v, shape, scale, causal
+
+
+def same_device(**arrays) -> int:
+    devices = {name: x.device.id for name, x in arrays.items()}
+    first_name, first = next(iter(devices.items()))
+    for name, device in devices.items():
+        if device != first:
+            raise ValueError(f"{name} is on GPU {device} but {first_name} is on GPU {first}; "
+                             "all arrays must be on one device")
+    return first
+
+
+def kernel_ready(x):
+    """``x`` itself when the kernels can read it in place (last axis contiguous, every row starting
+    on a 16-byte boundary, since the kernels move 16-byte vectors); otherwise a fresh C-contiguous
+    copy, made once per call (``ascontiguousarray`` alone would keep a misaligned contiguous view).
+    The input is never modified."""
+    itemsize = x.dtype.itemsize
+    aligned = (x.data.ptr % 16 == 0
+               and x.strides[-1] == itemsize
+               and all(s % 16 == 0 for s in x.strides[:-1]))
+    return x if aligned else x.copy(order="C")

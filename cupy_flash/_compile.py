@@ -1,0 +1,227 @@
+"""Kernel sources, their template instantiations, and compilation.
+
+One module is compiled per (kernel family, dtype, head-dim tile): a first call compiles only the
+instantiations it needs (a few seconds), CuPy caches the binary on disk, and this process keeps the
+loaded module. ``compile_offline`` compiles the same source with the same options through NVRTC's
+low-level bindings, which needs no GPU: CI uses it to build every instantiation and read ptxas's
+register and spill report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+
+from . import _traits
+from ._params import PARAMS_DTYPE
+
+log = logging.getLogger("cupy_flash")
+if not log.handlers:
+    # One line per first compile, visible by default so a first call never looks like a hang;
+    # silence with logging.getLogger("cupy_flash").setLevel(logging.WARNING) or CUPY_FLASH_QUIET=1.
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("cupy_flash: %(message)s"))
+    log.addHandler(_handler)
+    log.setLevel(logging.WARNING if os.environ.get("CUPY_FLASH_QUIET") else logging.INFO)
+    log.propagate = False
+
+FAMILIES = ("forward", "preprocess", "backward")
+CTYPES = {"float16": "fa_f16", "bfloat16": "fa_bf16", "float32": "float"}
+OPTIONS = (f"-DFLASH_PARAMS_BYTES={PARAMS_DTYPE.itemsize}",)
+
+
+def _kernel_dir() -> Path:
+    # Source tree (kernels_cu/ beside the package) first, then the installed package data.
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "kernels_cu", here / "kernels_cu"):
+        if (candidate / "common.cuh").is_file():
+            return candidate
+    raise FileNotFoundError(f"cupy_flash kernel sources not found next to {here}")
+
+
+@functools.lru_cache(maxsize=None)
+def family_source(family: str) -> str:
+    """common.cuh followed by the family's .cu file: the exact text that is compiled (and hashed
+    by CuPy's cache, so an edit to either file recompiles)."""
+    directory = _kernel_dir()
+    common = (directory / "common.cuh").read_text()
+    body = (directory / f"{family}.cu").read_text()
+    return f"{common}\n// ---- {family}.cu ----\n{body}"
+
+
+def _flag(value: bool) -> str:
+    return "true" if value else "false"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleSpec:
+    """One compiled module: a kernel family for one dtype and (except preprocess) one head-dim tile."""
+
+    family: str
+    dtype: str
+    tile: int | None = None
+
+    @property
+    def ctype(self) -> str:
+        return CTYPES[self.dtype]
+
+    def forward_kernel(self, causal: bool) -> str:
+        block_m, block_n = _traits.FORWARD_BLOCKS[self.tile]
+        return f"flash_forward_kernel<{self.ctype}, {self.tile}, {block_m}, {block_n}, {_flag(causal)}>"
+
+    def backward_kernel(self, causal: bool, atomic_dq: bool) -> str:
+        block_m, block_n = _traits.BACKWARD_BLOCKS[self.tile]
+        return (f"flash_backward_kernel<{self.ctype}, {self.tile}, {block_m}, {block_n}, "
+                f"{_flag(causal)}, {_flag(atomic_dq)}>")
+
+    def backward_dq_kernel(self, causal: bool) -> str:
+        block_m, block_n = _traits.BACKWARD_BLOCKS[self.tile]
+        return f"flash_backward_dq_kernel<{self.ctype}, {self.tile}, {block_m}, {block_n}, {_flag(causal)}>"
+
+    def dq_convert_kernel(self) -> str:
+        return f"flash_dq_convert_kernel<{self.ctype}>"
+
+    def preprocess_kernel(self) -> str:
+        return f"flash_preprocess_kernel<{self.ctype}>"
+
+    @property
+    def name_expressions(self) -> tuple[str, ...]:
+        if self.family == "forward":
+            return tuple(self.forward_kernel(c) for c in (False, True))
+        if self.family == "preprocess":
+            return (self.preprocess_kernel(),)
+        if self.family == "backward":
+            return (tuple(self.backward_kernel(c, a) for c in (False, True) for a in (False, True))
+                    + tuple(self.backward_dq_kernel(c) for c in (False, True))
+                    + (self.dq_convert_kernel(),))
+        raise ValueError(f"unknown kernel family {self.family!r}")
+
+    def describe(self) -> str:
+        tile = f", head_dim tile {self.tile}" if self.tile is not None else ""
+        return f"{self.family} kernels ({self.dtype}{tile})"
+
+
+def all_module_specs() -> list[ModuleSpec]:
+    """Every module the package can ever compile (what CI's compile check builds)."""
+    specs = []
+    for dtype in CTYPES:
+        specs.append(ModuleSpec("preprocess", dtype))
+        for tile in _traits.HEAD_DIM_TILES:
+            specs.append(ModuleSpec("forward", dtype, tile))
+            specs.append(ModuleSpec("backward", dtype, tile))
+    return specs
+
+
+# ---------------------------------------------------------------------------------------------
+# Run time: cupy.RawModule, one per (spec, device), compiled on first use.
+
+_lock = threading.Lock()
+_modules: dict = {}
+_functions: dict = {}
+
+
+def get_kernel(spec: ModuleSpec, name: str, smem_bytes: int = 0):
+    """The compiled kernel ``name`` (one of spec.name_expressions) on the current device, with its
+    dynamic shared memory limit raised to ``smem_bytes`` where that exceeds the 48 KB default."""
+    import cupy
+
+    device = cupy.cuda.Device().id
+    key = (spec, device, name)
+    function = _functions.get(key)
+    if function is not None:
+        return function
+    with _lock:
+        module = _modules.get((spec, device))
+        if module is None:
+            log.info("preparing %s on device %d: compiled on first use, then cached on disk",
+                     spec.describe(), device)
+            module = cupy.RawModule(code=family_source(spec.family), options=OPTIONS,
+                                    name_expressions=spec.name_expressions)
+            _modules[(spec, device)] = module
+        function = module.get_function(name)
+        if smem_bytes > 48 * 1024:
+            function.max_dynamic_shared_size_bytes = smem_bytes
+        _functions[key] = function
+    return function
+
+
+def compiled_modules() -> list[str]:
+    """Descriptions of the modules this process has loaded."""
+    return sorted({f"{spec.describe()} on device {device}" for spec, device in _modules})
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline: NVRTC without a GPU.
+
+@dataclasses.dataclass
+class KernelReport:
+    name: str
+    registers: int
+    stack_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+
+
+@dataclasses.dataclass
+class CompileReport:
+    spec: ModuleSpec
+    arch: int
+    cubin_bytes: int
+    kernels: list[KernelReport]
+    log: str
+
+
+_ENTRY = re.compile(r"Compiling entry function '(\S+)' for 'sm_\d+a?'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS = re.compile(r"Used (\d+) registers")
+
+
+def offline_options(arch: int) -> tuple[str, ...]:
+    """The options RawModule would use (CuPy's own include/standard flags plus ours, and the
+    -ftz=true CuPy adds), targeting real hardware sm_<arch>, with ptxas's resource report."""
+    from cupy._core import core
+
+    return tuple(core.assemble_cupy_compiler_options(OPTIONS)) + (
+        "-ftz=true", f"-arch=sm_{arch}", "-Xptxas=-v")
+
+
+def compile_offline(spec: ModuleSpec, arch: int) -> CompileReport:
+    """Compile every instantiation of ``spec`` to a cubin for sm_<arch> with NVRTC (no GPU needed)."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    program = nvrtc.createProgram(family_source(spec.family), f"{spec.family}.cu", [], [])
+    try:
+        for expression in spec.name_expressions:
+            nvrtc.addNameExpression(program, expression)
+        try:
+            nvrtc.compileProgram(program, list(offline_options(arch)))
+        except nvrtc.NVRTCError as error:
+            raise RuntimeError(f"NVRTC failed on {spec.describe()} for sm_{arch}:\n"
+                               f"{nvrtc.getProgramLog(program)}") from error
+        text = nvrtc.getProgramLog(program)
+        lowered = {nvrtc.getLoweredName(program, e): e for e in spec.name_expressions}
+        cubin = nvrtc.getCUBIN(program)
+    finally:
+        nvrtc.destroyProgram(program)
+
+    kernels = []
+    for block in text.split("Compiling entry function")[1:]:
+        block = "Compiling entry function" + block
+        entry = _ENTRY.search(block)
+        frame = _FRAME.search(block)
+        regs = _REGS.search(block)
+        if not (entry and frame and regs):
+            continue
+        kernels.append(KernelReport(
+            name=lowered.get(entry.group(1), entry.group(1)),
+            registers=int(regs.group(1)),
+            stack_bytes=int(frame.group(1)),
+            spill_store_bytes=int(frame.group(2)),
+            spill_load_bytes=int(frame.group(3)),
+        ))
+    return CompileReport(spec=spec, arch=arch, cubin_bytes=len(cubin), kernels=kernels, log=text)

@@ -1,0 +1,45 @@
+"""The kernels' single argument: ``FlashParams`` from ``kernels_cu/common.cuh``, as a NumPy record.
+
+Every field is 8 bytes or a pair of 4-byte floats, so NumPy's packed layout equals the C layout;
+``FLASH_PARAMS_BYTES`` is passed to the compiler and checked there with a ``static_assert``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy
+
+POINTER_FIELDS = ("q", "k", "v", "o", "lse", "dout", "delta", "dq_accum", "dq", "dk", "dv")
+# Tensors of shape (batch, seqlen, heads, head_dim) and their element strides {batch, row, head}.
+STRIDED_FIELDS = ("q", "k", "v", "o", "dout", "dq_accum", "dq", "dk", "dv")
+
+PARAMS_DTYPE = numpy.dtype(
+    [(name, numpy.uint64) for name in POINTER_FIELDS]
+    + [(name + "_strides", numpy.int64, (3,)) for name in STRIDED_FIELDS]
+    + [(name, numpy.int64) for name in ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim")]
+    + [("softmax_scale", numpy.float32), ("scale_log2", numpy.float32)]
+)
+
+
+def make_params(shape, softmax_scale: float, **arrays) -> numpy.ndarray:
+    """Fill a params record. ``arrays`` maps field names to CuPy arrays (or None for unused fields)."""
+    record = numpy.zeros(1, dtype=PARAMS_DTYPE)
+    for name, array in arrays.items():
+        if name not in POINTER_FIELDS:
+            raise KeyError(name)
+        if array is None:
+            continue
+        record[name] = array.data.ptr
+        if name in STRIDED_FIELDS:
+            itemsize = array.dtype.itemsize
+            assert array.ndim == 4 and array.strides[3] == itemsize, (name, array.strides)
+            record[name + "_strides"] = [s // itemsize for s in array.strides[:3]]
+    record["batch"] = shape.batch
+    record["heads"] = shape.heads
+    record["seqlen_q"] = shape.seqlen_q
+    record["seqlen_k"] = shape.seqlen_k
+    record["head_dim"] = shape.head_dim
+    record["softmax_scale"] = softmax_scale
+    record["scale_log2"] = softmax_scale * math.log2(math.e)
+    return record

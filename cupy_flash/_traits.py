@@ -1,0 +1,55 @@
+"""Kernel traits: the tile shapes of every kernel, per head-dim tile, kept as data in one place.
+
+Head dims are rounded up to one of ``HEAD_DIM_TILES`` (as FlashAttention-2 does with its 8 tiles);
+the kernels zero-fill the columns past the real head_dim, so any multiple of 8 up to 256 works with
+only 8 compiled widths per kernel.
+
+The CUDA-core kernels use 128 threads as a 16 x 8 grid, so block_m must be a multiple of 16 and
+block_n a multiple of 8 (16 in the backward). The shapes keep each thread's register accumulators
+at <= 64 floats per output (no spills) and shared memory under 99 KB, the per-block limit of the
+smallest sm_80+ parts (sm_86/sm_89), so one table serves A100, RTX 30/40 and H100.
+"""
+
+from __future__ import annotations
+
+THREADS = 128
+HEAD_DIM_TILES = (32, 64, 96, 128, 160, 192, 224, 256)
+MAX_HEAD_DIM = HEAD_DIM_TILES[-1]
+SMEM_LIMIT_BYTES = 99 * 1024
+
+# (block_m, block_n): query rows and key rows per block.
+FORWARD_BLOCKS = {32: (64, 64), 64: (64, 64), 96: (64, 64), 128: (64, 64),
+                  160: (32, 32), 192: (32, 32), 224: (32, 32), 256: (32, 32)}
+# Shared by the main backward kernel (one block per key block) and the deterministic dQ kernel.
+BACKWARD_BLOCKS = {32: (64, 64), 64: (32, 64), 96: (32, 32), 128: (32, 32),
+                   160: (16, 16), 192: (16, 16), 224: (16, 16), 256: (16, 16)}
+
+# Row-wise kernels (preprocess, dQ convert): one warp per row.
+ROW_KERNEL_THREADS = 256
+
+
+def head_dim_tile(head_dim: int) -> int:
+    for tile in HEAD_DIM_TILES:
+        if head_dim <= tile:
+            return tile
+    raise ValueError(f"head_dim {head_dim} exceeds {MAX_HEAD_DIM}")
+
+
+# Dynamic shared memory of each kernel; mirrors the carve-up at the top of each kernel, which
+# traps if it is given less than this.
+def forward_smem_bytes(tile: int) -> int:
+    block_m, block_n = FORWARD_BLOCKS[tile]
+    ld = tile + 1
+    return 4 * (block_m * ld + block_n * ld + block_m * (block_n + 1))
+
+
+def backward_smem_bytes(tile: int) -> int:
+    block_m, block_n = BACKWARD_BLOCKS[tile]
+    ld = tile + 1
+    return 4 * (2 * block_n * ld + 2 * block_m * ld + 2 * block_n * (block_m + 1) + 2 * block_m)
+
+
+def backward_dq_smem_bytes(tile: int) -> int:
+    block_m, block_n = BACKWARD_BLOCKS[tile]
+    ld = tile + 1
+    return 4 * (2 * block_m * ld + 2 * block_n * ld + block_m * (block_n + 1) + 2 * block_m)

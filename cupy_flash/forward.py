@@ -1,0 +1,49 @@
+"""Forward launch: ``flash_forward`` / ``flash_attention``."""
+
+from __future__ import annotations
+
+from . import _checks, _traits
+from ._compile import ModuleSpec, get_kernel
+from ._params import make_params
+
+
+def launch_forward(q, k, v, shape, scale, causal):
+    """Run the forward kernel on checked, kernel-ready arrays; returns (o, lse)."""
+    import cupy
+
+    o = cupy.empty(q.shape, dtype=q.dtype)
+    lse = cupy.empty((shape.batch, shape.heads, shape.seqlen_q), dtype=cupy.float32)
+    spec = ModuleSpec("forward", shape.dtype, shape.tile)
+    smem = _traits.forward_smem_bytes(shape.tile)
+    kernel = get_kernel(spec, spec.forward_kernel(causal), smem)
+    block_m, _ = _traits.FORWARD_BLOCKS[shape.tile]
+    grid = -(-shape.seqlen_q // block_m) * shape.batch * shape.heads
+    params = make_params(shape, scale, q=q, k=k, v=v, o=o, lse=lse)
+    kernel((grid,), (_traits.THREADS,), (params,), shared_mem=smem)
+    return o, lse
+
+
+def flash_forward(q, k, v, *, softmax_scale=None, causal=False, **features):
+    """Exact attention ``softmax(softmax_scale * q k^T) v`` without materialising the scores.
+
+    q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads, head_dim); float16,
+    bfloat16 (``ml_dtypes.bfloat16``) or float32, head_dim a multiple of 8 up to 256. CuPy arrays,
+    or GPU arrays of other frameworks (taken through ``__cuda_array_interface__``/DLPack without a
+    copy). Views whose rows are not contiguous and 16-byte aligned are copied once.
+
+    ``causal=True`` masks key j for query i unless j <= i + seqlen_k - seqlen_q (bottom-right).
+
+    Returns ``(o, lse)``: o like q; lse float32 (batch, heads, seqlen_q), the natural-log
+    logsumexp of the scaled scores, -inf (with o = 0) for a row that sees no key.
+    """
+    _checks.check_no_extra_options("flash_forward", features)
+    q, k, v, shape, scale, causal = _checks.prepare_qkv(q, k, v, softmax_scale, causal)
+    with q.device:
+        _checks.same_device(q=q, k=k, v=v)
+        q, k, v = (_checks.kernel_ready(x) for x in (q, k, v))
+        return launch_forward(q, k, v, shape, scale, causal)
+
+
+def flash_attention(q, k, v, **options):
+    """``flash_forward(...)[0]``: the attention output only."""
+    return flash_forward(q, k, v, **options)[0]

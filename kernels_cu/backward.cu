@@ -1,0 +1,347 @@
+// Backward of O = softmax(S) V with S = scale * Q K^T, given dO, lse and delta = rowsum(dO * O):
+//   P  = exp(S - lse)              (recomputed, never stored)
+//   dV = P^T dO
+//   dP = dO V^T
+//   dS = P * (dP - delta)
+//   dK = scale * dS^T Q
+//   dQ = scale * dS K
+//
+// flash_backward_kernel: one block per (key block, batch, head). K and V stay in shared memory, dK
+// and dV accumulate in registers over the inner loop of query blocks and are written once. With
+// ATOMIC_DQ the block also adds its share of dQ into a float32 accumulator with atomics
+// (flash_dq_convert_kernel then scales and casts it); without, dQ comes from
+// flash_backward_dq_kernel, one block per query block looping over key blocks, so every value is
+// summed in a fixed order and the result is bitwise reproducible.
+//
+// CUDA-core version; same 16 x 8 thread layout and padded float32 tiles as the forward kernel.
+
+// Row-wise softmax statistics of one query block, in the log2 domain. Rows past seqlen_q and
+// rows that see no key (lse = -inf) get lse2 = -inf, which makes their P (and so dS) exactly 0.
+template <int BLOCK_M>
+__device__ __forceinline__ void load_row_stats(float* lse2_tile, float* delta_tile, const FlashParams& p, long long b, long long h, int q_start) {
+    for (int r = threadIdx.x; r < BLOCK_M; r += FLASH_THREADS) {
+        const long long query = q_start + r;
+        const long long at = (b * p.heads + h) * p.seqlen_q + query;
+        const bool valid = query < p.seqlen_q;
+        lse2_tile[r] = valid ? p.lse[at] * FLASH_LOG2E : FLASH_NEG_INF;
+        delta_tile[r] = valid ? p.delta[at] : 0.f;
+    }
+}
+
+__device__ __forceinline__ float softmax_prob(float score, float lse2, bool visible, float scale_log2) {
+    return (visible && lse2 != FLASH_NEG_INF) ? exp2f(score * scale_log2 - lse2) : 0.f;
+}
+
+template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, bool ATOMIC_DQ>
+__global__ void __launch_bounds__(FLASH_THREADS) flash_backward_kernel(const FlashParams p) {
+    constexpr int LD = D_TILE + 1;
+    constexpr int T_LD = BLOCK_M + 1;
+    constexpr int KROWS = BLOCK_N / 16;   // key rows per thread (dK, dV, S^T rows)
+    constexpr int QCOLS = BLOCK_M / 8;    // query columns per thread (S^T columns)
+    constexpr int QROWS = BLOCK_M / 16;   // query rows per thread (dQ)
+    constexpr int DCOLS = D_TILE / 8;
+    static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0 && D_TILE % 32 == 0, "tile shape");
+    constexpr unsigned int SMEM_BYTES = (2 * BLOCK_N * LD + 2 * BLOCK_M * LD + 2 * BLOCK_N * T_LD + 2 * BLOCK_M) * sizeof(float);
+    require_dynamic_smem(SMEM_BYTES);
+
+    extern __shared__ float smem[];
+    float* k_tile = smem;                        // [BLOCK_N][LD]
+    float* v_tile = k_tile + BLOCK_N * LD;       // [BLOCK_N][LD]
+    float* q_tile = v_tile + BLOCK_N * LD;       // [BLOCK_M][LD]
+    float* do_tile = q_tile + BLOCK_M * LD;      // [BLOCK_M][LD]
+    float* pt_tile = do_tile + BLOCK_M * LD;     // P^T  [BLOCK_N][T_LD]
+    float* dst_tile = pt_tile + BLOCK_N * T_LD;  // dS^T [BLOCK_N][T_LD]
+    float* lse2_tile = dst_tile + BLOCK_N * T_LD;
+    float* delta_tile = lse2_tile + BLOCK_M;
+
+    const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3;
+    const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
+    const long long bh_count = p.batch * p.heads;
+    const long long bh = blockIdx.x % bh_count;
+    // Causal: the first key blocks are seen by the most query blocks, and are handed out first.
+    const int kv_block = (int)(blockIdx.x / bh_count);
+    const long long b = bh / p.heads, h = bh % p.heads;
+    const int kv_start = kv_block * BLOCK_N;
+    const long long causal_shift = p.seqlen_k - p.seqlen_q;
+
+    load_tile<T, BLOCK_N, D_TILE, LD>(k_tile, static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, kv_start, h), p.k_strides[1], seqlen_k - kv_start, head_dim);
+    load_tile<T, BLOCK_N, D_TILE, LD>(v_tile, static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, kv_start, h), p.v_strides[1], seqlen_k - kv_start, head_dim);
+
+    const int num_q_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
+    int q_begin = 0;
+    if (IS_CAUSAL) {
+        const long long first_query = (long long)kv_start - causal_shift;   // first query that sees kv_start
+        q_begin = first_query <= 0 ? 0 : (int)min((long long)num_q_blocks, first_query / BLOCK_M);
+    }
+
+    float dk_acc[KROWS][DCOLS], dv_acc[KROWS][DCOLS];
+#pragma unroll
+    for (int i = 0; i < KROWS; ++i)
+#pragma unroll
+        for (int j = 0; j < DCOLS; ++j) dk_acc[i][j] = dv_acc[i][j] = 0.f;
+
+    for (int q_block = q_begin; q_block < num_q_blocks; ++q_block) {
+        const int q_start = q_block * BLOCK_M;
+        __syncthreads();   // previous iteration is done with the Q, dO, P^T and dS^T tiles
+        load_tile<T, BLOCK_M, D_TILE, LD>(q_tile, static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, q_start, h), p.q_strides[1], seqlen_q - q_start, head_dim);
+        load_tile<T, BLOCK_M, D_TILE, LD>(do_tile, static_cast<const T*>(p.dout) + tensor_offset(p.dout_strides, b, q_start, h), p.dout_strides[1], seqlen_q - q_start, head_dim);
+        load_row_stats<BLOCK_M>(lse2_tile, delta_tile, p, b, h, q_start);
+        __syncthreads();
+
+        // S^T = K Q^T and dP^T = V dO^T for this thread's (key row, query column) pairs.
+        float st[KROWS][QCOLS], dpt[KROWS][QCOLS];
+#pragma unroll
+        for (int i = 0; i < KROWS; ++i)
+#pragma unroll
+            for (int j = 0; j < QCOLS; ++j) st[i][j] = dpt[i][j] = 0.f;
+#pragma unroll 2
+        for (int d = 0; d < D_TILE; ++d) {
+            float kr[KROWS], vr[KROWS], qc[QCOLS], doc[QCOLS];
+#pragma unroll
+            for (int i = 0; i < KROWS; ++i) {
+                kr[i] = k_tile[(ty * KROWS + i) * LD + d];
+                vr[i] = v_tile[(ty * KROWS + i) * LD + d];
+            }
+#pragma unroll
+            for (int j = 0; j < QCOLS; ++j) {
+                qc[j] = q_tile[(tx + 8 * j) * LD + d];
+                doc[j] = do_tile[(tx + 8 * j) * LD + d];
+            }
+#pragma unroll
+            for (int i = 0; i < KROWS; ++i)
+#pragma unroll
+                for (int j = 0; j < QCOLS; ++j) {
+                    st[i][j] = fmaf(kr[i], qc[j], st[i][j]);
+                    dpt[i][j] = fmaf(vr[i], doc[j], dpt[i][j]);
+                }
+        }
+#pragma unroll
+        for (int i = 0; i < KROWS; ++i) {
+            const int key_local = ty * KROWS + i;
+#pragma unroll
+            for (int j = 0; j < QCOLS; ++j) {
+                const int query_local = tx + 8 * j;
+                const bool visible = key_visible(kv_start + key_local, q_start + query_local, seqlen_k, causal_shift, IS_CAUSAL);
+                const float prob = softmax_prob(st[i][j], lse2_tile[query_local], visible, p.scale_log2);
+                pt_tile[key_local * T_LD + query_local] = prob;
+                dst_tile[key_local * T_LD + query_local] = prob * (dpt[i][j] - delta_tile[query_local]);
+            }
+        }
+        __syncthreads();
+
+        // dV += P^T dO, dK += dS^T Q (scale applied once at the end).
+#pragma unroll 2
+        for (int r = 0; r < BLOCK_M; ++r) {
+            float pr[KROWS], dsr[KROWS], doc[DCOLS], qc[DCOLS];
+#pragma unroll
+            for (int i = 0; i < KROWS; ++i) {
+                pr[i] = pt_tile[(ty * KROWS + i) * T_LD + r];
+                dsr[i] = dst_tile[(ty * KROWS + i) * T_LD + r];
+            }
+#pragma unroll
+            for (int j = 0; j < DCOLS; ++j) {
+                doc[j] = do_tile[r * LD + tx + 8 * j];
+                qc[j] = q_tile[r * LD + tx + 8 * j];
+            }
+#pragma unroll
+            for (int i = 0; i < KROWS; ++i)
+#pragma unroll
+                for (int j = 0; j < DCOLS; ++j) {
+                    dv_acc[i][j] = fmaf(pr[i], doc[j], dv_acc[i][j]);
+                    dk_acc[i][j] = fmaf(dsr[i], qc[j], dk_acc[i][j]);
+                }
+        }
+
+        if (ATOMIC_DQ) {
+            // This key block's share of dQ = dS K, added into the float32 accumulator (unscaled).
+            float dq[QROWS][DCOLS];
+#pragma unroll
+            for (int i = 0; i < QROWS; ++i)
+#pragma unroll
+                for (int j = 0; j < DCOLS; ++j) dq[i][j] = 0.f;
+#pragma unroll 2
+            for (int c = 0; c < BLOCK_N; ++c) {
+                float dsc[QROWS], kc[DCOLS];
+#pragma unroll
+                for (int i = 0; i < QROWS; ++i) dsc[i] = dst_tile[c * T_LD + ty * QROWS + i];
+#pragma unroll
+                for (int j = 0; j < DCOLS; ++j) kc[j] = k_tile[c * LD + tx + 8 * j];
+#pragma unroll
+                for (int i = 0; i < QROWS; ++i)
+#pragma unroll
+                    for (int j = 0; j < DCOLS; ++j) dq[i][j] = fmaf(dsc[i], kc[j], dq[i][j]);
+            }
+#pragma unroll
+            for (int i = 0; i < QROWS; ++i) {
+                const int query = q_start + ty * QROWS + i;
+                if (query < seqlen_q) {
+                    float* acc = p.dq_accum + tensor_offset(p.dq_accum_strides, b, query, h);
+#pragma unroll
+                    for (int j = 0; j < DCOLS; ++j) {
+                        if (tx + 8 * j < head_dim) atomicAdd(acc + tx + 8 * j, dq[i][j]);
+                    }
+                }
+            }
+        }
+    }
+
+    // Stage dK (scaled) and dV through the K and V tiles and store them in 16-byte vectors. Every
+    // key block writes its rows, also when no query sees them (zeros).
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < KROWS; ++i)
+#pragma unroll
+        for (int j = 0; j < DCOLS; ++j) {
+            k_tile[(ty * KROWS + i) * LD + tx + 8 * j] = dk_acc[i][j];
+            v_tile[(ty * KROWS + i) * LD + tx + 8 * j] = dv_acc[i][j];
+        }
+    __syncthreads();
+    store_tile<T, BLOCK_N, D_TILE, LD>(static_cast<T*>(p.dk) + tensor_offset(p.dk_strides, b, kv_start, h), p.dk_strides[1], k_tile, seqlen_k - kv_start, head_dim, p.softmax_scale);
+    store_tile<T, BLOCK_N, D_TILE, LD>(static_cast<T*>(p.dv) + tensor_offset(p.dv_strides, b, kv_start, h), p.dv_strides[1], v_tile, seqlen_k - kv_start, head_dim, 1.f);
+}
+
+// Deterministic dQ: one block per (query block, batch, head), looping over key blocks in order;
+// dQ accumulates in registers, so no two blocks ever write the same element.
+template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL>
+__global__ void __launch_bounds__(FLASH_THREADS) flash_backward_dq_kernel(const FlashParams p) {
+    constexpr int LD = D_TILE + 1;
+    constexpr int S_LD = BLOCK_N + 1;
+    constexpr int ROWS = BLOCK_M / 16;
+    constexpr int SCOLS = BLOCK_N / 8;
+    constexpr int DCOLS = D_TILE / 8;
+    static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 8 == 0 && D_TILE % 32 == 0, "tile shape");
+    constexpr unsigned int SMEM_BYTES = (2 * BLOCK_M * LD + 2 * BLOCK_N * LD + BLOCK_M * S_LD + 2 * BLOCK_M) * sizeof(float);
+    require_dynamic_smem(SMEM_BYTES);
+
+    extern __shared__ float smem[];
+    float* q_tile = smem;                       // [BLOCK_M][LD]
+    float* do_tile = q_tile + BLOCK_M * LD;     // [BLOCK_M][LD]
+    float* k_tile = do_tile + BLOCK_M * LD;     // [BLOCK_N][LD]
+    float* v_tile = k_tile + BLOCK_N * LD;      // [BLOCK_N][LD]
+    float* ds_tile = v_tile + BLOCK_N * LD;     // [BLOCK_M][S_LD]
+    float* lse2_tile = ds_tile + BLOCK_M * S_LD;
+    float* delta_tile = lse2_tile + BLOCK_M;
+
+    const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3;
+    const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
+    const long long bh_count = p.batch * p.heads;
+    const int num_q_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
+    const long long bh = blockIdx.x % bh_count;
+    const int q_block = num_q_blocks - 1 - (int)(blockIdx.x / bh_count);   // longest causal rows first
+    const long long b = bh / p.heads, h = bh % p.heads;
+    const int q_start = q_block * BLOCK_M;
+    const long long causal_shift = p.seqlen_k - p.seqlen_q;
+
+    load_tile<T, BLOCK_M, D_TILE, LD>(q_tile, static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, q_start, h), p.q_strides[1], seqlen_q - q_start, head_dim);
+    load_tile<T, BLOCK_M, D_TILE, LD>(do_tile, static_cast<const T*>(p.dout) + tensor_offset(p.dout_strides, b, q_start, h), p.dout_strides[1], seqlen_q - q_start, head_dim);
+    load_row_stats<BLOCK_M>(lse2_tile, delta_tile, p, b, h, q_start);
+
+    const int num_kv_blocks = (seqlen_k + BLOCK_N - 1) / BLOCK_N;
+    int kv_end = num_kv_blocks;
+    if (IS_CAUSAL) {
+        const long long last_key = (long long)q_start + BLOCK_M - 1 + causal_shift;
+        kv_end = last_key < 0 ? 0 : (int)min((long long)num_kv_blocks, last_key / BLOCK_N + 1);
+    }
+    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, 0, h);
+    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, 0, h);
+
+    float dq_acc[ROWS][DCOLS];
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+        for (int j = 0; j < DCOLS; ++j) dq_acc[i][j] = 0.f;
+
+    for (int kv_block = 0; kv_block < kv_end; ++kv_block) {
+        const int kv_start = kv_block * BLOCK_N;
+        __syncthreads();   // previous K tile no longer read (and Q, dO, stats are loaded)
+        load_tile<T, BLOCK_N, D_TILE, LD>(k_tile, k + kv_start * p.k_strides[1], p.k_strides[1], seqlen_k - kv_start, head_dim);
+        load_tile<T, BLOCK_N, D_TILE, LD>(v_tile, v + kv_start * p.v_strides[1], p.v_strides[1], seqlen_k - kv_start, head_dim);
+        __syncthreads();
+
+        float s[ROWS][SCOLS], dp[ROWS][SCOLS];
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+            for (int j = 0; j < SCOLS; ++j) s[i][j] = dp[i][j] = 0.f;
+#pragma unroll 2
+        for (int d = 0; d < D_TILE; ++d) {
+            float qr[ROWS], dor[ROWS], kc[SCOLS], vc[SCOLS];
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i) {
+                qr[i] = q_tile[(ty * ROWS + i) * LD + d];
+                dor[i] = do_tile[(ty * ROWS + i) * LD + d];
+            }
+#pragma unroll
+            for (int j = 0; j < SCOLS; ++j) {
+                kc[j] = k_tile[(tx + 8 * j) * LD + d];
+                vc[j] = v_tile[(tx + 8 * j) * LD + d];
+            }
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+                for (int j = 0; j < SCOLS; ++j) {
+                    s[i][j] = fmaf(qr[i], kc[j], s[i][j]);
+                    dp[i][j] = fmaf(dor[i], vc[j], dp[i][j]);
+                }
+        }
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) {
+            const int query_local = ty * ROWS + i;
+#pragma unroll
+            for (int j = 0; j < SCOLS; ++j) {
+                const int key_local = tx + 8 * j;
+                const bool visible = key_visible(kv_start + key_local, q_start + query_local, seqlen_k, causal_shift, IS_CAUSAL);
+                const float prob = softmax_prob(s[i][j], lse2_tile[query_local], visible, p.scale_log2);
+                ds_tile[query_local * S_LD + key_local] = prob * (dp[i][j] - delta_tile[query_local]);
+            }
+        }
+        __syncthreads();
+
+#pragma unroll 2
+        for (int c = 0; c < BLOCK_N; ++c) {
+            float dsr[ROWS], kc[DCOLS];
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i) dsr[i] = ds_tile[(ty * ROWS + i) * S_LD + c];
+#pragma unroll
+            for (int j = 0; j < DCOLS; ++j) kc[j] = k_tile[c * LD + tx + 8 * j];
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+                for (int j = 0; j < DCOLS; ++j) dq_acc[i][j] = fmaf(dsr[i], kc[j], dq_acc[i][j]);
+        }
+    }
+
+    __syncthreads();   // Q tile free for staging (also when the loop ran zero times)
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+        for (int j = 0; j < DCOLS; ++j) q_tile[(ty * ROWS + i) * LD + tx + 8 * j] = dq_acc[i][j];
+    __syncthreads();
+    store_tile<T, BLOCK_M, D_TILE, LD>(static_cast<T*>(p.dq) + tensor_offset(p.dq_strides, b, q_start, h), p.dq_strides[1], q_tile, seqlen_q - q_start, head_dim, p.softmax_scale);
+}
+
+// dQ = softmax_scale * dq_accum, cast to T. One warp per (batch, row, head), 16-byte vectors.
+template <typename T>
+__global__ void __launch_bounds__(256) flash_dq_convert_kernel(const FlashParams p) {
+    constexpr int VEC = Vec<T>::N;
+    const int lane = threadIdx.x & 31;
+    const long long total_rows = p.batch * p.seqlen_q * p.heads;
+    const long long warps_in_grid = (long long)gridDim.x * (blockDim.x / 32);
+    for (long long r = (long long)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5); r < total_rows; r += warps_in_grid) {
+        const long long h = r % p.heads;
+        const long long row = (r / p.heads) % p.seqlen_q;
+        const long long b = r / (p.heads * p.seqlen_q);
+        const float* acc = p.dq_accum + tensor_offset(p.dq_accum_strides, b, row, h);
+        T* dq = static_cast<T*>(p.dq) + tensor_offset(p.dq_strides, b, row, h);
+        for (int c = lane * VEC; c < p.head_dim; c += 32 * VEC) {
+            float vals[VEC];
+#pragma unroll
+            for (int e = 0; e < VEC; e += 4) {
+                const float4 a = *reinterpret_cast<const float4*>(acc + c + e);
+                vals[e] = a.x * p.softmax_scale; vals[e + 1] = a.y * p.softmax_scale;
+                vals[e + 2] = a.z * p.softmax_scale; vals[e + 3] = a.w * p.softmax_scale;
+            }
+            *reinterpret_cast<uint4*>(dq + c) = pack(vals, T{});
+        }
+    }
+}

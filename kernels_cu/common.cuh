@@ -1,0 +1,185 @@
+// Shared vocabulary of the cupy_flash kernels: element types, the params struct, tile loads/stores.
+//
+// No CUDA headers are included (not even cuda_fp16.h): the conversions below are single PTX
+// instructions, and leaving the headers out means NVRTC needs no include path, so the same source
+// compiles on a machine with no CUDA toolkit and no GPU (the CI compile check does exactly that).
+// cupy_flash/_compile.py prepends this file to each kernel family's source before compiling.
+
+#define FLASH_THREADS 128        // every attention kernel: 4 warps laid out as 16 rows x 8 columns
+#define FLASH_LOG2E 1.4426950408889634f
+#define FLASH_LN2 0.6931471805599453f
+#define FLASH_NEG_INF (-__int_as_float(0x7f800000))
+
+// 16-bit floating types as raw storage; arithmetic always happens in float32.
+struct fa_f16 { unsigned short bits; };
+struct fa_bf16 { unsigned short bits; };
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(fa_f16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+__device__ __forceinline__ float to_float(fa_bf16 x) {
+    return __uint_as_float(((unsigned int)x.bits) << 16);
+}
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ fa_f16 from_float<fa_f16>(float x) {
+    fa_f16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
+    return r;
+}
+template <> __device__ __forceinline__ fa_bf16 from_float<fa_bf16>(float x) {
+    fa_bf16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));   // sm_80+
+    return r;
+}
+
+// One params struct for every kernel, mirrored field for field by cupy_flash/_params.py.
+// Tensors of shape (batch, seqlen, heads, head_dim) carry element strides {batch, row, head}; the
+// head_dim stride is 1. lse and delta are float32 of shape (batch, heads, seqlen_q), contiguous.
+// All offsets are 64-bit: batch * seqlen * heads * head_dim passes 2^31 at realistic sizes.
+struct FlashParams {
+    const void* q;
+    const void* k;
+    const void* v;
+    void* o;
+    float* lse;
+    const void* dout;
+    float* delta;
+    float* dq_accum;          // float32, (batch, seqlen_q, heads, head_dim); null when unused
+    void* dq;
+    void* dk;
+    void* dv;
+    long long q_strides[3];
+    long long k_strides[3];
+    long long v_strides[3];
+    long long o_strides[3];
+    long long dout_strides[3];
+    long long dq_accum_strides[3];
+    long long dq_strides[3];
+    long long dk_strides[3];
+    long long dv_strides[3];
+    long long batch;
+    long long heads;
+    long long seqlen_q;
+    long long seqlen_k;
+    long long head_dim;
+    float softmax_scale;
+    float scale_log2;         // softmax_scale * log2(e): scores go straight into exp2
+};
+#ifdef FLASH_PARAMS_BYTES
+static_assert(sizeof(FlashParams) == FLASH_PARAMS_BYTES, "FlashParams disagrees with cupy_flash/_params.py");
+#endif
+
+__device__ __forceinline__ long long tensor_offset(const long long* strides, long long b, long long row, long long h) {
+    return b * strides[0] + row * strides[1] + h * strides[2];
+}
+
+// Launch code computes the dynamic shared memory size from the same tile shapes; a mismatch would
+// corrupt memory silently, so every kernel checks it on entry and traps instead.
+__device__ __forceinline__ void require_dynamic_smem(unsigned int bytes) {
+    unsigned int have;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+    if (have < bytes) __trap();
+}
+
+// 16-byte vectors: 8 elements of a 16-bit type, 4 floats.
+template <typename T> struct Vec { static constexpr int N = 16 / sizeof(T); };
+
+__device__ __forceinline__ void unpack(const uint4& raw, float* out, float) {
+    out[0] = __uint_as_float(raw.x); out[1] = __uint_as_float(raw.y);
+    out[2] = __uint_as_float(raw.z); out[3] = __uint_as_float(raw.w);
+}
+__device__ __forceinline__ void unpack(const uint4& raw, float* out, fa_f16) {
+    const unsigned int w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        out[2 * i] = to_float(fa_f16{(unsigned short)(w[i] & 0xffffu)});
+        out[2 * i + 1] = to_float(fa_f16{(unsigned short)(w[i] >> 16)});
+    }
+}
+__device__ __forceinline__ void unpack(const uint4& raw, float* out, fa_bf16) {
+    const unsigned int w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        out[2 * i] = __uint_as_float(w[i] << 16);
+        out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ uint4 pack(const float* in, float) {
+    return make_uint4(__float_as_uint(in[0]), __float_as_uint(in[1]), __float_as_uint(in[2]), __float_as_uint(in[3]));
+}
+template <typename T16>
+__device__ __forceinline__ uint4 pack(const float* in, T16) {
+    unsigned int w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        w[i] = (unsigned int)from_float<T16>(in[2 * i]).bits | ((unsigned int)from_float<T16>(in[2 * i + 1]).bits << 16);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Copy a (ROWS x D_TILE) tile of T from global memory into float32 shared memory with row pitch LD.
+// Consecutive threads read consecutive 16-byte vectors of a row (coalesced). Rows at or past
+// rows_valid and columns at or past head_dim are filled with zeros, so padded rows and columns
+// contribute nothing to any dot product.
+template <typename T, int ROWS, int D_TILE, int LD>
+__device__ __forceinline__ void load_tile(float* tile, const T* base, long long row_stride, int rows_valid, int head_dim) {
+    constexpr int VEC = Vec<T>::N;
+    constexpr int VECS_PER_ROW = D_TILE / VEC;
+    for (int idx = threadIdx.x; idx < ROWS * VECS_PER_ROW; idx += FLASH_THREADS) {
+        const int r = idx / VECS_PER_ROW;
+        const int c = (idx % VECS_PER_ROW) * VEC;
+        float vals[VEC];
+        if (r < rows_valid && c < head_dim) {
+            unpack(*reinterpret_cast<const uint4*>(base + r * row_stride + c), vals, T{});
+        } else {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) vals[e] = 0.f;
+        }
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) tile[r * LD + c + e] = vals[e];
+    }
+}
+
+// Write rows [0, rows_valid) and columns [0, head_dim) of a float32 shared tile, times `scale`,
+// to global memory as T, in 16-byte vectors.
+template <typename T, int ROWS, int D_TILE, int LD>
+__device__ __forceinline__ void store_tile(T* base, long long row_stride, const float* tile, int rows_valid, int head_dim, float scale) {
+    constexpr int VEC = Vec<T>::N;
+    constexpr int VECS_PER_ROW = D_TILE / VEC;
+    for (int idx = threadIdx.x; idx < ROWS * VECS_PER_ROW; idx += FLASH_THREADS) {
+        const int r = idx / VECS_PER_ROW;
+        const int c = (idx % VECS_PER_ROW) * VEC;
+        if (r < rows_valid && c < head_dim) {
+            float vals[VEC];
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) vals[e] = tile[r * LD + c + e] * scale;
+            *reinterpret_cast<uint4*>(base + r * row_stride + c) = pack(vals, T{});
+        }
+    }
+}
+
+// Sum / max over the 8 threads (tx = 0..7) that share a row in the 16 x 8 thread layout.
+__device__ __forceinline__ float row_group_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    x += __shfl_xor_sync(0xffffffffu, x, 4);
+    return x;
+}
+__device__ __forceinline__ float row_group_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+    return x;
+}
+
+// Causal masking is aligned to the bottom-right corner: query i sees key j iff j <= i + causal_shift,
+// causal_shift = seqlen_k - seqlen_q (FlashAttention >= 2.1).
+__device__ __forceinline__ bool key_visible(long long key, long long query, long long seqlen_k, long long causal_shift, bool is_causal) {
+    return key < seqlen_k && (!is_causal || key <= query + causal_shift);
+}

@@ -1,0 +1,155 @@
+// Forward: O = softmax(scale * Q K^T) V and lse = logsumexp(scale * Q K^T) per query row.
+//
+// One block per (query block, batch, head). The Q tile stays in shared memory while K and V tiles
+// stream through one buffer; the online softmax keeps a running row_max and an un-normalised
+// output that is rescaled by exp2(row_max_old - row_max_new) whenever the max grows, and divided
+// by the row sum once at the end. Scores live in the log2 domain (scaled by scale * log2(e)) so
+// every exponential is one exp2.
+//
+// CUDA-core version (fp32 FMAs on fp32 tiles in shared memory): correct for every dtype and head
+// dim; the tensor-core kernels for fp16/bf16 replace it on the fast path.
+//
+// Thread layout: 16 x 8 (ty, tx). Thread (ty, tx) owns query rows ty*ROWS + i, score columns
+// tx + 8*j and output columns tx + 8*j: the 8 threads of a row sit in one warp, so row reductions
+// are three shuffles. Shared rows are padded by one float so that the 4 rows (Q) or 8 rows (K) a
+// warp reads at one column fall in distinct banks.
+
+template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL>
+__global__ void __launch_bounds__(FLASH_THREADS) flash_forward_kernel(const FlashParams p) {
+    constexpr int LD = D_TILE + 1;
+    constexpr int P_LD = BLOCK_N + 1;
+    constexpr int ROWS = BLOCK_M / 16;
+    constexpr int SCOLS = BLOCK_N / 8;
+    constexpr int DCOLS = D_TILE / 8;
+    static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 8 == 0 && D_TILE % 32 == 0, "tile shape");
+    constexpr unsigned int SMEM_BYTES = (BLOCK_M * LD + BLOCK_N * LD + BLOCK_M * P_LD) * sizeof(float);
+    require_dynamic_smem(SMEM_BYTES);
+
+    extern __shared__ float smem[];
+    float* q_tile = smem;                      // [BLOCK_M][LD]
+    float* kv_tile = q_tile + BLOCK_M * LD;    // [BLOCK_N][LD], K then V
+    float* p_tile = kv_tile + BLOCK_N * LD;    // [BLOCK_M][P_LD]
+
+    const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3;
+    const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
+    const long long bh_count = p.batch * p.heads;
+    const int num_q_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
+    // Blocks run roughly in index order: hand out the last query blocks first, since under the
+    // causal mask they see the most keys and would otherwise finish last.
+    const long long bh = blockIdx.x % bh_count;
+    const int q_block = num_q_blocks - 1 - (int)(blockIdx.x / bh_count);
+    const long long b = bh / p.heads, h = bh % p.heads;
+    const int q_start = q_block * BLOCK_M;
+    const long long causal_shift = p.seqlen_k - p.seqlen_q;
+
+    const T* q = static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, q_start, h);
+    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, 0, h);
+    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, 0, h);
+
+    load_tile<T, BLOCK_M, D_TILE, LD>(q_tile, q, p.q_strides[1], seqlen_q - q_start, head_dim);
+
+    const int num_kv_blocks = (seqlen_k + BLOCK_N - 1) / BLOCK_N;
+    int kv_end = num_kv_blocks;
+    if (IS_CAUSAL) {
+        const long long last_key = (long long)q_start + BLOCK_M - 1 + causal_shift;  // last key the block sees
+        kv_end = last_key < 0 ? 0 : (int)min((long long)num_kv_blocks, last_key / BLOCK_N + 1);
+    }
+
+    float o_acc[ROWS][DCOLS];
+    float row_max[ROWS], row_sum[ROWS];   // row_sum: this thread's share; summed over the row at the end
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+        row_max[i] = FLASH_NEG_INF;
+        row_sum[i] = 0.f;
+#pragma unroll
+        for (int j = 0; j < DCOLS; ++j) o_acc[i][j] = 0.f;
+    }
+
+    for (int kv_block = 0; kv_block < kv_end; ++kv_block) {
+        const int kv_start = kv_block * BLOCK_N;
+        __syncthreads();   // everyone is done with the previous V tile (and Q is loaded)
+        load_tile<T, BLOCK_N, D_TILE, LD>(kv_tile, k + kv_start * p.k_strides[1], p.k_strides[1], seqlen_k - kv_start, head_dim);
+        __syncthreads();
+
+        float s[ROWS][SCOLS];
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+            for (int j = 0; j < SCOLS; ++j) s[i][j] = 0.f;
+#pragma unroll 4
+        for (int d = 0; d < D_TILE; ++d) {
+            float qv[ROWS], kv[SCOLS];
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i) qv[i] = q_tile[(ty * ROWS + i) * LD + d];
+#pragma unroll
+            for (int j = 0; j < SCOLS; ++j) kv[j] = kv_tile[(tx + 8 * j) * LD + d];
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+                for (int j = 0; j < SCOLS; ++j) s[i][j] = fmaf(qv[i], kv[j], s[i][j]);
+        }
+
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) {
+            const long long query = q_start + ty * ROWS + i;
+            float block_max = FLASH_NEG_INF;
+#pragma unroll
+            for (int j = 0; j < SCOLS; ++j) {
+                const long long key = kv_start + tx + 8 * j;
+                s[i][j] = key_visible(key, query, seqlen_k, causal_shift, IS_CAUSAL) ? s[i][j] * p.scale_log2 : FLASH_NEG_INF;
+                block_max = fmaxf(block_max, s[i][j]);
+            }
+            const float new_max = fmaxf(row_max[i], row_group_max(block_max));
+            // A row that has seen no key yet keeps max -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
+            const float base = new_max == FLASH_NEG_INF ? 0.f : new_max;
+            const float rescale = exp2f(row_max[i] - base);
+            row_max[i] = new_max;
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < SCOLS; ++j) {
+                const float prob = exp2f(s[i][j] - base);
+                sum += prob;
+                p_tile[(ty * ROWS + i) * P_LD + tx + 8 * j] = prob;
+            }
+            row_sum[i] = row_sum[i] * rescale + sum;
+#pragma unroll
+            for (int j = 0; j < DCOLS; ++j) o_acc[i][j] *= rescale;
+        }
+
+        __syncthreads();   // P written, K no longer read
+        load_tile<T, BLOCK_N, D_TILE, LD>(kv_tile, v + kv_start * p.v_strides[1], p.v_strides[1], seqlen_k - kv_start, head_dim);
+        __syncthreads();
+
+#pragma unroll 2
+        for (int c = 0; c < BLOCK_N; ++c) {
+            float pv[ROWS], vv[DCOLS];
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i) pv[i] = p_tile[(ty * ROWS + i) * P_LD + c];
+#pragma unroll
+            for (int j = 0; j < DCOLS; ++j) vv[j] = kv_tile[c * LD + tx + 8 * j];
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+                for (int j = 0; j < DCOLS; ++j) o_acc[i][j] = fmaf(pv[i], vv[j], o_acc[i][j]);
+        }
+    }
+
+    // Normalise once, stage O through the Q tile, store it in 16-byte vectors. The barrier matters
+    // when the loop ran zero times (a causal block that sees no key): Q may still be loading.
+    __syncthreads();
+    float* lse = p.lse + (b * p.heads + h) * p.seqlen_q;
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+        const int row = ty * ROWS + i;
+        const float total = row_group_sum(row_sum[i]);
+        const float inv = total > 0.f ? 1.f / total : 0.f;   // a row that saw no key outputs 0
+#pragma unroll
+        for (int j = 0; j < DCOLS; ++j) q_tile[row * LD + tx + 8 * j] = o_acc[i][j] * inv;
+        if (tx == 0 && q_start + row < seqlen_q) {
+            lse[q_start + row] = total > 0.f ? (row_max[i] + log2f(total)) * FLASH_LN2 : FLASH_NEG_INF;
+        }
+    }
+    __syncthreads();
+    T* o = static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, q_start, h);
+    store_tile<T, BLOCK_M, D_TILE, LD>(o, p.o_strides[1], q_tile, seqlen_q - q_start, head_dim, 1.f);
+}
