@@ -44,7 +44,8 @@ def round_to_dtype(x, dtype, xp=None):
     x = x.astype(xp.float32)
     name = _checks.dtype_name(dtype)
     if name == "float16":
-        return x.astype(xp.float16).astype(xp.float32)
+        with numpy.errstate(over="ignore"):   # overflow to inf is the correct rounding
+            return x.astype(xp.float16).astype(xp.float32)
     if name == "bfloat16":
         bits = xp.ascontiguousarray(x).view(xp.uint32)
         keep_even = (bits >> 16) & 1

@@ -33,7 +33,7 @@ __device__ __forceinline__ float softmax_prob(float score, float lse2, bool visi
 }
 
 template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, bool ATOMIC_DQ>
-__global__ void __launch_bounds__(FLASH_THREADS) flash_backward_kernel(const FlashParams p) {
+__global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_kernel(const FlashParams p) {
     constexpr int LD = D_TILE + 1;
     constexpr int T_LD = BLOCK_M + 1;
     constexpr int KROWS = BLOCK_N / 16;   // key rows per thread (dK, dV, S^T rows)
@@ -203,7 +203,7 @@ __global__ void __launch_bounds__(FLASH_THREADS) flash_backward_kernel(const Fla
 // Deterministic dQ: one block per (query block, batch, head), looping over key blocks in order;
 // dQ accumulates in registers, so no two blocks ever write the same element.
 template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL>
-__global__ void __launch_bounds__(FLASH_THREADS) flash_backward_dq_kernel(const FlashParams p) {
+__global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_dq_kernel(const FlashParams p) {
     constexpr int LD = D_TILE + 1;
     constexpr int S_LD = BLOCK_N + 1;
     constexpr int ROWS = BLOCK_M / 16;

@@ -6,6 +6,10 @@
 // cupy_flash/_compile.py prepends this file to each kernel family's source before compiling.
 
 #define FLASH_THREADS 128        // every attention kernel: 4 warps laid out as 16 rows x 8 columns
+// Attention kernels declare __launch_bounds__(FLASH_THREADS, 1): with the thread count alone, ptxas
+// for sm_80 capped five instantiations at 128 registers and spilled 8 bytes; with the explicit
+// one-block minimum they use up to ~160 registers and spill nothing (shared memory, not registers,
+// is what limits blocks per SM here).
 #define FLASH_LOG2E 1.4426950408889634f
 #define FLASH_LN2 0.6931471805599453f
 #define FLASH_NEG_INF (-__int_as_float(0x7f800000))

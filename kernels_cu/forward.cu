@@ -15,7 +15,7 @@
 // warp reads at one column fall in distinct banks.
 
 template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL>
-__global__ void __launch_bounds__(FLASH_THREADS) flash_forward_kernel(const FlashParams p) {
+__global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const FlashParams p) {
     constexpr int LD = D_TILE + 1;
     constexpr int P_LD = BLOCK_N + 1;
     constexpr int ROWS = BLOCK_M / 16;

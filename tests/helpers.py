@@ -1,0 +1,123 @@
+"""Test helpers: GPU detection, input generation, NaN poisoning, and the error rule."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+
+import ml_dtypes
+import numpy
+import pytest
+
+DTYPES = {"float16": numpy.dtype(numpy.float16), "bfloat16": numpy.dtype(ml_dtypes.bfloat16),
+          "float32": numpy.dtype(numpy.float32)}
+
+
+def _gpu_status():
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:  # no driver, no device, no CuPy build for it
+        return False, f"no CUDA GPU available ({type(error).__name__}: {str(error)[:120]})"
+    if count < 1:
+        return False, "no CUDA GPU available (0 devices)"
+    return True, ""
+
+
+HAS_GPU, NO_GPU_REASON = _gpu_status()
+requires_gpu = pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON or "GPU present")
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures printed at the end of the run (conftest.pytest_terminal_summary).
+
+# quantity -> (max of error / allowed bound, error / low-precision error there, example)
+WORST_USED: dict[str, tuple[float, float, str]] = {}
+EXAMPLES = collections.Counter()
+
+
+def count_example(prop: str) -> None:
+    EXAMPLES[prop] += 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs.
+
+def random_array(rng, shape, dtype, magnitude=1.0, xp=None):
+    """Normal(0, magnitude^2) values rounded to ``dtype``; on the GPU unless xp is numpy."""
+    host = (rng.standard_normal(shape, dtype=numpy.float32) * numpy.float32(magnitude)).astype(DTYPES[dtype] if isinstance(dtype, str) else dtype)
+    if xp is numpy:
+        return host
+    import cupy
+
+    return cupy.asarray(host)
+
+
+def as_float64(x):
+    """float64 copy of a NumPy/CuPy array of any supported dtype (bfloat16 read by its bits)."""
+    from cupy_flash.reference import _to_float, _xp
+
+    xp = _xp(x)
+    return _to_float(x, xp, xp.float64)
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """Every CuPy allocation made inside is filled with 0xFF bytes (NaN in float16, bfloat16 and
+    float32) before use, so an output or workspace element a kernel forgets to write is NaN."""
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+
+    def allocate(size):
+        memory = pool.malloc(size)
+        if size:
+            cupy.cuda.runtime.memsetAsync(memory.ptr, 0xFF, size, cupy.cuda.get_current_stream().ptr)
+        return memory
+
+    with cupy.cuda.using_allocator(allocate):
+        yield
+
+
+def bitwise(x):
+    """Integer view of an array, for bitwise comparisons (NaN == NaN, -0 != 0)."""
+    return x.view({2: "u2", 4: "u4", 8: "u8"}[x.dtype.itemsize])
+
+
+# ---------------------------------------------------------------------------------------------
+# The error rule (as FlashAttention's tests): our max error against float64 is at most twice the
+# max error of a dense reference computed in the input's precision, plus a tiny floor relative
+# to the magnitude of the values.
+
+FLOOR_RELATIVE = 1e-5
+
+
+def check_error_rule(quantity: str, ours, exact, low_precision, context: str = "") -> float:
+    """Assert the rule for one output; returns our error / the low-precision error."""
+    xp = _array_module(exact)
+    ours = as_float64(ours)
+    low_precision = as_float64(low_precision)
+    assert not bool(xp.isnan(ours).any()), f"{quantity}: NaN in output {context}"
+    finite = xp.isfinite(exact)
+    # -inf (lse of a row that sees no key) must be reproduced exactly, everything else finite.
+    assert bool((xp.isfinite(ours) == finite).all()), f"{quantity}: infinities differ {context}"
+    assert bool((ours[~finite] == exact[~finite]).all()), f"{quantity}: infinities differ {context}"
+    zero = xp.zeros((), dtype=xp.float64)
+    err = float(xp.where(finite, xp.abs(ours - exact), zero).max()) if ours.size else 0.0
+    low = float(xp.where(finite, xp.abs(low_precision - exact), zero).max()) if ours.size else 0.0
+    scale = float(xp.where(finite, xp.abs(exact), zero).max()) if ours.size else 0.0
+    bound = 2.0 * low + FLOOR_RELATIVE * scale + 1e-12
+    ratio = err / low if low > 0 else (0.0 if err == 0 else float("inf"))
+    used = err / bound
+    if used > WORST_USED.get(quantity, (-1.0, 0.0, ""))[0]:
+        WORST_USED[quantity] = (used, ratio, context)
+    assert err <= bound, (f"{quantity}: max error {err:.3e} exceeds 2 x low-precision error {low:.3e} "
+                          f"+ floor {FLOOR_RELATIVE * scale:.1e} {context}")
+    return ratio
+
+
+def _array_module(x):
+    from cupy_flash.reference import _xp
+
+    return _xp(x)

@@ -1,0 +1,140 @@
+"""Bad arguments raise TypeError/ValueError naming the argument, before any launch.
+
+The same table runs twice: on CPU through the public functions with NumPy arrays standing in for
+GPU arrays (only the one GPU-bound step, taking the array, is replaced), and on the GPU with CuPy
+arrays, where it also checks that no input was modified."""
+
+import ml_dtypes
+import numpy
+import pytest
+
+import cupy_flash
+from cupy_flash import _checks
+from helpers import bitwise, requires_gpu
+
+B, NQ, NK, H, D = 2, 5, 7, 3, 16
+
+
+def good(xp, dtype=numpy.float16):
+    rng = numpy.random.default_rng(0)
+    q = rng.standard_normal((B, NQ, H, D)).astype(dtype)
+    k = rng.standard_normal((B, NK, H, D)).astype(dtype)
+    v = rng.standard_normal((B, NK, H, D)).astype(dtype)
+    do = rng.standard_normal((B, NQ, H, D)).astype(dtype)
+    o = rng.standard_normal((B, NQ, H, D)).astype(dtype)
+    lse = rng.standard_normal((B, H, NQ)).astype(numpy.float32)
+    arrays = dict(q=q, k=k, v=v, do=do, o=o, lse=lse)
+    return {n: xp.asarray(a) for n, a in arrays.items()}
+
+
+# (id, change to the good arguments, options, exception, text the message must contain)
+CASES = [
+    ("q-rank", lambda a: {"q": a["q"][0]}, {}, ValueError, "q must have 4 dimensions"),
+    ("k-rank", lambda a: {"k": a["k"][..., None]}, {}, ValueError, "k must have 4 dimensions"),
+    ("q-dtype-int", lambda a: {n: a[n].astype(numpy.int32) for n in "qkv"}, {}, TypeError, "q has dtype int32"),
+    ("q-dtype-float64", lambda a: {n: a[n].astype(numpy.float64) for n in "qkv"}, {}, TypeError, "q has dtype float64"),
+    ("k-dtype-mixed", lambda a: {"k": a["k"].astype(numpy.float32)}, {}, TypeError, "k has dtype float32 but q has dtype float16"),
+    ("v-dtype-mixed", lambda a: {"v": a["v"].astype(numpy.float32)}, {}, TypeError, "v has dtype float32"),
+    ("head-dim-mismatch", lambda a: {"k": a["k"][..., :8], "v": a["v"][..., :8]}, {}, ValueError, "k has head_dim 8 but q has head_dim 16"),
+    ("batch-mismatch", lambda a: {"k": a["k"][:1], "v": a["v"][:1]}, {}, ValueError, "k has batch 1 but q has batch 2"),
+    ("v-shape", lambda a: {"v": a["v"][:, :3]}, {}, ValueError, "v has shape"),
+    ("heads-mismatch", lambda a: {"k": a["k"][:, :, :1], "v": a["v"][:, :, :1]}, {}, ValueError, "k has 1 heads but q has 3"),
+    ("head-dim-not-8", lambda a: {n: a[n][..., :12] for n in "qkv"}, {}, ValueError, "head_dim 12; expected a multiple of 8"),
+    ("head-dim-too-big", lambda a: {n: a[n].repeat(17, axis=3) for n in "qkv"}, {}, ValueError, "head_dim 272"),
+    ("seqlen-zero", lambda a: {"q": a["q"][:, :0]}, {}, ValueError, "seqlen_q is 0"),
+    ("scale-string", lambda a: {}, {"softmax_scale": "0.1"}, TypeError, "softmax_scale must be a real number"),
+    ("scale-bool", lambda a: {}, {"softmax_scale": True}, TypeError, "softmax_scale"),
+    ("scale-nan", lambda a: {}, {"softmax_scale": float("nan")}, ValueError, "softmax_scale must be a finite positive"),
+    ("scale-negative", lambda a: {}, {"softmax_scale": -0.5}, ValueError, "softmax_scale must be a finite positive"),
+    ("causal-int", lambda a: {}, {"causal": 1}, TypeError, "causal must be a bool"),
+    ("unknown-option", lambda a: {}, {"window": (1, 1)}, TypeError, "unsupported keyword argument(s): window"),
+]
+BACKWARD_CASES = [
+    ("do-shape", lambda a: {"do": a["do"][:, :2]}, {}, ValueError, "do has shape"),
+    ("do-dtype", lambda a: {"do": a["do"].astype(numpy.float32)}, {}, TypeError, "do has dtype float32"),
+    ("o-shape", lambda a: {"o": a["o"][:1]}, {}, ValueError, "o has shape"),
+    ("o-dtype", lambda a: {"o": a["o"].astype(numpy.float32)}, {}, TypeError, "o has dtype float32"),
+    ("lse-shape", lambda a: {"lse": a["lse"][:, :, :2]}, {}, ValueError, "lse has shape"),
+    ("lse-layout", lambda a: {"lse": a["lse"].reshape(B, NQ, H)}, {}, ValueError, "expected (batch, heads, seqlen_q)"),
+    ("lse-dtype", lambda a: {"lse": a["lse"].astype(numpy.float16)}, {}, TypeError, "lse has dtype float16"),
+    ("deterministic-str", lambda a: {}, {"deterministic": "yes"}, TypeError, "deterministic must be a bool"),
+]
+
+
+def call_forward(a, options):
+    return cupy_flash.flash_forward(a["q"], a["k"], a["v"], **options)
+
+
+def call_backward(a, options):
+    return cupy_flash.flash_backward(a["do"], a["q"], a["k"], a["v"], a["o"], a["lse"], **options)
+
+
+ALL = ([("forward",) + c for c in CASES] + [("backward",) + c for c in CASES]
+       + [("backward",) + c for c in BACKWARD_CASES])
+
+
+def _run(xp, kind, change, options, error, text):
+    """Call with one bad argument; check the error. Returns (arrays passed, their snapshot)."""
+    arrays = good(xp)
+    arrays.update(change(arrays))
+    snapshot = {n: a.copy() for n, a in arrays.items()}
+    call = call_forward if kind == "forward" else call_backward
+    with pytest.raises(error) as info:
+        call(arrays, options)
+    assert text in str(info.value)
+    return arrays, snapshot
+
+
+@pytest.mark.parametrize("kind,name,change,options,error,text", ALL, ids=[f"{c[0]}-{c[1]}" for c in ALL])
+def test_bad_arguments_cpu(monkeypatch, kind, name, change, options, error, text):
+    # Replace only the step that takes a GPU array, so NumPy arrays reach every other check.
+    monkeypatch.setattr(_checks, "as_gpu_array", lambda _name, x: x)
+    _run(numpy, kind, change, options, error, text)
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v", "do", "o", "lse"])
+def test_host_arrays_are_rejected(which):
+    with pytest.raises(TypeError, match=f"{which} is a NumPy array in host memory"):
+        _checks.as_gpu_array(which, numpy.zeros((1, 1, 1, 8), numpy.float16))
+    with pytest.raises(TypeError, match="q is a NumPy array in host memory"):
+        cupy_flash.flash_forward(*(numpy.zeros((1, 1, 1, 8), numpy.float16),) * 3)
+
+
+def test_non_arrays_are_rejected():
+    with pytest.raises(TypeError, match="q must be a CuPy array"):
+        cupy_flash.flash_forward([[1.0]], None, None)
+
+
+def test_bfloat16_is_accepted_by_the_checks():
+    arrays = good(numpy, ml_dtypes.bfloat16)
+    shape = _checks.check_qkv(arrays["q"], arrays["k"], arrays["v"])
+    assert shape.dtype == "bfloat16" and shape.tile == 32
+
+
+def test_grid_limit_is_checked():
+    q = numpy.lib.stride_tricks.as_strided(numpy.zeros(1, numpy.float16), (1 << 20, 4096, 16, 64), (0, 0, 0, 2))
+    with pytest.raises(ValueError, match="grid limit"):
+        _checks.check_qkv(q, q, q)
+
+
+@requires_gpu
+@pytest.mark.parametrize("kind,name,change,options,error,text", ALL, ids=[f"{c[0]}-{c[1]}" for c in ALL])
+def test_bad_arguments_gpu(kind, name, change, options, error, text):
+    import cupy
+
+    arrays, snapshot = _run(cupy, kind, change, options, error, text)
+    for n, a in arrays.items():
+        assert bool(cupy.array_equal(bitwise(a), bitwise(snapshot[n]))), f"{n} was modified"
+
+
+@requires_gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_valid_calls_leave_inputs_untouched(deterministic):
+    import cupy
+
+    arrays = good(cupy)
+    snapshot = {n: a.copy() for n, a in arrays.items()}
+    call_forward(arrays, {"causal": True})
+    call_backward(arrays, {"causal": True, "deterministic": deterministic})
+    for n, a in arrays.items():
+        assert bool(cupy.array_equal(bitwise(a), bitwise(snapshot[n]))), f"{n} was modified"

@@ -1,0 +1,225 @@
+"""GPU: forward and backward against the float64 dense reference, with the 2x error rule.
+
+Outputs (and every workspace) are NaN-poisoned before each launch. Shapes are drawn to break
+kernels: seqlen 1, seqlens that are not multiples of any tile, seqlen_q != seqlen_k (both ways,
+so causal rows that see no key occur), every head_dim, logits in the hundreds."""
+
+import numpy
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+import cupy_flash
+from cupy_flash import attention_reference, attention_reference_backward
+from helpers import (DTYPES, as_float64, bitwise, check_error_rule, count_example, poisoned_allocations,
+                     random_array, requires_gpu)
+
+pytestmark = requires_gpu
+
+# Dense float64 reference: keep batch * heads * seqlen_q * seqlen_k (scores per tensor) bounded.
+MAX_SCORES = 24_000_000
+
+
+@st.composite
+def problems(draw):
+    seqlen = st.one_of(st.integers(1, 200), st.integers(200, 1200), st.integers(1200, 3000))
+    seqlen_q, seqlen_k = draw(seqlen), draw(seqlen)
+    batch = draw(st.integers(1, 3))
+    heads = draw(st.integers(1, 4))
+    while batch * heads * seqlen_q * seqlen_k > MAX_SCORES and batch * heads > 1:
+        batch, heads = max(1, batch // 2), max(1, heads - 1)
+    return dict(
+        dtype=draw(st.sampled_from(sorted(DTYPES))),
+        batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        head_dim=8 * draw(st.integers(1, 32)),
+        causal=draw(st.booleans()),
+        softmax_scale=draw(st.one_of(st.none(), st.floats(0.01, 2.0))),
+        # Input scale; at 30, q.k / sqrt(d) reaches several hundred (near one-hot softmax).
+        magnitude=draw(st.sampled_from([0.3, 1.0, 3.0, 30.0])),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+def describe(p):
+    return ("{dtype} b={batch} h={heads} nq={seqlen_q} nk={seqlen_k} d={head_dim} causal={causal} "
+            "scale={softmax_scale} mag={magnitude} seed={seed}").format(**p)
+
+
+def make_inputs(p, with_grad=False):
+    rng = numpy.random.default_rng(p["seed"])
+    q_shape = (p["batch"], p["seqlen_q"], p["heads"], p["head_dim"])
+    kv_shape = (p["batch"], p["seqlen_k"], p["heads"], p["head_dim"])
+    q = random_array(rng, q_shape, p["dtype"], p["magnitude"])
+    k = random_array(rng, kv_shape, p["dtype"], p["magnitude"])
+    v = random_array(rng, kv_shape, p["dtype"])
+    if not with_grad:
+        return q, k, v
+    return q, k, v, random_array(rng, q_shape, p["dtype"])
+
+
+def options(p):
+    return dict(softmax_scale=p["softmax_scale"], causal=p["causal"])
+
+
+EDGE_CASES = [
+    dict(dtype="float16", batch=1, heads=1, seqlen_q=1, seqlen_k=1, head_dim=8, causal=False, softmax_scale=None, magnitude=1.0, seed=1),
+    dict(dtype="bfloat16", batch=2, heads=3, seqlen_q=1, seqlen_k=777, head_dim=128, causal=True, softmax_scale=None, magnitude=1.0, seed=2),
+    dict(dtype="float32", batch=1, heads=2, seqlen_q=513, seqlen_k=31, head_dim=256, causal=True, softmax_scale=None, magnitude=3.0, seed=3),
+    dict(dtype="bfloat16", batch=1, heads=1, seqlen_q=65, seqlen_k=65, head_dim=72, causal=True, softmax_scale=0.5, magnitude=30.0, seed=4),
+]
+
+
+def _check_forward(p):
+    q, k, v = make_inputs(p)
+    with poisoned_allocations():
+        o, lse = cupy_flash.flash_forward(q, k, v, **options(p))
+    assert o.shape == q.shape and o.dtype == q.dtype
+    assert lse.shape == (p["batch"], p["heads"], p["seqlen_q"]) and lse.dtype == numpy.float32
+    o_exact, lse_exact = attention_reference(q, k, v, **options(p))
+    o_low, lse_low = attention_reference(q, k, v, upcast=False, **options(p))
+    context = describe(p)
+    check_error_rule("o", o, o_exact, o_low, context)
+    check_error_rule("lse", lse, lse_exact, lse_low, context)
+    assert cupy_flash.flash_attention(q, k, v, **options(p)).shape == q.shape
+
+
+@given(problems())
+@example(EDGE_CASES[0])
+@example(EDGE_CASES[1])
+@example(EDGE_CASES[2])
+@example(EDGE_CASES[3])
+def test_forward_matches_reference(p):
+    count_example("forward_matches_reference")
+    _check_forward(p)
+
+
+def _check_backward(p, deterministic):
+    q, k, v, do = make_inputs(p, with_grad=True)
+    o, lse = cupy_flash.flash_forward(q, k, v, **options(p))
+    with poisoned_allocations():
+        grads = cupy_flash.flash_backward(do, q, k, v, o, lse, deterministic=deterministic, **options(p))
+    exact = attention_reference_backward(do, q, k, v, **options(p))
+    low = attention_reference_backward(do, q, k, v, upcast=False, **options(p))
+    context = describe(p) + f" deterministic={deterministic}"
+    for name, ours, x, e, lo in zip(("dq", "dk", "dv"), grads, (q, k, v), exact, low):
+        assert ours.shape == x.shape and ours.dtype == x.dtype
+        check_error_rule(name, ours, e, lo, context)
+
+
+@given(problems(), st.booleans())
+@example(EDGE_CASES[0], False)
+@example(EDGE_CASES[1], True)
+@example(EDGE_CASES[2], False)
+@example(EDGE_CASES[3], True)
+def test_backward_matches_reference(p, deterministic):
+    count_example("backward_matches_reference")
+    _check_backward(p, deterministic)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_backward_is_bitwise_reproducible(dtype, causal):
+    p = dict(dtype=dtype, batch=2, heads=3, seqlen_q=1000, seqlen_k=1100, head_dim=64, causal=causal,
+             softmax_scale=None, magnitude=1.0, seed=11)
+    q, k, v, do = make_inputs(p, with_grad=True)
+    o, lse = cupy_flash.flash_forward(q, k, v, causal=causal)
+    first = cupy_flash.flash_backward(do, q, k, v, o, lse, causal=causal, deterministic=True)
+    for _ in range(3):
+        again = cupy_flash.flash_backward(do, q, k, v, o, lse, causal=causal, deterministic=True)
+        for a, b in zip(first, again):
+            assert bool((bitwise(a) == bitwise(b)).all())
+    # The atomic path computes the same gradients up to summation order.
+    atomic = cupy_flash.flash_backward(do, q, k, v, o, lse, causal=causal)
+    for a, b in zip(first, atomic):
+        assert float(abs(as_float64(a) - as_float64(b)).max()) <= 0.02 * float(abs(as_float64(a)).max())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_thousands_of_batch_heads(causal):
+    p = dict(dtype="bfloat16", batch=48, heads=64, seqlen_q=37, seqlen_k=70, head_dim=64, causal=causal,
+             softmax_scale=None, magnitude=1.0, seed=5)
+    _check_forward(p)
+    _check_backward(p, deterministic=False)
+
+
+def test_rows_that_see_no_key():
+    # Bottom-right causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows see nothing.
+    p = dict(dtype="float16", batch=1, heads=2, seqlen_q=300, seqlen_k=100, head_dim=64, causal=True,
+             softmax_scale=None, magnitude=1.0, seed=6)
+    q, k, v, do = make_inputs(p, with_grad=True)
+    o, lse = cupy_flash.flash_forward(q, k, v, causal=True)
+    assert bool((o[:, :200] == 0).all()) and bool(numpy.isneginf(lse[:, :, :200].get()).all())
+    for deterministic in (False, True):
+        dq, dk, dv = cupy_flash.flash_backward(do, q, k, v, o, lse, causal=True, deterministic=deterministic)
+        assert bool((dq[:, :200] == 0).all())
+        for g in (dq, dk, dv):
+            assert not bool(numpy.isnan(g.get().astype(numpy.float32)).any())
+
+
+def test_strided_and_misaligned_views_are_copied_not_misread():
+    import cupy
+
+    rng = numpy.random.default_rng(7)
+    base = random_array(rng, (2, 90, 6, 64), "float16")
+    q = base[:, :, ::2]                                   # heads strided: not contiguous
+    flat = random_array(rng, (2 * 90 * 3 * 64 + 1,), "float16")
+    k = flat[1:].reshape(2, 90, 3, 64)                    # contiguous but 2 bytes off alignment
+    v = cupy.ascontiguousarray(base[:, :, 1::2])
+    o, lse = cupy_flash.flash_forward(q, k, v)
+    o_ref, _ = attention_reference(q, k, v)
+    o_low, _ = attention_reference(q, k, v, upcast=False)
+    check_error_rule("o", o, o_ref, o_low, "strided views")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_torch_tensors_through_dlpack(dtype):
+    torch = pytest.importorskip("torch")
+    import cupy
+
+    torch_dtype = getattr(torch, dtype)
+    q, k, v = (torch.randn(2, 129, 4, 64, device="cuda", dtype=torch_dtype) for _ in range(3))
+    o, lse = cupy_flash.flash_forward(q, k, v, causal=True)
+    assert isinstance(o, cupy.ndarray) and o.dtype == DTYPES[dtype]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
+    assert float((torch.from_dlpack(o).float() - expected.float()).abs().max()) < 2e-2
+
+
+def test_jax_arrays_through_dlpack():
+    import os
+
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # leave the GPU to CuPy
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX sees no GPU")
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q, k, v = (jax.random.normal(key, (1, 77, 2, 32), dtype=jnp.float16) for key in keys)
+    o, _ = cupy_flash.flash_forward(q, k, v)
+    o_ref, _ = attention_reference(*(numpy.asarray(x) for x in (q, k, v)))
+    assert float(abs(numpy.asarray(jnp.from_dlpack(o)).astype(numpy.float64) - o_ref).max()) < 2e-3
+
+
+def test_memory_is_linear_in_seqlen():
+    """Peak pool usage of a forward + backward at 16k and 32k tokens: no O(seqlen^2) buffer."""
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+    extra = {}
+    for seqlen in (16384, 32768):
+        p = dict(dtype="bfloat16", batch=1, heads=4, seqlen_q=seqlen, seqlen_k=seqlen, head_dim=64,
+                 causal=True, softmax_scale=None, magnitude=1.0, seed=8)
+        q, k, v, do = make_inputs(p, with_grad=True)
+        cupy.cuda.Device().synchronize()
+        pool.free_all_blocks()
+        baseline = pool.total_bytes()
+        o, lse = cupy_flash.flash_forward(q, k, v, causal=True)
+        grads = cupy_flash.flash_backward(do, q, k, v, o, lse, causal=True)
+        cupy.cuda.Device().synchronize()
+        extra[seqlen] = pool.total_bytes() - baseline
+        input_bytes = q.nbytes
+        # o, lse, delta, dq, dk, dv and the float32 dq accumulator: about 7 input-sized buffers.
+        assert extra[seqlen] <= 10 * input_bytes, (seqlen, extra[seqlen], input_bytes)
+        del o, lse, grads, q, k, v, do
+    assert extra[32768] <= 2.2 * extra[16384], extra

@@ -1,0 +1,59 @@
+"""CPU: every kernel instantiation compiles with NVRTC for sm_80 and sm_90, without a GPU, with no
+register spills and no stack frame (an indexed register array gone to local memory).
+
+All modules are compiled once per run, in parallel processes (CI has 2 cores); each (module, arch)
+pair is then its own test case."""
+
+import concurrent.futures
+import os
+
+import pytest
+
+from cupy_flash import _compile, _traits
+
+ARCHS = (80, 90)
+CASES = [(spec, arch) for spec in _compile.all_module_specs() for arch in ARCHS]
+
+
+def _compile_one(case):
+    spec, arch = case
+    try:
+        return case, _compile.compile_offline(spec, arch)
+    except Exception as error:  # reported by the test case, not the pool
+        return case, error
+
+
+@pytest.fixture(scope="module")
+def reports():
+    workers = max(1, min(len(CASES), os.cpu_count() or 1))
+    with concurrent.futures.ProcessPoolExecutor(workers) as pool:
+        return dict(pool.map(_compile_one, CASES))
+
+
+@pytest.mark.parametrize("spec,arch", CASES, ids=[f"{s.family}-{s.dtype}-{s.tile}-sm{a}" for s, a in CASES])
+def test_instantiations_compile_without_spills(reports, spec, arch):
+    report = reports[(spec, arch)]
+    if isinstance(report, Exception):
+        raise report
+    assert report.cubin_bytes > 0
+    names = {k.name for k in report.kernels}
+    assert names == set(spec.name_expressions), f"ptxas reported {names}"
+    for kernel in report.kernels:
+        assert kernel.spill_store_bytes == 0 and kernel.spill_load_bytes == 0, (
+            f"{kernel.name} spills on sm_{arch}: {kernel.spill_store_bytes} B stored, "
+            f"{kernel.spill_load_bytes} B loaded\n{report.log}")
+        assert kernel.stack_bytes == 0, f"{kernel.name} has a {kernel.stack_bytes} B stack frame on sm_{arch}"
+        assert kernel.registers <= 255
+
+
+def test_every_head_dim_maps_to_a_compiled_tile():
+    for head_dim in range(8, _traits.MAX_HEAD_DIM + 1, 8):
+        tile = _traits.head_dim_tile(head_dim)
+        assert tile in _traits.HEAD_DIM_TILES and head_dim <= tile < head_dim + 32
+
+
+@pytest.mark.parametrize("tile", _traits.HEAD_DIM_TILES)
+def test_shared_memory_fits_every_sm80_plus_part(tile):
+    for smem in (_traits.forward_smem_bytes(tile), _traits.backward_smem_bytes(tile),
+                 _traits.backward_dq_smem_bytes(tile)):
+        assert smem <= _traits.SMEM_LIMIT_BYTES

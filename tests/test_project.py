@@ -1,0 +1,41 @@
+"""The README stays true: CI runs its commands, and its usage example runs."""
+
+import pathlib
+import re
+
+import pytest
+
+from helpers import requires_gpu
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def _first_bash_block():
+    return re.search(r"```bash\n(.*?)```", README, re.S).group(1)
+
+
+def test_ci_runs_the_readme_commands():
+    commands = [line for line in _first_bash_block().splitlines() if line and not line.startswith("#")]
+    install, test = commands
+    ci = (ROOT / ".ci" / "run").read_text()
+    # CI has no GPU: it runs the install part of command 1 (the example needs a GPU) and command 2.
+    assert install.split(" && ")[0] in ci
+    assert test in ci
+
+
+def test_kernel_sources_ship_as_package_data():
+    tomllib = pytest.importorskip("tomllib")   # Python >= 3.11
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert config["package-dir"]["cupy_flash.kernels_cu"] == "kernels_cu"
+    sources = {p.name for p in (ROOT / "kernels_cu").iterdir()}
+    assert {"common.cuh", "forward.cu", "preprocess.cu", "backward.cu"} <= sources
+
+
+@requires_gpu
+def test_readme_usage_example_runs():
+    block = re.search(r"## Use\n\n```python\n(.*?)```", README, re.S).group(1)
+    namespace = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    assert namespace["dq"].shape == namespace["q"].shape
