@@ -153,15 +153,22 @@ def as_gpu_array(name: str, x):
     if isinstance(x, numpy.ndarray):
         raise TypeError(f"{name} is a NumPy array in host memory; expected a CuPy array "
                         "(or a GPU array exposing __cuda_array_interface__ or __dlpack__)")
-    if hasattr(x, "__cuda_array_interface__"):
-        return cupy.asarray(x)
-    if hasattr(x, "__dlpack__"):
-        device = x.__dlpack_device__()[0] if hasattr(x, "__dlpack_device__") else None
+    # DLPack first: it carries the dtype (bfloat16 included), where __cuda_array_interface__
+    # has no code for bfloat16.
+    if hasattr(type(x), "__dlpack__"):
+        device = x.__dlpack_device__()[0] if hasattr(type(x), "__dlpack_device__") else None
         if device is not None and int(device) not in _DLPACK_CUDA_DEVICES:
             raise TypeError(f"{name} lives on DLPack device type {int(device)}; expected a CUDA GPU array")
-        return cupy.from_dlpack(x)
-    raise TypeError(f"{name} must be a CuPy array (or a GPU array exposing __cuda_array_interface__ "
-                    f"or __dlpack__), got {type(x).__name__}")
+        array = cupy.from_dlpack(x)
+    elif hasattr(type(x), "__cuda_array_interface__"):
+        array = cupy.asarray(x)
+    else:
+        raise TypeError(f"{name} must be a CuPy array (or a GPU array exposing __cuda_array_interface__ "
+                        f"or __dlpack__), got {type(x).__name__}")
+    # CuPy 14 imports a DLPack bfloat16 tensor as 2-byte void ('|V2'); the source names the dtype.
+    if array.dtype.kind == "V" and array.dtype.itemsize == 2 and "bfloat16" in str(getattr(x, "dtype", "")):
+        array = array.view(_bfloat16())
+    return array
 
 
 def prepare_qkv(q, k, v, softmax_scale, causal):

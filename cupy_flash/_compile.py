@@ -225,3 +225,25 @@ def compile_offline(spec: ModuleSpec, arch: int) -> CompileReport:
             spill_load_bytes=int(frame.group(3)),
         ))
     return CompileReport(spec=spec, arch=arch, cubin_bytes=len(cubin), kernels=kernels, log=text)
+
+
+def _compile_case(case):
+    spec, arch = case
+    try:
+        return case, compile_offline(spec, arch)
+    except Exception as error:  # handed back to the caller with its case
+        return case, error
+
+
+def compile_all_offline(archs=(80, 90), specs=None, workers=None) -> dict:
+    """Compile ``specs`` (default: every module) for each arch in parallel worker processes.
+    Returns {(spec, arch): CompileReport or the exception raised}. Workers are spawned, not
+    forked: the caller may already run CUDA or JAX threads, which a fork can deadlock."""
+    import concurrent.futures
+    import multiprocessing
+
+    cases = [(spec, arch) for spec in (specs or all_module_specs()) for arch in archs]
+    workers = max(1, min(len(cases), workers or os.cpu_count() or 1))
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        return dict(pool.map(_compile_case, cases))

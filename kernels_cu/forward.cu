@@ -3,8 +3,12 @@
 // One block per (query block, batch, head). The Q tile stays in shared memory while K and V tiles
 // stream through one buffer; the online softmax keeps a running row_max and an un-normalised
 // output that is rescaled by exp2(row_max_old - row_max_new) whenever the max grows, and divided
-// by the row sum once at the end. Scores live in the log2 domain (scaled by scale * log2(e)) so
-// every exponential is one exp2.
+// by the row sum once at the end. Every exponential is one exp2 of fma(score, scale * log2(e),
+// -row_max_scaled): the large terms meet inside the fma and only the small difference is rounded.
+// (Scaling scores first rounds each at |score| * scale * log2(e); with logits in the thousands,
+// in float32 that tripled the error of P against a dense float32 reference.) row_max itself is
+// kept unscaled; its scaled copy may carry a rounding residual, but the residual is common to a
+// row's O and l and cancels in O / l; for lse it is removed exactly (see the epilogue).
 //
 // CUDA-core version (fp32 FMAs on fp32 tiles in shared memory): correct for every dtype and head
 // dim; the tensor-core kernels for fp16/bf16 replace it on the fast path.
@@ -56,10 +60,13 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const F
     }
 
     float o_acc[ROWS][DCOLS];
-    float row_max[ROWS], row_sum[ROWS];   // row_sum: this thread's share; summed over the row at the end
+    float row_max[ROWS];          // unscaled max of the scores seen so far; -inf before any key
+    float row_max_scaled[ROWS];   // row_max * scale_log2 as used in the exponents (0 while -inf)
+    float row_sum[ROWS];          // this thread's share of the row sum; summed over the row at the end
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
         row_max[i] = FLASH_NEG_INF;
+        row_max_scaled[i] = 0.f;
         row_sum[i] = 0.f;
 #pragma unroll
         for (int j = 0; j < DCOLS; ++j) o_acc[i][j] = 0.f;
@@ -96,18 +103,19 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const F
 #pragma unroll
             for (int j = 0; j < SCOLS; ++j) {
                 const long long key = kv_start + tx + 8 * j;
-                s[i][j] = key_visible(key, query, seqlen_k, causal_shift, IS_CAUSAL) ? s[i][j] * p.scale_log2 : FLASH_NEG_INF;
+                if (!key_visible(key, query, seqlen_k, causal_shift, IS_CAUSAL)) s[i][j] = FLASH_NEG_INF;
                 block_max = fmaxf(block_max, s[i][j]);
             }
             const float new_max = fmaxf(row_max[i], row_group_max(block_max));
-            // A row that has seen no key yet keeps max -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
-            const float base = new_max == FLASH_NEG_INF ? 0.f : new_max;
-            const float rescale = exp2f(row_max[i] - base);
+            // A row that has seen no key keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
+            const float new_max_scaled = new_max == FLASH_NEG_INF ? 0.f : new_max * p.scale_log2;
+            const float rescale = row_max[i] == FLASH_NEG_INF ? 0.f : exp2f(row_max_scaled[i] - new_max_scaled);
             row_max[i] = new_max;
+            row_max_scaled[i] = new_max_scaled;
             float sum = 0.f;
 #pragma unroll
             for (int j = 0; j < SCOLS; ++j) {
-                const float prob = exp2f(s[i][j] - base);
+                const float prob = exp2f(fmaf(s[i][j], p.scale_log2, -new_max_scaled));
                 sum += prob;
                 p_tile[(ty * ROWS + i) * P_LD + tx + 8 * j] = prob;
             }
@@ -146,7 +154,12 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const F
 #pragma unroll
         for (int j = 0; j < DCOLS; ++j) q_tile[row * LD + tx + 8 * j] = o_acc[i][j] * inv;
         if (tx == 0 && q_start + row < seqlen_q) {
-            lse[q_start + row] = total > 0.f ? (row_max[i] + log2f(total)) * FLASH_LN2 : FLASH_NEG_INF;
+            // total = sum exp2(s * scale_log2 - max_scaled), and max_scaled = max * scale_log2 - residual
+            // with the residual exact through an fma, so lse = max * scale + (log2(total) - residual) * ln2:
+            // one rounding at |lse|, as a dense float32 logsumexp has.
+            const float residual = fmaf(row_max[i], p.scale_log2, -row_max_scaled[i]);
+            lse[q_start + row] = total > 0.f ? fmaf(row_max[i], p.softmax_scale, (log2f(total) - residual) * FLASH_LN2)
+                                             : FLASH_NEG_INF;
         }
     }
     __syncthreads();

@@ -4,9 +4,6 @@ register spills and no stack frame (an indexed register array gone to local memo
 All modules are compiled once per run, in parallel processes (CI has 2 cores); each (module, arch)
 pair is then its own test case."""
 
-import concurrent.futures
-import os
-
 import pytest
 
 from cupy_flash import _compile, _traits
@@ -15,19 +12,9 @@ ARCHS = (80, 90)
 CASES = [(spec, arch) for spec in _compile.all_module_specs() for arch in ARCHS]
 
 
-def _compile_one(case):
-    spec, arch = case
-    try:
-        return case, _compile.compile_offline(spec, arch)
-    except Exception as error:  # reported by the test case, not the pool
-        return case, error
-
-
 @pytest.fixture(scope="module")
 def reports():
-    workers = max(1, min(len(CASES), os.cpu_count() or 1))
-    with concurrent.futures.ProcessPoolExecutor(workers) as pool:
-        return dict(pool.map(_compile_one, CASES))
+    return _compile.compile_all_offline(ARCHS)
 
 
 @pytest.mark.parametrize("spec,arch", CASES, ids=[f"{s.family}-{s.dtype}-{s.tile}-sm{a}" for s, a in CASES])
