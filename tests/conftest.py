@@ -24,6 +24,10 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("hypothesis examples run per property")
         for prop, count in sorted(helpers.EXAMPLES.items()):
             terminalreporter.write_line(f"{prop:40s} {count}")
+    if helpers.NOTES:
+        terminalreporter.section("figures")
+        for line in helpers.NOTES:
+            terminalreporter.write_line(line)
     if helpers.WORST_USED:
         terminalreporter.section("error rule: worst case per quantity")
         terminalreporter.write_line(f"{'quantity':10s} {'err/bound':>9s} {'err/low':>9s}  example")

@@ -35,6 +35,7 @@ requires_gpu = pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON or "GPU pres
 # quantity -> (max of error / allowed bound, error / low-precision error there, example)
 WORST_USED: dict[str, tuple[float, float, str]] = {}
 EXAMPLES = collections.Counter()
+NOTES: list[str] = []   # other figures worth quoting (memory use)
 
 
 def count_example(prop: str) -> None:

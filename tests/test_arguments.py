@@ -138,3 +138,14 @@ def test_valid_calls_leave_inputs_untouched(deterministic):
     call_backward(arrays, {"causal": True, "deterministic": deterministic})
     for n, a in arrays.items():
         assert bool(cupy.array_equal(bitwise(a), bitwise(snapshot[n]))), f"{n} was modified"
+
+
+def test_arrays_on_different_devices_are_rejected():
+    from types import SimpleNamespace
+
+    def on(device):
+        return SimpleNamespace(device=SimpleNamespace(id=device))
+
+    assert _checks.same_device(q=on(0), k=on(0), v=on(0)) == 0
+    with pytest.raises(ValueError, match="v is on GPU 1 but q is on GPU 0"):
+        _checks.same_device(q=on(0), k=on(0), v=on(1))

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import cupy_flash
 from cupy_flash import attention_reference, attention_reference_backward
-from helpers import (DTYPES, as_float64, bitwise, check_error_rule, count_example, gradient_term_scales,
+from helpers import (DTYPES, NOTES, as_float64, bitwise, check_error_rule, count_example, gradient_term_scales,
                      max_finite_abs,
                      poisoned_allocations, random_array, requires_gpu)
 
@@ -243,5 +243,7 @@ def test_memory_is_linear_in_seqlen():
         cupy.cuda.Device().synchronize()
         extra = pool.total_bytes() - baseline
         # o, lse, delta, dq, dk, dv and the float32 dq accumulator: about 6 inputs' worth.
+        NOTES.append(f"memory: seqlen {seqlen}: forward+backward peak pool growth {extra / 2**20:.1f} MiB "
+                     f"= {extra / q.nbytes:.2f} x one input ({q.nbytes / 2**20:.1f} MiB)")
         assert extra <= 8 * q.nbytes, (seqlen, extra, q.nbytes)
         del o, lse, grads, q, k, v, do
