@@ -30,7 +30,8 @@ if not log.handlers:
     log.setLevel(logging.WARNING if os.environ.get("CUPY_FLASH_QUIET") else logging.INFO)
     log.propagate = False
 
-FAMILIES = ("forward", "preprocess", "backward")
+FAMILIES = ("forward", "forward_tc", "preprocess", "backward")
+TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 CTYPES = {"float16": "fa_f16", "bfloat16": "fa_bf16", "float32": "float"}
 OPTIONS = (f"-DFLASH_PARAMS_BYTES={PARAMS_DTYPE.itemsize}",)
 
@@ -74,6 +75,11 @@ class ModuleSpec:
         block_m, block_n = _traits.FORWARD_BLOCKS[self.tile]
         return f"flash_forward_kernel<{self.ctype}, {self.tile}, {block_m}, {block_n}, {_flag(causal)}>"
 
+    def forward_tc_kernel(self, causal: bool, large_smem: bool = False) -> str:
+        block_n, num_warps, m_tiles = _traits.forward_tc_config(self.tile, large_smem)
+        return (f"flash_forward_tc_kernel<{self.ctype}, {self.tile}, {block_n}, {num_warps}, {m_tiles}, "
+                f"{_flag(causal)}>")
+
     def backward_kernel(self, causal: bool, atomic_dq: bool) -> str:
         block_m, block_n = _traits.BACKWARD_BLOCKS[self.tile]
         return (f"flash_backward_kernel<{self.ctype}, {self.tile}, {block_m}, {block_n}, "
@@ -93,6 +99,9 @@ class ModuleSpec:
     def name_expressions(self) -> tuple[str, ...]:
         if self.family == "forward":
             return tuple(self.forward_kernel(c) for c in (False, True))
+        if self.family == "forward_tc":
+            return tuple(dict.fromkeys(self.forward_tc_kernel(c, large) for large in (False, True)
+                                       for c in (False, True)))
         if self.family == "preprocess":
             return (self.preprocess_kernel(),)
         if self.family == "backward":
@@ -113,6 +122,8 @@ def all_module_specs() -> list[ModuleSpec]:
         specs.append(ModuleSpec("preprocess", dtype))
         for tile in _traits.HEAD_DIM_TILES:
             specs.append(ModuleSpec("forward", dtype, tile))
+            if dtype in TENSOR_CORE_DTYPES:
+                specs.append(ModuleSpec("forward_tc", dtype, tile))
             specs.append(ModuleSpec("backward", dtype, tile))
     return specs
 
@@ -148,6 +159,21 @@ def get_kernel(spec: ModuleSpec, name: str, smem_bytes: int = 0):
             function.max_dynamic_shared_size_bytes = smem_bytes
         _functions[key] = function
     return function
+
+
+def large_shared_memory() -> bool:
+    """Whether the current device lets one block use _traits.LARGE_SMEM_BYTES of shared memory."""
+    import cupy
+
+    return _large_shared_memory(cupy.cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _large_shared_memory(device: int) -> bool:
+    import cupy
+
+    limit = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device)
+    return limit >= _traits.LARGE_SMEM_BYTES
 
 
 def compiled_modules() -> list[str]:
@@ -246,4 +272,10 @@ def compile_all_offline(archs=(80, 90), specs=None, workers=None) -> dict:
     workers = max(1, min(len(cases), workers or os.cpu_count() or 1))
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        return dict(pool.map(_compile_case, cases))
+        reports = dict(pool.map(_compile_case, cases))
+    # Seen with NVRTC 13 on the device (not 12.9): a module compiled in a parallel worker came back
+    # with its cubin but an empty ptxas log. Compile such modules again here, one at a time.
+    for case, report in reports.items():
+        if isinstance(report, CompileReport) and not report.kernels:
+            reports[case] = _compile_case(case)[1]
+    return reports

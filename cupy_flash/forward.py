@@ -3,23 +3,33 @@
 from __future__ import annotations
 
 from . import _checks, _traits
-from ._compile import ModuleSpec, get_kernel
+from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, get_kernel, large_shared_memory
 from ._params import make_params
 
 
 def launch_forward(q, k, v, shape, scale, causal):
-    """Run the forward kernel on checked, kernel-ready arrays; returns (o, lse)."""
+    """Run the forward kernel on checked, kernel-ready arrays; returns (o, lse). float16 and
+    bfloat16 run on tensor cores (mma.sync), float32 on the CUDA-core kernel."""
     import cupy
 
     o = cupy.empty(q.shape, dtype=q.dtype)
     lse = cupy.empty((shape.batch, shape.heads, shape.seqlen_q), dtype=cupy.float32)
-    spec = ModuleSpec("forward", shape.dtype, shape.tile)
-    smem = _traits.forward_smem_bytes(shape.tile)
-    kernel = get_kernel(spec, spec.forward_kernel(causal), smem)
-    block_m, _ = _traits.FORWARD_BLOCKS[shape.tile]
+    if shape.dtype in TENSOR_CORE_DTYPES:
+        spec = ModuleSpec("forward_tc", shape.dtype, shape.tile)
+        large = large_shared_memory()
+        smem = _traits.forward_tc_smem_bytes(shape.tile, large)
+        kernel = get_kernel(spec, spec.forward_tc_kernel(causal, large), smem)
+        block_m = _traits.forward_tc_block_m(shape.tile)
+        threads = 32 * _traits.forward_tc_config(shape.tile, large)[1]
+    else:
+        spec = ModuleSpec("forward", shape.dtype, shape.tile)
+        smem = _traits.forward_smem_bytes(shape.tile)
+        kernel = get_kernel(spec, spec.forward_kernel(causal), smem)
+        block_m, _ = _traits.FORWARD_BLOCKS[shape.tile]
+        threads = _traits.THREADS
     grid = -(-shape.seqlen_q // block_m) * shape.batch * shape.heads
     params = make_params(shape, scale, q=q, k=k, v=v, o=o, lse=lse)
-    kernel((grid,), (_traits.THREADS,), (params,), shared_mem=smem)
+    kernel((grid,), (threads,), (params,), shared_mem=smem)
     return o, lse
 
 

@@ -24,7 +24,7 @@ def test_instantiations_compile_without_spills(reports, spec, arch):
         raise report
     assert report.cubin_bytes > 0
     names = {k.name for k in report.kernels}
-    assert names == set(spec.name_expressions), f"ptxas reported {names}"
+    assert names == set(spec.name_expressions), f"ptxas reported {names}; its log:\n{report.log[-3000:]}"
     for kernel in report.kernels:
         assert kernel.spill_store_bytes == 0 and kernel.spill_load_bytes == 0, (
             f"{kernel.name} spills on sm_{arch}: {kernel.spill_store_bytes} B stored, "
@@ -41,6 +41,8 @@ def test_every_head_dim_maps_to_a_compiled_tile():
 
 @pytest.mark.parametrize("tile", _traits.HEAD_DIM_TILES)
 def test_shared_memory_fits_every_sm80_plus_part(tile):
-    for smem in (_traits.forward_smem_bytes(tile), _traits.backward_smem_bytes(tile),
-                 _traits.backward_dq_smem_bytes(tile)):
+    for smem in (_traits.forward_smem_bytes(tile), _traits.forward_tc_smem_bytes(tile),
+                 _traits.backward_smem_bytes(tile), _traits.backward_dq_smem_bytes(tile)):
         assert smem <= _traits.SMEM_LIMIT_BYTES
+    # The large-shared-memory table is only chosen where the device allows it.
+    assert _traits.forward_tc_smem_bytes(tile, large_smem=True) <= _traits.LARGE_SMEM_BYTES

@@ -1,0 +1,3 @@
+from bench.attention import main
+
+main()

@@ -1,0 +1,253 @@
+"""Attention benchmark: cupy_flash against PyTorch SDPA's FlashAttention-2 and cuDNN backends.
+
+    python -m bench                       # FlashAttention's standard shapes, bf16 and fp16
+    python -m bench --dtypes bf16 --head-dims 128 --seqlens 1024 4096 --causal 1
+    python -m bench --mode fwd            # forward only
+
+Shapes as FlashAttention's benchmark: batch * seqlen = 16384 tokens, heads = 2048 / head_dim.
+FLOPs as FlashAttention counts them: forward 4 * batch * heads * seqlen_q * seqlen_k * head_dim,
+halved when causal; backward 2.5 x forward. Timing: CUDA events around each call, warm-up calls
+excluded, median of many calls, several input sets rotated so no call finds its inputs in L2 from
+the call before. The peers run in the same process on the same data (zero-copy through DLPack).
+Results: a table on stdout, JSON and (with matplotlib) a PNG plot under bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import cupy
+import ml_dtypes
+import numpy
+
+import cupy_flash
+
+DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": numpy.float16}
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def flops(batch, heads, seqlen, head_dim, causal, mode):
+    forward = 4.0 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+    return {"fwd": forward, "bwd": 2.5 * forward, "fwd_bwd": 3.5 * forward}[mode]
+
+
+def time_calls(fn, input_sets, min_calls=10, max_calls=100, budget_s=0.6, warmup=3):
+    """Median milliseconds of fn(inputs), rotating through input_sets; CUDA events per call."""
+    for i in range(warmup):
+        fn(input_sets[i % len(input_sets)])
+    cupy.cuda.Device().synchronize()
+    times = []
+    started = time.perf_counter()
+    while len(times) < max_calls and (len(times) < min_calls or time.perf_counter() - started < budget_s):
+        inputs = input_sets[len(times) % len(input_sets)]
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn(inputs)
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return statistics.median(times)
+
+
+def make_sets(batch, seqlen, heads, head_dim, dtype, count, seed=0):
+    rng = cupy.random.default_rng(seed)
+    sets = []
+    for _ in range(count):
+        arrays = [rng.standard_normal((batch, seqlen, heads, head_dim), dtype=cupy.float32).astype(dtype)
+                  for _ in range(4)]   # q, k, v, do
+        sets.append(arrays)
+    return sets
+
+
+def ours(mode, causal):
+    if mode == "fwd":
+        return lambda s: cupy_flash.flash_forward(s[0], s[1], s[2], causal=causal)
+    if mode == "bwd":
+        return lambda s: cupy_flash.flash_backward(s[3], s[0], s[1], s[2], s[4], s[5], causal=causal)
+
+    def both(s):
+        o, lse = cupy_flash.flash_forward(s[0], s[1], s[2], causal=causal)
+        return cupy_flash.flash_backward(s[3], s[0], s[1], s[2], o, lse, causal=causal)
+    return both
+
+
+def torch_peer(torch, backend, mode, causal):
+    from torch.nn.attention import sdpa_kernel
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def forward(s):
+        with sdpa_kernel(backend):
+            return sdpa(s[0], s[1], s[2], is_causal=causal)
+
+    if mode == "fwd":
+        def run(s):
+            with torch.no_grad():
+                forward(s)
+        return run
+    if mode == "bwd":
+        def run(s):   # s[4]: an output kept with its graph
+            torch.autograd.grad(s[4], (s[0], s[1], s[2]), s[3], retain_graph=True)
+        return run
+
+    def run(s):
+        out = forward(s)
+        torch.autograd.grad(out, (s[0], s[1], s[2]), s[3])
+    return run
+
+
+def to_torch(torch, x):
+    """Zero-copy PyTorch view of a CuPy array (bfloat16 through its bits if DLPack lacks it)."""
+    if x.dtype == ml_dtypes.bfloat16:
+        return torch.from_dlpack(x.view(cupy.uint16)).view(torch.bfloat16)
+    return torch.from_dlpack(x)
+
+
+def torch_sets(torch, sets, backend, mode, causal):
+    """The same data as PyTorch tensors in SDPA's (batch, heads, seqlen, head_dim) layout (views)."""
+    result = []
+    for q, k, v, do in sets:
+        tq, tk, tv, tdo = (to_torch(torch, x).transpose(1, 2) for x in (q, k, v, do))
+        if mode != "fwd":
+            tq, tk, tv = (x.detach().requires_grad_() for x in (tq, tk, tv))
+        entry = [tq, tk, tv, tdo]
+        if mode == "bwd":
+            from torch.nn.attention import sdpa_kernel
+            with sdpa_kernel(backend):
+                entry.append(torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal))
+        result.append(entry)
+    return result
+
+
+def run(args):
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend
+        peers = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    except Exception as error:   # benchmark ours alone
+        print(f"PyTorch not available ({error}); timing cupy_flash only", file=sys.stderr)
+        torch, peers = None, {}
+
+    rows = []
+    device = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    shapes = [(dt, d, n, c) for dt in args.dtypes for d in args.head_dims for n in args.seqlens for c in args.causal]
+    for index, (dtype_name, head_dim, seqlen, causal) in enumerate(shapes, 1):
+        batch = max(1, args.tokens // seqlen)
+        heads = args.features // head_dim
+        sets = make_sets(batch, seqlen, heads, head_dim, DTYPES[dtype_name], args.sets)
+        row = dict(dtype=dtype_name, head_dim=head_dim, seqlen=seqlen, causal=bool(causal), batch=batch, heads=heads)
+        for mode in args.modes:
+            work = flops(batch, heads, seqlen, head_dim, causal, mode)
+            our_sets = sets
+            if mode == "bwd":
+                our_sets = [s + list(cupy_flash.flash_forward(s[0], s[1], s[2], causal=bool(causal))) for s in sets]
+            ms = time_calls(ours(mode, bool(causal)), our_sets)
+            row[f"ours_{mode}"] = work / ms / 1e9
+            for name, backend in peers.items():
+                try:
+                    peer_sets = torch_sets(torch, sets, backend, mode, bool(causal))
+                    ms = time_calls(torch_peer(torch, backend, mode, bool(causal)), peer_sets)
+                    row[f"{name}_{mode}"] = work / ms / 1e9
+                except Exception as error:   # a backend may not support a shape or dtype
+                    row[f"{name}_{mode}"] = None
+                    row[f"{name}_{mode}_error"] = f"{type(error).__name__}: {str(error)[:80]}"
+            del our_sets
+        rows.append(row)
+        print(f"[{index}/{len(shapes)}] {format_row(row, args.modes, peers)}", flush=True)
+        del sets
+        cupy.get_default_memory_pool().free_all_blocks()
+    return dict(device=device, tokens=args.tokens, features=args.features, rows=rows,
+                modes=args.modes, peers=list(peers), torch=getattr(torch, "__version__", None),
+                cupy=cupy.__version__)
+
+
+def format_row(row, modes, peers):
+    parts = [f"{row['dtype']} d={row['head_dim']:3d} N={row['seqlen']:5d} causal={int(row['causal'])}"]
+    for mode in modes:
+        ours_tf = row[f"ours_{mode}"]
+        text = f"{mode} ours {ours_tf:6.1f}"
+        for name in peers:
+            peer = row.get(f"{name}_{mode}")
+            text += f" | {name} {peer:6.1f} ({ours_tf / peer:4.2f}x)" if peer else f" | {name}   n/a"
+        parts.append(text)
+    return "  ".join(parts)
+
+
+def print_table(result):
+    modes, peers = result["modes"], result["peers"]
+    header = ["dtype", "d", "N", "causal"]
+    for mode in modes:
+        header += [f"ours {mode}"] + [f"{p} {mode}" for p in peers] + [f"vs {p}" for p in peers]
+    print("\n| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in result["rows"]:
+        cells = [row["dtype"], str(row["head_dim"]), str(row["seqlen"]), str(int(row["causal"]))]
+        for mode in modes:
+            ours_tf = row[f"ours_{mode}"]
+            cells.append(f"{ours_tf:.0f}")
+            cells += [f"{row[f'{p}_{mode}']:.0f}" if row.get(f"{p}_{mode}") else "n/a" for p in peers]
+            cells += [f"{ours_tf / row[f'{p}_{mode}']:.2f}" if row.get(f"{p}_{mode}") else "n/a" for p in peers]
+        print("| " + " | ".join(cells) + " |")
+    print(f"\nTFLOP/s on {result['device']} (cupy {result['cupy']}, torch {result['torch']}); "
+          "ratios are ours / peer, measured in this run.")
+
+
+def plot(result, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    groups = sorted({(r["dtype"], r["head_dim"], r["causal"]) for r in result["rows"]})
+    modes = result["modes"]
+    fig, axes = plt.subplots(len(modes), len(groups), figsize=(4 * len(groups), 3.2 * len(modes)), squeeze=False)
+    for col, (dtype, head_dim, causal) in enumerate(groups):
+        rows = [r for r in result["rows"] if (r["dtype"], r["head_dim"], r["causal"]) == (dtype, head_dim, causal)]
+        seqlens = [r["seqlen"] for r in rows]
+        for line, mode in enumerate(modes):
+            ax = axes[line][col]
+            for name in ["ours"] + result["peers"]:
+                values = [r.get(f"{name}_{mode}") or math.nan for r in rows]
+                ax.plot(seqlens, values, marker="o", label="cupy_flash" if name == "ours" else name)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{mode} {dtype} d={head_dim}{' causal' if causal else ''}", fontsize=9)
+            ax.set_xlabel("seqlen")
+            ax.set_ylabel("TFLOP/s")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=sorted(DTYPES))
+    parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256])
+    parser.add_argument("--seqlens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--causal", nargs="+", type=int, default=[0, 1], choices=[0, 1])
+    parser.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd", "fwd_bwd"])
+    parser.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
+    parser.add_argument("--features", type=int, default=2048, help="heads * head_dim")
+    parser.add_argument("--sets", type=int, default=3, help="input sets rotated between calls")
+    parser.add_argument("--out", default=RESULTS)
+    args = parser.parse_args(argv)
+
+    result = run(args)
+    print_table(result)
+    os.makedirs(args.out, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    with open(os.path.join(args.out, f"attention-{stamp}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    png = plot(result, os.path.join(args.out, f"attention-{stamp}.png"))
+    print(f"results: {args.out}/attention-{stamp}.json" + (f", {png}" if png else ""))
+    return result
+
+
+if __name__ == "__main__":
+    main()

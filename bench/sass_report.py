@@ -1,0 +1,51 @@
+"""Compile a module offline and count its SASS instructions with cuobjdump: are the mma (HMMA),
+ldmatrix (LDSM) and cp.async (LDGSTS) instructions there, any local memory (LDL/STL)?
+
+    python bench/sass_report.py forward_tc bfloat16 128 90
+"""
+
+import collections
+import re
+import subprocess
+import sys
+import tempfile
+
+from cupy_backends.cuda.libs import nvrtc
+
+from cupy_flash import _compile
+
+
+def main(family, dtype, tile, arch):
+    spec = _compile.ModuleSpec(family, dtype, int(tile) if tile != "None" else None)
+    program = nvrtc.createProgram(_compile.family_source(family), f"{family}.cu", [], [])
+    for expression in spec.name_expressions:
+        nvrtc.addNameExpression(program, expression)
+    nvrtc.compileProgram(program, list(_compile.offline_options(int(arch))))
+    cubin = nvrtc.getCUBIN(program)
+    log = nvrtc.getProgramLog(program)
+    print(f"cubin {len(cubin)} bytes, starts {cubin[:4]!r}; ptxas log {len(log)} chars")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        # cuobjdump 13 refused NVRTC 13's cubin ("does not contain device code"); nvdisasm reads it.
+        for command in (["cuobjdump", "--dump-sass", f.name], ["nvdisasm", "-c", f.name]):
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode == 0 and done.stdout.strip():
+                break
+            print(f"{command[0]} failed ({done.returncode}): {done.stderr.strip()[:200]}")
+        else:
+            sys.exit(1)
+        sass = done.stdout
+        if "Function : " not in sass:   # nvdisasm: one ".text.<mangled>" section per kernel
+            sass = sass.replace(".text.", "Function : ")
+    for function in sass.split("Function : ")[1:]:
+        name = function.split("\n", 1)[0].strip()
+        ops = collections.Counter(m.split(".")[0] for m in re.findall(r"(?:/\*[0-9a-f]{4}\*/|^)\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]{2,})\b", function, re.M))
+        wide = len(re.findall(r"LDG\.E\.128|LDGSTS\.E\.BYPASS\.LTC128B\.128|LDGSTS\.E\.128|STG\.E\.128", function))
+        keys = ["HMMA", "LDSM", "LDGSTS", "LDS", "STS", "LDG", "STG", "MUFU", "FFMA", "BAR", "LDL", "STL"]
+        print(name[:90])
+        print("   " + "  ".join(f"{k}={ops.get(k, 0)}" for k in keys) + f"  128-bit global={wide}")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
