@@ -227,24 +227,16 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_dq_kernel(con
 
     const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3;
     const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
-    const long long bh_count = p.batch * p.heads;
-    const int num_q_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
-    const long long bh = blockIdx.x % bh_count;
-    const int q_block = num_q_blocks - 1 - (int)(blockIdx.x / bh_count);   // longest causal rows first
-    const long long b = bh / p.heads, h = bh % p.heads;
-    const int q_start = q_block * BLOCK_M;
+    const QueryBlock block = query_block_of(p, BLOCK_M);
+    const long long b = block.b, h = block.h;
+    const int q_start = block.q_block * BLOCK_M;
     const long long causal_shift = p.seqlen_k - p.seqlen_q;
 
     load_tile<T, BLOCK_M, D_TILE, LD>(q_tile, static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, q_start, h), p.q_strides[1], seqlen_q - q_start, head_dim);
     load_tile<T, BLOCK_M, D_TILE, LD>(do_tile, static_cast<const T*>(p.dout) + tensor_offset(p.dout_strides, b, q_start, h), p.dout_strides[1], seqlen_q - q_start, head_dim);
     load_row_stats<BLOCK_M>(lse_tile, delta_tile, p, b, h, q_start);
 
-    const int num_kv_blocks = (seqlen_k + BLOCK_N - 1) / BLOCK_N;
-    int kv_end = num_kv_blocks;
-    if (IS_CAUSAL) {
-        const long long last_key = (long long)q_start + BLOCK_M - 1 + causal_shift;
-        kv_end = last_key < 0 ? 0 : (int)min((long long)num_kv_blocks, last_key / BLOCK_N + 1);
-    }
+    const int kv_end = kv_blocks_for(p, q_start, BLOCK_M, BLOCK_N, IS_CAUSAL);
     const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, 0, h);
     const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, 0, h);
 
@@ -328,12 +320,8 @@ template <typename T>
 __global__ void __launch_bounds__(256) flash_dq_convert_kernel(const FlashParams p) {
     constexpr int VEC = Vec<T>::N;
     const int lane = threadIdx.x & 31;
-    const long long total_rows = p.batch * p.seqlen_q * p.heads;
-    const long long warps_in_grid = (long long)gridDim.x * (blockDim.x / 32);
-    for (long long r = (long long)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5); r < total_rows; r += warps_in_grid) {
-        const long long h = r % p.heads;
-        const long long row = (r / p.heads) % p.seqlen_q;
-        const long long b = r / (p.heads * p.seqlen_q);
+    for (long long r = first_row_of_warp(); r < p.batch * p.seqlen_q * p.heads; r += rows_per_grid()) {
+        const auto [b, row, h] = row_index(p, r);
         const float* acc = p.dq_accum + tensor_offset(p.dq_accum_strides, b, row, h);
         T* dq = static_cast<T*>(p.dq) + tensor_offset(p.dq_strides, b, row, h);
         for (int c = lane * VEC; c < p.head_dim; c += 32 * VEC) {

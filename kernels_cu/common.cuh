@@ -182,6 +182,42 @@ __device__ __forceinline__ float row_group_max(float x) {
     return x;
 }
 
+// Blocks of a 1-D grid are handed out roughly in index order. For query-block kernels, index i
+// maps to the last query blocks first (under the causal mask they see the most keys and would
+// otherwise finish last), with (batch, head) varying fastest.
+struct QueryBlock {
+    int q_block;
+    long long b, h;
+};
+__device__ __forceinline__ QueryBlock query_block_of(const FlashParams& p, int block_m) {
+    const long long bh_count = p.batch * p.heads;
+    const int num_q_blocks = (int)((p.seqlen_q + block_m - 1) / block_m);
+    const long long bh = blockIdx.x % bh_count;
+    return {num_q_blocks - 1 - (int)(blockIdx.x / bh_count), bh / p.heads, bh % p.heads};
+}
+
+// Number of key blocks a query block starting at q_start visits: all of them, or under the causal
+// mask only up to the one holding its last row's last visible key (0 if that row sees none).
+__device__ __forceinline__ int kv_blocks_for(const FlashParams& p, int q_start, int block_m, int block_n, bool is_causal) {
+    const int num_kv_blocks = (int)((p.seqlen_k + block_n - 1) / block_n);
+    if (!is_causal) return num_kv_blocks;
+    const long long last_key = (long long)q_start + block_m - 1 + (p.seqlen_k - p.seqlen_q);
+    return last_key < 0 ? 0 : (int)min((long long)num_kv_blocks, last_key / block_n + 1);
+}
+
+// Row kernels (delta, dQ convert): one warp per (batch, row, head), rows numbered in the memory
+// order of a (batch, seqlen_q, heads, head_dim) tensor; a warp loops so any grid covers every row.
+struct RowIndex {
+    long long b, row, h;
+};
+__device__ __forceinline__ RowIndex row_index(const FlashParams& p, long long r) {
+    return {r / (p.heads * p.seqlen_q), (r / p.heads) % p.seqlen_q, r % p.heads};
+}
+__device__ __forceinline__ long long first_row_of_warp() {
+    return (long long)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+}
+__device__ __forceinline__ long long rows_per_grid() { return (long long)gridDim.x * (blockDim.x / 32); }
+
 // Causal masking is aligned to the bottom-right corner: query i sees key j iff j <= i + causal_shift,
 // causal_shift = seqlen_k - seqlen_q (FlashAttention >= 2.1).
 __device__ __forceinline__ bool key_visible(long long key, long long query, long long seqlen_k, long long causal_shift, bool is_causal) {

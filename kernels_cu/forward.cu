@@ -36,14 +36,9 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const F
 
     const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3;
     const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
-    const long long bh_count = p.batch * p.heads;
-    const int num_q_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
-    // Blocks run roughly in index order: hand out the last query blocks first, since under the
-    // causal mask they see the most keys and would otherwise finish last.
-    const long long bh = blockIdx.x % bh_count;
-    const int q_block = num_q_blocks - 1 - (int)(blockIdx.x / bh_count);
-    const long long b = bh / p.heads, h = bh % p.heads;
-    const int q_start = q_block * BLOCK_M;
+    const QueryBlock block = query_block_of(p, BLOCK_M);
+    const long long b = block.b, h = block.h;
+    const int q_start = block.q_block * BLOCK_M;
     const long long causal_shift = p.seqlen_k - p.seqlen_q;
 
     const T* q = static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, q_start, h);
@@ -52,12 +47,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const F
 
     load_tile<T, BLOCK_M, D_TILE, LD>(q_tile, q, p.q_strides[1], seqlen_q - q_start, head_dim);
 
-    const int num_kv_blocks = (seqlen_k + BLOCK_N - 1) / BLOCK_N;
-    int kv_end = num_kv_blocks;
-    if (IS_CAUSAL) {
-        const long long last_key = (long long)q_start + BLOCK_M - 1 + causal_shift;  // last key the block sees
-        kv_end = last_key < 0 ? 0 : (int)min((long long)num_kv_blocks, last_key / BLOCK_N + 1);
-    }
+    const int kv_end = kv_blocks_for(p, q_start, BLOCK_M, BLOCK_N, IS_CAUSAL);
 
     float o_acc[ROWS][DCOLS];
     float row_max[ROWS];          // unscaled max of the scores seen so far; -inf before any key

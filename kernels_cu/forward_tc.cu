@@ -93,24 +93,16 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
-    const long long bh_count = p.batch * p.heads;
-    const int num_q_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
-    const long long bh = blockIdx.x % bh_count;
-    const int q_block = num_q_blocks - 1 - (int)(blockIdx.x / bh_count);   // longest causal rows first
-    const long long b = bh / p.heads, h = bh % p.heads;
-    const int q_start = q_block * BLOCK_M;
+    const QueryBlock block = query_block_of(p, BLOCK_M);
+    const long long b = block.b, h = block.h;
+    const int q_start = block.q_block * BLOCK_M;
     const long long causal_shift = p.seqlen_k - p.seqlen_q;
 
     const T* q = static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, q_start, h);
     const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, 0, h);
     const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, 0, h);
 
-    const int num_kv_blocks = (seqlen_k + BLOCK_N - 1) / BLOCK_N;
-    int kv_end = num_kv_blocks;
-    if (IS_CAUSAL) {
-        const long long last_key = (long long)q_start + BLOCK_M - 1 + causal_shift;
-        kv_end = last_key < 0 ? 0 : (int)min((long long)num_kv_blocks, last_key / BLOCK_N + 1);
-    }
+    const int kv_end = kv_blocks_for(p, q_start, BLOCK_M, BLOCK_N, IS_CAUSAL);
 
     async_load_tile<T, BLOCK_M, D_TILE, LD, THREADS>(q_tile, q, p.q_strides[1], seqlen_q - q_start, head_dim);
     if (kv_end > 0) async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(k_tile, k, p.k_strides[1], seqlen_k, head_dim);

@@ -10,12 +10,8 @@ template <typename T>
 __global__ void __launch_bounds__(256) flash_preprocess_kernel(const FlashParams p) {
     constexpr int VEC = Vec<T>::N;
     const int lane = threadIdx.x & 31;
-    const long long total_rows = p.batch * p.seqlen_q * p.heads;
-    const long long warps_in_grid = (long long)gridDim.x * (blockDim.x / 32);
-    for (long long r = (long long)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5); r < total_rows; r += warps_in_grid) {
-        const long long h = r % p.heads;
-        const long long row = (r / p.heads) % p.seqlen_q;
-        const long long b = r / (p.heads * p.seqlen_q);
+    for (long long r = first_row_of_warp(); r < p.batch * p.seqlen_q * p.heads; r += rows_per_grid()) {
+        const auto [b, row, h] = row_index(p, r);
         const T* o = static_cast<const T*>(p.o) + tensor_offset(p.o_strides, b, row, h);
         const T* dout = static_cast<const T*>(p.dout) + tensor_offset(p.dout_strides, b, row, h);
         float dot = 0.f;
