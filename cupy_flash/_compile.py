@@ -30,7 +30,6 @@ if not log.handlers:
     log.setLevel(logging.WARNING if os.environ.get("CUPY_FLASH_QUIET") else logging.INFO)
     log.propagate = False
 
-FAMILIES = ("forward", "forward_tc", "preprocess", "backward")
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 CTYPES = {"float16": "fa_f16", "bfloat16": "fa_bf16", "float32": "float"}
 OPTIONS = (f"-DFLASH_PARAMS_BYTES={PARAMS_DTYPE.itemsize}",)
@@ -174,11 +173,6 @@ def _large_shared_memory(device: int) -> bool:
 
     limit = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device)
     return limit >= _traits.LARGE_SMEM_BYTES
-
-
-def compiled_modules() -> list[str]:
-    """Descriptions of the modules this process has loaded."""
-    return sorted({f"{spec.describe()} on device {device}" for spec, device in _modules})
 
 
 # ---------------------------------------------------------------------------------------------
