@@ -1,0 +1,81 @@
+"""Choose the tensor-core forward's tile shapes by measurement.
+
+For each head-dim tile and each candidate (block_n, num_warps, m_tiles), patch the traits, recompile,
+check the output against the float64 reference, and time bf16 forward beside PyTorch's flash backend
+in the same process (same data, same timing as python -m bench). Losers are worth recording in
+docs/performance.md.
+
+    python bench/tile_sweep.py                     # the built-in candidates
+"""
+
+from __future__ import annotations
+
+import cupy
+import ml_dtypes
+import numpy
+
+import cupy_flash
+from bench.attention import flops, make_sets, time_calls, torch_peer, torch_sets
+from cupy_flash import _compile, _traits
+
+CANDIDATES = {
+    64: [(64, 4, 2), (64, 8, 1), (128, 8, 1)],
+    128: [(32, 4, 2), (64, 8, 1), (32, 8, 1)],
+}
+SEQLENS = (1024, 4096, 16384)
+
+
+def use(tile, config):
+    for table in (_traits.FORWARD_TC, _traits.FORWARD_TC_LARGE_SMEM):
+        table[tile] = config
+    _compile._modules.clear()
+    _compile._functions.clear()
+
+
+def error_ok(tile):
+    rng = numpy.random.default_rng(0)
+    q, k, v = (cupy.asarray(rng.standard_normal((2, 333, 3, tile), dtype=numpy.float32).astype(ml_dtypes.bfloat16))
+               for _ in range(3))
+    for causal in (False, True):
+        o, _ = cupy_flash.flash_forward(q, k, v, causal=causal)
+        exact, _ = cupy_flash.attention_reference(q, k, v, causal=causal)
+        low, _ = cupy_flash.attention_reference(q, k, v, causal=causal, upcast=False)
+        ours = cupy.asarray(o.get().astype(numpy.float64))
+        if float(abs(ours - exact).max()) > 2 * float(abs(low - exact).max()) + 1e-5:
+            return False
+    return True
+
+
+def main():
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    print("| d | block_n, warps, m_tiles | correct | " + " | ".join(f"N={n} c={c}" for n in SEQLENS for c in (0, 1)) + " |")
+    print("|---|---|---|" + "---|" * (2 * len(SEQLENS)))
+    for tile, configs in CANDIDATES.items():
+        heads = 2048 // tile
+        shapes = {}
+        for n in SEQLENS:
+            sets = make_sets(16384 // n, n, heads, tile, ml_dtypes.bfloat16, 3)
+            for c in (0, 1):
+                ms = time_calls(torch_peer(torch, SDPBackend.FLASH_ATTENTION, "fwd", bool(c)),
+                                torch_sets(torch, sets, SDPBackend.FLASH_ATTENTION, "fwd", bool(c)))
+                shapes[(n, c)] = (sets, flops(16384 // n, heads, n, tile, c, "fwd") / ms / 1e9)
+        original = _traits.FORWARD_TC[tile]
+        for config in configs:
+            use(tile, config)
+            ok = error_ok(tile)
+            cells = []
+            for (n, c), (sets, flash_tf) in shapes.items():
+                ms = time_calls(lambda s: cupy_flash.flash_forward(s[0], s[1], s[2], causal=bool(c)), sets)
+                ours = flops(16384 // n, heads, n, tile, c, "fwd") / ms / 1e9
+                cells.append(f"{ours:.0f} ({ours / flash_tf:.2f})")
+            print(f"| {tile} | {config} | {ok} | " + " | ".join(cells) + " |", flush=True)
+        use(tile, original)
+        del shapes
+        cupy.get_default_memory_pool().free_all_blocks()
+    print("TFLOP/s, bf16 forward (ratio to PyTorch's flash backend in the same run)")
+
+
+if __name__ == "__main__":
+    main()
