@@ -39,3 +39,16 @@ def test_readme_usage_example_runs():
     namespace = {}
     exec(compile(block, "README.md", "exec"), namespace)
     assert namespace["dq"].shape == namespace["q"].shape
+
+
+@requires_gpu
+def test_quickstart_example_runs():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py")], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "max |o - reference|" in done.stdout
