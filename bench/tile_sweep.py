@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy
 
 import cupy_flash
-from bench.attention import flops, make_sets, time_calls, torch_peer, torch_sets
+from bench.attention import flops, make_sets, ours, time_calls, torch_peer, torch_sets
 from cupy_flash import _compile, _traits
 
 CANDIDATES = {
@@ -67,9 +67,9 @@ def main():
             ok = error_ok(tile)
             cells = []
             for (n, c), (sets, flash_tf) in shapes.items():
-                ms = time_calls(lambda s: cupy_flash.flash_forward(s[0], s[1], s[2], causal=bool(c)), sets)
-                ours = flops(16384 // n, heads, n, tile, c, "fwd") / ms / 1e9
-                cells.append(f"{ours:.0f} ({ours / flash_tf:.2f})")
+                ms = time_calls(ours("fwd", bool(c)), sets)
+                ours_tf = flops(16384 // n, heads, n, tile, c, "fwd") / ms / 1e9
+                cells.append(f"{ours_tf:.0f} ({ours_tf / flash_tf:.2f})")
             print(f"| {tile} | {config} | {ok} | " + " | ".join(cells) + " |", flush=True)
         use(tile, original)
         del shapes

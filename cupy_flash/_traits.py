@@ -39,8 +39,8 @@ def forward_tc_config(tile: int, large_smem: bool) -> tuple[int, int, int]:
     return (FORWARD_TC_LARGE_SMEM if large_smem else FORWARD_TC)[tile]
 
 
-def forward_tc_block_m(tile: int) -> int:
-    _, num_warps, m_tiles = FORWARD_TC[tile]   # 128 in both tables
+def forward_tc_block_m(tile: int, large_smem: bool = False) -> int:
+    _, num_warps, m_tiles = forward_tc_config(tile, large_smem)
     return 16 * num_warps * m_tiles
 
 
@@ -69,7 +69,7 @@ def forward_smem_bytes(tile: int) -> int:
 
 def forward_tc_smem_bytes(tile: int, large_smem: bool = False) -> int:
     # Q tile and one K and one V tile of 2-byte elements, rows padded by 8 elements.
-    return 2 * (forward_tc_block_m(tile) + 2 * forward_tc_config(tile, large_smem)[0]) * (tile + 8)
+    return 2 * (forward_tc_block_m(tile, large_smem) + 2 * forward_tc_config(tile, large_smem)[0]) * (tile + 8)
 
 
 def backward_smem_bytes(tile: int) -> int:

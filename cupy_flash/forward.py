@@ -19,8 +19,8 @@ def launch_forward(q, k, v, shape, scale, causal):
         large = large_shared_memory()
         smem = _traits.forward_tc_smem_bytes(shape.tile, large)
         kernel = get_kernel(spec, spec.forward_tc_kernel(causal, large), smem)
-        block_m = _traits.forward_tc_block_m(shape.tile)
-        threads = 32 * _traits.forward_tc_config(shape.tile, large)[1]
+        block_m = _traits.forward_tc_block_m(shape.tile, large)
+        threads = 32 * _traits.forward_tc_config(shape.tile, large)[1]   # 32 x num_warps
     else:
         spec = ModuleSpec("forward", shape.dtype, shape.tile)
         smem = _traits.forward_smem_bytes(shape.tile)
