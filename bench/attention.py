@@ -34,7 +34,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 def flops(batch, heads, seqlen, head_dim, causal, mode):
     forward = 4.0 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
-    return {"fwd": forward, "bwd": 2.5 * forward, "fwd_bwd": 3.5 * forward}[mode]
+    return {"fwd": forward, "bwd": 2.5 * forward, "bwd_det": 2.5 * forward, "fwd_bwd": 3.5 * forward}[mode]
 
 
 def time_calls(fn, input_sets, min_calls=10, max_calls=100, budget_s=0.6, warmup=3):
@@ -68,8 +68,10 @@ def make_sets(batch, seqlen, heads, head_dim, dtype, count, seed=0):
 def ours(mode, causal):
     if mode == "fwd":
         return lambda s: cupy_flash.flash_forward(s[0], s[1], s[2], causal=causal)
-    if mode == "bwd":
-        return lambda s: cupy_flash.flash_backward(s[3], s[0], s[1], s[2], s[4], s[5], causal=causal)
+    if mode in ("bwd", "bwd_det"):
+        deterministic = mode == "bwd_det"
+        return lambda s: cupy_flash.flash_backward(s[3], s[0], s[1], s[2], s[4], s[5], causal=causal,
+                                                   deterministic=deterministic)
 
     def both(s):
         o, lse = cupy_flash.flash_forward(s[0], s[1], s[2], causal=causal)
@@ -79,6 +81,7 @@ def ours(mode, causal):
 
 def torch_peer(torch, backend, mode, causal):
     from torch.nn.attention import sdpa_kernel
+    mode = "bwd" if mode == "bwd_det" else mode   # peers are timed with their usual backward
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def forward(s):
@@ -110,6 +113,7 @@ def to_torch(torch, x):
 
 def torch_sets(torch, sets, backend, mode, causal):
     """The same data as PyTorch tensors in SDPA's (batch, heads, seqlen, head_dim) layout (views)."""
+    mode = "bwd" if mode == "bwd_det" else mode
     result = []
     for q, k, v, do in sets:
         tq, tk, tv, tdo = (to_torch(torch, x).transpose(1, 2) for x in (q, k, v, do))
@@ -144,7 +148,7 @@ def run(args):
         for mode in args.modes:
             work = flops(batch, heads, seqlen, head_dim, causal, mode)
             our_sets = sets
-            if mode == "bwd":
+            if mode in ("bwd", "bwd_det"):
                 our_sets = [s + list(cupy_flash.flash_forward(s[0], s[1], s[2], causal=bool(causal))) for s in sets]
             ms = time_calls(ours(mode, bool(causal)), our_sets)
             row[f"ours_{mode}"] = work / ms / 1e9
@@ -234,7 +238,8 @@ def main(argv=None):
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256])
     parser.add_argument("--seqlens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--causal", nargs="+", type=int, default=[0, 1], choices=[0, 1])
-    parser.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd", "fwd_bwd"])
+    parser.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd", "bwd_det", "fwd_bwd"],
+                        help="bwd_det: our backward with deterministic=True (peers: their usual backward)")
     parser.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
     parser.add_argument("--features", type=int, default=2048, help="heads * head_dim")
     parser.add_argument("--sets", type=int, default=3, help="input sets rotated between calls")

@@ -6,6 +6,7 @@ in the same process (same data, same timing as python -m bench). Losers are wort
 docs/performance.md.
 
     python bench/tile_sweep.py                     # the built-in candidates
+    python bench/tile_sweep.py 128:32,4,2 128:64,4,2   # tile:block_n,num_warps,m_tiles
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ SEQLENS = (1024, 4096, 16384)
 
 
 def use(tile, config):
-    for table in (_traits.FORWARD_TC, _traits.FORWARD_TC_LARGE_SMEM):
-        table[tile] = config
+    """Give every target's table ``config`` for ``tile`` (or, from a dict, each target its own)."""
+    for target, table in _traits.FORWARD_TC_TARGETS.items():
+        table[tile] = config[target] if isinstance(config, dict) else config
     _compile._modules.clear()
     _compile._functions.clear()
 
@@ -46,13 +48,24 @@ def error_ok(tile):
     return True
 
 
-def main():
+def parse_candidates(args):
+    candidates = {}
+    for arg in args:
+        tile, config = arg.split(":")
+        candidates.setdefault(int(tile), []).append(tuple(int(x) for x in config.split(",")))
+    return candidates
+
+
+def main(argv=None):
+    import sys
+
     import torch
     from torch.nn.attention import SDPBackend
 
     print("| d | block_n, warps, m_tiles | correct | " + " | ".join(f"N={n} c={c}" for n in SEQLENS for c in (0, 1)) + " |")
     print("|---|---|---|" + "---|" * (2 * len(SEQLENS)))
-    for tile, configs in CANDIDATES.items():
+    argv = sys.argv[1:] if argv is None else argv
+    for tile, configs in (parse_candidates(argv) or CANDIDATES).items():
         heads = 2048 // tile
         shapes = {}
         for n in SEQLENS:
@@ -61,7 +74,7 @@ def main():
                 ms = time_calls(torch_peer(torch, SDPBackend.FLASH_ATTENTION, "fwd", bool(c)),
                                 torch_sets(torch, sets, SDPBackend.FLASH_ATTENTION, "fwd", bool(c)))
                 shapes[(n, c)] = (sets, flops(16384 // n, heads, n, tile, c, "fwd") / ms / 1e9)
-        original = _traits.FORWARD_TC[tile]
+        original = {name: table[tile] for name, table in _traits.FORWARD_TC_TARGETS.items()}
         for config in configs:
             use(tile, config)
             ok = error_ok(tile)

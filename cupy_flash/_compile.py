@@ -44,14 +44,18 @@ def _kernel_dir() -> Path:
     raise FileNotFoundError(f"cupy_flash kernel sources not found next to {here}")
 
 
+# Headers each family's source is prefixed with (NVRTC gets one string: no include path needed).
+TENSOR_CORE_FAMILIES = ("forward_tc", "backward_tc")
+
+
 @functools.lru_cache(maxsize=None)
 def family_source(family: str) -> str:
-    """common.cuh followed by the family's .cu file: the exact text that is compiled (and hashed
-    by CuPy's cache, so an edit to either file recompiles)."""
+    """common.cuh (and tensor_core.cuh for the tensor-core families) followed by the family's .cu
+    file: the exact text that is compiled (and hashed by CuPy's cache, so any edit recompiles)."""
     directory = _kernel_dir()
-    common = (directory / "common.cuh").read_text()
-    body = (directory / f"{family}.cu").read_text()
-    return f"{common}\n// ---- {family}.cu ----\n{body}"
+    headers = ("common.cuh", "tensor_core.cuh") if family in TENSOR_CORE_FAMILIES else ("common.cuh",)
+    parts = [f"// ---- {name} ----\n{(directory / name).read_text()}" for name in headers + (f"{family}.cu",)]
+    return "\n".join(parts)
 
 
 def _flag(value: bool) -> str:
@@ -60,11 +64,18 @@ def _flag(value: bool) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ModuleSpec:
-    """One compiled module: a kernel family for one dtype and (except preprocess) one head-dim tile."""
+    """One compiled module: a kernel family for one dtype and (except preprocess) one head-dim tile;
+    the tensor-core families also for one target (a tile table of _traits: sm8x, sm80, sm90)."""
 
     family: str
     dtype: str
     tile: int | None = None
+    target: str | None = None
+
+    @property
+    def archs(self) -> tuple[int, ...]:
+        """The architectures this module is built for (offline checks compile it for each)."""
+        return (_traits.TARGET_ARCH[self.target],) if self.target else (80, 90)
 
     @property
     def ctype(self) -> str:
@@ -74,10 +85,15 @@ class ModuleSpec:
         block_m, block_n = _traits.FORWARD_BLOCKS[self.tile]
         return f"flash_forward_kernel<{self.ctype}, {self.tile}, {block_m}, {block_n}, {_flag(causal)}>"
 
-    def forward_tc_kernel(self, causal: bool, large_smem: bool = False) -> str:
-        block_n, num_warps, m_tiles = _traits.forward_tc_config(self.tile, large_smem)
+    def forward_tc_kernel(self, causal: bool) -> str:
+        block_n, num_warps, m_tiles = _traits.forward_tc_config(self.tile, self.target)
         return (f"flash_forward_tc_kernel<{self.ctype}, {self.tile}, {block_n}, {num_warps}, {m_tiles}, "
                 f"{_flag(causal)}>")
+
+    def backward_tc_kernel(self, causal: bool) -> str:
+        block_m, block_n, num_warps, stages = _traits.backward_tc_config(self.tile, self.target)
+        return (f"flash_backward_tc_kernel<{self.ctype}, {self.tile}, {block_m}, {block_n}, {num_warps}, "
+                f"{stages}, {_flag(causal)}>")
 
     def backward_kernel(self, causal: bool, atomic_dq: bool) -> str:
         block_m, block_n = _traits.BACKWARD_BLOCKS[self.tile]
@@ -99,19 +115,20 @@ class ModuleSpec:
         if self.family == "forward":
             return tuple(self.forward_kernel(c) for c in (False, True))
         if self.family == "forward_tc":
-            return tuple(dict.fromkeys(self.forward_tc_kernel(c, large) for large in (False, True)
-                                       for c in (False, True)))
+            return tuple(self.forward_tc_kernel(c) for c in (False, True))
+        if self.family == "backward_tc":
+            return tuple(self.backward_tc_kernel(c) for c in (False, True))
         if self.family == "preprocess":
-            return (self.preprocess_kernel(),)
+            return (self.preprocess_kernel(), self.dq_convert_kernel())
         if self.family == "backward":
             return (tuple(self.backward_kernel(c, a) for c in (False, True) for a in (False, True))
-                    + tuple(self.backward_dq_kernel(c) for c in (False, True))
-                    + (self.dq_convert_kernel(),))
+                    + tuple(self.backward_dq_kernel(c) for c in (False, True)))
         raise ValueError(f"unknown kernel family {self.family!r}")
 
     def describe(self) -> str:
         tile = f", head_dim tile {self.tile}" if self.tile is not None else ""
-        return f"{self.family} kernels ({self.dtype}{tile})"
+        target = f", {self.target} tiles" if self.target else ""
+        return f"{self.family} kernels ({self.dtype}{tile}{target})"
 
 
 def all_module_specs() -> list[ModuleSpec]:
@@ -122,8 +139,11 @@ def all_module_specs() -> list[ModuleSpec]:
         for tile in _traits.HEAD_DIM_TILES:
             specs.append(ModuleSpec("forward", dtype, tile))
             if dtype in TENSOR_CORE_DTYPES:
-                specs.append(ModuleSpec("forward_tc", dtype, tile))
-            specs.append(ModuleSpec("backward", dtype, tile))
+                for target in _traits.TARGET_ARCH:
+                    specs.append(ModuleSpec("forward_tc", dtype, tile, target))
+                    specs.append(ModuleSpec("backward_tc", dtype, tile, target))
+            else:   # the CUDA-core backward runs float32 only
+                specs.append(ModuleSpec("backward", dtype, tile))
     return specs
 
 
@@ -160,19 +180,22 @@ def get_kernel(spec: ModuleSpec, name: str, smem_bytes: int = 0):
     return function
 
 
-def large_shared_memory() -> bool:
-    """Whether the current device lets one block use _traits.LARGE_SMEM_BYTES of shared memory."""
+def tensor_core_target() -> str:
+    """The tensor-core kernels' tile table for the current device (_traits.tensor_core_target)."""
     import cupy
 
-    return _large_shared_memory(cupy.cuda.Device().id)
+    return _tensor_core_target(cupy.cuda.Device().id)
 
 
 @functools.lru_cache(maxsize=None)
-def _large_shared_memory(device: int) -> bool:
+def _tensor_core_target(device: int) -> str:
     import cupy
 
-    limit = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device)
-    return limit >= _traits.LARGE_SMEM_BYTES
+    runtime = cupy.cuda.runtime
+    major = runtime.deviceGetAttribute(runtime.cudaDevAttrComputeCapabilityMajor, device)
+    minor = runtime.deviceGetAttribute(runtime.cudaDevAttrComputeCapabilityMinor, device)
+    smem = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device)
+    return _traits.tensor_core_target(10 * major + minor, smem)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,13 +279,14 @@ def _compile_case(case):
 
 
 def compile_all_offline(archs=(80, 90), specs=None, workers=None) -> dict:
-    """Compile ``specs`` (default: every module) for each arch in parallel worker processes.
+    """Compile ``specs`` (default: every module) for each of its archs among ``archs``, in parallel
+    worker processes.
     Returns {(spec, arch): CompileReport or the exception raised}. Workers are spawned, not
     forked: the caller may already run CUDA or JAX threads, which a fork can deadlock."""
     import concurrent.futures
     import multiprocessing
 
-    cases = [(spec, arch) for spec in (specs or all_module_specs()) for arch in archs]
+    cases = [(spec, arch) for spec in (specs or all_module_specs()) for arch in archs if arch in spec.archs]
     workers = max(1, min(len(cases), workers or os.cpu_count() or 1))
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:

@@ -10,20 +10,22 @@ import math
 
 import numpy
 
-POINTER_FIELDS = ("q", "k", "v", "o", "lse", "dout", "delta", "dq_accum", "dq", "dk", "dv")
+POINTER_FIELDS = ("q", "k", "v", "o", "lse", "dout", "delta", "dq_accum", "dq", "dk", "dv", "lse_log2",
+                  "dq_semaphore")
 # Tensors of shape (batch, seqlen, heads, head_dim) and their element strides {batch, row, head}.
 STRIDED_FIELDS = ("q", "k", "v", "o", "dout", "dq_accum", "dq", "dk", "dv")
 
 PARAMS_DTYPE = numpy.dtype(
     [(name, numpy.uint64) for name in POINTER_FIELDS]
     + [(name + "_strides", numpy.int64, (3,)) for name in STRIDED_FIELDS]
-    + [(name, numpy.int64) for name in ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim")]
+    + [(name, numpy.int64) for name in ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "delta_stride")]
     + [("softmax_scale", numpy.float32), ("scale_log2", numpy.float32)]
 )
 
 
-def make_params(shape, softmax_scale: float, **arrays) -> numpy.ndarray:
-    """Fill a params record. ``arrays`` maps field names to CuPy arrays (or None for unused fields)."""
+def make_params(shape, softmax_scale: float, delta_stride: int | None = None, **arrays) -> numpy.ndarray:
+    """Fill a params record. ``arrays`` maps field names to CuPy arrays (or None for unused fields);
+    ``delta_stride`` defaults to seqlen_q (unpadded delta rows)."""
     record = numpy.zeros(1, dtype=PARAMS_DTYPE)
     for name, array in arrays.items():
         if name not in POINTER_FIELDS:
@@ -40,6 +42,7 @@ def make_params(shape, softmax_scale: float, **arrays) -> numpy.ndarray:
     record["seqlen_q"] = shape.seqlen_q
     record["seqlen_k"] = shape.seqlen_k
     record["head_dim"] = shape.head_dim
+    record["delta_stride"] = shape.seqlen_q if delta_stride is None else delta_stride
     record["softmax_scale"] = softmax_scale
     record["scale_log2"] = softmax_scale * math.log2(math.e)
     return record

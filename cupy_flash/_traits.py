@@ -23,25 +23,72 @@ FORWARD_BLOCKS = {32: (64, 64), 64: (64, 64), 96: (64, 64), 128: (64, 64),
 # Tensor-core forward (fp16/bf16): tile -> (block_n, num_warps, m_tiles); 128 query rows per block
 # (16 * num_warps * m_tiles). Up to d=128, 4 warps of 32 rows (each K/V fragment feeds two mma's);
 # above, 8 warps of 16 rows, since 2 x d fp32 accumulators per thread would not fit in registers.
-# block_n is 32 at d = 96 and 128 (with 64, the 2 x 16-row tiles spilled 48 bytes at 255 registers)
-# and at d >= 192 (shared memory within 99 KB). The first version (64 rows,
-# 4 warps x 16) ran at 0.65-0.73x FlashAttention-2 (bf16, H100, seqlen >= 2k).
+# The first version (64 rows, 4 warps x 16) ran at 0.65-0.73x FlashAttention-2 (bf16, H100, >= 2k).
+#
+# One table per target, since what fits depends on the part:
+#   "sm8x": sm_80+ parts that give a block 99 KB of shared memory (RTX 30/40): block_n 32 at d >= 192.
+#   "sm80": A100-class parts (163 KB per block): the 8-warp tiles take 64 keys, as
+#           FlashAttention-2 does at d=256.
+#   "sm90": H100: also 64 keys at d=128, +5% at 16k and +14% at 1k over 32 (bf16, tile sweep);
+#           sm_80's ptxas spills 24 B with that tile, sm_90's none.
+# At d=64, block_n 128 was +3-5% at 16k but -6% causal at 1k and spills 8 B on sm_90: kept at 64.
 FORWARD_TC = {32: (64, 4, 2), 64: (64, 4, 2), 96: (32, 4, 2), 128: (32, 4, 2),
               160: (64, 8, 1), 192: (32, 8, 1), 224: (32, 8, 1), 256: (32, 8, 1)}
-# On parts that give a block >= 136 KB of shared memory (A100, H100), the 8-warp tiles take 64 keys
-# per K/V tile, as FlashAttention-2 does at d=256; 99 KB parts (RTX 30/40) keep the table above.
-FORWARD_TC_LARGE_SMEM = {**FORWARD_TC, 192: (64, 8, 1), 224: (64, 8, 1), 256: (64, 8, 1)}
-LARGE_SMEM_BYTES = 136 * 1024
+FORWARD_TC_TARGETS = {
+    "sm8x": FORWARD_TC,
+    "sm80": {**FORWARD_TC, 192: (64, 8, 1), 224: (64, 8, 1), 256: (64, 8, 1)},
+    "sm90": {**FORWARD_TC, 128: (64, 4, 2), 192: (64, 8, 1), 224: (64, 8, 1), 256: (64, 8, 1)},
+}
+# The architecture each target's kernels are compiled and checked for (CI compiles offline), and
+# the shared memory a block of that target may use.
+TARGET_ARCH = {"sm8x": 80, "sm80": 80, "sm90": 90}
+TARGET_SMEM_BYTES = {"sm8x": 99 * 1024, "sm80": 163 * 1024, "sm90": 227 * 1024}
 
 
-def forward_tc_config(tile: int, large_smem: bool) -> tuple[int, int, int]:
+def tensor_core_target(compute_capability: int, smem_per_block: int) -> str:
+    """The tile table for a device: compute capability as 10 * major + minor, and the largest
+    dynamic shared memory one block may opt in to."""
+    if compute_capability >= 90:
+        return "sm90"
+    return "sm80" if smem_per_block >= TARGET_SMEM_BYTES["sm80"] else "sm8x"
+
+
+def forward_tc_config(tile: int, target: str = "sm8x") -> tuple[int, int, int]:
     """(block_n, num_warps, m_tiles) of the tensor-core forward."""
-    return (FORWARD_TC_LARGE_SMEM if large_smem else FORWARD_TC)[tile]
+    return FORWARD_TC_TARGETS[target][tile]
 
 
-def forward_tc_block_m(tile: int, large_smem: bool = False) -> int:
-    _, num_warps, m_tiles = forward_tc_config(tile, large_smem)
+def forward_tc_block_m(tile: int, target: str = "sm8x") -> int:
+    _, num_warps, m_tiles = forward_tc_config(tile, target)
     return 16 * num_warps * m_tiles
+
+
+# Tensor-core backward (fp16/bf16): tile -> (block_m, block_n, num_warps, stages) per target.
+# block_n / 16 key tiles x key splits = num_warps (backward_tc.cu); each thread then holds dK + dV
+# accumulators of 16 keys x (d / key splits) columns: <= 128 fp32 registers. stages = 2 double-
+# buffers Q and dO where shared memory allows. First choice, FlashAttention-2's shapes: 64 x 128 of
+# 8 warps up to d=128 (128 x 128 at d <= 64), 64 x 64 of 8 warps above.
+BACKWARD_TC_TARGETS = {
+    "sm8x": {32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 96: (32, 64, 4, 2), 128: (64, 64, 4, 1),
+             160: (32, 32, 4, 1), 192: (32, 32, 4, 1), 224: (32, 32, 4, 1), 256: (32, 32, 4, 1)},
+    "sm80": {32: (128, 128, 8, 2), 64: (128, 128, 8, 1), 96: (64, 128, 8, 2), 128: (64, 128, 8, 1),
+             160: (64, 64, 8, 2), 192: (64, 64, 8, 1), 224: (64, 64, 8, 1), 256: (64, 64, 8, 1)},
+    "sm90": {32: (128, 128, 8, 2), 64: (128, 128, 8, 2), 96: (64, 128, 8, 2), 128: (64, 128, 8, 2),
+             160: (64, 64, 8, 2), 192: (64, 64, 8, 2), 224: (64, 64, 8, 2), 256: (64, 64, 8, 2)},
+}
+# delta and lse_log2 rows are padded to a multiple of this (every block_m divides it).
+ROW_STAT_PADDING = 128
+
+
+def backward_tc_config(tile: int, target: str = "sm8x") -> tuple[int, int, int, int]:
+    """(block_m, block_n, num_warps, stages) of the tensor-core backward."""
+    return BACKWARD_TC_TARGETS[target][tile]
+
+
+def backward_tc_smem_bytes(tile: int, target: str = "sm8x") -> int:
+    block_m, block_n, _, stages = backward_tc_config(tile, target)
+    ld, ldm = tile + 8, block_m + 8
+    return 2 * (2 * block_n * ld + 2 * stages * block_m * ld + 2 * block_n * ldm) + 4 * 2 * stages * block_m
 
 
 # Shared by the main backward kernel (one block per key block) and the deterministic dQ kernel.
@@ -67,9 +114,9 @@ def forward_smem_bytes(tile: int) -> int:
     return 4 * (block_m * ld + block_n * ld + block_m * (block_n + 1))
 
 
-def forward_tc_smem_bytes(tile: int, large_smem: bool = False) -> int:
+def forward_tc_smem_bytes(tile: int, target: str = "sm8x") -> int:
     # Q tile and one K and one V tile of 2-byte elements, rows padded by 8 elements.
-    return 2 * (forward_tc_block_m(tile, large_smem) + 2 * forward_tc_config(tile, large_smem)[0]) * (tile + 8)
+    return 2 * (forward_tc_block_m(tile, target) + 2 * forward_tc_config(tile, target)[0]) * (tile + 8)
 
 
 def backward_smem_bytes(tile: int) -> int:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy
+
 from . import _checks, _traits
-from ._compile import ModuleSpec, get_kernel
+from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, get_kernel, tensor_core_target
 from ._params import make_params
-from .preprocess import launch_preprocess, row_kernel_grid
+from .preprocess import launch_dq_convert, launch_preprocess
 
 
 def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, deterministic=False, **features):
@@ -15,8 +17,9 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
     scores are recomputed from ``lse``, so nothing O(seqlen^2) is stored or allocated.
 
     ``deterministic=False`` accumulates dQ with float32 atomics (fast; the summation order, and so
-    the last bits, may vary run to run). ``deterministic=True`` computes dQ in a separate pass
-    with a fixed order: results are bitwise identical run to run.
+    the last bits, may vary run to run). ``deterministic=True`` sums dQ in a fixed order (float16
+    and bfloat16: the key blocks add in turn; float32: a separate dQ pass): results are bitwise
+    identical run to run.
 
     Returns ``(dq, dk, dv)`` with the shapes and dtype of q, k, v.
     """
@@ -32,29 +35,67 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
         _checks.same_device(q=q, k=k, v=v, do=do, o=o, lse=lse)
         q, k, v, do, o = (_checks.kernel_ready(x) for x in (q, k, v, do, o))
         lse = cupy.ascontiguousarray(lse)
+        if shape.dtype in TENSOR_CORE_DTYPES:
+            return _backward_tensor_core(do, q, k, v, o, lse, shape, scale, causal, deterministic)
+        return _backward_cuda_core(do, q, k, v, o, lse, shape, scale, causal, deterministic)
 
-        dq = cupy.empty(q.shape, dtype=q.dtype)
-        dk = cupy.empty(k.shape, dtype=k.dtype)
-        dv = cupy.empty(v.shape, dtype=v.dtype)
-        # float32 dQ accumulator for the atomic path: O(batch * seqlen * heads * head_dim).
-        dq_accum = None if deterministic else cupy.empty(q.shape, dtype=cupy.float32)
-        delta = launch_preprocess(do, o, shape, dq_accum=dq_accum)
 
-        spec = ModuleSpec("backward", shape.dtype, shape.tile)
-        block_m, block_n = _traits.BACKWARD_BLOCKS[shape.tile]
-        params = make_params(shape, scale, q=q, k=k, v=v, dout=do, lse=lse, delta=delta,
-                             dq_accum=dq_accum, dq=dq, dk=dk, dv=dv)
-        bh = shape.batch * shape.heads
+def _backward_tensor_core(do, q, k, v, o, lse, shape, scale, causal, deterministic):
+    """float16 / bfloat16: backward_tc.cu. dQ is accumulated in float32 (atomically, or in a fixed
+    order when deterministic) and then scaled and cast by the convert kernel."""
+    import cupy
 
-        smem = _traits.backward_smem_bytes(shape.tile)
-        kernel = get_kernel(spec, spec.backward_kernel(causal, atomic_dq=not deterministic), smem)
-        kernel((-(-shape.seqlen_k // block_n) * bh,), (_traits.THREADS,), (params,), shared_mem=smem)
+    target = tensor_core_target()
+    block_m, block_n, num_warps, _ = _traits.backward_tc_config(shape.tile, target)
+    bh = shape.batch * shape.heads
+    padded = -(-shape.seqlen_q // _traits.ROW_STAT_PADDING) * _traits.ROW_STAT_PADDING
+    # Row statistics padded per (batch, head): padded rows have delta 0 and lse_log2 +inf (P = 0).
+    delta = cupy.zeros((bh, padded), dtype=cupy.float32)
+    lse_log2 = cupy.full((bh, padded), numpy.inf, dtype=cupy.float32)
+    dq_accum = cupy.empty(q.shape, dtype=cupy.float32)   # zeroed by the preprocess kernel
+    num_q_blocks = -(-shape.seqlen_q // block_m)
+    dq_semaphore = cupy.zeros(bh * num_q_blocks, dtype=cupy.int32) if deterministic else None
 
-        if deterministic:
-            smem = _traits.backward_dq_smem_bytes(shape.tile)
-            kernel = get_kernel(spec, spec.backward_dq_kernel(causal), smem)
-            kernel((-(-shape.seqlen_q // block_m) * bh,), (_traits.THREADS,), (params,), shared_mem=smem)
-        else:
-            kernel = get_kernel(spec, spec.dq_convert_kernel())
-            kernel((row_kernel_grid(shape),), (_traits.ROW_KERNEL_THREADS,), (params,))
-        return dq, dk, dv
+    dq = cupy.empty(q.shape, dtype=q.dtype)
+    dk = cupy.empty(k.shape, dtype=k.dtype)
+    dv = cupy.empty(v.shape, dtype=v.dtype)
+    params = make_params(shape, scale, delta_stride=padded, q=q, k=k, v=v, o=o, lse=lse, dout=do,
+                         delta=delta, lse_log2=lse_log2, dq_accum=dq_accum, dq_semaphore=dq_semaphore,
+                         dq=dq, dk=dk, dv=dv)
+    launch_preprocess(params, shape)
+
+    spec = ModuleSpec("backward_tc", shape.dtype, shape.tile, target)
+    smem = _traits.backward_tc_smem_bytes(shape.tile, target)
+    kernel = get_kernel(spec, spec.backward_tc_kernel(causal), smem)
+    kernel((-(-shape.seqlen_k // block_n) * bh,), (32 * num_warps,), (params,), shared_mem=smem)
+    launch_dq_convert(params, shape)
+    return dq, dk, dv
+
+
+def _backward_cuda_core(do, q, k, v, o, lse, shape, scale, causal, deterministic):
+    """float32: backward.cu. dQ with float32 atomics, or when deterministic by a separate pass."""
+    import cupy
+
+    dq = cupy.empty(q.shape, dtype=q.dtype)
+    dk = cupy.empty(k.shape, dtype=k.dtype)
+    dv = cupy.empty(v.shape, dtype=v.dtype)
+    # float32 dQ accumulator for the atomic path: O(batch * seqlen * heads * head_dim).
+    dq_accum = None if deterministic else cupy.empty(q.shape, dtype=cupy.float32)
+    delta = cupy.empty((shape.batch, shape.heads, shape.seqlen_q), dtype=cupy.float32)
+    params = make_params(shape, scale, q=q, k=k, v=v, dout=do, o=o, lse=lse, delta=delta,
+                         dq_accum=dq_accum, dq=dq, dk=dk, dv=dv)
+    launch_preprocess(params, shape)
+
+    spec = ModuleSpec("backward", shape.dtype, shape.tile)
+    block_m, block_n = _traits.BACKWARD_BLOCKS[shape.tile]
+    bh = shape.batch * shape.heads
+    smem = _traits.backward_smem_bytes(shape.tile)
+    kernel = get_kernel(spec, spec.backward_kernel(causal, atomic_dq=not deterministic), smem)
+    kernel((-(-shape.seqlen_k // block_n) * bh,), (_traits.THREADS,), (params,), shared_mem=smem)
+    if deterministic:
+        smem = _traits.backward_dq_smem_bytes(shape.tile)
+        kernel = get_kernel(spec, spec.backward_dq_kernel(causal), smem)
+        kernel((-(-shape.seqlen_q // block_m) * bh,), (_traits.THREADS,), (params,), shared_mem=smem)
+    else:
+        launch_dq_convert(params, shape)
+    return dq, dk, dv

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import _checks, _traits
-from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, get_kernel, large_shared_memory
+from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, tensor_core_target, get_kernel
 from ._params import make_params
 
 
@@ -15,12 +15,12 @@ def launch_forward(q, k, v, shape, scale, causal):
     o = cupy.empty(q.shape, dtype=q.dtype)
     lse = cupy.empty((shape.batch, shape.heads, shape.seqlen_q), dtype=cupy.float32)
     if shape.dtype in TENSOR_CORE_DTYPES:
-        spec = ModuleSpec("forward_tc", shape.dtype, shape.tile)
-        large = large_shared_memory()
-        smem = _traits.forward_tc_smem_bytes(shape.tile, large)
-        kernel = get_kernel(spec, spec.forward_tc_kernel(causal, large), smem)
-        block_m = _traits.forward_tc_block_m(shape.tile, large)
-        threads = 32 * _traits.forward_tc_config(shape.tile, large)[1]   # 32 x num_warps
+        target = tensor_core_target()
+        spec = ModuleSpec("forward_tc", shape.dtype, shape.tile, target)
+        smem = _traits.forward_tc_smem_bytes(shape.tile, target)
+        kernel = get_kernel(spec, spec.forward_tc_kernel(causal), smem)
+        block_m = _traits.forward_tc_block_m(shape.tile, target)
+        threads = 32 * _traits.forward_tc_config(shape.tile, target)[1]   # 32 x num_warps
     else:
         spec = ModuleSpec("forward", shape.dtype, shape.tile)
         smem = _traits.forward_smem_bytes(shape.tile)

@@ -1,10 +1,10 @@
-"""Backward preprocessing launch: delta = rowsum(dO * O), optionally zeroing the dQ accumulator."""
+"""Row kernels of the backward (preprocess.cu): delta = rowsum(dO * O) before the main kernel, and
+the dQ accumulator's scale-and-cast after it."""
 
 from __future__ import annotations
 
 from . import _traits
 from ._compile import ModuleSpec, get_kernel
-from ._params import make_params
 
 _MAX_ROW_BLOCKS = 1 << 16   # the row kernels loop over rows, so the grid never needs to be larger
 
@@ -15,13 +15,17 @@ def row_kernel_grid(shape) -> int:
     return min(-(-rows // warps_per_block), _MAX_ROW_BLOCKS)
 
 
-def launch_preprocess(do, o, shape, dq_accum=None):
-    """delta (float32, (batch, heads, seqlen_q)) for checked, kernel-ready do and o."""
-    import cupy
-
-    delta = cupy.empty((shape.batch, shape.heads, shape.seqlen_q), dtype=cupy.float32)
+def _launch(name_of, params, shape):
     spec = ModuleSpec("preprocess", shape.dtype)
-    kernel = get_kernel(spec, spec.preprocess_kernel())
-    params = make_params(shape, 1.0, o=o, dout=do, delta=delta, dq_accum=dq_accum)
+    kernel = get_kernel(spec, name_of(spec))
     kernel((row_kernel_grid(shape),), (_traits.ROW_KERNEL_THREADS,), (params,))
-    return delta
+
+
+def launch_preprocess(params, shape):
+    """Fill params' delta (and lse_log2 when set) and zero its dq_accum when set."""
+    _launch(ModuleSpec.preprocess_kernel, params, shape)
+
+
+def launch_dq_convert(params, shape):
+    """dq = softmax_scale * dq_accum, cast to dq's dtype."""
+    _launch(ModuleSpec.dq_convert_kernel, params, shape)

@@ -21,10 +21,10 @@ template <int BLOCK_M>
 __device__ __forceinline__ void load_row_stats(float* lse_tile, float* delta_tile, const FlashParams& p, long long b, long long h, int q_start) {
     for (int r = threadIdx.x; r < BLOCK_M; r += FLASH_THREADS) {
         const long long query = q_start + r;
-        const long long at = (b * p.heads + h) * p.seqlen_q + query;
+        const long long bh = b * p.heads + h;
         const bool valid = query < p.seqlen_q;
-        lse_tile[r] = valid ? p.lse[at] : FLASH_NEG_INF;
-        delta_tile[r] = valid ? p.delta[at] : 0.f;
+        lse_tile[r] = valid ? p.lse[bh * p.seqlen_q + query] : FLASH_NEG_INF;
+        delta_tile[r] = valid ? p.delta[bh * p.delta_stride + query] : 0.f;
     }
 }
 
@@ -313,26 +313,4 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_dq_kernel(con
         for (int j = 0; j < DCOLS; ++j) q_tile[(ty * ROWS + i) * LD + tx + 8 * j] = dq_acc[i][j];
     __syncthreads();
     store_tile<T, BLOCK_M, D_TILE, LD>(static_cast<T*>(p.dq) + tensor_offset(p.dq_strides, b, q_start, h), p.dq_strides[1], q_tile, seqlen_q - q_start, head_dim, p.softmax_scale);
-}
-
-// dQ = softmax_scale * dq_accum, cast to T. One warp per (batch, row, head), 16-byte vectors.
-template <typename T>
-__global__ void __launch_bounds__(256) flash_dq_convert_kernel(const FlashParams p) {
-    constexpr int VEC = Vec<T>::N;
-    const int lane = threadIdx.x & 31;
-    for (long long r = first_row_of_warp(); r < p.batch * p.seqlen_q * p.heads; r += rows_per_grid()) {
-        const auto [b, row, h] = row_index(p, r);
-        const float* acc = p.dq_accum + tensor_offset(p.dq_accum_strides, b, row, h);
-        T* dq = static_cast<T*>(p.dq) + tensor_offset(p.dq_strides, b, row, h);
-        for (int c = lane * VEC; c < p.head_dim; c += 32 * VEC) {
-            float vals[VEC];
-#pragma unroll
-            for (int e = 0; e < VEC; e += 4) {
-                const float4 a = *reinterpret_cast<const float4*>(acc + c + e);
-                vals[e] = a.x * p.softmax_scale; vals[e + 1] = a.y * p.softmax_scale;
-                vals[e + 2] = a.z * p.softmax_scale; vals[e + 3] = a.w * p.softmax_scale;
-            }
-            *reinterpret_cast<uint4*>(dq + c) = pack(vals, T{});
-        }
-    }
 }

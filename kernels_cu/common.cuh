@@ -43,7 +43,9 @@ template <> __device__ __forceinline__ fa_bf16 from_float<fa_bf16>(float x) {
 
 // One params struct for every kernel, mirrored field for field by cupy_flash/_params.py.
 // Tensors of shape (batch, seqlen, heads, head_dim) carry element strides {batch, row, head}; the
-// head_dim stride is 1. lse and delta are float32 of shape (batch, heads, seqlen_q), contiguous.
+// head_dim stride is 1. lse is float32 (batch, heads, seqlen_q), contiguous; delta and lse_log2
+// are float32 (batch, heads, delta_stride) with delta_stride >= seqlen_q (padded rows for the
+// tensor-core backward, which loads them in 16-byte chunks).
 // All offsets are 64-bit: batch * seqlen * heads * head_dim passes 2^31 at realistic sizes.
 struct FlashParams {
     const void* q;
@@ -57,6 +59,8 @@ struct FlashParams {
     void* dq;
     void* dk;
     void* dv;
+    float* lse_log2;          // tensor-core backward: lse * log2(e), +inf for rows that see no key
+    int* dq_semaphore;        // tensor-core backward, deterministic: one counter per query block
     long long q_strides[3];
     long long k_strides[3];
     long long v_strides[3];
@@ -71,6 +75,7 @@ struct FlashParams {
     long long seqlen_q;
     long long seqlen_k;
     long long head_dim;
+    long long delta_stride;   // elements between the (batch, head) rows of delta and lse_log2
     float softmax_scale;
     float scale_log2;         // softmax_scale * log2(e): scores go straight into exp2
 };

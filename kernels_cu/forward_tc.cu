@@ -16,64 +16,6 @@
 // g, g+8 and columns 2t, 2t+1. Two adjacent C tiles of S are exactly one A fragment of P, so P
 // goes from the S accumulators to the PV product without leaving registers.
 
-template <typename T> struct Mma;
-template <> struct Mma<fa_f16> {
-    static __device__ __forceinline__ unsigned int pack(float lo, float hi) {
-        unsigned int r;
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-        return r;
-    }
-    static __device__ __forceinline__ void mma(float* d, const unsigned int* a, const unsigned int* b) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
-};
-template <> struct Mma<fa_bf16> {
-    static __device__ __forceinline__ unsigned int pack(float lo, float hi) {
-        unsigned int r;
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-        return r;
-    }
-    static __device__ __forceinline__ void mma(float* d, const unsigned int* a, const unsigned int* b) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
-};
-
-__device__ __forceinline__ unsigned int smem_addr(const void* p) {
-    return (unsigned int)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void ldmatrix_x4(unsigned int* r, const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int* r, const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-// 16-byte global -> shared copy; with valid = false it writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-
-// Start copying a (ROWS x D_TILE) tile of T into shared memory (pitch LD elements); rows at or
-// past rows_valid and columns at or past head_dim become zeros.
-template <typename T, int ROWS, int D_TILE, int LD, int THREADS>
-__device__ __forceinline__ void async_load_tile(T* tile, const T* base, long long row_stride, int rows_valid, int head_dim) {
-    constexpr int CHUNKS = D_TILE / 8;   // 16-byte chunks per row
-    for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
-        const int r = idx / CHUNKS;
-        const int c = (idx % CHUNKS) * 8;
-        const bool valid = r < rows_valid && c < head_dim;
-        cp_async_16(tile + r * LD + c, valid ? base + r * row_stride + c : base, valid);
-    }
-}
-
 template <typename T, int D_TILE, int BLOCK_N, int NUM_WARPS, int M_TILES, bool IS_CAUSAL>
 __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(const FlashParams p) {
     constexpr int THREADS = 32 * NUM_WARPS;
@@ -125,10 +67,14 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
         }
     }
     const int warp_row = warp * 16 * M_TILES;
+    // ldmatrix.x4 lane addresses: lanes 8i..8i+7 give the rows of 8x8 matrix i.
+    const unsigned int q_lane = smem_addr(q_tile + warp_row * LD) + a_frag_lane<LD>(lane);
+    const unsigned int k_lane = smem_addr(k_tile) + b_frags_lane<LD>(lane);
+    const unsigned int v_lane = smem_addr(v_tile) + b_frags_trans_lane<LD>(lane);
 
     for (int kv_block = 0; kv_block < kv_end; ++kv_block) {
         const int kv_start = kv_block * BLOCK_N;
-        cp_async_wait_all();
+        cp_async_wait();
         __syncthreads();   // K_j (and Q) landed; every warp is done reading V_{j-1}
         async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(v_tile, v + kv_start * p.v_strides[1], p.v_strides[1], seqlen_k - kv_start, head_dim);
         cp_async_commit();
@@ -146,11 +92,11 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
             unsigned int a[M_TILES][4];
 #pragma unroll
             for (int m = 0; m < M_TILES; ++m)
-                ldmatrix_x4(a[m], q_tile + (warp_row + 16 * m + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD + kk * 16 + 8 * (lane >> 4));
+                ldmatrix_x4(a[m], q_lane + 2u * (16 * m * LD + kk * 16));
 #pragma unroll
             for (int j = 0; j < S_TILES; j += 2) {
                 unsigned int bfrag[4];   // {b0, b1} of key tile j, then of key tile j + 1
-                ldmatrix_x4(bfrag, k_tile + (j * 8 + (lane & 7) + 8 * (lane >> 4)) * LD + kk * 16 + 8 * ((lane >> 3) & 1));
+                ldmatrix_x4(bfrag, k_lane + 2u * (j * 8 * LD + kk * 16));
 #pragma unroll
                 for (int m = 0; m < M_TILES; ++m) {
                     Mma<T>::mma(s[m][j], a[m], bfrag);
@@ -159,7 +105,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
             }
         }
 
-        cp_async_wait_all();
+        cp_async_wait();
         __syncthreads();   // V_j landed; every warp is done reading K_j
         if (kv_block + 1 < kv_end) {
             const int next = kv_start + BLOCK_N;
@@ -171,15 +117,17 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
         const bool needs_mask = kv_start + BLOCK_N > seqlen_k ||
                                 (IS_CAUSAL && (long long)kv_start + BLOCK_N - 1 > (long long)q_start + causal_shift);
         if (needs_mask) {
+            // int arithmetic: keys and queries are < 2^30, so key - query and the shift fit.
+            const int diag = (int)causal_shift;
 #pragma unroll
             for (int m = 0; m < M_TILES; ++m)
 #pragma unroll
                 for (int j = 0; j < S_TILES; ++j)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const long long query = q_start + warp_row + 16 * m + g + 8 * (e >> 1);
-                        const long long key = kv_start + j * 8 + 2 * t + (e & 1);
-                        if (!key_visible(key, query, seqlen_k, causal_shift, IS_CAUSAL)) s[m][j][e] = FLASH_NEG_INF;
+                        const int query = q_start + warp_row + 16 * m + g + 8 * (e >> 1);
+                        const int key = kv_start + j * 8 + 2 * t + (e & 1);
+                        if (key >= seqlen_k || (IS_CAUSAL && key - query > diag)) s[m][j][e] = FLASH_NEG_INF;
                     }
         }
 
@@ -231,7 +179,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
 #pragma unroll
             for (int j = 0; j < O_TILES; j += 2) {
                 unsigned int bfrag[4];   // {b0, b1} of d tile j, then of d tile j + 1
-                ldmatrix_x4_trans(bfrag, v_tile + (kk * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD + j * 8 + 8 * (lane >> 4));
+                ldmatrix_x4_trans(bfrag, v_lane + 2u * (kk * 16 * LD + j * 8));
 #pragma unroll
                 for (int m = 0; m < M_TILES; ++m) {
                     Mma<T>::mma(o_acc[m][j], a[m], bfrag);
@@ -243,7 +191,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
 
     // Epilogue: normalise, write lse, stage O in the Q tile (each warp only its own rows, which
     // only it has read), then store rows in 16-byte vectors.
-    cp_async_wait_all();
+    cp_async_wait();
     __syncthreads();
     float* lse = p.lse + (b * p.heads + h) * p.seqlen_q;
 #pragma unroll

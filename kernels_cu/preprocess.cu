@@ -1,7 +1,12 @@
-// Backward preprocessing: delta = rowsum(dO * O) in float32, one value per (batch, head, query row).
+// Row kernels of the backward, one module per dtype for both the CUDA-core and tensor-core paths.
+//
+// Preprocessing: delta = rowsum(dO * O) in float32, one value per (batch, head, query row).
 // dS = P * (dP - delta) needs it for every key block, so it is computed once here rather than
-// re-derived inside the backward loop. When the atomic dQ path is used (p.dq_accum != null), the
-// same pass zeroes the float32 dQ accumulator row, saving a separate memset over the same rows.
+// re-derived inside the backward loop. When dQ is accumulated in float32 (p.dq_accum != null), the
+// same pass zeroes the accumulator row, saving a separate memset over the same rows. For the
+// tensor-core backward (p.lse_log2 != null) it also writes lse * log2(e) (+inf where lse = -inf,
+// so P = exp2(s * scale_log2 - lse_log2) is 0 on rows that see no key); the caller pre-fills the
+// padded rows [seqlen_q, delta_stride) of delta (0) and lse_log2 (+inf).
 //
 // One warp per (batch, row, head), visited in memory order of O so consecutive warps read
 // consecutive rows; each lane reads 16-byte vectors of dO and O.
@@ -24,12 +29,41 @@ __global__ void __launch_bounds__(256) flash_preprocess_kernel(const FlashParams
         }
 #pragma unroll
         for (int offset = 16; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-        if (lane == 0) p.delta[(b * p.heads + h) * p.seqlen_q + row] = dot;
+        if (lane == 0) {
+            const long long bh = b * p.heads + h;
+            p.delta[bh * p.delta_stride + row] = dot;
+            if (p.lse_log2 != nullptr) {
+                const float lse = p.lse[bh * p.seqlen_q + row];
+                p.lse_log2[bh * p.delta_stride + row] = lse == FLASH_NEG_INF ? -FLASH_NEG_INF : lse * FLASH_LOG2E;
+            }
+        }
         if (p.dq_accum != nullptr) {
             float* acc = p.dq_accum + tensor_offset(p.dq_accum_strides, b, row, h);
             for (int c = lane * 4; c < p.head_dim; c += 32 * 4) {
                 *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
             }
+        }
+    }
+}
+
+// dQ = softmax_scale * dq_accum, cast to T. One warp per (batch, row, head), 16-byte vectors.
+template <typename T>
+__global__ void __launch_bounds__(256) flash_dq_convert_kernel(const FlashParams p) {
+    constexpr int VEC = Vec<T>::N;
+    const int lane = threadIdx.x & 31;
+    for (long long r = first_row_of_warp(); r < p.batch * p.seqlen_q * p.heads; r += rows_per_grid()) {
+        const auto [b, row, h] = row_index(p, r);
+        const float* acc = p.dq_accum + tensor_offset(p.dq_accum_strides, b, row, h);
+        T* dq = static_cast<T*>(p.dq) + tensor_offset(p.dq_strides, b, row, h);
+        for (int c = lane * VEC; c < p.head_dim; c += 32 * VEC) {
+            float vals[VEC];
+#pragma unroll
+            for (int e = 0; e < VEC; e += 4) {
+                const float4 a = *reinterpret_cast<const float4*>(acc + c + e);
+                vals[e] = a.x * p.softmax_scale; vals[e + 1] = a.y * p.softmax_scale;
+                vals[e + 2] = a.z * p.softmax_scale; vals[e + 3] = a.w * p.softmax_scale;
+            }
+            *reinterpret_cast<uint4*>(dq + c) = pack(vals, T{});
         }
     }
 }

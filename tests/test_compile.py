@@ -9,7 +9,7 @@ import pytest
 from cupy_flash import _compile, _traits
 
 ARCHS = (80, 90)
-CASES = [(spec, arch) for spec in _compile.all_module_specs() for arch in ARCHS]
+CASES = [(spec, arch) for spec in _compile.all_module_specs() for arch in ARCHS if arch in spec.archs]
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +17,7 @@ def reports():
     return _compile.compile_all_offline(ARCHS)
 
 
-@pytest.mark.parametrize("spec,arch", CASES, ids=[f"{s.family}-{s.dtype}-{s.tile}-sm{a}" for s, a in CASES])
+@pytest.mark.parametrize("spec,arch", CASES, ids=[f"{s.family}-{s.dtype}-{s.tile}{'-' + s.target if s.target else ''}-sm{a}" for s, a in CASES])
 def test_instantiations_compile_without_spills(reports, spec, arch):
     report = reports[(spec, arch)]
     if isinstance(report, Exception):
@@ -49,8 +49,17 @@ def test_every_head_dim_maps_to_a_compiled_tile():
 
 @pytest.mark.parametrize("tile", _traits.HEAD_DIM_TILES)
 def test_shared_memory_fits_every_sm80_plus_part(tile):
-    for smem in (_traits.forward_smem_bytes(tile), _traits.forward_tc_smem_bytes(tile),
+    for smem in (_traits.forward_smem_bytes(tile), _traits.forward_tc_smem_bytes(tile, "sm8x"),
                  _traits.backward_smem_bytes(tile), _traits.backward_dq_smem_bytes(tile)):
         assert smem <= _traits.SMEM_LIMIT_BYTES
-    # The large-shared-memory table is only chosen where the device allows it.
-    assert _traits.forward_tc_smem_bytes(tile, large_smem=True) <= _traits.LARGE_SMEM_BYTES
+    # The other tables are only chosen where the device allows them.
+    for target, limit in _traits.TARGET_SMEM_BYTES.items():
+        assert _traits.forward_tc_smem_bytes(tile, target) <= limit
+        assert _traits.backward_tc_smem_bytes(tile, target) <= limit
+
+
+def test_tensor_core_target_follows_the_device():
+    assert _traits.tensor_core_target(90, 227 * 1024) == "sm90"
+    assert _traits.tensor_core_target(80, 163 * 1024) == "sm80"
+    assert _traits.tensor_core_target(86, 99 * 1024) == "sm8x"
+    assert _traits.tensor_core_target(89, 99 * 1024) == "sm8x"

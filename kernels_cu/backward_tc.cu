@@ -1,0 +1,319 @@
+// Tensor-core backward for float16 / bfloat16 (sm_80+): backward.cu's algorithm with the five
+// products on mma.sync.m16n8k16 (fp32 accumulation). With the scores taken transposed (keys as
+// rows, so each warp's rows are the key rows it also owns in dK and dV):
+//   S^T  = K Q^T                       P^T  = exp2(S^T * scale_log2 - lse_log2[query])
+//   dP^T = V dO^T                      dS^T = P^T * (dP^T - delta[query])
+//   dV  += P^T dO     dK += dS^T Q     dQ  += dS K        (dK and dQ times softmax_scale at the end)
+//
+// One block per (key block, batch, head), key block slowest in the grid (so under the causal mask
+// the blocks with the most query blocks start first). K and V stay in shared memory; the loop over
+// query blocks streams Q, dO and the row statistics with 16-byte cp.async, STAGES = 2 loading block
+// i+1 while block i computes. dK and dV accumulate in registers and are written once.
+//
+// Warps: NUM_WARPS = KEY_TILES x KEY_SPLITS with KEY_TILES = BLOCK_N / 16. Warp w owns key rows
+// 16 (w % KEY_TILES) .. +16; of those rows it computes S^T and dP^T for 1/KEY_SPLITS of the query
+// block, and dK, dV for 1/KEY_SPLITS of the head dim (KEY_SPLITS = 2 at d >= 160 keeps dK + dV at
+// 128 fp32 registers per thread). P^T and dS^T pass through shared memory (as T) between the two
+// splits; dQ = dS K reads dS^T there too, with its own split: warp w owns 16 query rows x
+// D / Q_SPLITS columns.
+//
+// dQ is added into the float32 dq_accum with red.global (2 floats per instruction on sm_90). With
+// p.dq_semaphore (deterministic mode) the key blocks of one (batch, head) add to each query block
+// strictly in key-block order, each waiting on a counter for its turn: the sum's order is fixed, so
+// the result is bitwise reproducible. A block only ever waits on blocks of lower grid index, which
+// the hardware dispatches first, so the wait cannot deadlock.
+
+__device__ __forceinline__ void red_add_f32x2(float* address, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(address), "f"(x), "f"(y) : "memory");
+#else
+    atomicAdd(address, x);
+    atomicAdd(address + 1, y);
+#endif
+}
+
+template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES, bool IS_CAUSAL>
+__global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(const FlashParams p) {
+    constexpr int THREADS = 32 * NUM_WARPS;
+    constexpr int LD = D_TILE + 8;            // K, V, Q, dO rows (padded: see forward_tc.cu)
+    constexpr int LDM = BLOCK_M + 8;          // P^T, dS^T rows (keys x queries)
+    constexpr int KEY_TILES = BLOCK_N / 16;
+    constexpr int KEY_SPLITS = NUM_WARPS / KEY_TILES;
+    constexpr int S_TILES = BLOCK_M / KEY_SPLITS / 8;    // n-tiles (8 queries) of S^T per warp
+    constexpr int KV_TILES = D_TILE / KEY_SPLITS / 8;    // n-tiles of dK and of dV per warp
+    constexpr int Q_TILES = BLOCK_M / 16;
+    constexpr int Q_SPLITS = NUM_WARPS / Q_TILES;
+    constexpr int DQ_TILES = D_TILE / Q_SPLITS / 8;      // n-tiles of dQ per warp
+    // Accumulators live beside dK + dV (4 * KV_TILES fp32 registers each) are capped at
+    // ACC_BUDGET per thread, by computing S^T / dP^T and dQ in passes over their columns; past
+    // that, ptxas's 255-register limit meant spills.
+    constexpr int ACC_BUDGET = 144;
+    constexpr int S_PASSES = 8 * KV_TILES + 8 * S_TILES <= ACC_BUDGET ? 1
+                           : 8 * KV_TILES + 4 * S_TILES <= ACC_BUDGET || S_TILES % 8 ? 2 : 4;
+    constexpr int S_PASS_TILES = S_TILES / S_PASSES;
+    constexpr int DQ_PASSES = 8 * KV_TILES + 4 * DQ_TILES <= ACC_BUDGET ? 1 : 2;
+    constexpr int DQ_PASS_TILES = (DQ_TILES / 2 + DQ_PASSES - 1) / DQ_PASSES * 2;   // whole pairs
+    static_assert(NUM_WARPS % KEY_TILES == 0 && NUM_WARPS % Q_TILES == 0, "warp layout");
+    static_assert(S_TILES % (2 * S_PASSES) == 0 && KV_TILES % 2 == 0 && DQ_TILES % 2 == 0, "ldmatrix.x4 loads n-tiles in pairs");
+    static_assert(STAGES == 1 || STAGES == 2, "stages");
+    constexpr unsigned int SMEM_BYTES = (2 * BLOCK_N * LD + 2 * STAGES * BLOCK_M * LD + 2 * BLOCK_N * LDM) * sizeof(T)
+                                        + 2 * STAGES * BLOCK_M * sizeof(float);
+    require_dynamic_smem(SMEM_BYTES);
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* k_tile = reinterpret_cast<T*>(smem_raw);         // [BLOCK_N][LD]
+    T* v_tile = k_tile + BLOCK_N * LD;                   // [BLOCK_N][LD]
+    T* q_tiles = v_tile + BLOCK_N * LD;                  // [STAGES][BLOCK_M][LD]
+    T* do_tiles = q_tiles + STAGES * BLOCK_M * LD;       // [STAGES][BLOCK_M][LD]
+    T* pt_tile = do_tiles + STAGES * BLOCK_M * LD;       // P^T  [BLOCK_N][LDM]
+    T* dst_tile = pt_tile + BLOCK_N * LDM;               // dS^T [BLOCK_N][LDM]
+    float* lse_tiles = reinterpret_cast<float*>(dst_tile + BLOCK_N * LDM);   // [STAGES][BLOCK_M]
+    float* delta_tiles = lse_tiles + STAGES * BLOCK_M;                       // [STAGES][BLOCK_M]
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
+    const long long bh_count = p.batch * p.heads;
+    const long long bh = blockIdx.x % bh_count;
+    const int kv_block = (int)(blockIdx.x / bh_count);
+    const long long b = bh / p.heads, h = bh % p.heads;
+    const int kv_start = kv_block * BLOCK_N;
+    const int causal_shift = (int)(p.seqlen_k - p.seqlen_q);   // |shift| < 2^30: int arithmetic is exact
+
+    // Query blocks that see any of these keys: under the causal mask, from the one holding the
+    // first query i with i + shift >= kv_start (every key is seen by the last query).
+    const int num_q_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
+    const int q_block_begin = IS_CAUSAL ? max(0, kv_start - causal_shift) / BLOCK_M : 0;
+
+    const T* q = static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, 0, h);
+    const T* dout = static_cast<const T*>(p.dout) + tensor_offset(p.dout_strides, b, 0, h);
+    const float* lse_log2 = p.lse_log2 + bh * p.delta_stride;
+    const float* delta = p.delta + bh * p.delta_stride;
+
+    auto load_query_block = [&](int q_block, int stage) {
+        const int q_start = q_block * BLOCK_M;
+        async_load_tile<T, BLOCK_M, D_TILE, LD, THREADS>(q_tiles + stage * BLOCK_M * LD, q + q_start * p.q_strides[1],
+                                                         p.q_strides[1], seqlen_q - q_start, head_dim);
+        async_load_tile<T, BLOCK_M, D_TILE, LD, THREADS>(do_tiles + stage * BLOCK_M * LD, dout + q_start * p.dout_strides[1],
+                                                         p.dout_strides[1], seqlen_q - q_start, head_dim);
+        // delta and lse_log2 rows are padded to a multiple of every BLOCK_M, so each chunk is whole.
+        constexpr int CHUNKS = BLOCK_M / 4;
+        for (int i = threadIdx.x; i < 2 * CHUNKS; i += THREADS) {
+            const bool is_delta = i >= CHUNKS;
+            const int c = (i - (is_delta ? CHUNKS : 0)) * 4;
+            cp_async_16(smem_addr((is_delta ? delta_tiles : lse_tiles) + stage * BLOCK_M + c),
+                        (is_delta ? delta : lse_log2) + q_start + c, true);
+        }
+    };
+
+    async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(k_tile, static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, kv_start, h),
+                                                     p.k_strides[1], seqlen_k - kv_start, head_dim);
+    async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(v_tile, static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, kv_start, h),
+                                                     p.v_strides[1], seqlen_k - kv_start, head_dim);
+    if (q_block_begin < num_q_blocks) load_query_block(q_block_begin, 0);
+    cp_async_commit();
+
+    // This warp's pieces of each product (see the header).
+    const int key_row = 16 * (warp % KEY_TILES);
+    const int s_col = (warp / KEY_TILES) * (BLOCK_M / KEY_SPLITS);
+    const int kv_col = (warp / KEY_TILES) * (D_TILE / KEY_SPLITS);
+    const int dq_row = 16 * (warp % Q_TILES);
+    const int dq_col = (warp / Q_TILES) * (D_TILE / Q_SPLITS);
+
+    // ldmatrix lane addresses (tensor_core.cuh): A of S^T / dP^T from K / V ([key][d]); B from Q / dO
+    // ([query][d] = [n][k]); A of dV / dK from P^T / dS^T ([key][query]); B of dV / dK from dO / Q
+    // ([query][d] = [k][n], trans); A of dQ = dS from dS^T ([key][query] = [k][m], trans); B of dQ
+    // from K ([key][d] = [k][n], trans). Q and dO addresses are relative to the stage's tile.
+    const unsigned int k_a = smem_addr(k_tile + key_row * LD) + a_frag_lane<LD>(lane);
+    const unsigned int v_a = smem_addr(v_tile + key_row * LD) + a_frag_lane<LD>(lane);
+    const unsigned int qdo_b = 2u * s_col * LD + b_frags_lane<LD>(lane);
+    const unsigned int pt_a = smem_addr(pt_tile + key_row * LDM) + a_frag_lane<LDM>(lane);
+    const unsigned int dst_a = smem_addr(dst_tile + key_row * LDM) + a_frag_lane<LDM>(lane);
+    const unsigned int qdo_bt = 2u * kv_col + b_frags_trans_lane<LD>(lane);
+    const unsigned int ds_at = smem_addr(dst_tile + dq_row) + a_frag_trans_lane<LDM>(lane);
+    const unsigned int k_bt = smem_addr(k_tile + dq_col) + b_frags_trans_lane<LD>(lane);
+
+    float dk_acc[KV_TILES][4], dv_acc[KV_TILES][4];
+#pragma unroll
+    for (int j = 0; j < KV_TILES; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk_acc[j][e] = dv_acc[j][e] = 0.f;
+
+    float* dq_accum = p.dq_accum + tensor_offset(p.dq_accum_strides, b, 0, h);
+    int* semaphores = p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + bh * num_q_blocks;
+
+    for (int q_block = q_block_begin, it = 0; q_block < num_q_blocks; ++q_block, ++it) {
+        const int stage = STAGES == 2 ? (it & 1) : 0;
+        const int q_start = q_block * BLOCK_M;
+        cp_async_wait<0>();
+        __syncthreads();   // this query block landed; every warp is done with the previous one's tiles
+        if (STAGES == 2 && q_block + 1 < num_q_blocks) load_query_block(q_block + 1, stage ^ 1);
+        cp_async_commit();
+
+        const unsigned int q_base = smem_addr(q_tiles + stage * BLOCK_M * LD);
+        const unsigned int do_base = smem_addr(do_tiles + stage * BLOCK_M * LD);
+        const float* lse_tile = lse_tiles + stage * BLOCK_M;
+        const float* delta_tile = delta_tiles + stage * BLOCK_M;
+
+        // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys x BLOCK_M / KEY_SPLITS queries, in
+        // S_PASSES passes over the queries (each pass: S_PASS_TILES n-tiles of S^T and of dP^T in
+        // registers beside the dK and dV accumulators), then P^T and dS^T to shared memory.
+        const bool needs_mask = kv_start + BLOCK_N > seqlen_k ||
+                                (IS_CAUSAL && kv_start + BLOCK_N - 1 > q_start + causal_shift);
+#pragma unroll 1
+        for (int pass = 0; pass < S_PASSES; ++pass) {
+            const int pass_col = s_col + pass * S_PASS_TILES * 8;
+            float s[S_PASS_TILES][4], dp[S_PASS_TILES][4];
+#pragma unroll
+            for (int j = 0; j < S_PASS_TILES; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < D_TILE / 16; ++kk) {
+                unsigned int a_k[4], a_v[4];
+                ldmatrix_x4(a_k, k_a + 2u * kk * 16);
+                ldmatrix_x4(a_v, v_a + 2u * kk * 16);
+#pragma unroll
+                for (int j = 0; j < S_PASS_TILES; j += 2) {
+                    unsigned int b_q[4], b_do[4];
+                    const unsigned int at = qdo_b + 2u * ((pass_col + j * 8) * LD + kk * 16);
+                    ldmatrix_x4(b_q, q_base + at);
+                    ldmatrix_x4(b_do, do_base + at);
+                    Mma<T>::mma(s[j], a_k, b_q);
+                    Mma<T>::mma(s[j + 1], a_k, b_q + 2);
+                    Mma<T>::mma(dp[j], a_v, b_do);
+                    Mma<T>::mma(dp[j + 1], a_v, b_do + 2);
+                }
+            }
+
+            // Masked only on blocks that cross the sequence end or the causal diagonal (rows past
+            // seqlen_q need no mask: their lse_log2 is +inf, so P = 0, and delta = 0).
+#pragma unroll
+            for (int j = 0; j < S_PASS_TILES; ++j) {
+                const int col = pass_col + j * 8 + 2 * t;
+                const float2 lse = *reinterpret_cast<const float2*>(lse_tile + col);
+                const float2 dsum = *reinterpret_cast<const float2*>(delta_tile + col);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float prob = exp2f(fmaf(s[j][e], p.scale_log2, -((e & 1) ? lse.y : lse.x)));
+                    if (needs_mask) {
+                        const int key = kv_start + key_row + g + 8 * (e >> 1);
+                        const int query = q_start + col + (e & 1);
+                        if (key >= seqlen_k || (IS_CAUSAL && key - query > causal_shift)) prob = 0.f;
+                    }
+                    s[j][e] = prob;
+                    dp[j][e] = prob * (dp[j][e] - ((e & 1) ? dsum.y : dsum.x));
+                }
+                // Row pitch LDM = BLOCK_M + 8 elements puts rows g = 0..7 in distinct 4-bank groups.
+                T* pt_row = pt_tile + (key_row + g) * LDM + col;
+                T* dst_row = dst_tile + (key_row + g) * LDM + col;
+                *reinterpret_cast<unsigned int*>(pt_row) = Mma<T>::pack(s[j][0], s[j][1]);
+                *reinterpret_cast<unsigned int*>(pt_row + 8 * LDM) = Mma<T>::pack(s[j][2], s[j][3]);
+                *reinterpret_cast<unsigned int*>(dst_row) = Mma<T>::pack(dp[j][0], dp[j][1]);
+                *reinterpret_cast<unsigned int*>(dst_row + 8 * LDM) = Mma<T>::pack(dp[j][2], dp[j][3]);
+            }
+        }
+        __syncthreads();   // P^T and dS^T complete
+
+        // dV += P^T dO and dK += dS^T Q for the warp's 16 keys x D / KEY_SPLITS columns.
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+            unsigned int a_p[4], a_ds[4];
+            ldmatrix_x4(a_p, pt_a + 2u * kk * 16);
+            ldmatrix_x4(a_ds, dst_a + 2u * kk * 16);
+#pragma unroll
+            for (int j = 0; j < KV_TILES; j += 2) {
+                unsigned int b_do[4], b_q[4];
+                ldmatrix_x4_trans(b_do, do_base + qdo_bt + 2u * (kk * 16 * LD + j * 8));
+                ldmatrix_x4_trans(b_q, q_base + qdo_bt + 2u * (kk * 16 * LD + j * 8));
+                Mma<T>::mma(dv_acc[j], a_p, b_do);
+                Mma<T>::mma(dv_acc[j + 1], a_p, b_do + 2);
+                Mma<T>::mma(dk_acc[j], a_ds, b_q);
+                Mma<T>::mma(dk_acc[j + 1], a_ds, b_q + 2);
+            }
+        }
+        if (STAGES == 1) {
+            __syncthreads();   // every warp is done with Q and dO: the next block may load under dQ
+            if (q_block + 1 < num_q_blocks) load_query_block(q_block + 1, 0);
+            cp_async_commit();
+        }
+
+        // dQ_block = dS K for the warp's 16 query rows x D / Q_SPLITS columns, added to dq_accum in
+        // DQ_PASSES passes over the columns (DQ_PASS_TILES n-tiles of accumulators each).
+        if (semaphores != nullptr) {   // deterministic: wait until key blocks 0 .. kv_block - 1 have added
+            if (threadIdx.x == 0) {
+                int done;
+                do {
+                    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(done) : "l"(semaphores + q_block) : "memory");
+                } while (done < kv_block);
+            }
+            __syncthreads();
+        }
+#pragma unroll 1
+        for (int pass = 0; pass < DQ_PASSES; ++pass) {
+            const int pass_tile = pass * DQ_PASS_TILES;
+            float dq[DQ_PASS_TILES][4];
+#pragma unroll
+            for (int j = 0; j < DQ_PASS_TILES; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dq[j][e] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+                unsigned int a_ds[4];
+                ldmatrix_x4_trans(a_ds, ds_at + 2u * kk * 16 * LDM);
+#pragma unroll
+                for (int j = 0; j < DQ_PASS_TILES; j += 2) {
+                    if (DQ_TILES % DQ_PASS_TILES == 0 || pass_tile + j < DQ_TILES) {
+                        unsigned int b_k[4];
+                        ldmatrix_x4_trans(b_k, k_bt + 2u * (kk * 16 * LD + (pass_tile + j) * 8));
+                        Mma<T>::mma(dq[j], a_ds, b_k);
+                        Mma<T>::mma(dq[j + 1], a_ds, b_k + 2);
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int query = q_start + dq_row + g + 8 * r;
+                if (query < seqlen_q) {
+                    float* row = dq_accum + query * p.dq_accum_strides[1];
+#pragma unroll
+                    for (int j = 0; j < DQ_PASS_TILES; ++j) {
+                        const int col = dq_col + (pass_tile + j) * 8 + 2 * t;
+                        if ((DQ_TILES % DQ_PASS_TILES == 0 || pass_tile + j < DQ_TILES) && col < head_dim)
+                            red_add_f32x2(row + col, dq[j][2 * r], dq[j][2 * r + 1]);
+                    }
+                }
+            }
+        }
+        if (semaphores != nullptr) {   // publish: this block's adds are visible before the count moves
+            __threadfence();
+            __syncthreads();
+            if (threadIdx.x == 0) atomicAdd(semaphores + q_block, 1);
+        }
+    }
+
+    // Epilogue: dK (times softmax_scale) and dV as T, staged through the K and V tiles (each warp
+    // writes only its own rows and columns), then stored in 16-byte vectors.
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < KV_TILES; ++j)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int at = (key_row + g + 8 * r) * LD + kv_col + j * 8 + 2 * t;
+            *reinterpret_cast<unsigned int*>(k_tile + at) = Mma<T>::pack(dk_acc[j][2 * r] * p.softmax_scale, dk_acc[j][2 * r + 1] * p.softmax_scale);
+            *reinterpret_cast<unsigned int*>(v_tile + at) = Mma<T>::pack(dv_acc[j][2 * r], dv_acc[j][2 * r + 1]);
+        }
+    __syncthreads();
+    T* dk = static_cast<T*>(p.dk) + tensor_offset(p.dk_strides, b, kv_start, h);
+    T* dv = static_cast<T*>(p.dv) + tensor_offset(p.dv_strides, b, kv_start, h);
+    constexpr int CHUNKS = D_TILE / 8;
+    for (int idx = threadIdx.x; idx < BLOCK_N * CHUNKS; idx += THREADS) {
+        const int r = idx / CHUNKS;
+        const int c = (idx % CHUNKS) * 8;
+        if (kv_start + r < seqlen_k && c < head_dim) {
+            *reinterpret_cast<uint4*>(dk + r * p.dk_strides[1] + c) = *reinterpret_cast<const uint4*>(k_tile + r * LD + c);
+            *reinterpret_cast<uint4*>(dv + r * p.dv_strides[1] + c) = *reinterpret_cast<const uint4*>(v_tile + r * LD + c);
+        }
+    }
+}
