@@ -192,10 +192,8 @@ def _tensor_core_target(device: int) -> str:
     import cupy
 
     runtime = cupy.cuda.runtime
-    major = runtime.deviceGetAttribute(runtime.cudaDevAttrComputeCapabilityMajor, device)
-    minor = runtime.deviceGetAttribute(runtime.cudaDevAttrComputeCapabilityMinor, device)
     smem = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device)
-    return _traits.tensor_core_target(10 * major + minor, smem)
+    return _traits.tensor_core_target(int(cupy.cuda.Device(device).compute_capability), smem)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
     // from K ([key][d] = [k][n], trans). Q and dO addresses are relative to the stage's tile.
     const unsigned int k_a = smem_addr(k_tile + key_row * LD) + a_frag_lane<LD>(lane);
     const unsigned int v_a = smem_addr(v_tile + key_row * LD) + a_frag_lane<LD>(lane);
-    const unsigned int qdo_b = 2u * s_col * LD + b_frags_lane<LD>(lane);
+    const unsigned int qdo_b = b_frags_lane<LD>(lane);   // + the pass's first query row
     const unsigned int pt_a = smem_addr(pt_tile + key_row * LDM) + a_frag_lane<LDM>(lane);
     const unsigned int dst_a = smem_addr(dst_tile + key_row * LDM) + a_frag_lane<LDM>(lane);
     const unsigned int qdo_bt = 2u * kv_col + b_frags_trans_lane<LD>(lane);
