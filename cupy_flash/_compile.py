@@ -91,9 +91,8 @@ class ModuleSpec:
                 f"{_flag(causal)}>")
 
     def backward_tc_kernel(self, causal: bool) -> str:
-        block_m, block_n, num_warps, stages = _traits.backward_tc_config(self.tile, self.target)
-        return (f"flash_backward_tc_kernel<{self.ctype}, {self.tile}, {block_m}, {block_n}, {num_warps}, "
-                f"{stages}, {_flag(causal)}>")
+        config = ", ".join(str(x) for x in _traits.backward_tc_config(self.tile, self.target))
+        return f"flash_backward_tc_kernel<{self.ctype}, {self.tile}, {config}, {_flag(causal)}>"
 
     def backward_kernel(self, causal: bool, atomic_dq: bool) -> str:
         block_m, block_n = _traits.BACKWARD_BLOCKS[self.tile]

@@ -63,30 +63,34 @@ def forward_tc_block_m(tile: int, target: str = "sm8x") -> int:
     return 16 * num_warps * m_tiles
 
 
-# Tensor-core backward (fp16/bf16): tile -> (block_m, block_n, num_warps, stages) per target.
-# block_n / 16 key tiles x key splits = num_warps (backward_tc.cu); each thread then holds dK + dV
-# accumulators of 16 keys x (d / key splits) columns: <= 128 fp32 registers. stages = 2 double-
-# buffers Q and dO where shared memory allows. First choice, FlashAttention-2's shapes: 64 x 128 of
-# 8 warps up to d=128 (128 x 128 at d <= 64), 64 x 64 of 8 warps above.
+# Tensor-core backward (fp16/bf16): tile -> (block_m, block_n, num_warps, stages, s_key_warps,
+# kv_key_warps) per target. The warps form an s_key_warps x rest grid over keys x queries for S^T
+# and dP^T, and a kv_key_warps x rest grid over keys x head dim for dK and dV (backward_tc.cu);
+# each thread's dK + dV accumulators stay <= 128 fp32 registers. stages = 2 double-buffers Q and
+# dO where shared memory allows. FlashAttention-2's shapes: 64 x 128 (128 x 128 at d <= 64) of
+# 8 warps with 32 x 32 score tiles and 32 x 64 dK/dV tiles per warp at d <= 128; 64 x 64 above.
 BACKWARD_TC_TARGETS = {
-    "sm8x": {32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 96: (32, 64, 4, 2), 128: (64, 64, 4, 1),
-             160: (32, 32, 4, 1), 192: (32, 32, 4, 1), 224: (32, 32, 4, 1), 256: (32, 32, 4, 1)},
-    "sm80": {32: (128, 128, 8, 2), 64: (128, 128, 8, 1), 96: (64, 128, 8, 2), 128: (64, 128, 8, 1),
-             160: (64, 64, 8, 2), 192: (64, 64, 8, 1), 224: (64, 64, 8, 1), 256: (64, 64, 8, 1)},
-    "sm90": {32: (128, 128, 8, 2), 64: (128, 128, 8, 2), 96: (64, 64, 8, 2), 128: (64, 128, 8, 2),
-             160: (64, 64, 8, 2), 192: (64, 64, 8, 2), 224: (64, 64, 8, 2), 256: (64, 64, 8, 2)},
+    "sm8x": {32: (64, 64, 4, 2, 2, 2), 64: (64, 64, 4, 2, 2, 2), 96: (32, 64, 4, 2, 2, 2),
+             128: (64, 64, 4, 1, 2, 2), 160: (32, 32, 4, 1, 2, 2), 192: (32, 32, 4, 1, 2, 2),
+             224: (32, 32, 4, 1, 2, 2), 256: (32, 32, 4, 1, 2, 2)},
+    "sm80": {32: (128, 128, 8, 2, 4, 8), 64: (64, 128, 8, 2, 4, 4), 96: (64, 64, 8, 2, 4, 4),
+             128: (64, 128, 8, 1, 4, 4), 160: (64, 64, 8, 2, 4, 4), 192: (64, 64, 8, 1, 4, 2),
+             224: (64, 64, 8, 1, 4, 4), 256: (64, 64, 8, 1, 4, 2)},
+    "sm90": {32: (128, 128, 8, 2, 4, 8), 64: (128, 128, 8, 2, 4, 4), 96: (64, 64, 8, 2, 4, 4),
+             128: (64, 128, 8, 2, 4, 4), 160: (64, 64, 8, 2, 4, 4), 192: (64, 64, 8, 2, 4, 2),
+             224: (64, 64, 8, 2, 4, 4), 256: (64, 64, 8, 1, 4, 2)},
 }
 # delta and lse_log2 rows are padded to a multiple of this (every block_m divides it).
 ROW_STAT_PADDING = 128
 
 
-def backward_tc_config(tile: int, target: str = "sm8x") -> tuple[int, int, int, int]:
-    """(block_m, block_n, num_warps, stages) of the tensor-core backward."""
+def backward_tc_config(tile: int, target: str = "sm8x") -> tuple[int, int, int, int, int, int]:
+    """(block_m, block_n, num_warps, stages, s_key_warps, kv_key_warps) of the tensor-core backward."""
     return BACKWARD_TC_TARGETS[target][tile]
 
 
 def backward_tc_smem_bytes(tile: int, target: str = "sm8x") -> int:
-    block_m, block_n, _, stages = backward_tc_config(tile, target)
+    block_m, block_n, _, stages, _, _ = backward_tc_config(tile, target)
     ld, ldm = tile + 8, block_m + 8
     return 2 * (2 * block_n * ld + 2 * stages * block_m * ld + 2 * block_n * ldm) + 4 * 2 * stages * block_m
 

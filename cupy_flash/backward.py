@@ -46,7 +46,7 @@ def _backward_tensor_core(do, q, k, v, o, lse, shape, scale, causal, determinist
     import cupy
 
     target = tensor_core_target()
-    block_m, block_n, num_warps, _ = _traits.backward_tc_config(shape.tile, target)
+    block_m, block_n, num_warps, *_ = _traits.backward_tc_config(shape.tile, target)
     bh = shape.batch * shape.heads
     padded = -(-shape.seqlen_q // _traits.ROW_STAT_PADDING) * _traits.ROW_STAT_PADDING
     # Row statistics padded per (batch, head): padded rows have delta 0 and lse_log2 +inf (P = 0).

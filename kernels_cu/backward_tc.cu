@@ -10,12 +10,13 @@
 // query blocks streams Q, dO and the row statistics with 16-byte cp.async, STAGES = 2 loading block
 // i+1 while block i computes. dK and dV accumulate in registers and are written once.
 //
-// Warps: NUM_WARPS = KEY_TILES x KEY_SPLITS with KEY_TILES = BLOCK_N / 16. Warp w owns key rows
-// 16 (w % KEY_TILES) .. +16; of those rows it computes S^T and dP^T for 1/KEY_SPLITS of the query
-// block, and dK, dV for 1/KEY_SPLITS of the head dim (KEY_SPLITS = 2 at d >= 160 keeps dK + dV at
-// 128 fp32 registers per thread). P^T and dS^T pass through shared memory (as T) between the two
-// splits; dQ = dS K reads dS^T there too, with its own split: warp w owns 16 query rows x
-// D / Q_SPLITS columns.
+// Warps: each product has its own warp grid, since P^T and dS^T pass through shared memory anyway
+// (as T). Scores: S_KEY_WARPS x (NUM_WARPS / S_KEY_WARPS) over keys x queries, each warp S_M
+// m-tiles (16 keys) x S_N n-tiles (8 queries). dK, dV: KV_KEY_WARPS x (NUM_WARPS / KV_KEY_WARPS)
+// over keys x head dim, each warp KV_M x KV_N tiles. dQ: (BLOCK_M / 16) x Q_SPLITS over queries x
+// head dim. Warp tiles of 32 x 32 or 32 x 64 rather than 16 rows load each ldmatrix fragment for
+// two mma's: with 16-row warp tiles the first version (0.53-0.75x FlashAttention-2) issued 0.75
+// ldmatrix.x4 per mma and was bound by shared-memory bandwidth.
 //
 // dQ is added into the float32 dq_accum with red.global (2 floats per instruction on sm_90). With
 // p.dq_semaphore (deterministic mode) the key blocks of one (batch, head) add to each query block
@@ -32,29 +33,29 @@ __device__ __forceinline__ void red_add_f32x2(float* address, float x, float y) 
 #endif
 }
 
-template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES, bool IS_CAUSAL>
+template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES, int S_KEY_WARPS, int KV_KEY_WARPS, bool IS_CAUSAL>
 __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(const FlashParams p) {
     constexpr int THREADS = 32 * NUM_WARPS;
     constexpr int LD = D_TILE + 8;            // K, V, Q, dO rows (padded: see forward_tc.cu)
     constexpr int LDM = BLOCK_M + 8;          // P^T, dS^T rows (keys x queries)
-    constexpr int KEY_TILES = BLOCK_N / 16;
-    constexpr int KEY_SPLITS = NUM_WARPS / KEY_TILES;
-    constexpr int S_TILES = BLOCK_M / KEY_SPLITS / 8;    // n-tiles (8 queries) of S^T per warp
-    constexpr int KV_TILES = D_TILE / KEY_SPLITS / 8;    // n-tiles of dK and of dV per warp
+    constexpr int S_M = BLOCK_N / S_KEY_WARPS / 16;                   // m-tiles (16 keys) of S^T per warp
+    constexpr int S_N = BLOCK_M / (NUM_WARPS / S_KEY_WARPS) / 8;       // n-tiles (8 queries) of S^T per warp
+    constexpr int KV_M = BLOCK_N / KV_KEY_WARPS / 16;                  // m-tiles of dK and of dV per warp
+    constexpr int KV_N = D_TILE / (NUM_WARPS / KV_KEY_WARPS) / 8;      // n-tiles of dK and of dV per warp
     constexpr int Q_TILES = BLOCK_M / 16;
     constexpr int Q_SPLITS = NUM_WARPS / Q_TILES;
     constexpr int DQ_TILES = D_TILE / Q_SPLITS / 8;      // n-tiles of dQ per warp
-    // Accumulators live beside dK + dV (4 * KV_TILES fp32 registers each) are capped at
-    // ACC_BUDGET per thread, by computing S^T / dP^T and dQ in passes over their columns; past
-    // that, ptxas's 255-register limit meant spills.
-    constexpr int ACC_BUDGET = 144;
-    constexpr int S_PASSES = 8 * KV_TILES + 8 * S_TILES <= ACC_BUDGET ? 1
-                           : 8 * KV_TILES + 4 * S_TILES <= ACC_BUDGET || S_TILES % 8 ? 2 : 4;
-    constexpr int S_PASS_TILES = S_TILES / S_PASSES;
-    constexpr int DQ_PASSES = 8 * KV_TILES + 4 * DQ_TILES <= ACC_BUDGET ? 1 : 2;
+    // Accumulators live beside dK + dV (4 * KV_M * KV_N fp32 registers each) are capped per
+    // thread by computing S^T / dP^T and dQ in passes over their columns; past these budgets,
+    // ptxas's 255-register limit meant spills in some instantiation.
+    constexpr int KV_REGS = 8 * KV_M * KV_N;
+    constexpr int S_PASSES = KV_REGS + 8 * S_M * S_N <= 192 || S_N % 4 ? 1 : 2;
+    constexpr int S_PASS_N = S_N / S_PASSES;
+    constexpr int DQ_PASSES = KV_REGS + 4 * DQ_TILES <= 160 ? 1 : 2;
     constexpr int DQ_PASS_TILES = (DQ_TILES / 2 + DQ_PASSES - 1) / DQ_PASSES * 2;   // whole pairs
-    static_assert(NUM_WARPS % KEY_TILES == 0 && NUM_WARPS % Q_TILES == 0, "warp layout");
-    static_assert(S_TILES % (2 * S_PASSES) == 0 && KV_TILES % 2 == 0 && DQ_TILES % 2 == 0, "ldmatrix.x4 loads n-tiles in pairs");
+    static_assert(S_M >= 1 && KV_M >= 1 && NUM_WARPS % S_KEY_WARPS == 0 && NUM_WARPS % KV_KEY_WARPS == 0 &&
+                  NUM_WARPS % Q_TILES == 0, "warp layout");
+    static_assert(S_PASS_N % 2 == 0 && KV_N % 2 == 0 && DQ_TILES % 2 == 0, "ldmatrix.x4 loads n-tiles in pairs");
     static_assert(STAGES == 1 || STAGES == 2, "stages");
     constexpr unsigned int SMEM_BYTES = (2 * BLOCK_N * LD + 2 * STAGES * BLOCK_M * LD + 2 * BLOCK_N * LDM) * sizeof(T)
                                         + 2 * STAGES * BLOCK_M * sizeof(float);
@@ -114,9 +115,10 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
     cp_async_commit();
 
     // This warp's pieces of each product (see the header).
-    const int key_row = 16 * (warp % KEY_TILES);
-    const int s_col = (warp / KEY_TILES) * (BLOCK_M / KEY_SPLITS);
-    const int kv_col = (warp / KEY_TILES) * (D_TILE / KEY_SPLITS);
+    const int s_key = 16 * S_M * (warp % S_KEY_WARPS);
+    const int s_col = 8 * S_N * (warp / S_KEY_WARPS);
+    const int kv_key = 16 * KV_M * (warp % KV_KEY_WARPS);
+    const int kv_col = 8 * KV_N * (warp / KV_KEY_WARPS);
     const int dq_row = 16 * (warp % Q_TILES);
     const int dq_col = (warp / Q_TILES) * (D_TILE / Q_SPLITS);
 
@@ -124,20 +126,22 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
     // ([query][d] = [n][k]); A of dV / dK from P^T / dS^T ([key][query]); B of dV / dK from dO / Q
     // ([query][d] = [k][n], trans); A of dQ = dS from dS^T ([key][query] = [k][m], trans); B of dQ
     // from K ([key][d] = [k][n], trans). Q and dO addresses are relative to the stage's tile.
-    const unsigned int k_a = smem_addr(k_tile + key_row * LD) + a_frag_lane<LD>(lane);
-    const unsigned int v_a = smem_addr(v_tile + key_row * LD) + a_frag_lane<LD>(lane);
+    const unsigned int k_a = smem_addr(k_tile + s_key * LD) + a_frag_lane<LD>(lane);
+    const unsigned int v_a = smem_addr(v_tile + s_key * LD) + a_frag_lane<LD>(lane);
     const unsigned int qdo_b = b_frags_lane<LD>(lane);   // + the pass's first query row
-    const unsigned int pt_a = smem_addr(pt_tile + key_row * LDM) + a_frag_lane<LDM>(lane);
-    const unsigned int dst_a = smem_addr(dst_tile + key_row * LDM) + a_frag_lane<LDM>(lane);
+    const unsigned int pt_a = smem_addr(pt_tile + kv_key * LDM) + a_frag_lane<LDM>(lane);
+    const unsigned int dst_a = smem_addr(dst_tile + kv_key * LDM) + a_frag_lane<LDM>(lane);
     const unsigned int qdo_bt = 2u * kv_col + b_frags_trans_lane<LD>(lane);
     const unsigned int ds_at = smem_addr(dst_tile + dq_row) + a_frag_trans_lane<LDM>(lane);
     const unsigned int k_bt = smem_addr(k_tile + dq_col) + b_frags_trans_lane<LD>(lane);
 
-    float dk_acc[KV_TILES][4], dv_acc[KV_TILES][4];
+    float dk_acc[KV_M][KV_N][4], dv_acc[KV_M][KV_N][4];
 #pragma unroll
-    for (int j = 0; j < KV_TILES; ++j)
+    for (int m = 0; m < KV_M; ++m)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dk_acc[j][e] = dv_acc[j][e] = 0.f;
+        for (int j = 0; j < KV_N; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dk_acc[m][j][e] = dv_acc[m][j][e] = 0.f;
 
     float* dq_accum = p.dq_accum + tensor_offset(p.dq_accum_strides, b, 0, h);
     int* semaphores = p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + bh * num_q_blocks;
@@ -155,81 +159,97 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
         const float* lse_tile = lse_tiles + stage * BLOCK_M;
         const float* delta_tile = delta_tiles + stage * BLOCK_M;
 
-        // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys x BLOCK_M / KEY_SPLITS queries, in
-        // S_PASSES passes over the queries (each pass: S_PASS_TILES n-tiles of S^T and of dP^T in
-        // registers beside the dK and dV accumulators), then P^T and dS^T to shared memory.
+        // S^T = K Q^T and dP^T = V dO^T for the warp's tile, in S_PASSES passes over its queries,
+        // then P^T and dS^T to shared memory.
         const bool needs_mask = kv_start + BLOCK_N > seqlen_k ||
                                 (IS_CAUSAL && kv_start + BLOCK_N - 1 > q_start + causal_shift);
 #pragma unroll 1
         for (int pass = 0; pass < S_PASSES; ++pass) {
-            const int pass_col = s_col + pass * S_PASS_TILES * 8;
-            float s[S_PASS_TILES][4], dp[S_PASS_TILES][4];
+            const int pass_col = s_col + pass * S_PASS_N * 8;
+            float s[S_M][S_PASS_N][4], dp[S_M][S_PASS_N][4];
 #pragma unroll
-            for (int j = 0; j < S_PASS_TILES; ++j)
+            for (int m = 0; m < S_M; ++m)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+                for (int j = 0; j < S_PASS_N; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[m][j][e] = dp[m][j][e] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < D_TILE / 16; ++kk) {
-                unsigned int a_k[4], a_v[4];
-                ldmatrix_x4(a_k, k_a + 2u * kk * 16);
-                ldmatrix_x4(a_v, v_a + 2u * kk * 16);
+                unsigned int a_k[S_M][4], a_v[S_M][4];
 #pragma unroll
-                for (int j = 0; j < S_PASS_TILES; j += 2) {
+                for (int m = 0; m < S_M; ++m) {
+                    ldmatrix_x4(a_k[m], k_a + 2u * (16 * m * LD + kk * 16));
+                    ldmatrix_x4(a_v[m], v_a + 2u * (16 * m * LD + kk * 16));
+                }
+#pragma unroll
+                for (int j = 0; j < S_PASS_N; j += 2) {
                     unsigned int b_q[4], b_do[4];
                     const unsigned int at = qdo_b + 2u * ((pass_col + j * 8) * LD + kk * 16);
                     ldmatrix_x4(b_q, q_base + at);
                     ldmatrix_x4(b_do, do_base + at);
-                    Mma<T>::mma(s[j], a_k, b_q);
-                    Mma<T>::mma(s[j + 1], a_k, b_q + 2);
-                    Mma<T>::mma(dp[j], a_v, b_do);
-                    Mma<T>::mma(dp[j + 1], a_v, b_do + 2);
+#pragma unroll
+                    for (int m = 0; m < S_M; ++m) {
+                        Mma<T>::mma(s[m][j], a_k[m], b_q);
+                        Mma<T>::mma(s[m][j + 1], a_k[m], b_q + 2);
+                        Mma<T>::mma(dp[m][j], a_v[m], b_do);
+                        Mma<T>::mma(dp[m][j + 1], a_v[m], b_do + 2);
+                    }
                 }
             }
 
             // Masked only on blocks that cross the sequence end or the causal diagonal (rows past
             // seqlen_q need no mask: their lse_log2 is +inf, so P = 0, and delta = 0).
 #pragma unroll
-            for (int j = 0; j < S_PASS_TILES; ++j) {
+            for (int j = 0; j < S_PASS_N; ++j) {
                 const int col = pass_col + j * 8 + 2 * t;
                 const float2 lse = *reinterpret_cast<const float2*>(lse_tile + col);
                 const float2 dsum = *reinterpret_cast<const float2*>(delta_tile + col);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float prob = exp2f(fmaf(s[j][e], p.scale_log2, -((e & 1) ? lse.y : lse.x)));
-                    if (needs_mask) {
-                        const int key = kv_start + key_row + g + 8 * (e >> 1);
-                        const int query = q_start + col + (e & 1);
-                        if (key >= seqlen_k || (IS_CAUSAL && key - query > causal_shift)) prob = 0.f;
+                for (int m = 0; m < S_M; ++m) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        float prob = exp2f(fmaf(s[m][j][e], p.scale_log2, -((e & 1) ? lse.y : lse.x)));
+                        if (needs_mask) {
+                            const int key = kv_start + s_key + 16 * m + g + 8 * (e >> 1);
+                            const int query = q_start + col + (e & 1);
+                            if (key >= seqlen_k || (IS_CAUSAL && key - query > causal_shift)) prob = 0.f;
+                        }
+                        s[m][j][e] = prob;
+                        dp[m][j][e] = prob * (dp[m][j][e] - ((e & 1) ? dsum.y : dsum.x));
                     }
-                    s[j][e] = prob;
-                    dp[j][e] = prob * (dp[j][e] - ((e & 1) ? dsum.y : dsum.x));
+                    // Row pitch LDM = BLOCK_M + 8 elements puts rows g = 0..7 in distinct 4-bank groups.
+                    T* pt_row = pt_tile + (s_key + 16 * m + g) * LDM + col;
+                    T* dst_row = dst_tile + (s_key + 16 * m + g) * LDM + col;
+                    *reinterpret_cast<unsigned int*>(pt_row) = Mma<T>::pack(s[m][j][0], s[m][j][1]);
+                    *reinterpret_cast<unsigned int*>(pt_row + 8 * LDM) = Mma<T>::pack(s[m][j][2], s[m][j][3]);
+                    *reinterpret_cast<unsigned int*>(dst_row) = Mma<T>::pack(dp[m][j][0], dp[m][j][1]);
+                    *reinterpret_cast<unsigned int*>(dst_row + 8 * LDM) = Mma<T>::pack(dp[m][j][2], dp[m][j][3]);
                 }
-                // Row pitch LDM = BLOCK_M + 8 elements puts rows g = 0..7 in distinct 4-bank groups.
-                T* pt_row = pt_tile + (key_row + g) * LDM + col;
-                T* dst_row = dst_tile + (key_row + g) * LDM + col;
-                *reinterpret_cast<unsigned int*>(pt_row) = Mma<T>::pack(s[j][0], s[j][1]);
-                *reinterpret_cast<unsigned int*>(pt_row + 8 * LDM) = Mma<T>::pack(s[j][2], s[j][3]);
-                *reinterpret_cast<unsigned int*>(dst_row) = Mma<T>::pack(dp[j][0], dp[j][1]);
-                *reinterpret_cast<unsigned int*>(dst_row + 8 * LDM) = Mma<T>::pack(dp[j][2], dp[j][3]);
             }
         }
         __syncthreads();   // P^T and dS^T complete
 
-        // dV += P^T dO and dK += dS^T Q for the warp's 16 keys x D / KEY_SPLITS columns.
+        // dV += P^T dO and dK += dS^T Q for the warp's KV_M x KV_N tiles.
 #pragma unroll
         for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-            unsigned int a_p[4], a_ds[4];
-            ldmatrix_x4(a_p, pt_a + 2u * kk * 16);
-            ldmatrix_x4(a_ds, dst_a + 2u * kk * 16);
+            unsigned int a_p[KV_M][4], a_ds[KV_M][4];
 #pragma unroll
-            for (int j = 0; j < KV_TILES; j += 2) {
+            for (int m = 0; m < KV_M; ++m) {
+                ldmatrix_x4(a_p[m], pt_a + 2u * (16 * m * LDM + kk * 16));
+                ldmatrix_x4(a_ds[m], dst_a + 2u * (16 * m * LDM + kk * 16));
+            }
+#pragma unroll
+            for (int j = 0; j < KV_N; j += 2) {
                 unsigned int b_do[4], b_q[4];
                 ldmatrix_x4_trans(b_do, do_base + qdo_bt + 2u * (kk * 16 * LD + j * 8));
                 ldmatrix_x4_trans(b_q, q_base + qdo_bt + 2u * (kk * 16 * LD + j * 8));
-                Mma<T>::mma(dv_acc[j], a_p, b_do);
-                Mma<T>::mma(dv_acc[j + 1], a_p, b_do + 2);
-                Mma<T>::mma(dk_acc[j], a_ds, b_q);
-                Mma<T>::mma(dk_acc[j + 1], a_ds, b_q + 2);
+#pragma unroll
+                for (int m = 0; m < KV_M; ++m) {
+                    Mma<T>::mma(dv_acc[m][j], a_p[m], b_do);
+                    Mma<T>::mma(dv_acc[m][j + 1], a_p[m], b_do + 2);
+                    Mma<T>::mma(dk_acc[m][j], a_ds[m], b_q);
+                    Mma<T>::mma(dk_acc[m][j + 1], a_ds[m], b_q + 2);
+                }
             }
         }
         if (STAGES == 1) {
@@ -297,13 +317,16 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
     cp_async_wait<0>();
     __syncthreads();
 #pragma unroll
-    for (int j = 0; j < KV_TILES; ++j)
+    for (int m = 0; m < KV_M; ++m)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int at = (key_row + g + 8 * r) * LD + kv_col + j * 8 + 2 * t;
-            *reinterpret_cast<unsigned int*>(k_tile + at) = Mma<T>::pack(dk_acc[j][2 * r] * p.softmax_scale, dk_acc[j][2 * r + 1] * p.softmax_scale);
-            *reinterpret_cast<unsigned int*>(v_tile + at) = Mma<T>::pack(dv_acc[j][2 * r], dv_acc[j][2 * r + 1]);
-        }
+        for (int j = 0; j < KV_N; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int at = (kv_key + 16 * m + g + 8 * r) * LD + kv_col + j * 8 + 2 * t;
+                *reinterpret_cast<unsigned int*>(k_tile + at) =
+                    Mma<T>::pack(dk_acc[m][j][2 * r] * p.softmax_scale, dk_acc[m][j][2 * r + 1] * p.softmax_scale);
+                *reinterpret_cast<unsigned int*>(v_tile + at) = Mma<T>::pack(dv_acc[m][j][2 * r], dv_acc[m][j][2 * r + 1]);
+            }
     __syncthreads();
     T* dk = static_cast<T*>(p.dk) + tensor_offset(p.dk_strides, b, kv_start, h);
     T* dv = static_cast<T*>(p.dv) + tensor_offset(p.dv_strides, b, kv_start, h);
