@@ -59,12 +59,9 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_kernel(const 
 
     const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3;
     const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
-    const long long bh_count = p.batch * p.heads;
-    const long long bh = blockIdx.x % bh_count;
-    // Causal: the first key blocks are seen by the most query blocks, and are handed out first.
-    const int kv_block = (int)(blockIdx.x / bh_count);
-    const long long b = bh / p.heads, h = bh % p.heads;
-    const int kv_start = kv_block * BLOCK_N;
+    const KeyBlock block = key_block_of(p);
+    const long long b = block.b, h = block.h;
+    const int kv_start = block.kv_block * BLOCK_N;
     const long long causal_shift = p.seqlen_k - p.seqlen_q;
 
     load_tile<T, BLOCK_N, D_TILE, LD>(k_tile, static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, kv_start, h), p.k_strides[1], seqlen_k - kv_start, head_dim);

@@ -74,10 +74,9 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
-    const long long bh_count = p.batch * p.heads;
-    const long long bh = blockIdx.x % bh_count;
-    const int kv_block = (int)(blockIdx.x / bh_count);
-    const long long b = bh / p.heads, h = bh % p.heads;
+    const KeyBlock block = key_block_of(p);
+    const long long b = block.b, h = block.h, bh = block.bh;
+    const int kv_block = block.kv_block;
     const int kv_start = kv_block * BLOCK_N;
     const int causal_shift = (int)(p.seqlen_k - p.seqlen_q);   // |shift| < 2^30: int arithmetic is exact
 

@@ -201,6 +201,18 @@ __device__ __forceinline__ QueryBlock query_block_of(const FlashParams& p, int b
     return {num_q_blocks - 1 - (int)(blockIdx.x / bh_count), bh / p.heads, bh % p.heads};
 }
 
+// Key-block kernels (backward): index i is key block i / (batch * heads), (batch, head) fastest, so
+// the first key blocks, which under the causal mask are seen by the most query blocks, start first.
+struct KeyBlock {
+    int kv_block;
+    long long b, h, bh;   // bh = b * heads + h
+};
+__device__ __forceinline__ KeyBlock key_block_of(const FlashParams& p) {
+    const long long bh_count = p.batch * p.heads;
+    const long long bh = blockIdx.x % bh_count;
+    return {(int)(blockIdx.x / bh_count), bh / p.heads, bh % p.heads, bh};
+}
+
 // Number of key blocks a query block starting at q_start visits: all of them, or under the causal
 // mask only up to the one holding its last row's last visible key (0 if that row sees none).
 __device__ __forceinline__ int kv_blocks_for(const FlashParams& p, int q_start, int block_m, int block_n, bool is_causal) {
