@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_kernel(const 
 
     const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3;
     const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
-    const KeyBlock block = key_block_of(p);
+    const KeyBlock block = key_block_of(p, false);
     const long long b = block.b, h = block.h;
     const int kv_start = block.kv_block * BLOCK_N;
     const long long causal_shift = p.seqlen_k - p.seqlen_q;

@@ -22,7 +22,10 @@
 // p.dq_semaphore (deterministic mode) the key blocks of one (batch, head) add to each query block
 // strictly in key-block order, each waiting on a counter for its turn: the sum's order is fixed, so
 // the result is bitwise reproducible. A block only ever waits on blocks of lower grid index, which
-// the hardware dispatches first, so the wait cannot deadlock.
+// the hardware dispatches first, so the wait cannot deadlock. A block publishes its adds to query
+// block i one iteration late, just before its own turn at block i + 1: by then the reds have
+// drained, so the fence costs little. Publishing right after the adds (every thread fencing) made
+// deterministic mode 1.14-1.53x the atomic path; the fence stalled every warp on the reds' latency.
 
 __device__ __forceinline__ void red_add_f32x2(float* address, float x, float y) {
 #if __CUDA_ARCH__ >= 900
@@ -31,6 +34,21 @@ __device__ __forceinline__ void red_add_f32x2(float* address, float x, float y) 
     atomicAdd(address, x);
     atomicAdd(address + 1, y);
 #endif
+}
+
+// Called by one thread after a __syncthreads() that follows the block's adds: the barrier orders
+// every thread's reds before this thread's fence, and the fence (cumulative) before the count moves
+// (the pattern of cooperative groups' grid barrier).
+__device__ __forceinline__ void publish_dq(int* semaphore) {
+    __threadfence();
+    atomicAdd(semaphore, 1);
+}
+
+// The first query block that sees any key of kv_block: under the causal mask, the one holding the
+// first query i with i + seqlen_k - seqlen_q >= the block's first key (the last query sees every key).
+template <int BLOCK_M, int BLOCK_N, bool IS_CAUSAL>
+__device__ __forceinline__ int first_q_block(const FlashParams& p, int kv_block) {
+    return IS_CAUSAL ? max(0, kv_block * BLOCK_N - (int)(p.seqlen_k - p.seqlen_q)) / BLOCK_M : 0;
 }
 
 template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES, int S_KEY_WARPS, int KV_KEY_WARPS, bool IS_CAUSAL>
@@ -74,16 +92,15 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
-    const KeyBlock block = key_block_of(p);
+    const KeyBlock block = key_block_of(p, p.dq_semaphore == nullptr);
     const long long b = block.b, h = block.h, bh = block.bh;
     const int kv_block = block.kv_block;
     const int kv_start = kv_block * BLOCK_N;
     const int causal_shift = (int)(p.seqlen_k - p.seqlen_q);   // |shift| < 2^30: int arithmetic is exact
 
-    // Query blocks that see any of these keys: under the causal mask, from the one holding the
-    // first query i with i + shift >= kv_start (every key is seen by the last query).
+    // Query blocks that see any of these keys (first_q_block).
     const int num_q_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
-    const int q_block_begin = IS_CAUSAL ? max(0, kv_start - causal_shift) / BLOCK_M : 0;
+    const int q_block_begin = first_q_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(p, kv_block);
 
     const T* q = static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, 0, h);
     const T* dout = static_cast<const T*>(p.dout) + tensor_offset(p.dout_strides, b, 0, h);
@@ -144,6 +161,10 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
 
     float* dq_accum = p.dq_accum + tensor_offset(p.dq_accum_strides, b, 0, h);
     int* semaphores = p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + bh * num_q_blocks;
+    // Deterministic mode, thread 0 only: the query block whose adds are not yet published. Kept in
+    // shared memory: as a register, live through the loop, it spilled 4-8 bytes at d=256.
+    __shared__ int unpublished_q_block;
+    if (threadIdx.x == 0) unpublished_q_block = -1;
 
     for (int q_block = q_block_begin, it = 0; q_block < num_q_blocks; ++q_block, ++it) {
         const int stage = STAGES == 2 ? (it & 1) : 0;
@@ -259,8 +280,9 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
 
         // dQ_block = dS K for the warp's 16 query rows x D / Q_SPLITS columns, added to dq_accum in
         // DQ_PASSES passes over the columns (DQ_PASS_TILES n-tiles of accumulators each).
-        if (semaphores != nullptr) {   // deterministic: wait until key blocks 0 .. kv_block - 1 have added
+        if (semaphores != nullptr) {   // publish the previous block, wait for this one's turn
             if (threadIdx.x == 0) {
+                if (q_block > q_block_begin) publish_dq(semaphores + q_block - 1);
                 int done;
                 do {
                     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(done) : "l"(semaphores + q_block) : "memory");
@@ -304,11 +326,13 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
                 }
             }
         }
-        if (semaphores != nullptr) {   // publish: this block's adds are visible before the count moves
-            __threadfence();
-            __syncthreads();
-            if (threadIdx.x == 0) atomicAdd(semaphores + q_block, 1);
-        }
+    }
+    if (semaphores != nullptr) {
+        __syncthreads();
+        const int last_q_block = (int)((p.seqlen_q + BLOCK_M - 1) / BLOCK_M) - 1;
+        const KeyBlock again = key_block_of(p, false);
+        if (threadIdx.x == 0 && first_q_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(p, again.kv_block) <= last_q_block)
+            publish_dq(p.dq_semaphore + again.bh * (last_q_block + 1) + last_q_block);
     }
 
     // Epilogue: dK (times softmax_scale) and dV as T, staged through the K and V tiles (each warp
@@ -327,6 +351,8 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
                 *reinterpret_cast<unsigned int*>(v_tile + at) = Mma<T>::pack(dv_acc[m][j][2 * r], dv_acc[m][j][2 * r + 1]);
             }
     __syncthreads();
+    // One loop for both tiles rather than store_staged_tile twice: with two loops, ptxas (at 255
+    // registers in this kernel) spilled 8-12 bytes at d=160 and d=224 on sm_90.
     T* dk = static_cast<T*>(p.dk) + tensor_offset(p.dk_strides, b, kv_start, h);
     T* dv = static_cast<T*>(p.dv) + tensor_offset(p.dv_strides, b, kv_start, h);
     constexpr int CHUNKS = D_TILE / 8;

@@ -201,16 +201,31 @@ __device__ __forceinline__ QueryBlock query_block_of(const FlashParams& p, int b
     return {num_q_blocks - 1 - (int)(blockIdx.x / bh_count), bh / p.heads, bh % p.heads};
 }
 
-// Key-block kernels (backward): index i is key block i / (batch * heads), (batch, head) fastest, so
-// the first key blocks, which under the causal mask are seen by the most query blocks, start first.
+// Key-block kernels (backward), one block per (key block, batch, head), in one of two orders:
+//  - kv_block_fastest: index i is key block i % num_kv_blocks of (batch, head) i / num_kv_blocks.
+//    The blocks resident together belong to one or two heads and stream the same Q, dO and dQ rows,
+//    which then stay in L2 (FlashAttention-2's order). With (batch, head) fastest, an 8k d=128
+//    backward read 7x more from DRAM (L2 hit rate 81% against 94%).
+//  - otherwise (batch, head) fastest: index i is key block i / (batch * heads), so blocks wait only
+//    on lower key blocks of their head that are dispatched earlier and few of them are resident at
+//    once (the deterministic backward's ordered dQ adds need both).
 struct KeyBlock {
     int kv_block;
     long long b, h, bh;   // bh = b * heads + h
 };
-__device__ __forceinline__ KeyBlock key_block_of(const FlashParams& p) {
+__device__ __forceinline__ KeyBlock key_block_of(const FlashParams& p, bool kv_block_fastest) {
     const long long bh_count = p.batch * p.heads;
-    const long long bh = blockIdx.x % bh_count;
-    return {(int)(blockIdx.x / bh_count), bh / p.heads, bh % p.heads, bh};
+    long long bh;
+    int kv_block;
+    if (kv_block_fastest) {
+        const long long num_kv_blocks = gridDim.x / bh_count;
+        bh = blockIdx.x / num_kv_blocks;
+        kv_block = (int)(blockIdx.x % num_kv_blocks);
+    } else {
+        bh = blockIdx.x % bh_count;
+        kv_block = (int)(blockIdx.x / bh_count);
+    }
+    return {kv_block, bh / p.heads, bh % p.heads, bh};
 }
 
 // Number of key blocks a query block starting at q_start visits: all of them, or under the causal

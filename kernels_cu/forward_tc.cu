@@ -215,13 +215,6 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
             }
         }
     __syncthreads();
-    T* o = static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, q_start, h);
-    constexpr int CHUNKS = D_TILE / 8;
-    for (int idx = threadIdx.x; idx < BLOCK_M * CHUNKS; idx += THREADS) {
-        const int r = idx / CHUNKS;
-        const int c = (idx % CHUNKS) * 8;
-        if (q_start + r < seqlen_q && c < head_dim) {
-            *reinterpret_cast<uint4*>(o + r * p.o_strides[1] + c) = *reinterpret_cast<const uint4*>(q_tile + r * LD + c);
-        }
-    }
+    store_staged_tile<T, BLOCK_M, D_TILE, LD, THREADS>(static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, q_start, h),
+                                                       p.o_strides[1], q_tile, seqlen_q - q_start, head_dim);
 }

@@ -76,6 +76,20 @@ __device__ __forceinline__ void async_load_tile(T* tile, const T* base, long lon
     }
 }
 
+// Store rows [0, rows_valid) and columns [0, head_dim) of a (ROWS x D_TILE) shared-memory tile
+// (pitch LD elements) to global memory in 16-byte vectors, consecutive threads taking consecutive
+// chunks of a row (the epilogues stage their register results this way for coalesced stores).
+template <typename T, int ROWS, int D_TILE, int LD, int THREADS>
+__device__ __forceinline__ void store_staged_tile(T* base, long long row_stride, const T* tile, int rows_valid, int head_dim) {
+    constexpr int CHUNKS = D_TILE / 8;
+    for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
+        const int r = idx / CHUNKS;
+        const int c = (idx % CHUNKS) * 8;
+        if (r < rows_valid && c < head_dim)
+            *reinterpret_cast<uint4*>(base + r * row_stride + c) = *reinterpret_cast<const uint4*>(tile + r * LD + c);
+    }
+}
+
 // Lane addresses for ldmatrix.x4 (byte offsets into a tile of 2-byte elements with pitch LD).
 // Fragments of mma.m16n8k16 (PTX ISA; lane = 4g + t): A (16x16, m x k) regs hold rows g / g+8 and
 // columns 2t, 2t+1 / +8; B (16x8, k x n) regs hold k = 2t, 2t+1 / +8 and column g.

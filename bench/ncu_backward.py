@@ -1,0 +1,48 @@
+"""One backward of ours and one of PyTorch SDPA's FlashAttention-2 on the same data, for Nsight
+Compute to profile side by side (each runs twice first, untraced by the filter below, to compile):
+
+    ncu --kernel-name regex:"flash_backward_tc|flash_bwd_dq_dk_dv" --launch-skip 2 --launch-count 2 \\
+        --section SpeedOfLight --section WarpStateStats --section InstructionStats \\
+        python bench/ncu_backward.py --head-dim 128 --seqlen 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import cupy
+
+import cupy_flash
+from bench.attention import DTYPES, make_sets, to_torch
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--seqlen", type=int, default=8192)
+    parser.add_argument("--causal", type=int, default=0, choices=[0, 1])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--features", type=int, default=2048)
+    args = parser.parse_args()
+
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    batch, heads = max(1, args.tokens // args.seqlen), args.features // args.head_dim
+    q, k, v, do = make_sets(batch, args.seqlen, heads, args.head_dim, DTYPES[args.dtype], 1)[0]
+    causal = bool(args.causal)
+    o, lse = cupy_flash.flash_forward(q, k, v, causal=causal)
+    tq, tk, tv, tdo = (to_torch(torch, x).transpose(1, 2) for x in (q, k, v, do))
+    tq, tk, tv = (x.detach().requires_grad_() for x in (tq, tk, tv))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+    for _ in range(3):   # the first two compile and warm up; the profiler skips them
+        cupy_flash.flash_backward(do, q, k, v, o, lse, causal=causal)
+        torch.autograd.grad(out, (tq, tk, tv), tdo, retain_graph=True)
+    cupy.cuda.Device().synchronize()
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
