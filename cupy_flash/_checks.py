@@ -43,9 +43,18 @@ class AttentionShape:
     batch: int
     seqlen_q: int
     seqlen_k: int
-    heads: int
+    heads: int               # query heads
     head_dim: int
     dtype: str
+    heads_kv: int = 0        # K/V heads (GQA/MQA: a divisor of heads); 0 means heads
+
+    def __post_init__(self):
+        if self.heads_kv == 0:
+            object.__setattr__(self, "heads_kv", self.heads)
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.heads_kv
 
     @property
     def tile(self) -> int:
@@ -76,9 +85,10 @@ def check_qkv(q, k, v) -> AttentionShape:
             raise ValueError(f"k has {labels[axis]} {k.shape[axis]} but q has {labels[axis]} {q.shape[axis]}")
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v has shape {tuple(v.shape)} but k has shape {tuple(k.shape)}; they must match")
-    if k.shape[2] != heads:
-        raise ValueError(f"k has {k.shape[2]} heads but q has {heads}; grouped-query attention "
-                         "(heads_kv < heads_q) is not supported yet, so they must match")
+    heads_kv = int(k.shape[2])
+    if heads_kv < 1 or heads % heads_kv:
+        raise ValueError(f"k has {heads_kv} heads but q has {heads}; the query heads must be a multiple "
+                         "of the K/V heads (MQA/GQA: each K/V head serves heads_q / heads_kv query heads)")
     seqlen_k = int(k.shape[1])
     for label, n in (("batch", batch), ("heads", heads), ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
         if n < 1:
@@ -86,7 +96,7 @@ def check_qkv(q, k, v) -> AttentionShape:
     for label, n in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
         if n >= MAX_SEQLEN:
             raise ValueError(f"{label} is {n}; at most {MAX_SEQLEN - 1} is supported")
-    shape = AttentionShape(batch, seqlen_q, seqlen_k, heads, head_dim, kind)
+    shape = AttentionShape(batch, seqlen_q, seqlen_k, heads, head_dim, kind, heads_kv)
     _check_grid(shape)
     return shape
 
@@ -132,10 +142,17 @@ def check_backward_extras(shape: AttentionShape, q, do, o, lse) -> None:
         raise TypeError(f"lse has dtype {lse.dtype}; expected float32 (as returned by flash_forward)")
 
 
+FEATURE_KEYWORDS = ("window_size", "softcap", "alibi_slopes", "sink")
+PLANNED_KEYWORDS = ("bias", "return_dbias", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+
+
 def check_no_extra_options(function: str, options: dict) -> None:
-    if options:
-        names = ", ".join(sorted(options))
-        raise TypeError(f"{function}() got unsupported keyword argument(s): {names}")
+    planned = sorted(set(options) & set(PLANNED_KEYWORDS))
+    if planned:
+        raise TypeError(f"{function}() does not support {', '.join(planned)} yet")
+    unknown = sorted(set(options) - set(FEATURE_KEYWORDS))
+    if unknown:
+        raise TypeError(f"{function}() got unsupported keyword argument(s): {', '.join(unknown)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,14 +188,22 @@ def as_gpu_array(name: str, x):
     return array
 
 
-def prepare_qkv(q, k, v, softmax_scale, causal):
-    """GPU views of q, k, v and their checked shape, scale and causal flag: the checks shared by
-    the forward and backward entry points."""
+def prepare_qkv(q, k, v, softmax_scale, causal, features=None):
+    """GPU views of q, k, v and their checked shape, scale and variant (``_features.Variant``, with
+    its arrays on the GPU): the checks shared by the forward and backward entry points. ``features``
+    are the feature keywords (window_size, softcap, alibi_slopes, sink)."""
+    from ._features import check_variant
+
+    features = dict(features or {})
     q, k, v = (as_gpu_array(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
     shape = check_qkv(q, k, v)
     scale = check_softmax_scale(softmax_scale, shape.head_dim)
     causal = check_flag("causal", causal)
-    return q, k, v, shape, scale, causal
+    for name in ("alibi_slopes", "sink"):
+        if features.get(name) is not None:
+            features[name] = as_gpu_array(name, features[name])
+    variant = check_variant(shape.batch, shape.heads, shape.heads_kv, causal, **features)
+    return q, k, v, shape, scale, variant
 
 
 def same_device(**arrays) -> int:

@@ -17,7 +17,7 @@ import re
 import threading
 from pathlib import Path
 
-from . import _traits
+from . import _features, _traits
 from ._params import PARAMS_DTYPE
 
 log = logging.getLogger("cupy_flash")
@@ -71,6 +71,11 @@ class ModuleSpec:
     dtype: str
     tile: int | None = None
     target: str | None = None
+    features: int = 0   # _features.FEATURE_* bits: the variant instantiations of the module
+
+    def __post_init__(self):
+        if self.family in ("backward", "backward_tc"):   # the backward kernels never see the sink
+            object.__setattr__(self, "features", self.features & ~_features.FORWARD_ONLY_FEATURES)
 
     @property
     def archs(self) -> tuple[int, ...]:
@@ -83,31 +88,36 @@ class ModuleSpec:
 
     def forward_kernel(self, causal: bool) -> str:
         block_m, block_n = _traits.FORWARD_BLOCKS[self.tile]
-        return f"flash_forward_kernel<{self.ctype}, {self.tile}, {block_m}, {block_n}, {_flag(causal)}>"
+        return (f"flash_forward_kernel<{self.ctype}, {self.tile}, {block_m}, {block_n}, {_flag(causal)}, "
+                f"{self.features}>")
 
     def forward_tc_kernel(self, causal: bool) -> str:
         block_n, num_warps, m_tiles = _traits.forward_tc_config(self.tile, self.target)
         return (f"flash_forward_tc_kernel<{self.ctype}, {self.tile}, {block_n}, {num_warps}, {m_tiles}, "
-                f"{_flag(causal)}>")
+                f"{_flag(causal)}, {self.features}>")
 
     def backward_tc_kernel(self, causal: bool) -> str:
         config = ", ".join(str(x) for x in _traits.backward_tc_config(self.tile, self.target))
-        return f"flash_backward_tc_kernel<{self.ctype}, {self.tile}, {config}, {_flag(causal)}>"
+        return f"flash_backward_tc_kernel<{self.ctype}, {self.tile}, {config}, {_flag(causal)}, {self.features}>"
 
     def backward_kernel(self, causal: bool, atomic_dq: bool) -> str:
         block_m, block_n = _traits.BACKWARD_BLOCKS[self.tile]
         return (f"flash_backward_kernel<{self.ctype}, {self.tile}, {block_m}, {block_n}, "
-                f"{_flag(causal)}, {_flag(atomic_dq)}>")
+                f"{_flag(causal)}, {_flag(atomic_dq)}, {self.features}>")
 
     def backward_dq_kernel(self, causal: bool) -> str:
         block_m, block_n = _traits.BACKWARD_BLOCKS[self.tile]
-        return f"flash_backward_dq_kernel<{self.ctype}, {self.tile}, {block_m}, {block_n}, {_flag(causal)}>"
+        return (f"flash_backward_dq_kernel<{self.ctype}, {self.tile}, {block_m}, {block_n}, {_flag(causal)}, "
+                f"{self.features}>")
 
     def dq_convert_kernel(self) -> str:
         return f"flash_dq_convert_kernel<{self.ctype}>"
 
     def preprocess_kernel(self) -> str:
         return f"flash_preprocess_kernel<{self.ctype}>"
+
+    def kv_group_sum_kernel(self) -> str:
+        return f"flash_kv_group_sum_kernel<{self.ctype}>"
 
     @property
     def name_expressions(self) -> tuple[str, ...]:
@@ -118,7 +128,7 @@ class ModuleSpec:
         if self.family == "backward_tc":
             return tuple(self.backward_tc_kernel(c) for c in (False, True))
         if self.family == "preprocess":
-            return (self.preprocess_kernel(), self.dq_convert_kernel())
+            return (self.preprocess_kernel(), self.dq_convert_kernel(), self.kv_group_sum_kernel())
         if self.family == "backward":
             return (tuple(self.backward_kernel(c, a) for c in (False, True) for a in (False, True))
                     + tuple(self.backward_dq_kernel(c) for c in (False, True)))
@@ -127,22 +137,26 @@ class ModuleSpec:
     def describe(self) -> str:
         tile = f", head_dim tile {self.tile}" if self.tile is not None else ""
         target = f", {self.target} tiles" if self.target else ""
-        return f"{self.family} kernels ({self.dtype}{tile}{target})"
+        features = f", {_features.describe(self.features)}" if self.features else ""
+        return f"{self.family} kernels ({self.dtype}{tile}{target}{features})"
 
 
-def all_module_specs() -> list[ModuleSpec]:
-    """Every module the package can ever compile (what CI's compile check builds)."""
+def all_module_specs(features=(0, _features.ALL_FEATURES)) -> list[ModuleSpec]:
+    """The modules CI's compile check builds: every plain module the package can compile, and the
+    same with every feature flag on (each flag's code is independent of the others', so the
+    combination covers them; 2^4 feature sets per module would be too many to build in CI)."""
     specs = []
     for dtype in CTYPES:
         specs.append(ModuleSpec("preprocess", dtype))
         for tile in _traits.HEAD_DIM_TILES:
-            specs.append(ModuleSpec("forward", dtype, tile))
-            if dtype in TENSOR_CORE_DTYPES:
-                for target in _traits.TARGET_ARCH:
-                    specs.append(ModuleSpec("forward_tc", dtype, tile, target))
-                    specs.append(ModuleSpec("backward_tc", dtype, tile, target))
-            else:   # the CUDA-core backward runs float32 only
-                specs.append(ModuleSpec("backward", dtype, tile))
+            for flags in features:
+                specs.append(ModuleSpec("forward", dtype, tile, features=flags))
+                if dtype in TENSOR_CORE_DTYPES:
+                    for target in _traits.TARGET_ARCH:
+                        specs.append(ModuleSpec("forward_tc", dtype, tile, target, flags))
+                        specs.append(ModuleSpec("backward_tc", dtype, tile, target, flags))
+                else:   # the CUDA-core backward runs float32 only
+                    specs.append(ModuleSpec("backward", dtype, tile, features=flags))
     return specs
 
 

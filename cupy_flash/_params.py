@@ -11,21 +11,24 @@ import math
 import numpy
 
 POINTER_FIELDS = ("q", "k", "v", "o", "lse", "dout", "delta", "dq_accum", "dq", "dk", "dv", "lse_log2",
-                  "dq_semaphore")
+                  "dq_semaphore", "alibi_slopes", "sink", "dk_expanded", "dv_expanded")
 # Tensors of shape (batch, seqlen, heads, head_dim) and their element strides {batch, row, head}.
 STRIDED_FIELDS = ("q", "k", "v", "o", "dout", "dq_accum", "dq", "dk", "dv")
 
 PARAMS_DTYPE = numpy.dtype(
     [(name, numpy.uint64) for name in POINTER_FIELDS]
     + [(name + "_strides", numpy.int64, (3,)) for name in STRIDED_FIELDS]
-    + [(name, numpy.int64) for name in ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "delta_stride")]
-    + [("softmax_scale", numpy.float32), ("scale_log2", numpy.float32)]
+    + [(name, numpy.int64) for name in ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "delta_stride",
+                                        "group", "window_right", "window_left", "alibi_batch_stride")]
+    + [(name, numpy.float32) for name in ("softmax_scale", "scale_log2", "softcap", "softcap_inv")]
 )
 
 
-def make_params(shape, softmax_scale: float, delta_stride: int | None = None, **arrays) -> numpy.ndarray:
+def make_params(shape, softmax_scale: float, delta_stride: int | None = None, variant=None,
+                **arrays) -> numpy.ndarray:
     """Fill a params record. ``arrays`` maps field names to CuPy arrays (or None for unused fields);
-    ``delta_stride`` defaults to seqlen_q (unpadded delta rows)."""
+    ``delta_stride`` defaults to seqlen_q (unpadded delta rows); ``variant`` (a
+    ``_features.Variant``) fills the mask and score-modifier fields."""
     record = numpy.zeros(1, dtype=PARAMS_DTYPE)
     for name, array in arrays.items():
         if name not in POINTER_FIELDS:
@@ -45,4 +48,7 @@ def make_params(shape, softmax_scale: float, delta_stride: int | None = None, **
     record["delta_stride"] = shape.seqlen_q if delta_stride is None else delta_stride
     record["softmax_scale"] = softmax_scale
     record["scale_log2"] = softmax_scale * math.log2(math.e)
+    record["group"] = 1
+    if variant is not None:
+        variant.fill(record)
     return record

@@ -75,13 +75,13 @@ BACKWARD_TC_TARGETS = {
              224: (32, 32, 4, 1, 2, 2), 256: (32, 32, 4, 1, 2, 2)},
     "sm80": {32: (128, 128, 8, 2, 4, 8), 64: (64, 128, 8, 2, 4, 4), 96: (64, 64, 8, 2, 4, 4),
              128: (64, 128, 8, 1, 4, 4), 160: (64, 64, 8, 2, 4, 4), 192: (64, 64, 8, 1, 4, 2),
-             224: (64, 64, 8, 1, 4, 4), 256: (64, 64, 8, 1, 2, 2)},
+             224: (64, 64, 8, 1, 2, 4), 256: (64, 64, 8, 1, 2, 2)},
     "sm90": {32: (128, 128, 8, 2, 4, 8), 64: (128, 128, 8, 2, 4, 4), 96: (64, 64, 8, 2, 4, 4),
              128: (64, 128, 8, 2, 4, 4), 160: (64, 64, 8, 2, 4, 4), 192: (64, 64, 8, 2, 4, 2),
              224: (64, 64, 8, 2, 4, 4), 256: (64, 64, 8, 1, 4, 2)},
 }
-# sm80 d=256 takes 2 key warps for the scores (32 x 16 warp tiles): with 4 (16 x 32), sm_80's ptxas
-# spilled 4 bytes in the causal kernel once deterministic mode published its dQ adds late.
+# sm80 d=224 and d=256 take 2 key warps for the scores (32 x 16 warp tiles): with 4 (16 x 32), sm_80's ptxas
+# spilled 4 bytes in the causal kernels (ptxas sits at 255 registers there and flips with small edits).
 # delta and lse_log2 rows are padded to a multiple of this (every block_m divides it).
 ROW_STAT_PADDING = 128
 

@@ -7,7 +7,7 @@ import numpy
 from . import _checks, _traits
 from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, get_kernel, tensor_core_target
 from ._params import make_params
-from .preprocess import launch_dq_convert, launch_preprocess
+from .preprocess import launch_dq_convert, launch_kv_group_sum, launch_preprocess
 
 
 def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, deterministic=False, **features):
@@ -21,10 +21,14 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
     and bfloat16: the key blocks add in turn; float32: a separate dQ pass): results are bitwise
     identical run to run.
 
-    Returns ``(dq, dk, dv)`` with the shapes and dtype of q, k, v.
+    The variant keywords (window_size, softcap, alibi_slopes, sink) must be those of the forward.
+    With MQA/GQA, dk and dv sum the gradients of each K/V head's group of query heads.
+
+    Returns ``(dq, dk, dv)`` with the shapes and dtype of q, k, v, and with ``sink`` also dsink
+    (float32, like sink): ``(dq, dk, dv, dsink)``.
     """
     _checks.check_no_extra_options("flash_backward", features)
-    q, k, v, shape, scale, causal = _checks.prepare_qkv(q, k, v, softmax_scale, causal)
+    q, k, v, shape, scale, variant = _checks.prepare_qkv(q, k, v, softmax_scale, causal, features)
     deterministic = _checks.check_flag("deterministic", deterministic)
     do, o, lse = (_checks.as_gpu_array(n, x) for n, x in (("do", do), ("o", o), ("lse", lse)))
     _checks.check_backward_extras(shape, q, do, o, lse)
@@ -35,14 +39,29 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
         _checks.same_device(q=q, k=k, v=v, do=do, o=o, lse=lse)
         q, k, v, do, o = (_checks.kernel_ready(x) for x in (q, k, v, do, o))
         lse = cupy.ascontiguousarray(lse)
-        if shape.dtype in TENSOR_CORE_DTYPES:
-            return _backward_tensor_core(do, q, k, v, o, lse, shape, scale, causal, deterministic)
-        return _backward_cuda_core(do, q, k, v, o, lse, shape, scale, causal, deterministic)
+        variant = variant.on_device()
+        # MQA/GQA: the kernels write per-query-head dK/dV, summed over each group afterwards.
+        dk = cupy.empty(k.shape, dtype=k.dtype)
+        dv = cupy.empty(v.shape, dtype=v.dtype)
+        expanded = (shape.batch, shape.seqlen_k, shape.heads, shape.head_dim)
+        dk_heads, dv_heads = (dk, dv) if variant.group == 1 else (cupy.empty(expanded, k.dtype), cupy.empty(expanded, v.dtype))
+        backward = _backward_tensor_core if shape.dtype in TENSOR_CORE_DTYPES else _backward_cuda_core
+        dq, delta = backward(do, q, k, v, o, lse, dk_heads, dv_heads, shape, scale, variant, deterministic)
+        if variant.group > 1:
+            launch_kv_group_sum(make_params(shape, scale, variant=variant, dk=dk, dv=dv, dk_expanded=dk_heads,
+                                            dv_expanded=dv_heads), shape)
+        if variant.sink is None:
+            return dq, dk, dv
+        # The sink's probability in row i is exp(sink - lse_i) and its dP is 0 (it carries no
+        # value), so d sink = -sum_i exp(sink - lse_i) * delta_i over batch and rows.
+        sink_prob = cupy.exp(variant.sink[None, :, None] - lse)
+        return dq, dk, dv, -(sink_prob * delta).sum(axis=(0, 2))
 
 
-def _backward_tensor_core(do, q, k, v, o, lse, shape, scale, causal, deterministic):
+def _backward_tensor_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, deterministic):
     """float16 / bfloat16: backward_tc.cu. dQ is accumulated in float32 (atomically, or in a fixed
-    order when deterministic) and then scaled and cast by the convert kernel."""
+    order when deterministic) and then scaled and cast by the convert kernel. Returns (dq, delta)
+    with delta as (batch, heads, seqlen_q)."""
     import cupy
 
     target = tensor_core_target()
@@ -57,36 +76,34 @@ def _backward_tensor_core(do, q, k, v, o, lse, shape, scale, causal, determinist
     dq_semaphore = cupy.zeros(bh * num_q_blocks, dtype=cupy.int32) if deterministic else None
 
     dq = cupy.empty(q.shape, dtype=q.dtype)
-    dk = cupy.empty(k.shape, dtype=k.dtype)
-    dv = cupy.empty(v.shape, dtype=v.dtype)
-    params = make_params(shape, scale, delta_stride=padded, q=q, k=k, v=v, o=o, lse=lse, dout=do,
+    params = make_params(shape, scale, delta_stride=padded, variant=variant, q=q, k=k, v=v, o=o, lse=lse, dout=do,
                          delta=delta, lse_log2=lse_log2, dq_accum=dq_accum, dq_semaphore=dq_semaphore,
                          dq=dq, dk=dk, dv=dv)
     launch_preprocess(params, shape)
 
-    spec = ModuleSpec("backward_tc", shape.dtype, shape.tile, target)
+    spec = ModuleSpec("backward_tc", shape.dtype, shape.tile, target, variant.backward_flags)
     smem = _traits.backward_tc_smem_bytes(shape.tile, target)
-    kernel = get_kernel(spec, spec.backward_tc_kernel(causal), smem)
+    kernel = get_kernel(spec, spec.backward_tc_kernel(variant.causal), smem)
     kernel((-(-shape.seqlen_k // block_n) * bh,), (32 * num_warps,), (params,), shared_mem=smem)
     launch_dq_convert(params, shape)
-    return dq, dk, dv
+    return dq, delta[:, :shape.seqlen_q].reshape(shape.batch, shape.heads, shape.seqlen_q)
 
 
-def _backward_cuda_core(do, q, k, v, o, lse, shape, scale, causal, deterministic):
-    """float32: backward.cu. dQ with float32 atomics, or when deterministic by a separate pass."""
+def _backward_cuda_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, deterministic):
+    """float32: backward.cu. dQ with float32 atomics, or when deterministic by a separate pass.
+    Returns (dq, delta)."""
     import cupy
 
+    causal = variant.causal
     dq = cupy.empty(q.shape, dtype=q.dtype)
-    dk = cupy.empty(k.shape, dtype=k.dtype)
-    dv = cupy.empty(v.shape, dtype=v.dtype)
     # float32 dQ accumulator for the atomic path: O(batch * seqlen * heads * head_dim).
     dq_accum = None if deterministic else cupy.empty(q.shape, dtype=cupy.float32)
     delta = cupy.empty((shape.batch, shape.heads, shape.seqlen_q), dtype=cupy.float32)
-    params = make_params(shape, scale, q=q, k=k, v=v, dout=do, o=o, lse=lse, delta=delta,
+    params = make_params(shape, scale, variant=variant, q=q, k=k, v=v, dout=do, o=o, lse=lse, delta=delta,
                          dq_accum=dq_accum, dq=dq, dk=dk, dv=dv)
     launch_preprocess(params, shape)
 
-    spec = ModuleSpec("backward", shape.dtype, shape.tile)
+    spec = ModuleSpec("backward", shape.dtype, shape.tile, features=variant.backward_flags)
     block_m, block_n = _traits.BACKWARD_BLOCKS[shape.tile]
     bh = shape.batch * shape.heads
     smem = _traits.backward_smem_bytes(shape.tile)
@@ -98,4 +115,4 @@ def _backward_cuda_core(do, q, k, v, o, lse, shape, scale, causal, deterministic
         kernel((-(-shape.seqlen_q // block_m) * bh,), (_traits.THREADS,), (params,), shared_mem=smem)
     else:
         launch_dq_convert(params, shape)
-    return dq, dk, dv
+    return dq, delta

@@ -7,28 +7,31 @@ from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, tensor_core_target, get_ke
 from ._params import make_params
 
 
-def launch_forward(q, k, v, shape, scale, causal):
+def launch_forward(q, k, v, shape, scale, variant):
     """Run the forward kernel on checked, kernel-ready arrays; returns (o, lse). float16 and
-    bfloat16 run on tensor cores (mma.sync), float32 on the CUDA-core kernel."""
+    bfloat16 run on tensor cores (mma.sync), float32 on the CUDA-core kernel. ``variant`` is a
+    checked ``_features.Variant``: its flags select the kernel instantiation."""
     import cupy
 
+    variant = variant.on_device()
+    causal = variant.causal
     o = cupy.empty(q.shape, dtype=q.dtype)
     lse = cupy.empty((shape.batch, shape.heads, shape.seqlen_q), dtype=cupy.float32)
     if shape.dtype in TENSOR_CORE_DTYPES:
         target = tensor_core_target()
-        spec = ModuleSpec("forward_tc", shape.dtype, shape.tile, target)
+        spec = ModuleSpec("forward_tc", shape.dtype, shape.tile, target, variant.flags)
         smem = _traits.forward_tc_smem_bytes(shape.tile, target)
         kernel = get_kernel(spec, spec.forward_tc_kernel(causal), smem)
         block_m = _traits.forward_tc_block_m(shape.tile, target)
         threads = 32 * _traits.forward_tc_config(shape.tile, target)[1]   # 32 x num_warps
     else:
-        spec = ModuleSpec("forward", shape.dtype, shape.tile)
+        spec = ModuleSpec("forward", shape.dtype, shape.tile, features=variant.flags)
         smem = _traits.forward_smem_bytes(shape.tile)
         kernel = get_kernel(spec, spec.forward_kernel(causal), smem)
         block_m, _ = _traits.FORWARD_BLOCKS[shape.tile]
         threads = _traits.THREADS
     grid = -(-shape.seqlen_q // block_m) * shape.batch * shape.heads
-    params = make_params(shape, scale, q=q, k=k, v=v, o=o, lse=lse)
+    params = make_params(shape, scale, variant=variant, q=q, k=k, v=v, o=o, lse=lse)
     kernel((grid,), (threads,), (params,), shared_mem=smem)
     return o, lse
 
@@ -36,22 +39,29 @@ def launch_forward(q, k, v, shape, scale, causal):
 def flash_forward(q, k, v, *, softmax_scale=None, causal=False, **features):
     """Exact attention ``softmax(softmax_scale * q k^T) v`` without materialising the scores.
 
-    q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads, head_dim); float16,
-    bfloat16 (``ml_dtypes.bfloat16``) or float32, head_dim a multiple of 8 up to 256. CuPy arrays,
-    or GPU arrays of other frameworks (taken through ``__cuda_array_interface__``/DLPack without a
-    copy). Views whose rows are not contiguous and 16-byte aligned are copied once.
+    q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim) with
+    heads_q a multiple of heads_kv (MQA/GQA); float16, bfloat16 (``ml_dtypes.bfloat16``) or
+    float32, head_dim a multiple of 8 up to 256. CuPy arrays, or GPU arrays of other frameworks
+    (taken through ``__cuda_array_interface__``/DLPack without a copy). Views whose rows are not
+    contiguous and 16-byte aligned are copied once.
 
     ``causal=True`` masks key j for query i unless j <= i + seqlen_k - seqlen_q (bottom-right).
+    Variants (any combination):
+      ``window_size=(left, right)``: query i sees keys j with i + shift - left <= j <= i + shift + right
+          (shift = seqlen_k - seqlen_q; -1 = unbounded; with causal, right is 0);
+      ``softcap=c > 0``: logits become c * tanh(logit / c);
+      ``alibi_slopes`` (heads_q,) or (batch, heads_q): logits get -slope * |i + shift - j|;
+      ``sink`` (heads_q,): a logit per head that joins every row's softmax and carries no value.
 
-    Returns ``(o, lse)``: o like q; lse float32 (batch, heads, seqlen_q), the natural-log
-    logsumexp of the scaled scores, -inf (with o = 0) for a row that sees no key.
+    Returns ``(o, lse)``: o like q; lse float32 (batch, heads_q, seqlen_q), the natural-log
+    logsumexp of the logits (the sink included), -inf (with o = 0) for a row that sees no key.
     """
     _checks.check_no_extra_options("flash_forward", features)
-    q, k, v, shape, scale, causal = _checks.prepare_qkv(q, k, v, softmax_scale, causal)
+    q, k, v, shape, scale, variant = _checks.prepare_qkv(q, k, v, softmax_scale, causal, features)
     with q.device:
         _checks.same_device(q=q, k=k, v=v)
         q, k, v = (_checks.kernel_ready(x) for x in (q, k, v))
-        return launch_forward(q, k, v, shape, scale, causal)
+        return launch_forward(q, k, v, shape, scale, variant)
 
 
 def flash_attention(q, k, v, **options):

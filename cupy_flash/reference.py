@@ -60,17 +60,29 @@ def _bhnd(x):
     return x.transpose(0, 2, 1, 3)
 
 
-def _visible(seqlen_q, seqlen_k, causal, xp):
-    """Boolean (seqlen_q, seqlen_k) mask of the keys each query sees, or None for all."""
-    if not causal:
+def _visible(seqlen_q, seqlen_k, causal, xp, window_size=None):
+    """Boolean (seqlen_q, seqlen_k) mask of the keys each query sees, or None for all: the band
+    i + shift - left <= j <= i + shift + right around the bottom-right diagonal (shift =
+    seqlen_k - seqlen_q; causal means right = 0; -1 leaves a side unbounded)."""
+    left, right = (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
         return None
-    rows = xp.arange(seqlen_q)[:, None]
-    cols = xp.arange(seqlen_k)[None, :]
-    return cols <= rows + (seqlen_k - seqlen_q)
+    offset = xp.arange(seqlen_k)[None, :] - xp.arange(seqlen_q)[:, None] - (seqlen_k - seqlen_q)   # j - i - shift
+    visible = xp.ones((seqlen_q, seqlen_k), dtype=bool)
+    if right >= 0:
+        visible &= offset <= right
+    if left >= 0:
+        visible &= offset >= -left
+    return visible
 
 
-def _softmax_parts(q, k, v, softmax_scale, causal, upcast):
-    """(work dtype, rounding fn, xp, scale, Q, K, V, P, lse) in (batch, heads, seqlen, d) layout."""
+def _softmax_parts(q, k, v, softmax_scale, causal, upcast, window_size=None, softcap=0.0, alibi_slopes=None,
+                   sink=None):
+    """(work dtype, rounding fn, xp, scale, Q, K, V, P, lse, extras) in (batch, heads, seqlen, d)
+    layout, K and V repeated to the query heads (MQA/GQA); extras holds the softcap's tanh and the
+    sink's per-row probability for the backward."""
     xp = _xp(q)
     dtype = q.dtype
     work = xp.float64 if upcast else xp.float32
@@ -78,45 +90,79 @@ def _softmax_parts(q, k, v, softmax_scale, causal, upcast):
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
     Q, K, V = (_bhnd(_to_float(x, xp, work)) for x in (q, k, v))
+    group = Q.shape[1] // K.shape[1]
+    K, V = (xp.repeat(x, group, axis=1) for x in (K, V))
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     scores = rnd(scale * (Q @ K.swapaxes(-1, -2)))
-    visible = _visible(q.shape[1], k.shape[1], causal, xp)
+    extras = {}
+    if softcap:
+        extras["tanh"] = xp.tanh(scores / softcap)
+        scores = rnd(softcap * extras["tanh"])
+    if alibi_slopes is not None:
+        slopes = xp.asarray(alibi_slopes).astype(work)
+        slopes = slopes[None, :, None, None] if slopes.ndim == 1 else slopes[:, :, None, None]
+        distance = xp.abs(xp.arange(seqlen_k)[None, :] - xp.arange(seqlen_q)[:, None] - (seqlen_k - seqlen_q))
+        scores = rnd(scores - slopes * distance.astype(work))
+    visible = _visible(seqlen_q, seqlen_k, causal, xp, window_size)
     if visible is not None:
         scores = xp.where(visible, scores, -xp.inf)
     row_max = scores.max(axis=-1, keepdims=True)
+    sink_logit = None
+    if sink is not None:
+        sink_logit = xp.asarray(sink).astype(work)[None, :, None, None]
+        row_max = xp.maximum(row_max, sink_logit)
     # Rows that see no key: max -inf; shifting by 0 keeps exp at 0 instead of NaN.
     row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
     unnormalised = xp.exp(scores - row_max)
     row_sum = unnormalised.sum(axis=-1, keepdims=True)
+    if sink_logit is not None:
+        row_sum = row_sum + xp.exp(sink_logit - row_max)
     safe_sum = xp.where(row_sum > 0, row_sum, 1.0)
     P = rnd(unnormalised / safe_sum)
     lse = xp.where(row_sum > 0, row_max + xp.log(safe_sum), -xp.inf)[..., 0]
-    return work, rnd, xp, scale, Q, K, V, P, lse
+    if sink_logit is not None:
+        extras["sink_prob"] = xp.exp(sink_logit[..., 0] - lse)
+    return work, rnd, xp, scale, Q, K, V, P, lse, extras
 
 
-def attention_reference(q, k, v, *, softmax_scale=None, causal=False, upcast=True):
+def attention_reference(q, k, v, *, softmax_scale=None, causal=False, upcast=True, **features):
     """Dense attention. Returns ``(o, lse)``: o of shape (batch, seqlen_q, heads, head_dim) and lse
     of shape (batch, heads, seqlen_q), float64 when ``upcast`` (else float32 holding values rounded
-    to the input dtype; lse stays float32). Same conventions as ``flash_forward``: bottom-right
-    causal alignment, o = 0 and lse = -inf for a row that sees no key."""
-    _, rnd, xp, _, _, _, V, P, lse = _softmax_parts(q, k, v, softmax_scale, causal, upcast)
+    to the input dtype; lse stays float32). Same conventions and variant keywords as
+    ``flash_forward`` (window_size, softcap, alibi_slopes, sink; K/V heads dividing the query
+    heads): bottom-right causal alignment, o = 0 and lse = -inf for a row that sees no key (lse =
+    the sink's logit when there is one)."""
+    _, rnd, xp, _, _, _, V, P, lse, _ = _softmax_parts(q, k, v, softmax_scale, causal, upcast, **features)
     o = rnd(P @ V)
     return _bhnd(o), lse.astype(xp.float64 if upcast else xp.float32)
 
 
-def attention_reference_backward(do, q, k, v, *, softmax_scale=None, causal=False, upcast=True):
+def attention_reference_backward(do, q, k, v, *, softmax_scale=None, causal=False, upcast=True, **features):
     """Hand-derived gradients of ``attention_reference``'s o with respect to q, k, v, given do:
 
-        dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(P * dP)),
+        dV = P^T dO,  dP = dO V^T,  dZ = P * (dP - rowsum(P * dP)),
+        dS = dZ * (1 - tanh^2) under softcap (else dZ),
         dQ = scale * dS K,  dK = scale * dS^T Q
 
-    (rowsum(P * dP) = rowsum(dO * O), the "delta" of FlashAttention). Returns (dq, dk, dv) in the
-    layout of q, k, v; float64 when ``upcast``, else float32 rounded stage by stage to the dtype."""
-    work, rnd, xp, scale, Q, K, V, P, _ = _softmax_parts(q, k, v, softmax_scale, causal, upcast)
+    (rowsum(P * dP) = rowsum(dO * O), the "delta" of FlashAttention), with dK and dV summed over
+    each K/V head's group of query heads. Returns (dq, dk, dv) in the layout of q, k, v, and with
+    ``sink`` also dsink = -sum over batch and rows of P_sink * delta: (dq, dk, dv, dsink). float64
+    when ``upcast``, else float32 rounded stage by stage to the dtype."""
+    work, rnd, xp, scale, Q, K, V, P, _, extras = _softmax_parts(q, k, v, softmax_scale, causal, upcast, **features)
     dO = _bhnd(_to_float(do, xp, work))
     dV = rnd(P.swapaxes(-1, -2) @ dO)
     dP = rnd(dO @ V.swapaxes(-1, -2))
     delta = (P * dP).sum(axis=-1, keepdims=True)
     dS = rnd(P * (dP - delta))
+    if "tanh" in extras:
+        dS = rnd(dS * (1 - extras["tanh"] ** 2))
     dQ = rnd(scale * (dS @ K))
     dK = rnd(scale * (dS.swapaxes(-1, -2) @ Q))
-    return _bhnd(dQ), _bhnd(dK), _bhnd(dV)
+    group = Q.shape[1] // k.shape[2]
+    if group > 1:   # sum each K/V head's group (rounded once more, as a dense implementation would)
+        batch, _, seqlen_k, head_dim = dK.shape
+        dK, dV = (rnd(x.reshape(batch, -1, group, seqlen_k, head_dim).sum(axis=2)) for x in (dK, dV))
+    grads = (_bhnd(dQ), _bhnd(dK), _bhnd(dV))
+    if "sink_prob" in extras:
+        grads += (-(extras["sink_prob"] * delta[..., 0]).sum(axis=(0, 2)),)
+    return grads

@@ -31,11 +31,16 @@ __device__ __forceinline__ void load_row_stats(float* lse_tile, float* delta_til
 // P = exp(score * scale - lse), with the large terms meeting inside one fma so only the small
 // difference is rounded (rounding lse * log2(e) first cost ~3x the error of a dense float32
 // reference at logits in the thousands).
-__device__ __forceinline__ float softmax_prob(float score, float lse, bool visible, float softmax_scale) {
-    return (visible && lse != FLASH_NEG_INF) ? exp2f(fmaf(score, softmax_scale, -lse) * FLASH_LOG2E) : 0.f;
+// With a score modifier (softcap, ALiBi), P = exp2(logit_log2 - lse * log2(e)).
+template <int FEATURES>
+__device__ __forceinline__ float softmax_prob(float score, float lse, bool visible, const FlashParams& p,
+                                              const ScoreMod<FEATURES>& mod, int from_diagonal) {
+    if (!visible || lse == FLASH_NEG_INF) return 0.f;
+    if (ScoreMod<FEATURES>::active) return exp2f(fmaf(lse, -FLASH_LOG2E, mod.log2_logit(score, from_diagonal)));
+    return exp2f(fmaf(score, p.softmax_scale, -lse) * FLASH_LOG2E);
 }
 
-template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, bool ATOMIC_DQ>
+template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, bool ATOMIC_DQ, int FEATURES>
 __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_kernel(const FlashParams p) {
     constexpr int LD = D_TILE + 1;
     constexpr int T_LD = BLOCK_M + 1;
@@ -62,17 +67,13 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_kernel(const 
     const KeyBlock block = key_block_of(p, false);
     const long long b = block.b, h = block.h;
     const int kv_start = block.kv_block * BLOCK_N;
-    const long long causal_shift = p.seqlen_k - p.seqlen_q;
+    const Band band = band_of(p);
+    const ScoreMod<FEATURES> mod(p, b, h);
 
-    load_tile<T, BLOCK_N, D_TILE, LD>(k_tile, static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, kv_start, h), p.k_strides[1], seqlen_k - kv_start, head_dim);
-    load_tile<T, BLOCK_N, D_TILE, LD>(v_tile, static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, kv_start, h), p.v_strides[1], seqlen_k - kv_start, head_dim);
+    load_tile<T, BLOCK_N, D_TILE, LD>(k_tile, static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, kv_start, h / p.group), p.k_strides[1], seqlen_k - kv_start, head_dim);
+    load_tile<T, BLOCK_N, D_TILE, LD>(v_tile, static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, kv_start, h / p.group), p.v_strides[1], seqlen_k - kv_start, head_dim);
 
-    const int num_q_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
-    int q_begin = 0;
-    if (IS_CAUSAL) {
-        const long long first_query = (long long)kv_start - causal_shift;   // first query that sees kv_start
-        q_begin = first_query <= 0 ? 0 : (int)min((long long)num_q_blocks, first_query / BLOCK_M);
-    }
+    const int2 q_range = q_block_range<IS_CAUSAL, FEATURES>(p, kv_start, BLOCK_M, BLOCK_N, band);
 
     float dk_acc[KROWS][DCOLS], dv_acc[KROWS][DCOLS];
 #pragma unroll
@@ -80,7 +81,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_kernel(const 
 #pragma unroll
         for (int j = 0; j < DCOLS; ++j) dk_acc[i][j] = dv_acc[i][j] = 0.f;
 
-    for (int q_block = q_begin; q_block < num_q_blocks; ++q_block) {
+    for (int q_block = q_range.x; q_block < q_range.y; ++q_block) {
         const int q_start = q_block * BLOCK_M;
         __syncthreads();   // previous iteration is done with the Q, dO, P^T and dS^T tiles
         load_tile<T, BLOCK_M, D_TILE, LD>(q_tile, static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, q_start, h), p.q_strides[1], seqlen_q - q_start, head_dim);
@@ -121,10 +122,11 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_kernel(const 
 #pragma unroll
             for (int j = 0; j < QCOLS; ++j) {
                 const int query_local = tx + 8 * j;
-                const bool visible = key_visible(kv_start + key_local, q_start + query_local, seqlen_k, causal_shift, IS_CAUSAL);
-                const float prob = softmax_prob(st[i][j], lse_tile[query_local], visible, p.softmax_scale);
+                const int key = kv_start + key_local, query = q_start + query_local;
+                const bool visible = key_visible<IS_CAUSAL, FEATURES>(key, query, seqlen_k, band);
+                const float prob = softmax_prob<FEATURES>(st[i][j], lse_tile[query_local], visible, p, mod, key - query - band.shift);
                 pt_tile[key_local * T_LD + query_local] = prob;
-                dst_tile[key_local * T_LD + query_local] = prob * (dpt[i][j] - delta_tile[query_local]);
+                dst_tile[key_local * T_LD + query_local] = prob * (dpt[i][j] - delta_tile[query_local]) * mod.grad_factor(st[i][j]);
             }
         }
         __syncthreads();
@@ -202,7 +204,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_kernel(const 
 
 // Deterministic dQ: one block per (query block, batch, head), looping over key blocks in order;
 // dQ accumulates in registers, so no two blocks ever write the same element.
-template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL>
+template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, int FEATURES>
 __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_dq_kernel(const FlashParams p) {
     constexpr int LD = D_TILE + 1;
     constexpr int S_LD = BLOCK_N + 1;
@@ -227,15 +229,16 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_dq_kernel(con
     const QueryBlock block = query_block_of(p, BLOCK_M);
     const long long b = block.b, h = block.h;
     const int q_start = block.q_block * BLOCK_M;
-    const long long causal_shift = p.seqlen_k - p.seqlen_q;
+    const Band band = band_of(p);
+    const ScoreMod<FEATURES> mod(p, b, h);
 
     load_tile<T, BLOCK_M, D_TILE, LD>(q_tile, static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, q_start, h), p.q_strides[1], seqlen_q - q_start, head_dim);
     load_tile<T, BLOCK_M, D_TILE, LD>(do_tile, static_cast<const T*>(p.dout) + tensor_offset(p.dout_strides, b, q_start, h), p.dout_strides[1], seqlen_q - q_start, head_dim);
     load_row_stats<BLOCK_M>(lse_tile, delta_tile, p, b, h, q_start);
 
-    const int kv_end = kv_blocks_for(p, q_start, BLOCK_M, BLOCK_N, IS_CAUSAL);
-    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, 0, h);
-    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, 0, h);
+    const int2 kv_range = kv_block_range<IS_CAUSAL, FEATURES>(p, q_start, BLOCK_M, BLOCK_N, band);
+    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, 0, h / p.group);
+    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, 0, h / p.group);
 
     float dq_acc[ROWS][DCOLS];
 #pragma unroll
@@ -243,7 +246,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_dq_kernel(con
 #pragma unroll
         for (int j = 0; j < DCOLS; ++j) dq_acc[i][j] = 0.f;
 
-    for (int kv_block = 0; kv_block < kv_end; ++kv_block) {
+    for (int kv_block = kv_range.x; kv_block < kv_range.y; ++kv_block) {
         const int kv_start = kv_block * BLOCK_N;
         __syncthreads();   // previous K tile no longer read (and Q, dO, stats are loaded)
         load_tile<T, BLOCK_N, D_TILE, LD>(k_tile, k + kv_start * p.k_strides[1], p.k_strides[1], seqlen_k - kv_start, head_dim);
@@ -282,9 +285,10 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_dq_kernel(con
 #pragma unroll
             for (int j = 0; j < SCOLS; ++j) {
                 const int key_local = tx + 8 * j;
-                const bool visible = key_visible(kv_start + key_local, q_start + query_local, seqlen_k, causal_shift, IS_CAUSAL);
-                const float prob = softmax_prob(s[i][j], lse_tile[query_local], visible, p.softmax_scale);
-                ds_tile[query_local * S_LD + key_local] = prob * (dp[i][j] - delta_tile[query_local]);
+                const int key = kv_start + key_local, query = q_start + query_local;
+                const bool visible = key_visible<IS_CAUSAL, FEATURES>(key, query, seqlen_k, band);
+                const float prob = softmax_prob<FEATURES>(s[i][j], lse_tile[query_local], visible, p, mod, key - query - band.shift);
+                ds_tile[query_local * S_LD + key_local] = prob * (dp[i][j] - delta_tile[query_local]) * mod.grad_factor(s[i][j]);
             }
         }
         __syncthreads();

@@ -44,14 +44,7 @@ __device__ __forceinline__ void publish_dq(int* semaphore) {
     atomicAdd(semaphore, 1);
 }
 
-// The first query block that sees any key of kv_block: under the causal mask, the one holding the
-// first query i with i + seqlen_k - seqlen_q >= the block's first key (the last query sees every key).
-template <int BLOCK_M, int BLOCK_N, bool IS_CAUSAL>
-__device__ __forceinline__ int first_q_block(const FlashParams& p, int kv_block) {
-    return IS_CAUSAL ? max(0, kv_block * BLOCK_N - (int)(p.seqlen_k - p.seqlen_q)) / BLOCK_M : 0;
-}
-
-template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES, int S_KEY_WARPS, int KV_KEY_WARPS, bool IS_CAUSAL>
+template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES, int S_KEY_WARPS, int KV_KEY_WARPS, bool IS_CAUSAL, int FEATURES>
 __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(const FlashParams p) {
     constexpr int THREADS = 32 * NUM_WARPS;
     constexpr int LD = D_TILE + 8;            // K, V, Q, dO rows (padded: see forward_tc.cu)
@@ -67,7 +60,10 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
     // thread by computing S^T / dP^T and dQ in passes over their columns; past these budgets,
     // ptxas's 255-register limit meant spills in some instantiation.
     constexpr int KV_REGS = 8 * KV_M * KV_N;
-    constexpr int S_PASSES = KV_REGS + 8 * S_M * S_N <= 192 || S_N % 4 ? 1 : 2;
+    // Variant kernels (softcap / ALiBi / window) hold more per score element: at 192, the causal
+    // ones spilled 88-276 bytes at d=64 and d=128; 160 keeps every instantiation spill-free.
+    constexpr int S_BUDGET = FEATURES ? 160 : 192;
+    constexpr int S_PASSES = KV_REGS + 8 * S_M * S_N <= S_BUDGET || S_N % 4 ? 1 : 2;
     constexpr int S_PASS_N = S_N / S_PASSES;
     constexpr int DQ_PASSES = KV_REGS + 4 * DQ_TILES <= 160 ? 1 : 2;
     constexpr int DQ_PASS_TILES = (DQ_TILES / 2 + DQ_PASSES - 1) / DQ_PASSES * 2;   // whole pairs
@@ -96,11 +92,12 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
     const long long b = block.b, h = block.h, bh = block.bh;
     const int kv_block = block.kv_block;
     const int kv_start = kv_block * BLOCK_N;
-    const int causal_shift = (int)(p.seqlen_k - p.seqlen_q);   // |shift| < 2^30: int arithmetic is exact
 
-    // Query blocks that see any of these keys (first_q_block).
+    const Band band = band_of(p);
+    const ScoreMod<FEATURES> mod(p, b, h);
     const int num_q_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
-    const int q_block_begin = first_q_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(p, kv_block);
+    const int2 q_range = q_block_range<IS_CAUSAL, FEATURES>(p, kv_start, BLOCK_M, BLOCK_N, band);   // blocks that see these keys
+    const int q_block_begin = q_range.x, q_block_end = q_range.y;
 
     const T* q = static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, 0, h);
     const T* dout = static_cast<const T*>(p.dout) + tensor_offset(p.dout_strides, b, 0, h);
@@ -123,11 +120,11 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
         }
     };
 
-    async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(k_tile, static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, kv_start, h),
+    async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(k_tile, static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, kv_start, h / p.group),
                                                      p.k_strides[1], seqlen_k - kv_start, head_dim);
-    async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(v_tile, static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, kv_start, h),
+    async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(v_tile, static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, kv_start, h / p.group),
                                                      p.v_strides[1], seqlen_k - kv_start, head_dim);
-    if (q_block_begin < num_q_blocks) load_query_block(q_block_begin, 0);
+    if (q_block_begin < q_block_end) load_query_block(q_block_begin, 0);
     cp_async_commit();
 
     // This warp's pieces of each product (see the header).
@@ -166,12 +163,12 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
     __shared__ int unpublished_q_block;
     if (threadIdx.x == 0) unpublished_q_block = -1;
 
-    for (int q_block = q_block_begin, it = 0; q_block < num_q_blocks; ++q_block, ++it) {
+    for (int q_block = q_block_begin, it = 0; q_block < q_block_end; ++q_block, ++it) {
         const int stage = STAGES == 2 ? (it & 1) : 0;
         const int q_start = q_block * BLOCK_M;
         cp_async_wait<0>();
         __syncthreads();   // this query block landed; every warp is done with the previous one's tiles
-        if (STAGES == 2 && q_block + 1 < num_q_blocks) load_query_block(q_block + 1, stage ^ 1);
+        if (STAGES == 2 && q_block + 1 < q_block_end) load_query_block(q_block + 1, stage ^ 1);
         cp_async_commit();
 
         const unsigned int q_base = smem_addr(q_tiles + stage * BLOCK_M * LD);
@@ -181,8 +178,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
 
         // S^T = K Q^T and dP^T = V dO^T for the warp's tile, in S_PASSES passes over its queries,
         // then P^T and dS^T to shared memory.
-        const bool needs_mask = kv_start + BLOCK_N > seqlen_k ||
-                                (IS_CAUSAL && kv_start + BLOCK_N - 1 > q_start + causal_shift);
+        const bool needs_mask = tile_needs_mask<IS_CAUSAL, FEATURES>(q_start, BLOCK_M, kv_start, BLOCK_N, seqlen_k, band);
 #pragma unroll 1
         for (int pass = 0; pass < S_PASSES; ++pass) {
             const int pass_col = s_col + pass * S_PASS_N * 8;
@@ -228,14 +224,16 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
                 for (int m = 0; m < S_M; ++m) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        float prob = exp2f(fmaf(s[m][j][e], p.scale_log2, -((e & 1) ? lse.y : lse.x)));
-                        if (needs_mask) {
-                            const int key = kv_start + s_key + 16 * m + g + 8 * (e >> 1);
-                            const int query = q_start + col + (e & 1);
-                            if (key >= seqlen_k || (IS_CAUSAL && key - query > causal_shift)) prob = 0.f;
-                        }
+                        const int key = kv_start + s_key + 16 * m + g + 8 * (e >> 1);
+                        const int query = q_start + col + (e & 1);
+                        const float row_lse_log2 = (e & 1) ? lse.y : lse.x;
+                        float prob = ScoreMod<FEATURES>::active
+                                         ? exp2f(mod.log2_logit(s[m][j][e], key - query - band.shift) - row_lse_log2)
+                                         : exp2f(fmaf(s[m][j][e], p.scale_log2, -row_lse_log2));
+                        if (needs_mask && !key_visible<IS_CAUSAL, FEATURES>(key, query, seqlen_k, band)) prob = 0.f;
+                        const float ds = prob * (dp[m][j][e] - ((e & 1) ? dsum.y : dsum.x));
+                        dp[m][j][e] = (FEATURES & FEATURE_SOFTCAP) ? ds * mod.grad_factor(s[m][j][e]) : ds;
                         s[m][j][e] = prob;
-                        dp[m][j][e] = prob * (dp[m][j][e] - ((e & 1) ? dsum.y : dsum.x));
                     }
                     // Row pitch LDM = BLOCK_M + 8 elements puts rows g = 0..7 in distinct 4-bank groups.
                     T* pt_row = pt_tile + (s_key + 16 * m + g) * LDM + col;
@@ -274,7 +272,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
         }
         if (STAGES == 1) {
             __syncthreads();   // every warp is done with Q and dO: the next block may load under dQ
-            if (q_block + 1 < num_q_blocks) load_query_block(q_block + 1, 0);
+            if (q_block + 1 < q_block_end) load_query_block(q_block + 1, 0);
             cp_async_commit();
         }
 
@@ -283,10 +281,14 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
         if (semaphores != nullptr) {   // publish the previous block, wait for this one's turn
             if (threadIdx.x == 0) {
                 if (q_block > q_block_begin) publish_dq(semaphores + q_block - 1);
+                // This block's turn: after the key blocks of the query block's band that precede it.
+                const int turn = (FEATURES & FEATURE_WINDOW)
+                                     ? kv_block - kv_block_range<IS_CAUSAL, FEATURES>(p, q_start, BLOCK_M, BLOCK_N, band).x
+                                     : kv_block;
                 int done;
                 do {
                     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(done) : "l"(semaphores + q_block) : "memory");
-                } while (done < kv_block);
+                } while (done < turn);
             }
             __syncthreads();
         }
@@ -329,10 +331,10 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
     }
     if (semaphores != nullptr) {
         __syncthreads();
-        const int last_q_block = (int)((p.seqlen_q + BLOCK_M - 1) / BLOCK_M) - 1;
         const KeyBlock again = key_block_of(p, false);
-        if (threadIdx.x == 0 && first_q_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(p, again.kv_block) <= last_q_block)
-            publish_dq(p.dq_semaphore + again.bh * (last_q_block + 1) + last_q_block);
+        const int2 range = q_block_range<IS_CAUSAL, FEATURES>(p, again.kv_block * BLOCK_N, BLOCK_M, BLOCK_N, band_of(p));
+        if (threadIdx.x == 0 && range.x < range.y)
+            publish_dq(p.dq_semaphore + again.bh * ((p.seqlen_q + BLOCK_M - 1) / BLOCK_M) + range.y - 1);
     }
 
     // Epilogue: dK (times softmax_scale) and dV as T, staged through the K and V tiles (each warp

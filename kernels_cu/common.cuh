@@ -61,6 +61,10 @@ struct FlashParams {
     void* dv;
     float* lse_log2;          // tensor-core backward: lse * log2(e), +inf for rows that see no key
     int* dq_semaphore;        // tensor-core backward, deterministic: one counter per query block
+    const float* alibi_slopes;   // FEATURE_ALIBI: slope of (b, h) at b * alibi_batch_stride + h
+    const float* sink;           // FEATURE_SINK: one logit per query head
+    const void* dk_expanded;     // GQA backward: per-query-head dK, dV, contiguous (batch, seqlen_k, heads, head_dim)
+    const void* dv_expanded;
     long long q_strides[3];
     long long k_strides[3];
     long long v_strides[3];
@@ -76,8 +80,14 @@ struct FlashParams {
     long long seqlen_k;
     long long head_dim;
     long long delta_stride;   // elements between the (batch, head) rows of delta and lse_log2
+    long long group;          // query heads per K/V head (GQA/MQA; 1 otherwise): K/V head = h / group
+    long long window_right;   // IS_CAUSAL: key j visible from query i only if j - i <= shift + window_right
+    long long window_left;    // FEATURE_WINDOW: ... and only if j - i >= shift - window_left
+    long long alibi_batch_stride;   // 0 for slopes of shape (heads,), heads for (batch, heads)
     float softmax_scale;
     float scale_log2;         // softmax_scale * log2(e): scores go straight into exp2
+    float softcap;            // FEATURE_SOFTCAP: logits become softcap * tanh(logit / softcap)
+    float softcap_inv;
 };
 #ifdef FLASH_PARAMS_BYTES
 static_assert(sizeof(FlashParams) == FLASH_PARAMS_BYTES, "FlashParams disagrees with cupy_flash/_params.py");
@@ -228,13 +238,107 @@ __device__ __forceinline__ KeyBlock key_block_of(const FlashParams& p, bool kv_b
     return {kv_block, bh / p.heads, bh % p.heads, bh};
 }
 
-// Number of key blocks a query block starting at q_start visits: all of them, or under the causal
-// mask only up to the one holding its last row's last visible key (0 if that row sees none).
-__device__ __forceinline__ int kv_blocks_for(const FlashParams& p, int q_start, int block_m, int block_n, bool is_causal) {
+// ---- Masks and variants ------------------------------------------------------------------------
+// Every attention kernel takes IS_CAUSAL and FEATURES (a bitmask) as template flags, so a plain
+// instantiation compiles none of the variant code. Masks are bands around the bottom-right
+// diagonal (shift = seqlen_k - seqlen_q): key j is visible from query i iff j < seqlen_k and
+//   IS_CAUSAL:       j - i <= shift + p.window_right   (0 for plain causal; a window's right size)
+//   FEATURE_WINDOW:  j - i >= shift - p.window_left    (a sliding window's left size)
+#define FEATURE_WINDOW 1
+#define FEATURE_SOFTCAP 2
+#define FEATURE_ALIBI 4
+#define FEATURE_SINK 8   // forward only: the sink joins each row's softmax in the epilogue
+
+struct Band {
+    int right;   // visible iff left <= key - query <= right (each bound only where its flag is set)
+    int left;
+    int shift;
+};
+// int arithmetic: seqlens < 2^30 and the launcher clamps window sizes below 2^30.
+__device__ __forceinline__ Band band_of(const FlashParams& p) {
+    const int shift = (int)(p.seqlen_k - p.seqlen_q);
+    return {shift + (int)p.window_right, shift - (int)p.window_left, shift};
+}
+
+template <bool IS_CAUSAL, int FEATURES>
+__device__ __forceinline__ bool key_visible(int key, int query, int seqlen_k, const Band& band) {
+    return key < seqlen_k && (!IS_CAUSAL || key - query <= band.right) &&
+           (!(FEATURES & FEATURE_WINDOW) || key - query >= band.left);
+}
+
+// Whether any (query, key) of a query block x key block tile may be masked: the tile crosses the
+// sequence end or a band edge. Tiles inside the band skip the per-element test.
+template <bool IS_CAUSAL, int FEATURES>
+__device__ __forceinline__ bool tile_needs_mask(int q_start, int block_m, int kv_start, int block_n, int seqlen_k, const Band& band) {
+    return kv_start + block_n > seqlen_k ||
+           (IS_CAUSAL && kv_start + block_n - 1 - q_start > band.right) ||
+           ((FEATURES & FEATURE_WINDOW) && kv_start - (q_start + block_m - 1) < band.left);
+}
+
+// Key blocks [first, end) that a query block starting at q_start sees any key of.
+template <bool IS_CAUSAL, int FEATURES>
+__device__ __forceinline__ int2 kv_block_range(const FlashParams& p, int q_start, int block_m, int block_n, const Band& band) {
     const int num_kv_blocks = (int)((p.seqlen_k + block_n - 1) / block_n);
-    if (!is_causal) return num_kv_blocks;
-    const long long last_key = (long long)q_start + block_m - 1 + (p.seqlen_k - p.seqlen_q);
-    return last_key < 0 ? 0 : (int)min((long long)num_kv_blocks, last_key / block_n + 1);
+    int first = 0, end = num_kv_blocks;
+    if (IS_CAUSAL) {   // the last row's last visible key
+        const long long last_key = (long long)q_start + block_m - 1 + band.right;
+        end = last_key < 0 ? 0 : (int)min((long long)num_kv_blocks, last_key / block_n + 1);
+    }
+    if (FEATURES & FEATURE_WINDOW) {   // the first row's first visible key
+        const long long first_key = (long long)q_start + band.left;
+        first = (int)min((long long)num_kv_blocks, max(0LL, first_key) / block_n);
+    }
+    return make_int2(first, max(first, end));
+}
+
+// Query blocks [first, end) that see any key of the key block starting at kv_start.
+template <bool IS_CAUSAL, int FEATURES>
+__device__ __forceinline__ int2 q_block_range(const FlashParams& p, int kv_start, int block_m, int block_n, const Band& band) {
+    const int num_q_blocks = (int)((p.seqlen_q + block_m - 1) / block_m);
+    int first = 0, end = num_q_blocks;
+    if (IS_CAUSAL) {   // the first query that sees the block's first key
+        const long long first_query = (long long)kv_start - band.right;
+        first = (int)min((long long)num_q_blocks, max(0LL, first_query) / block_m);
+    }
+    if (FEATURES & FEATURE_WINDOW) {   // the last query that sees the block's last key
+        const long long last_query = (long long)kv_start + block_n - 1 - band.left;
+        end = last_query < 0 ? 0 : (int)min((long long)num_q_blocks, last_query / block_m + 1);
+    }
+    return make_int2(first, max(first, end));
+}
+
+// The logit of a raw score q.k, in log2 units, with softcap and ALiBi applied (FlashAttention's
+// order: softcap, then the ALiBi bias -slope * |i + shift - j|); only used when either flag is
+// set, since the plain kernels fold softmax_scale * log2(e) into their exp2's fma.
+template <int FEATURES>
+struct ScoreMod {
+    static constexpr bool active = (FEATURES & (FEATURE_SOFTCAP | FEATURE_ALIBI)) != 0;
+    float scale, cap, inv_cap, slope;
+    __device__ __forceinline__ ScoreMod(const FlashParams& p, long long b, long long h)
+        : scale(p.softmax_scale), cap(p.softcap), inv_cap(p.softcap_inv),
+          slope((FEATURES & FEATURE_ALIBI) ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f) {}
+    // key - query - shift: the signed distance from the diagonal (exact in float below 2^24).
+    __device__ __forceinline__ float log2_logit(float raw, int from_diagonal) const {
+        float z = raw * scale;
+        if (FEATURES & FEATURE_SOFTCAP) z = cap * tanhf(z * inv_cap);
+        if (FEATURES & FEATURE_ALIBI) z -= slope * fabsf((float)from_diagonal);
+        return z * FLASH_LOG2E;
+    }
+    // d logit / d (scale * raw): 1 - tanh^2 under softcap, else 1.
+    __device__ __forceinline__ float grad_factor(float raw) const {
+        if (!(FEATURES & FEATURE_SOFTCAP)) return 1.f;
+        const float th = tanhf(raw * scale * inv_cap);
+        return 1.f - th * th;
+    }
+};
+
+// FEATURE_SINK: a row's lse with the sink's logit joined to its softmax, and the factor
+// exp(lse - joined) by which its output shrinks (0 for a row that sees no key: its output stays 0).
+__device__ __forceinline__ float2 join_sink(float lse, float sink) {
+    if (lse == FLASH_NEG_INF) return make_float2(sink, 0.f);
+    const float hi = fmaxf(lse, sink), lo = fminf(lse, sink);
+    const float joined = hi + log1pf(expf(lo - hi));
+    return make_float2(joined, expf(lse - joined));
 }
 
 // Row kernels (delta, dQ convert): one warp per (batch, row, head), rows numbered in the memory
@@ -250,8 +354,3 @@ __device__ __forceinline__ long long first_row_of_warp() {
 }
 __device__ __forceinline__ long long rows_per_grid() { return (long long)gridDim.x * (blockDim.x / 32); }
 
-// Causal masking is aligned to the bottom-right corner: query i sees key j iff j <= i + causal_shift,
-// causal_shift = seqlen_k - seqlen_q (FlashAttention >= 2.1).
-__device__ __forceinline__ bool key_visible(long long key, long long query, long long seqlen_k, long long causal_shift, bool is_causal) {
-    return key < seqlen_k && (!is_causal || key <= query + causal_shift);
-}

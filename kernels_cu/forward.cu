@@ -18,7 +18,7 @@
 // are three shuffles. Shared rows are padded by one float so that the 4 rows (Q) or 8 rows (K) a
 // warp reads at one column fall in distinct banks.
 
-template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL>
+template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, int FEATURES>
 __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const FlashParams p) {
     constexpr int LD = D_TILE + 1;
     constexpr int P_LD = BLOCK_N + 1;
@@ -39,15 +39,19 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const F
     const QueryBlock block = query_block_of(p, BLOCK_M);
     const long long b = block.b, h = block.h;
     const int q_start = block.q_block * BLOCK_M;
-    const long long causal_shift = p.seqlen_k - p.seqlen_q;
+    const Band band = band_of(p);
+    const ScoreMod<FEATURES> mod(p, b, h);
+    // With a score modifier the scores become log2-unit logits before the softmax (scale 1).
+    const float score_log2 = ScoreMod<FEATURES>::active ? 1.f : p.scale_log2;
+    const float score_natural = ScoreMod<FEATURES>::active ? FLASH_LN2 : p.softmax_scale;
 
     const T* q = static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, q_start, h);
-    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, 0, h);
-    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, 0, h);
+    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, 0, h / p.group);
+    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, 0, h / p.group);
 
     load_tile<T, BLOCK_M, D_TILE, LD>(q_tile, q, p.q_strides[1], seqlen_q - q_start, head_dim);
 
-    const int kv_end = kv_blocks_for(p, q_start, BLOCK_M, BLOCK_N, IS_CAUSAL);
+    const int2 kv_range = kv_block_range<IS_CAUSAL, FEATURES>(p, q_start, BLOCK_M, BLOCK_N, band);
 
     float o_acc[ROWS][DCOLS];
     float row_max[ROWS];          // unscaled max of the scores seen so far; -inf before any key
@@ -62,7 +66,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const F
         for (int j = 0; j < DCOLS; ++j) o_acc[i][j] = 0.f;
     }
 
-    for (int kv_block = 0; kv_block < kv_end; ++kv_block) {
+    for (int kv_block = kv_range.x; kv_block < kv_range.y; ++kv_block) {
         const int kv_start = kv_block * BLOCK_N;
         __syncthreads();   // everyone is done with the previous V tile (and Q is loaded)
         load_tile<T, BLOCK_N, D_TILE, LD>(kv_tile, k + kv_start * p.k_strides[1], p.k_strides[1], seqlen_k - kv_start, head_dim);
@@ -88,24 +92,25 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const F
 
 #pragma unroll
         for (int i = 0; i < ROWS; ++i) {
-            const long long query = q_start + ty * ROWS + i;
+            const int query = q_start + ty * ROWS + i;
             float block_max = FLASH_NEG_INF;
 #pragma unroll
             for (int j = 0; j < SCOLS; ++j) {
-                const long long key = kv_start + tx + 8 * j;
-                if (!key_visible(key, query, seqlen_k, causal_shift, IS_CAUSAL)) s[i][j] = FLASH_NEG_INF;
+                const int key = kv_start + tx + 8 * j;
+                if (ScoreMod<FEATURES>::active) s[i][j] = mod.log2_logit(s[i][j], key - query - band.shift);
+                if (!key_visible<IS_CAUSAL, FEATURES>(key, query, seqlen_k, band)) s[i][j] = FLASH_NEG_INF;
                 block_max = fmaxf(block_max, s[i][j]);
             }
             const float new_max = fmaxf(row_max[i], row_group_max(block_max));
             // A row that has seen no key keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
-            const float new_max_scaled = new_max == FLASH_NEG_INF ? 0.f : new_max * p.scale_log2;
+            const float new_max_scaled = new_max == FLASH_NEG_INF ? 0.f : new_max * score_log2;
             const float rescale = row_max[i] == FLASH_NEG_INF ? 0.f : exp2f(row_max_scaled[i] - new_max_scaled);
             row_max[i] = new_max;
             row_max_scaled[i] = new_max_scaled;
             float sum = 0.f;
 #pragma unroll
             for (int j = 0; j < SCOLS; ++j) {
-                const float prob = exp2f(fmaf(s[i][j], p.scale_log2, -new_max_scaled));
+                const float prob = exp2f(fmaf(s[i][j], score_log2, -new_max_scaled));
                 sum += prob;
                 p_tile[(ty * ROWS + i) * P_LD + tx + 8 * j] = prob;
             }
@@ -140,17 +145,20 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const F
     for (int i = 0; i < ROWS; ++i) {
         const int row = ty * ROWS + i;
         const float total = row_group_sum(row_sum[i]);
-        const float inv = total > 0.f ? 1.f / total : 0.f;   // a row that saw no key outputs 0
+        float inv = total > 0.f ? 1.f / total : 0.f;   // a row that saw no key outputs 0
+        // total = sum exp2(s * scale_log2 - max_scaled), and max_scaled = max * scale_log2 - residual
+        // with the residual exact through an fma, so lse = max * scale + (log2(total) - residual) * ln2:
+        // one rounding at |lse|, as a dense float32 logsumexp has.
+        const float residual = fmaf(row_max[i], score_log2, -row_max_scaled[i]);
+        float row_lse = total > 0.f ? fmaf(row_max[i], score_natural, (log2f(total) - residual) * FLASH_LN2) : FLASH_NEG_INF;
+        if (FEATURES & FEATURE_SINK) {
+            const float2 joined = join_sink(row_lse, p.sink[h]);
+            row_lse = joined.x;
+            inv *= joined.y;
+        }
 #pragma unroll
         for (int j = 0; j < DCOLS; ++j) q_tile[row * LD + tx + 8 * j] = o_acc[i][j] * inv;
-        if (tx == 0 && q_start + row < seqlen_q) {
-            // total = sum exp2(s * scale_log2 - max_scaled), and max_scaled = max * scale_log2 - residual
-            // with the residual exact through an fma, so lse = max * scale + (log2(total) - residual) * ln2:
-            // one rounding at |lse|, as a dense float32 logsumexp has.
-            const float residual = fmaf(row_max[i], p.scale_log2, -row_max_scaled[i]);
-            lse[q_start + row] = total > 0.f ? fmaf(row_max[i], p.softmax_scale, (log2f(total) - residual) * FLASH_LN2)
-                                             : FLASH_NEG_INF;
-        }
+        if (tx == 0 && q_start + row < seqlen_q) lse[q_start + row] = row_lse;
     }
     __syncthreads();
     T* o = static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, q_start, h);

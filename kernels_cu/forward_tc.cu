@@ -16,7 +16,7 @@
 // g, g+8 and columns 2t, 2t+1. Two adjacent C tiles of S are exactly one A fragment of P, so P
 // goes from the S accumulators to the PV product without leaving registers.
 
-template <typename T, int D_TILE, int BLOCK_N, int NUM_WARPS, int M_TILES, bool IS_CAUSAL>
+template <typename T, int D_TILE, int BLOCK_N, int NUM_WARPS, int M_TILES, bool IS_CAUSAL, int FEATURES>
 __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(const FlashParams p) {
     constexpr int THREADS = 32 * NUM_WARPS;
     constexpr int BLOCK_M = 16 * NUM_WARPS * M_TILES;
@@ -38,16 +38,24 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
     const QueryBlock block = query_block_of(p, BLOCK_M);
     const long long b = block.b, h = block.h;
     const int q_start = block.q_block * BLOCK_M;
-    const long long causal_shift = p.seqlen_k - p.seqlen_q;
+    const Band band = band_of(p);
+    const ScoreMod<FEATURES> mod(p, b, h);
+    // With a score modifier the scores become log2-unit logits before the softmax (scale 1).
+    const float score_log2 = ScoreMod<FEATURES>::active ? 1.f : p.scale_log2;
+    const float score_natural = ScoreMod<FEATURES>::active ? FLASH_LN2 : p.softmax_scale;
 
     const T* q = static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, q_start, h);
-    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, 0, h);
-    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, 0, h);
+    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, 0, h / p.group);
+    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, 0, h / p.group);
 
-    const int kv_end = kv_blocks_for(p, q_start, BLOCK_M, BLOCK_N, IS_CAUSAL);
+    const int2 kv_range = kv_block_range<IS_CAUSAL, FEATURES>(p, q_start, BLOCK_M, BLOCK_N, band);
+    const int kv_end = kv_range.y;
 
     async_load_tile<T, BLOCK_M, D_TILE, LD, THREADS>(q_tile, q, p.q_strides[1], seqlen_q - q_start, head_dim);
-    if (kv_end > 0) async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(k_tile, k, p.k_strides[1], seqlen_k, head_dim);
+    if (kv_range.x < kv_end) {
+        const int first = kv_range.x * BLOCK_N;
+        async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(k_tile, k + first * p.k_strides[1], p.k_strides[1], seqlen_k - first, head_dim);
+    }
     cp_async_commit();
 
     float o_acc[M_TILES][O_TILES][4];
@@ -72,7 +80,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
     const unsigned int k_lane = smem_addr(k_tile) + b_frags_lane<LD>(lane);
     const unsigned int v_lane = smem_addr(v_tile) + b_frags_trans_lane<LD>(lane);
 
-    for (int kv_block = 0; kv_block < kv_end; ++kv_block) {
+    for (int kv_block = kv_range.x; kv_block < kv_end; ++kv_block) {
         const int kv_start = kv_block * BLOCK_N;
         cp_async_wait();
         __syncthreads();   // K_j (and Q) landed; every warp is done reading V_{j-1}
@@ -113,12 +121,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
         }
         cp_async_commit();
 
-        // Mask only blocks that cross the sequence end or the causal diagonal.
-        const bool needs_mask = kv_start + BLOCK_N > seqlen_k ||
-                                (IS_CAUSAL && (long long)kv_start + BLOCK_N - 1 > (long long)q_start + causal_shift);
-        if (needs_mask) {
-            // int arithmetic: keys and queries are < 2^30, so key - query and the shift fit.
-            const int diag = (int)causal_shift;
+        if (ScoreMod<FEATURES>::active) {
 #pragma unroll
             for (int m = 0; m < M_TILES; ++m)
 #pragma unroll
@@ -127,7 +130,21 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
                     for (int e = 0; e < 4; ++e) {
                         const int query = q_start + warp_row + 16 * m + g + 8 * (e >> 1);
                         const int key = kv_start + j * 8 + 2 * t + (e & 1);
-                        if (key >= seqlen_k || (IS_CAUSAL && key - query > diag)) s[m][j][e] = FLASH_NEG_INF;
+                        s[m][j][e] = mod.log2_logit(s[m][j][e], key - query - band.shift);
+                    }
+        }
+        // Mask only blocks that cross the sequence end or a band edge (int arithmetic: keys and
+        // queries are < 2^30, so key - query and the band offsets fit).
+        if (tile_needs_mask<IS_CAUSAL, FEATURES>(q_start, BLOCK_M, kv_start, BLOCK_N, seqlen_k, band)) {
+#pragma unroll
+            for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+                for (int j = 0; j < S_TILES; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int query = q_start + warp_row + 16 * m + g + 8 * (e >> 1);
+                        const int key = kv_start + j * 8 + 2 * t + (e & 1);
+                        if (!key_visible<IS_CAUSAL, FEATURES>(key, query, seqlen_k, band)) s[m][j][e] = FLASH_NEG_INF;
                     }
         }
 
@@ -142,7 +159,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
                 block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 1));
                 block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 2));
                 const float new_max = fmaxf(row_max[m][r], block_max);
-                const float new_max_scaled = new_max == FLASH_NEG_INF ? 0.f : new_max * p.scale_log2;
+                const float new_max_scaled = new_max == FLASH_NEG_INF ? 0.f : new_max * score_log2;
                 const float rescale = row_max[m][r] == FLASH_NEG_INF ? 0.f : exp2f(row_max_scaled[m][r] - new_max_scaled);
                 row_max[m][r] = new_max;
                 row_max_scaled[m][r] = new_max_scaled;
@@ -151,7 +168,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
                 for (int j = 0; j < S_TILES; ++j)
 #pragma unroll
                     for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                        s[m][j][e] = exp2f(fmaf(s[m][j][e], p.scale_log2, -new_max_scaled));
+                        s[m][j][e] = exp2f(fmaf(s[m][j][e], score_log2, -new_max_scaled));
                         sum += s[m][j][e];
                     }
                 row_sum[m][r] = row_sum[m][r] * rescale + sum;
@@ -201,18 +218,22 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
             float total = row_sum[m][r];
             total += __shfl_xor_sync(0xffffffffu, total, 1);
             total += __shfl_xor_sync(0xffffffffu, total, 2);
-            const float inv = total > 0.f ? 1.f / total : 0.f;
+            float inv = total > 0.f ? 1.f / total : 0.f;
             const int row = warp_row + 16 * m + g + 8 * r;
+            const float residual = fmaf(row_max[m][r], score_log2, -row_max_scaled[m][r]);
+            float row_lse = total > 0.f ? fmaf(row_max[m][r], score_natural, (log2f(total) - residual) * FLASH_LN2)
+                                        : FLASH_NEG_INF;
+            if (FEATURES & FEATURE_SINK) {
+                const float2 joined = join_sink(row_lse, p.sink[h]);
+                row_lse = joined.x;
+                inv *= joined.y;
+            }
 #pragma unroll
             for (int j = 0; j < O_TILES; ++j) {
                 *reinterpret_cast<unsigned int*>(q_tile + row * LD + j * 8 + 2 * t) =
                     Mma<T>::pack(o_acc[m][j][2 * r] * inv, o_acc[m][j][2 * r + 1] * inv);
             }
-            if (t == 0 && q_start + row < seqlen_q) {
-                const float residual = fmaf(row_max[m][r], p.scale_log2, -row_max_scaled[m][r]);
-                lse[q_start + row] = total > 0.f ? fmaf(row_max[m][r], p.softmax_scale, (log2f(total) - residual) * FLASH_LN2)
-                                                 : FLASH_NEG_INF;
-            }
+            if (t == 0 && q_start + row < seqlen_q) lse[q_start + row] = row_lse;
         }
     __syncthreads();
     store_staged_tile<T, BLOCK_M, D_TILE, LD, THREADS>(static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, q_start, h),

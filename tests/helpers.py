@@ -127,18 +127,24 @@ def check_error_rule(quantity: str, ours, exact, low_precision, context: str = "
     return ratio
 
 
-def gradient_term_scales(do, q, k, v, softmax_scale=None, causal=False) -> dict:
+def gradient_term_scales(do, q, k, v, softmax_scale=None, causal=False, **features) -> dict:
     """For dq, dk and dv: the largest sum of |terms| (float64) behind any one element, i.e. the
-    gradient computed with every factor replaced by its absolute value."""
+    gradient computed with every factor replaced by its absolute value (softcap's factor <= 1 left
+    out; dk and dv summed over each K/V head's group)."""
     from cupy_flash.reference import _bhnd, _softmax_parts, _to_float
 
-    work, _, xp, scale, Q, K, V, P, _ = _softmax_parts(q, k, v, softmax_scale, causal, upcast=True)
+    work, _, xp, scale, Q, K, V, P, *_ = _softmax_parts(q, k, v, softmax_scale, causal, True, **features)
     abs_do = xp.abs(_bhnd(_to_float(do, xp, work)))
     abs_dp = abs_do @ xp.abs(V).swapaxes(-1, -2)
     abs_ds = P * (abs_dp + (P * abs_dp).sum(axis=-1, keepdims=True))
+    group = Q.shape[1] // k.shape[2]
+
+    def grouped(x):
+        return x.reshape(x.shape[0], -1, group, *x.shape[2:]).sum(axis=2)
+
     return {"dq": float((scale * (abs_ds @ xp.abs(K))).max()),
-            "dk": float((scale * (abs_ds.swapaxes(-1, -2) @ xp.abs(Q))).max()),
-            "dv": float((P.swapaxes(-1, -2) @ abs_do).max())}
+            "dk": float(grouped(scale * (abs_ds.swapaxes(-1, -2) @ xp.abs(Q))).max()),
+            "dv": float(grouped(P.swapaxes(-1, -2) @ abs_do).max())}
 
 
 def max_finite_abs(x) -> float:

@@ -29,7 +29,24 @@ def problems(draw):
     heads = draw(st.integers(1, 4))
     while batch * heads * seqlen_q * seqlen_k > MAX_SCORES and batch * heads > 1:
         batch, heads = max(1, batch // 2), max(1, heads - 1)
-    return dict(
+    # Variants, in any combination, half the time (GQA/MQA independently).
+    heads_kv = draw(st.sampled_from([n for n in range(1, heads + 1) if heads % n == 0]))
+    features = {}
+    if draw(st.booleans()):
+        if draw(st.booleans()):
+            size = st.one_of(st.just(-1), st.integers(0, 40), st.integers(40, 1500))
+            features["window_size"] = (draw(size), draw(size))
+        if draw(st.booleans()):
+            features["softcap"] = draw(st.sampled_from([0.5, 5.0, 30.0]))
+        if draw(st.booleans()):
+            per_batch = draw(st.booleans())
+            features["alibi_slopes"] = draw(st.lists(st.sampled_from([2.0**-e for e in range(9)]),
+                                                     min_size=batch * heads if per_batch else heads,
+                                                     max_size=batch * heads if per_batch else heads))
+            features["alibi_per_batch"] = per_batch
+        if draw(st.booleans()):
+            features["sink"] = draw(st.lists(st.floats(-8.0, 8.0), min_size=heads, max_size=heads))
+    return dict(features=features, heads_kv=heads_kv,
         dtype=draw(st.sampled_from(sorted(DTYPES))),
         batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         head_dim=8 * draw(st.integers(1, 32)),
@@ -43,8 +60,10 @@ def problems(draw):
 
 
 def describe(p):
-    return ("{dtype} b={batch} h={heads} nq={seqlen_q} nk={seqlen_k} d={head_dim} causal={causal} "
-            "scale={softmax_scale} logit_std={logit_std} seed={seed}").format(**p)
+    variant = {n: x for n, x in p.get("features", {}).items() if n != "alibi_per_batch"}
+    return ("{dtype} b={batch} h={heads} h_kv={heads_kv} nq={seqlen_q} nk={seqlen_k} d={head_dim} causal={causal} "
+            "scale={softmax_scale} logit_std={logit_std} seed={seed}").format(**{"heads_kv": p["heads"], **p}) + (
+        f" {variant}" if variant else "")
 
 
 def input_magnitude(p):
@@ -57,7 +76,7 @@ def input_magnitude(p):
 def make_inputs(p, with_grad=False):
     rng = numpy.random.default_rng(p["seed"])
     q_shape = (p["batch"], p["seqlen_q"], p["heads"], p["head_dim"])
-    kv_shape = (p["batch"], p["seqlen_k"], p["heads"], p["head_dim"])
+    kv_shape = (p["batch"], p["seqlen_k"], p.get("heads_kv", p["heads"]), p["head_dim"])
     q = random_array(rng, q_shape, p["dtype"], input_magnitude(p))
     k = random_array(rng, kv_shape, p["dtype"], input_magnitude(p))
     v = random_array(rng, kv_shape, p["dtype"])
@@ -67,7 +86,18 @@ def make_inputs(p, with_grad=False):
 
 
 def options(p):
-    return dict(softmax_scale=p["softmax_scale"], causal=p["causal"])
+    import cupy
+
+    result = dict(softmax_scale=p["softmax_scale"], causal=p["causal"])
+    features = dict(p.get("features", {}))
+    per_batch = features.pop("alibi_per_batch", False)
+    if "alibi_slopes" in features:
+        slopes = cupy.asarray(features["alibi_slopes"], dtype=cupy.float32)
+        features["alibi_slopes"] = slopes.reshape(p["batch"], p["heads"]) if per_batch else slopes
+    if "sink" in features:
+        features["sink"] = cupy.asarray(features["sink"], dtype=cupy.float32)
+    result.update(features)
+    return result
 
 
 EDGE_CASES = [
@@ -81,6 +111,17 @@ EDGE_CASES = [
     dict(dtype="float32", batch=1, heads=1, seqlen_q=1, seqlen_k=1, head_dim=24, causal=False, softmax_scale=None, logit_std=300.0, seed=0),
     # One key, many queries: exact dK = 0, ours is float32 cancellation noise (the term-scale floor).
     dict(dtype="float16", batch=2, heads=2, seqlen_q=125, seqlen_k=1, head_dim=24, causal=False, softmax_scale=None, logit_std=30.0, seed=1),
+    # Every variant at once, MQA: window left of 100 under causal, softcap, ALiBi, a sink per head.
+    dict(dtype="bfloat16", batch=2, heads=4, heads_kv=1, seqlen_q=300, seqlen_k=700, head_dim=64, causal=True,
+         softmax_scale=None, logit_std=3.0, seed=7,
+         features={"window_size": (100, -1), "softcap": 5.0, "alibi_slopes": [0.5, 0.25, 0.125, 0.0625], "sink": [0.0, 1.0, -2.0, 3.0]}),
+    # Window (0, 0): each query sees exactly its diagonal key; with seqlen_q > seqlen_k the first rows see none.
+    dict(dtype="float16", batch=1, heads=2, heads_kv=2, seqlen_q=700, seqlen_k=300, head_dim=128, causal=False,
+         softmax_scale=None, logit_std=1.0, seed=8, features={"window_size": (0, 0)}),
+    # float32 (CUDA-core kernels), GQA 3:1, window and per-batch ALiBi slopes.
+    dict(dtype="float32", batch=2, heads=3, heads_kv=1, seqlen_q=200, seqlen_k=333, head_dim=40, causal=False,
+         softmax_scale=None, logit_std=3.0, seed=9,
+         features={"window_size": (20, 50), "alibi_slopes": [0.5, 0.25, 0.125, 1.0, 0.03, 0.0], "alibi_per_batch": True}),
 ]
 
 
@@ -106,6 +147,9 @@ def _check_forward(p):
 @example(EDGE_CASES[3])
 @example(EDGE_CASES[4])
 @example(EDGE_CASES[5])
+@example(EDGE_CASES[7])
+@example(EDGE_CASES[8])
+@example(EDGE_CASES[9])
 def test_forward_matches_reference(p):
     count_example("forward_matches_reference")
     _check_forward(p)
@@ -121,9 +165,13 @@ def _check_backward(p, deterministic):
     context = describe(p) + f" deterministic={deterministic}"
     lse_magnitude = max_finite_abs(lse)
     term_scales = gradient_term_scales(do, q, k, v, **options(p))
+    assert len(grads) == len(exact) == (4 if "sink" in p.get("features", {}) else 3)
     for name, ours, x, e, lo in zip(("dq", "dk", "dv"), grads, (q, k, v), exact, low):
         assert ours.shape == x.shape and ours.dtype == x.dtype
         check_error_rule(name, ours, e, lo, context, lse_magnitude, term_scales[name])
+    if len(grads) == 4:   # dsink: a float32 sum over batch and rows of P_sink * delta
+        check_error_rule("dsink", grads[3], exact[3], low[3], context, lse_magnitude,
+                         float(abs(exact[3]).max()) * p["batch"] * p["seqlen_q"])
 
 
 @given(problems(), st.booleans())
@@ -134,6 +182,9 @@ def _check_backward(p, deterministic):
 @example(EDGE_CASES[4], False)
 @example(EDGE_CASES[5], False)
 @example(EDGE_CASES[6], False)
+@example(EDGE_CASES[7], True)
+@example(EDGE_CASES[8], False)
+@example(EDGE_CASES[9], True)
 def test_backward_matches_reference(p, deterministic):
     count_example("backward_matches_reference")
     _check_backward(p, deterministic)
@@ -141,18 +192,22 @@ def test_backward_matches_reference(p, deterministic):
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("causal", [False, True])
-def test_deterministic_backward_is_bitwise_reproducible(dtype, causal):
+@pytest.mark.parametrize("window", [None, (300, 200)], ids=["plain", "window-gqa"])
+def test_deterministic_backward_is_bitwise_reproducible(dtype, causal, window):
+    # The window makes each query block's key blocks a range that does not start at 0: the
+    # ordered adds must count turns from the range's start.
     p = dict(dtype=dtype, batch=2, heads=3, seqlen_q=1000, seqlen_k=1100, head_dim=64, causal=causal,
-             softmax_scale=None, logit_std=1.0, seed=11)
+             softmax_scale=None, logit_std=1.0, seed=11, heads_kv=3 if window is None else 1)
     q, k, v, do = make_inputs(p, with_grad=True)
-    o, lse = cupy_flash.flash_forward(q, k, v, causal=causal)
-    first = cupy_flash.flash_backward(do, q, k, v, o, lse, causal=causal, deterministic=True)
+    opts = dict(causal=causal, window_size=window)
+    o, lse = cupy_flash.flash_forward(q, k, v, **opts)
+    first = cupy_flash.flash_backward(do, q, k, v, o, lse, deterministic=True, **opts)
     for _ in range(3):
-        again = cupy_flash.flash_backward(do, q, k, v, o, lse, causal=causal, deterministic=True)
+        again = cupy_flash.flash_backward(do, q, k, v, o, lse, deterministic=True, **opts)
         for a, b in zip(first, again):
             assert bool((bitwise(a) == bitwise(b)).all())
     # The atomic path computes the same gradients up to summation order.
-    atomic = cupy_flash.flash_backward(do, q, k, v, o, lse, causal=causal)
+    atomic = cupy_flash.flash_backward(do, q, k, v, o, lse, **opts)
     for a, b in zip(first, atomic):
         assert float(abs(as_float64(a) - as_float64(b)).max()) <= 0.02 * float(abs(as_float64(a)).max())
 

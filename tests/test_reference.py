@@ -13,35 +13,67 @@ from cupy_flash.reference import round_to_dtype
 from helpers import random_array
 
 
-def naive_attention(q, k, v, scale, causal):
-    """Textbook formula, one query at a time, in Python floats."""
+def naive_attention(q, k, v, scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sink=None):
+    """Textbook formula, one query at a time, in Python floats, with every variant spelled out."""
     batch, seqlen_q, heads, dim = q.shape
-    seqlen_k = k.shape[1]
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    shift = seqlen_k - seqlen_q
+    left, right = window_size
     o = numpy.zeros((batch, seqlen_q, heads, dim))
     lse = numpy.full((batch, heads, seqlen_q), -numpy.inf)
     for b in range(batch):
         for h in range(heads):
+            hk = h // (heads // heads_kv)
             for i in range(seqlen_q):
-                keys = [j for j in range(seqlen_k) if not causal or j <= i + seqlen_k - seqlen_q]
-                if not keys:
+                keys = [j for j in range(seqlen_k)
+                        if (not causal or j <= i + shift) and (right < 0 or j <= i + shift + right)
+                        and (left < 0 or j >= i + shift - left)]
+                scores = []
+                for j in keys:
+                    x = scale * float(numpy.dot(q[b, i, h], k[b, j, hk]))
+                    if softcap:
+                        x = softcap * math.tanh(x / softcap)
+                    if alibi_slopes is not None:
+                        slope = alibi_slopes[h] if alibi_slopes.ndim == 1 else alibi_slopes[b, h]
+                        x -= slope * abs(i + shift - j)
+                    scores.append(x)
+                logits = scores + ([float(sink[h])] if sink is not None else [])
+                if not logits:
                     continue
-                scores = [scale * float(numpy.dot(q[b, i, h], k[b, j, h])) for j in keys]
-                top = max(scores)
-                weights = [math.exp(s - top) for s in scores]
-                total = sum(weights)
+                top = max(logits)
+                total = sum(math.exp(x - top) for x in logits)
                 lse[b, h, i] = top + math.log(total)
-                for w, j in zip(weights, keys):
-                    o[b, i, h] += w / total * v[b, j, h]
+                for x, j in zip(scores, keys):
+                    o[b, i, h] += math.exp(x - top) / total * v[b, j, hk]
     return o, lse
 
 
+@st.composite
+def variants(draw, batch, heads):
+    """Feature keywords in any combination (possibly none)."""
+    features = {}
+    if draw(st.booleans()):
+        features["window_size"] = (draw(st.integers(-1, 4)), draw(st.integers(-1, 4)))
+    if draw(st.booleans()):
+        features["softcap"] = draw(st.sampled_from([0.5, 2.0]))
+    if draw(st.booleans()):
+        shape = (heads,) if draw(st.booleans()) else (batch, heads)
+        features["alibi_slopes"] = numpy.array(draw(st.lists(st.floats(0.0, 1.0), min_size=math.prod(shape),
+                                                             max_size=math.prod(shape)))).reshape(shape)
+    if draw(st.booleans()):
+        features["sink"] = numpy.array(draw(st.lists(st.floats(-3.0, 3.0), min_size=heads, max_size=heads)))
+    return features
+
+
 @given(seqlen_q=st.integers(1, 9), seqlen_k=st.integers(1, 9), causal=st.booleans(),
-       dim=st.sampled_from([1, 3, 8]), scale=st.floats(0.05, 3.0), seed=st.integers(0, 2**31))
-def test_reference_matches_naive_formula(seqlen_q, seqlen_k, causal, dim, scale, seed):
+       dim=st.sampled_from([1, 3, 8]), scale=st.floats(0.05, 3.0), heads_kv=st.sampled_from([1, 2, 4]),
+       seed=st.integers(0, 2**31), features=variants(2, 4))
+def test_reference_matches_naive_formula(seqlen_q, seqlen_k, causal, dim, scale, heads_kv, seed, features):
     rng = numpy.random.default_rng(seed)
-    q, k, v = (rng.standard_normal((2, n, 2, dim)) for n in (seqlen_q, seqlen_k, seqlen_k))
-    o, lse = attention_reference(q, k, v, softmax_scale=scale, causal=causal)
-    o_naive, lse_naive = naive_attention(q, k, v, scale, causal)
+    q = rng.standard_normal((2, seqlen_q, 4, dim))
+    k, v = (rng.standard_normal((2, seqlen_k, heads_kv, dim)) for _ in range(2))
+    o, lse = attention_reference(q, k, v, softmax_scale=scale, causal=causal, **features)
+    o_naive, lse_naive = naive_attention(q, k, v, scale, causal, **features)
     numpy.testing.assert_allclose(o, o_naive, rtol=1e-12, atol=1e-12)
     assert numpy.array_equal(numpy.isinf(lse), numpy.isinf(lse_naive))
     numpy.testing.assert_allclose(lse[numpy.isfinite(lse)], lse_naive[numpy.isfinite(lse_naive)], rtol=1e-12)
@@ -60,21 +92,29 @@ def test_rows_that_see_no_key_give_zero_output_and_minus_inf_lse():
 
 
 @given(seqlen_q=st.integers(1, 6), seqlen_k=st.integers(1, 6), causal=st.booleans(),
-       scale=st.floats(0.1, 2.0), seed=st.integers(0, 2**31))
-def test_reference_backward_matches_finite_differences(seqlen_q, seqlen_k, causal, scale, seed):
+       scale=st.floats(0.1, 2.0), heads_kv=st.sampled_from([1, 2]), seed=st.integers(0, 2**31),
+       features=variants(1, 2))
+def test_reference_backward_matches_finite_differences(seqlen_q, seqlen_k, causal, scale, heads_kv, seed, features):
     rng = numpy.random.default_rng(seed)
-    q, k, v = (rng.standard_normal((1, n, 2, 3)) for n in (seqlen_q, seqlen_k, seqlen_k))
+    q = rng.standard_normal((1, seqlen_q, 2, 3))
+    k, v = (rng.standard_normal((1, seqlen_k, heads_kv, 3)) for _ in range(2))
     do = rng.standard_normal(q.shape)
+    sink = features.pop("sink", None)
+    inputs = [q, k, v] + ([sink] if sink is not None else [])
 
-    def loss(q_, k_, v_):
-        return float((attention_reference(q_, k_, v_, softmax_scale=scale, causal=causal)[0] * do).sum())
+    def loss(q_, k_, v_, sink_=None):
+        extra = {"sink": sink_} if sink_ is not None else {}
+        return float((attention_reference(q_, k_, v_, softmax_scale=scale, causal=causal, **features, **extra)[0]
+                      * do).sum())
 
-    grads = attention_reference_backward(do, q, k, v, softmax_scale=scale, causal=causal)
+    grads = attention_reference_backward(do, q, k, v, softmax_scale=scale, causal=causal, **features,
+                                         **({"sink": sink} if sink is not None else {}))
+    assert len(grads) == len(inputs)
     eps = 1e-6
-    for which, (x, grad) in enumerate(zip((q, k, v), grads)):
+    for which, (x, grad) in enumerate(zip(inputs, grads)):
         numeric = numpy.zeros_like(x)
         for index in numpy.ndindex(x.shape):
-            plus, minus = [a.copy() for a in (q, k, v)], [a.copy() for a in (q, k, v)]
+            plus, minus = [a.copy() for a in inputs], [a.copy() for a in inputs]
             plus[which][index] += eps
             minus[which][index] -= eps
             numeric[index] = (loss(*plus) - loss(*minus)) / (2 * eps)

@@ -1,0 +1,155 @@
+"""Variant benchmark: sliding window, GQA, and the plain path against a baseline build.
+
+    python -m bench.variants                       # window and GQA tables
+    python -m bench.variants --baseline DIR        # also: plain shapes, this tree vs DIR's cupy_flash
+
+Window: causal attention at seqlen 16k with window (1024, 0) against the full causal mask (the
+cost should follow the band, not seqlen^2); TFLOP/s count only the visible (query, key) pairs.
+GQA 8:1: 16 query heads over 2 K/V heads against the same problem with K/V repeated to 16 heads
+(MHA), and PyTorch SDPA's flash backend with enable_gqa where it runs.
+Baseline: DIR holds another checkout's cupy_flash/ and kernels_cu/ (e.g. the commit before a
+change); both are timed in this process on the same data, so the ratio is free of run-to-run drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+import cupy
+
+import cupy_flash
+from bench.attention import DTYPES, time_calls, to_torch
+
+
+def band_pairs(seqlen_q, seqlen_k, causal, window):
+    """Visible (query, key) pairs of one head, counted row by row."""
+    left, right = window if window else (-1, -1)
+    right = 0 if causal else right
+    shift = seqlen_k - seqlen_q
+    total = 0
+    for i in range(seqlen_q):
+        hi = seqlen_k - 1 if right < 0 else min(seqlen_k - 1, i + shift + right)
+        lo = 0 if left < 0 else max(0, i + shift - left)
+        total += max(0, hi - lo + 1)
+    return total
+
+
+def random(shape, dtype, seed):
+    rng = cupy.random.default_rng(seed)
+    return rng.standard_normal(shape, dtype=cupy.float32).astype(dtype)
+
+
+def time_pair(module, q, k, v, do, **opts):
+    """Median ms of forward and of backward."""
+    o, lse = module.flash_forward(q, k, v, **opts)
+    fwd = time_calls(lambda s: module.flash_forward(*s, **opts), [(q, k, v)])
+    bwd = time_calls(lambda s: module.flash_backward(*s, **opts), [(do, q, k, v, o, lse)])
+    return fwd, bwd
+
+
+def window_table(dtype):
+    rows = []
+    batch, seqlen, heads, d = 1, 16384, 16, 128
+    q, k, v, do = (random((batch, seqlen, heads, d), dtype, s) for s in range(4))
+    for label, opts in (("causal, full", dict(causal=True)),
+                        ("causal, window (1024, 0)", dict(causal=True, window_size=(1024, 0))),
+                        ("window (512, 512)", dict(window_size=(512, 512))),
+                        ("full", dict())):
+        fwd, bwd = time_pair(cupy_flash, q, k, v, do, **opts)
+        pairs = band_pairs(seqlen, seqlen, opts.get("causal", False), opts.get("window_size"))
+        flop = 4.0 * batch * heads * pairs * d
+        rows.append(dict(case=label, fwd_ms=fwd, bwd_ms=bwd, fwd_tflops=flop / fwd / 1e9,
+                         bwd_tflops=2.5 * flop / bwd / 1e9))
+        print(f"window | {label:26s} fwd {fwd:7.3f} ms {rows[-1]['fwd_tflops']:6.1f} TF/s | "
+              f"bwd {bwd:7.3f} ms {rows[-1]['bwd_tflops']:6.1f} TF/s", flush=True)
+    return rows
+
+
+def gqa_table(dtype):
+    rows = []
+    batch, seqlen, heads, heads_kv, d = 4, 4096, 16, 2, 128
+    q, do = (random((batch, seqlen, heads, d), dtype, s) for s in (0, 3))
+    k, v = (random((batch, seqlen, heads_kv, d), dtype, s) for s in (1, 2))
+    k_full, v_full = (cupy.repeat(x, heads // heads_kv, axis=2) for x in (k, v))
+    for causal in (False, True):
+        flop = 4.0 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
+        gqa = time_pair(cupy_flash, q, k, v, do, causal=causal)
+        mha = time_pair(cupy_flash, q, k_full, v_full, do, causal=causal)
+        row = dict(causal=causal, gqa_fwd=flop / gqa[0] / 1e9, gqa_bwd=2.5 * flop / gqa[1] / 1e9,
+                   mha_fwd=flop / mha[0] / 1e9, mha_bwd=2.5 * flop / mha[1] / 1e9)
+        try:
+            import torch
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            tq, tk, tv, tdo = (to_torch(torch, x).transpose(1, 2) for x in (q, k, v, do))
+            tq, tk, tv = (x.detach().requires_grad_() for x in (tq, tk, tv))
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                out = sdpa(tq, tk, tv, is_causal=causal, enable_gqa=True)
+
+                def forward(_):
+                    with torch.no_grad():
+                        sdpa(tq, tk, tv, is_causal=causal, enable_gqa=True)
+
+                ms_f = time_calls(forward, [None])
+            ms_b = time_calls(lambda _: torch.autograd.grad(out, (tq, tk, tv), tdo, retain_graph=True), [None])
+            row.update(flash_fwd=flop / ms_f / 1e9, flash_bwd=2.5 * flop / ms_b / 1e9)
+        except Exception as error:   # SDPA's flash backend may not take enable_gqa
+            row["flash_error"] = f"{type(error).__name__}: {str(error)[:100]}"
+        rows.append(row)
+        print("gqa 8:1 | " + " ".join(f"{n} {x:.1f}" if isinstance(x, float) else f"{n} {x}" for n, x in row.items()),
+              flush=True)
+    return rows
+
+
+def load_baseline(directory):
+    """Import DIR/cupy_flash under another name (its kernels from DIR/kernels_cu)."""
+    spec = importlib.util.spec_from_file_location("cupy_flash_baseline", os.path.join(directory, "cupy_flash", "__init__.py"),
+                                                  submodule_search_locations=[os.path.join(directory, "cupy_flash")])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["cupy_flash_baseline"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def baseline_table(dtype, baseline):
+    rows = []
+    for d in (64, 128):
+        for seqlen in (2048, 16384):
+            for causal in (False, True):
+                batch, heads = max(1, 16384 // seqlen), 2048 // d
+                q, k, v, do = (random((batch, seqlen, heads, d), dtype, s) for s in range(4))
+                new = time_pair(cupy_flash, q, k, v, do, causal=causal)
+                old = time_pair(baseline, q, k, v, do, causal=causal)
+                rows.append(dict(head_dim=d, seqlen=seqlen, causal=causal, fwd_new_over_old=old[0] / new[0],
+                                 bwd_new_over_old=old[1] / new[1]))
+                print(f"plain vs baseline | d={d} N={seqlen} causal={int(causal)}: speed new/old fwd "
+                      f"{old[0] / new[0]:.3f} bwd {old[1] / new[1]:.3f}", flush=True)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--baseline", help="directory with another checkout's cupy_flash/ and kernels_cu/")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = parser.parse_args()
+    dtype = DTYPES[args.dtype]
+    result = dict(device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), dtype=args.dtype)
+    if args.baseline:
+        result["baseline"] = baseline_table(dtype, load_baseline(args.baseline))
+    result["window"] = window_table(dtype)
+    result["gqa"] = gqa_table(dtype)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"variants-{args.dtype}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()

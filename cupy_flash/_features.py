@@ -1,0 +1,135 @@
+"""Attention variants: the feature keywords, checked before any launch, and the kernel flags they select.
+
+Every variant is a compile-time flag of the kernels (``FEATURE_*`` in kernels_cu/common.cuh), so a
+plain call runs the plain instantiation. Masks are bands around the bottom-right diagonal: with
+shift = seqlen_k - seqlen_q, key j is visible from query i iff
+
+    j - i <= shift + window_right      (causal: window_right = 0; a window's right size; else none)
+    j - i >= shift - window_left       (a window's left size; else none)
+
+The shape/dtype checks read only ``.shape``, ``.ndim`` and ``.dtype``, so they run on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import numpy
+
+FEATURE_WINDOW = 1
+FEATURE_SOFTCAP = 2
+FEATURE_ALIBI = 4
+FEATURE_SINK = 8
+FORWARD_ONLY_FEATURES = FEATURE_SINK   # the backward reads the sink only through lse
+ALL_FEATURES = FEATURE_WINDOW | FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK
+FEATURE_NAMES = {FEATURE_WINDOW: "window", FEATURE_SOFTCAP: "softcap", FEATURE_ALIBI: "alibi",
+                 FEATURE_SINK: "sink"}
+
+# Window sizes are clamped below 2^30 (past any sequence length): the kernels add them to the
+# diagonal shift in int32.
+UNBOUNDED = 2**30 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """The checked variant options of one call (arrays still as given; ``on_device`` converts)."""
+
+    causal: bool = False          # the kernels' right bound (causal, or a window's right size)
+    window_right: int = 0
+    window_left: int | None = None
+    softcap: float = 0.0
+    alibi_slopes: object = None   # (heads_q,) or (batch, heads_q)
+    sink: object = None           # (heads_q,)
+    group: int = 1                # heads_q // heads_kv
+
+    @property
+    def flags(self) -> int:
+        """Forward kernel flags."""
+        return ((FEATURE_WINDOW if self.window_left is not None else 0)
+                | (FEATURE_SOFTCAP if self.softcap > 0 else 0)
+                | (FEATURE_ALIBI if self.alibi_slopes is not None else 0)
+                | (FEATURE_SINK if self.sink is not None else 0))
+
+    @property
+    def backward_flags(self) -> int:
+        return self.flags & ~FORWARD_ONLY_FEATURES
+
+    def on_device(self) -> Variant:
+        """The same variant with its arrays as contiguous float32 CuPy arrays (small copies)."""
+        import cupy
+
+        def prepared(x):
+            return None if x is None else cupy.ascontiguousarray(x, dtype=cupy.float32)
+
+        return dataclasses.replace(self, alibi_slopes=prepared(self.alibi_slopes), sink=prepared(self.sink))
+
+    def fill(self, record) -> None:
+        """Write the mask and score-modifier fields of a FlashParams record."""
+        record["group"] = self.group
+        record["window_right"] = self.window_right
+        record["window_left"] = UNBOUNDED if self.window_left is None else self.window_left
+        if self.softcap > 0:
+            record["softcap"] = self.softcap
+            record["softcap_inv"] = 1.0 / self.softcap
+        if self.alibi_slopes is not None:
+            record["alibi_slopes"] = self.alibi_slopes.data.ptr
+            record["alibi_batch_stride"] = self.alibi_slopes.shape[-1] if self.alibi_slopes.ndim == 2 else 0
+        if self.sink is not None:
+            record["sink"] = self.sink.data.ptr
+
+
+def describe(flags: int) -> str:
+    return "+".join(name for bit, name in FEATURE_NAMES.items() if flags & bit) or "plain"
+
+
+def _check_float_array(name: str, x, shapes: list[tuple], labels: str):
+    if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
+        raise TypeError(f"{name} must be an array of shape {labels}, got {type(x).__name__}")
+    if numpy.dtype(x.dtype).kind != "f":
+        raise TypeError(f"{name} has dtype {x.dtype}; expected a floating dtype (float32)")
+    if tuple(int(n) for n in x.shape) not in shapes:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}; expected {labels} = "
+                         + " or ".join(str(s) for s in shapes))
+
+
+def check_window(window_size) -> tuple[int, int]:
+    if window_size is None:
+        return (-1, -1)
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
+    sizes = []
+    for side, value in zip(("left", "right"), window_size):
+        if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"window_size {side} must be an int, got {type(value).__name__}")
+        if value < -1:
+            raise ValueError(f"window_size {side} is {int(value)}; expected a size >= 0, or -1 for unbounded")
+        sizes.append(int(value))
+    return sizes[0], sizes[1]
+
+
+def check_softcap(softcap) -> float:
+    if isinstance(softcap, (bool, numpy.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")
+    value = float(softcap)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"softcap must be finite and >= 0 (0 turns it off), got {value}")
+    return value
+
+
+def check_variant(batch: int, heads_q: int, heads_kv: int, causal: bool, *, window_size=None, softcap=0.0,
+                  alibi_slopes=None, sink=None) -> Variant:
+    """Checks every feature keyword; raises TypeError/ValueError naming the argument."""
+    left, right = check_window(window_size)
+    cap = check_softcap(softcap)
+    if alibi_slopes is not None:
+        _check_float_array("alibi_slopes", alibi_slopes, [(heads_q,), (batch, heads_q)],
+                           "(heads_q,) or (batch, heads_q)")
+    if sink is not None:
+        _check_float_array("sink", sink, [(heads_q,)], "(heads_q,)")
+    right_bounded = causal or right >= 0
+    window_right = 0 if causal else (min(right, UNBOUNDED) if right >= 0 else UNBOUNDED)
+    return Variant(causal=right_bounded, window_right=window_right,
+                   window_left=min(left, UNBOUNDED) if left >= 0 else None,
+                   softcap=cap, alibi_slopes=alibi_slopes, sink=sink, group=heads_q // heads_kv)
