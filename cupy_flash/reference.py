@@ -164,5 +164,8 @@ def attention_reference_backward(do, q, k, v, *, softmax_scale=None, causal=Fals
         dK, dV = (rnd(x.reshape(batch, -1, group, seqlen_k, head_dim).sum(axis=2)) for x in (dK, dV))
     grads = (_bhnd(dQ), _bhnd(dK), _bhnd(dV))
     if "sink_prob" in extras:
-        grads += (-(extras["sink_prob"] * delta[..., 0]).sum(axis=(0, 2)),)
+        # delta as rowsum(dO * O) with O as stored (rounded to the dtype when not upcast): the
+        # form a dense implementation that keeps O evaluates (equal to rowsum(P * dP) exactly).
+        O = rnd(P @ V)
+        grads += (-(extras["sink_prob"] * (dO * O).sum(axis=-1)).sum(axis=(0, 2)),)
     return grads

@@ -70,8 +70,8 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_kernel(const 
     const Band band = band_of(p);
     const ScoreMod<FEATURES> mod(p, b, h);
 
-    load_tile<T, BLOCK_N, D_TILE, LD>(k_tile, static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, kv_start, h / p.group), p.k_strides[1], seqlen_k - kv_start, head_dim);
-    load_tile<T, BLOCK_N, D_TILE, LD>(v_tile, static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, kv_start, h / p.group), p.v_strides[1], seqlen_k - kv_start, head_dim);
+    load_tile<T, BLOCK_N, D_TILE, LD>(k_tile, static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, kv_start, kv_head_of(h, p)), p.k_strides[1], seqlen_k - kv_start, head_dim);
+    load_tile<T, BLOCK_N, D_TILE, LD>(v_tile, static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, kv_start, kv_head_of(h, p)), p.v_strides[1], seqlen_k - kv_start, head_dim);
 
     const int2 q_range = q_block_range<IS_CAUSAL, FEATURES>(p, kv_start, BLOCK_M, BLOCK_N, band);
 
@@ -237,8 +237,8 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_dq_kernel(con
     load_row_stats<BLOCK_M>(lse_tile, delta_tile, p, b, h, q_start);
 
     const int2 kv_range = kv_block_range<IS_CAUSAL, FEATURES>(p, q_start, BLOCK_M, BLOCK_N, band);
-    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, 0, h / p.group);
-    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, 0, h / p.group);
+    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, 0, kv_head_of(h, p));
+    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, 0, kv_head_of(h, p));
 
     float dq_acc[ROWS][DCOLS];
 #pragma unroll

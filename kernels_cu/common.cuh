@@ -93,6 +93,10 @@ struct FlashParams {
 static_assert(sizeof(FlashParams) == FLASH_PARAMS_BYTES, "FlashParams disagrees with cupy_flash/_params.py");
 #endif
 
+// The K/V head serving query head h (MQA/GQA). (A 32-bit division here made ptxas spill 4 bytes in
+// the d=256 causal backward on sm_90; the 64-bit one runs once per block.)
+__device__ __forceinline__ long long kv_head_of(long long h, const FlashParams& p) { return h / p.group; }
+
 __device__ __forceinline__ long long tensor_offset(const long long* strides, long long b, long long row, long long h) {
     return b * strides[0] + row * strides[1] + h * strides[2];
 }

@@ -46,8 +46,8 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const F
     const float score_natural = ScoreMod<FEATURES>::active ? FLASH_LN2 : p.softmax_scale;
 
     const T* q = static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, q_start, h);
-    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, 0, h / p.group);
-    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, 0, h / p.group);
+    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, 0, kv_head_of(h, p));
+    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, 0, kv_head_of(h, p));
 
     load_tile<T, BLOCK_M, D_TILE, LD>(q_tile, q, p.q_strides[1], seqlen_q - q_start, head_dim);
 

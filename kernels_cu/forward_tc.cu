@@ -45,8 +45,8 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
     const float score_natural = ScoreMod<FEATURES>::active ? FLASH_LN2 : p.softmax_scale;
 
     const T* q = static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, q_start, h);
-    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, 0, h / p.group);
-    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, 0, h / p.group);
+    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, 0, kv_head_of(h, p));
+    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, 0, kv_head_of(h, p));
 
     const int2 kv_range = kv_block_range<IS_CAUSAL, FEATURES>(p, q_start, BLOCK_M, BLOCK_N, band);
     const int kv_end = kv_range.y;
