@@ -120,9 +120,9 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
         }
     };
 
-    async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(k_tile, static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, kv_start, kv_head_of(h, p)),
+    async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(k_tile, static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, kv_start, kv_head_of_wide(h, p)),
                                                      p.k_strides[1], seqlen_k - kv_start, head_dim);
-    async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(v_tile, static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, kv_start, kv_head_of(h, p)),
+    async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(v_tile, static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, kv_start, kv_head_of_wide(h, p)),
                                                      p.v_strides[1], seqlen_k - kv_start, head_dim);
     if (q_block_begin < q_block_end) load_query_block(q_block_begin, 0);
     cp_async_commit();

@@ -93,9 +93,14 @@ struct FlashParams {
 static_assert(sizeof(FlashParams) == FLASH_PARAMS_BYTES, "FlashParams disagrees with cupy_flash/_params.py");
 #endif
 
-// The K/V head serving query head h (MQA/GQA). (A 32-bit division here made ptxas spill 4 bytes in
-// the d=256 causal backward on sm_90; the 64-bit one runs once per block.)
-__device__ __forceinline__ long long kv_head_of(long long h, const FlashParams& p) { return h / p.group; }
+// The K/V head serving query head h (MQA/GQA). The forward kernels divide in 32 bits (heads < 2^31):
+// the 64-bit division sits on the prologue's critical path (the first K load), which matters at
+// short sequences. The backward keeps the 64-bit one: with 32 bits ptxas spilled 4 bytes in its
+// d=256 causal instantiation on sm_90.
+__device__ __forceinline__ long long kv_head_of(long long h, const FlashParams& p) {
+    return (long long)((unsigned int)h / (unsigned int)p.group);
+}
+__device__ __forceinline__ long long kv_head_of_wide(long long h, const FlashParams& p) { return h / p.group; }
 
 __device__ __forceinline__ long long tensor_offset(const long long* strides, long long b, long long row, long long h) {
     return b * strides[0] + row * strides[1] + h * strides[2];
