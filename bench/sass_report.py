@@ -1,7 +1,10 @@
 """Compile a module offline and count its SASS instructions with cuobjdump: are the mma (HMMA),
 ldmatrix (LDSM) and cp.async (LDGSTS) instructions there, any local memory (LDL/STL)?
 
-    python bench/sass_report.py forward_tc bfloat16 128 90
+    python bench/sass_report.py forward_tc bfloat16 128 90 [features]
+
+The tensor-core families use the tile table of the architecture's target (sm90 for 90, sm80 for 80);
+``features`` is the FEATURE_* bitmask of the instantiations (default 0, the plain kernels).
 """
 
 import collections
@@ -15,8 +18,9 @@ from cupy_backends.cuda.libs import nvrtc
 from cupy_flash import _compile
 
 
-def main(family, dtype, tile, arch):
-    spec = _compile.ModuleSpec(family, dtype, int(tile) if tile != "None" else None)
+def main(family, dtype, tile, arch, features="0"):
+    target = ("sm90" if int(arch) >= 90 else "sm80") if family in _compile.TENSOR_CORE_FAMILIES else None
+    spec = _compile.ModuleSpec(family, dtype, int(tile) if tile != "None" else None, target, int(features))
     program = nvrtc.createProgram(_compile.family_source(family), f"{family}.cu", [], [])
     for expression in spec.name_expressions:
         nvrtc.addNameExpression(program, expression)
@@ -48,4 +52,4 @@ def main(family, dtype, tile, arch):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])
