@@ -350,6 +350,37 @@ __device__ __forceinline__ float2 join_sink(float lse, float sink) {
     return make_float2(joined, expf(lse - joined));
 }
 
+// The forward's score units: raw q.k scores (times scale_log2 in the exp2's fma; times
+// softmax_scale to natural units), or with a score modifier log2-unit logits (scale 1; ln 2).
+template <int FEATURES>
+__device__ __forceinline__ float score_to_log2(const FlashParams& p) {
+    return ScoreMod<FEATURES>::active ? 1.f : p.scale_log2;
+}
+template <int FEATURES>
+__device__ __forceinline__ float score_to_natural(const FlashParams& p) {
+    return ScoreMod<FEATURES>::active ? FLASH_LN2 : p.softmax_scale;
+}
+
+// End of a forward row: from its running max (score units), the max as used in the exponents and
+// the row sum, the row's lse and the factor that normalises its output (0 for a row that saw no
+// key), the sink joined under FEATURE_SINK. total = sum exp2(s * scale_log2 - max_scaled) and
+// max_scaled = max * scale_log2 - residual with the residual exact through an fma, so
+// lse = max * scale + (log2(total) - residual) * ln2: one rounding at |lse|, as a dense float32
+// logsumexp has.
+template <int FEATURES>
+__device__ __forceinline__ float2 finish_row(const FlashParams& p, long long h, float row_max, float row_max_scaled, float total) {
+    const float residual = fmaf(row_max, score_to_log2<FEATURES>(p), -row_max_scaled);
+    float lse = total > 0.f ? fmaf(row_max, score_to_natural<FEATURES>(p), (log2f(total) - residual) * FLASH_LN2)
+                            : FLASH_NEG_INF;
+    float inv = total > 0.f ? 1.f / total : 0.f;
+    if (FEATURES & FEATURE_SINK) {
+        const float2 joined = join_sink(lse, p.sink[h]);
+        lse = joined.x;
+        inv *= joined.y;
+    }
+    return make_float2(lse, inv);
+}
+
 // Row kernels (delta, dQ convert): one warp per (batch, row, head), rows numbered in the memory
 // order of a (batch, seqlen_q, heads, head_dim) tensor; a warp loops so any grid covers every row.
 struct RowIndex {

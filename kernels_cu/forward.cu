@@ -8,7 +8,7 @@
 // (Scaling scores first rounds each at |score| * scale * log2(e); with logits in the thousands,
 // in float32 that tripled the error of P against a dense float32 reference.) row_max itself is
 // kept unscaled; its scaled copy may carry a rounding residual, but the residual is common to a
-// row's O and l and cancels in O / l; for lse it is removed exactly (see the epilogue).
+// row's O and l and cancels in O / l; for lse it is removed exactly (finish_row, common.cuh).
 //
 // CUDA-core version (fp32 FMAs on fp32 tiles in shared memory): correct for every dtype and head
 // dim; the tensor-core kernels for fp16/bf16 replace it on the fast path.
@@ -41,9 +41,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const F
     const int q_start = block.q_block * BLOCK_M;
     const Band band = band_of(p);
     const ScoreMod<FEATURES> mod(p, b, h);
-    // With a score modifier the scores become log2-unit logits before the softmax (scale 1).
-    const float score_log2 = ScoreMod<FEATURES>::active ? 1.f : p.scale_log2;
-    const float score_natural = ScoreMod<FEATURES>::active ? FLASH_LN2 : p.softmax_scale;
+    const float score_log2 = score_to_log2<FEATURES>(p);
 
     const T* q = static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, q_start, h);
     const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, 0, kv_head_of(h, p));
@@ -144,21 +142,10 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const F
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
         const int row = ty * ROWS + i;
-        const float total = row_group_sum(row_sum[i]);
-        float inv = total > 0.f ? 1.f / total : 0.f;   // a row that saw no key outputs 0
-        // total = sum exp2(s * scale_log2 - max_scaled), and max_scaled = max * scale_log2 - residual
-        // with the residual exact through an fma, so lse = max * scale + (log2(total) - residual) * ln2:
-        // one rounding at |lse|, as a dense float32 logsumexp has.
-        const float residual = fmaf(row_max[i], score_log2, -row_max_scaled[i]);
-        float row_lse = total > 0.f ? fmaf(row_max[i], score_natural, (log2f(total) - residual) * FLASH_LN2) : FLASH_NEG_INF;
-        if (FEATURES & FEATURE_SINK) {
-            const float2 joined = join_sink(row_lse, p.sink[h]);
-            row_lse = joined.x;
-            inv *= joined.y;
-        }
+        const float2 lse_inv = finish_row<FEATURES>(p, h, row_max[i], row_max_scaled[i], row_group_sum(row_sum[i]));
 #pragma unroll
-        for (int j = 0; j < DCOLS; ++j) q_tile[row * LD + tx + 8 * j] = o_acc[i][j] * inv;
-        if (tx == 0 && q_start + row < seqlen_q) lse[q_start + row] = row_lse;
+        for (int j = 0; j < DCOLS; ++j) q_tile[row * LD + tx + 8 * j] = o_acc[i][j] * lse_inv.y;
+        if (tx == 0 && q_start + row < seqlen_q) lse[q_start + row] = lse_inv.x;
     }
     __syncthreads();
     T* o = static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, q_start, h);

@@ -40,9 +40,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
     const int q_start = block.q_block * BLOCK_M;
     const Band band = band_of(p);
     const ScoreMod<FEATURES> mod(p, b, h);
-    // With a score modifier the scores become log2-unit logits before the softmax (scale 1).
-    const float score_log2 = ScoreMod<FEATURES>::active ? 1.f : p.scale_log2;
-    const float score_natural = ScoreMod<FEATURES>::active ? FLASH_LN2 : p.softmax_scale;
+    const float score_log2 = score_to_log2<FEATURES>(p);
 
     const T* q = static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, q_start, h);
     const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, 0, kv_head_of(h, p));
@@ -218,22 +216,15 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
             float total = row_sum[m][r];
             total += __shfl_xor_sync(0xffffffffu, total, 1);
             total += __shfl_xor_sync(0xffffffffu, total, 2);
-            float inv = total > 0.f ? 1.f / total : 0.f;
             const int row = warp_row + 16 * m + g + 8 * r;
-            const float residual = fmaf(row_max[m][r], score_log2, -row_max_scaled[m][r]);
-            float row_lse = total > 0.f ? fmaf(row_max[m][r], score_natural, (log2f(total) - residual) * FLASH_LN2)
-                                        : FLASH_NEG_INF;
-            if (FEATURES & FEATURE_SINK) {
-                const float2 joined = join_sink(row_lse, p.sink[h]);
-                row_lse = joined.x;
-                inv *= joined.y;
-            }
+            const float2 lse_inv = finish_row<FEATURES>(p, h, row_max[m][r], row_max_scaled[m][r], total);
+            const float inv = lse_inv.y;
 #pragma unroll
             for (int j = 0; j < O_TILES; ++j) {
                 *reinterpret_cast<unsigned int*>(q_tile + row * LD + j * 8 + 2 * t) =
                     Mma<T>::pack(o_acc[m][j][2 * r] * inv, o_acc[m][j][2 * r + 1] * inv);
             }
-            if (t == 0 && q_start + row < seqlen_q) lse[q_start + row] = row_lse;
+            if (t == 0 && q_start + row < seqlen_q) lse[q_start + row] = lse_inv.x;
         }
     __syncthreads();
     store_staged_tile<T, BLOCK_M, D_TILE, LD, THREADS>(static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, q_start, h),
