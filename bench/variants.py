@@ -47,8 +47,9 @@ def random(shape, dtype, seed):
 def time_pair(module, q, k, v, do, **opts):
     """Median ms of forward and of backward."""
     o, lse = module.flash_forward(q, k, v, **opts)
-    fwd = time_calls(lambda s: module.flash_forward(*s, **opts), [(q, k, v)])
-    bwd = time_calls(lambda s: module.flash_backward(*s, **opts), [(do, q, k, v, o, lse)])
+    # At least 50 calls: a 2k call takes ~0.1 ms, and 10 of them drifted with the clocks.
+    fwd = time_calls(lambda s: module.flash_forward(*s, **opts), [(q, k, v)], min_calls=50, max_calls=500)
+    bwd = time_calls(lambda s: module.flash_backward(*s, **opts), [(do, q, k, v, o, lse)], min_calls=50, max_calls=500)
     return fwd, bwd
 
 
@@ -117,17 +118,17 @@ def load_baseline(directory):
     return module
 
 
-def baseline_table(dtype, baseline):
+def baseline_table(dtype, baseline, seqlens=(2048, 16384), rounds=3):
     rows = []
     for d in (64, 128):
-        for seqlen in (2048, 16384):
+        for seqlen in seqlens:
             for causal in (False, True):
                 batch, heads = max(1, 16384 // seqlen), 2048 // d
                 q, k, v, do = (random((batch, seqlen, heads, d), dtype, s) for s in range(4))
-                # Alternate old and new 3 times and take the median ratio: a lone pair of timings
-                # drifts with clocks by more than the 2% this comparison is for.
+                # Alternate old and new and take the median ratio: a lone pair of timings drifts
+                # with clocks by more than the 2% this comparison is for.
                 ratios = []
-                for _ in range(3):
+                for _ in range(rounds):
                     old = time_pair(baseline, q, k, v, do, causal=causal)
                     new = time_pair(cupy_flash, q, k, v, do, causal=causal)
                     ratios.append((old[0] / new[0], old[1] / new[1]))
@@ -143,14 +144,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--baseline", help="directory with another checkout's cupy_flash/ and kernels_cu/")
+    parser.add_argument("--seqlens", nargs="+", type=int, default=[2048, 16384], help="plain shapes vs the baseline")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating old/new rounds per plain shape")
+    parser.add_argument("--baseline-only", action="store_true", help="skip the window and GQA tables")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args()
     dtype = DTYPES[args.dtype]
     result = dict(device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), dtype=args.dtype)
     if args.baseline:
-        result["baseline"] = baseline_table(dtype, load_baseline(args.baseline))
-    result["window"] = window_table(dtype)
-    result["gqa"] = gqa_table(dtype)
+        result["baseline"] = baseline_table(dtype, load_baseline(args.baseline), args.seqlens, args.rounds)
+    if not args.baseline_only:
+        result["window"] = window_table(dtype)
+        result["gqa"] = gqa_table(dtype)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"variants-{args.dtype}.json")
     with open(path, "w") as f:
