@@ -45,6 +45,11 @@ class Variant:
     group: int = 1                # heads_q // heads_kv
 
     @property
+    def plain(self) -> bool:
+        """No variant beyond causal: the FlashParams defaults (group 1, window 0) already hold."""
+        return self.flags == 0 and self.group == 1 and (not self.causal or self.window_right == 0)
+
+    @property
     def flags(self) -> int:
         """Forward kernel flags."""
         return ((FEATURE_WINDOW if self.window_left is not None else 0)
@@ -58,6 +63,8 @@ class Variant:
 
     def on_device(self) -> Variant:
         """The same variant with its arrays as contiguous float32 CuPy arrays (small copies)."""
+        if self.alibi_slopes is None and self.sink is None:
+            return self   # most calls: dataclasses.replace costs microseconds on every call
         import cupy
 
         def prepared(x):
@@ -118,9 +125,15 @@ def check_softcap(softcap) -> float:
     return value
 
 
+_PLAIN = {causal: Variant(causal=causal, window_right=0 if causal else UNBOUNDED) for causal in (False, True)}
+
+
 def check_variant(batch: int, heads_q: int, heads_kv: int, causal: bool, *, window_size=None, softcap=0.0,
                   alibi_slopes=None, sink=None) -> Variant:
     """Checks every feature keyword; raises TypeError/ValueError naming the argument."""
+    if (window_size is None and alibi_slopes is None and sink is None and heads_q == heads_kv
+            and type(softcap) is float and softcap == 0.0):
+        return _PLAIN[causal]   # the plain call, without the per-call checks' overhead
     left, right = check_window(window_size)
     cap = check_softcap(softcap)
     if alibi_slopes is not None:

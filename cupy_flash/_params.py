@@ -49,6 +49,6 @@ def make_params(shape, softmax_scale: float, delta_stride: int | None = None, va
     record["softmax_scale"] = softmax_scale
     record["scale_log2"] = softmax_scale * math.log2(math.e)
     record["group"] = 1
-    if variant is not None:
+    if variant is not None and not variant.plain:
         variant.fill(record)
     return record

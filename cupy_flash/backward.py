@@ -55,13 +55,14 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
         # The sink's probability in row i is exp(sink - lse_i) and its dP is 0 (it carries no
         # value), so d sink = -sum_i exp(sink - lse_i) * delta_i over batch and rows.
         sink_prob = cupy.exp(variant.sink[None, :, None] - lse)
+        delta = delta.reshape(shape.batch, shape.heads, -1)[:, :, :shape.seqlen_q]   # drop the padding
         return dq, dk, dv, -(sink_prob * delta).sum(axis=(0, 2))
 
 
 def _backward_tensor_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, deterministic):
     """float16 / bfloat16: backward_tc.cu. dQ is accumulated in float32 (atomically, or in a fixed
-    order when deterministic) and then scaled and cast by the convert kernel. Returns (dq, delta)
-    with delta as (batch, heads, seqlen_q)."""
+    order when deterministic) and then scaled and cast by the convert kernel. Returns (dq, delta),
+    delta as (batch * heads, padded seqlen_q)."""
     import cupy
 
     target = tensor_core_target()
@@ -86,7 +87,7 @@ def _backward_tensor_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, de
     kernel = get_kernel(spec, spec.backward_tc_kernel(variant.causal), smem)
     kernel((-(-shape.seqlen_k // block_n) * bh,), (32 * num_warps,), (params,), shared_mem=smem)
     launch_dq_convert(params, shape)
-    return dq, delta[:, :shape.seqlen_q].reshape(shape.batch, shape.heads, shape.seqlen_q)
+    return dq, delta
 
 
 def _backward_cuda_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, deterministic):
