@@ -202,7 +202,7 @@ def prepare_qkv(q, k, v, softmax_scale, causal, features=None):
     for name in ("alibi_slopes", "sink"):
         if features.get(name) is not None:
             features[name] = as_gpu_array(name, features[name])
-    variant = check_variant(shape.batch, shape.heads, shape.heads_kv, causal, **features)
+    variant = check_variant(shape.batch, shape.heads, causal, **features)
     return q, k, v, shape, scale, variant
 
 

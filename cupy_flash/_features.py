@@ -42,12 +42,11 @@ class Variant:
     softcap: float = 0.0
     alibi_slopes: object = None   # (heads_q,) or (batch, heads_q)
     sink: object = None           # (heads_q,)
-    group: int = 1                # heads_q // heads_kv
 
     @property
     def plain(self) -> bool:
-        """No variant beyond causal: the FlashParams defaults (group 1, window 0) already hold."""
-        return self.flags == 0 and self.group == 1 and (not self.causal or self.window_right == 0)
+        """No variant beyond causal: the FlashParams defaults (window 0) already hold."""
+        return self.flags == 0 and (not self.causal or self.window_right == 0)
 
     @property
     def flags(self) -> int:
@@ -74,7 +73,6 @@ class Variant:
 
     def fill(self, record) -> None:
         """Write the mask and score-modifier fields of a FlashParams record."""
-        record["group"] = self.group
         record["window_right"] = self.window_right
         record["window_left"] = UNBOUNDED if self.window_left is None else self.window_left
         if self.softcap > 0:
@@ -128,11 +126,11 @@ def check_softcap(softcap) -> float:
 _PLAIN = {causal: Variant(causal=causal, window_right=0 if causal else UNBOUNDED) for causal in (False, True)}
 
 
-def check_variant(batch: int, heads_q: int, heads_kv: int, causal: bool, *, window_size=None, softcap=0.0,
+def check_variant(batch: int, heads_q: int, causal: bool, *, window_size=None, softcap=0.0,
                   alibi_slopes=None, sink=None) -> Variant:
-    """Checks every feature keyword; raises TypeError/ValueError naming the argument."""
-    if (window_size is None and alibi_slopes is None and sink is None and heads_q == heads_kv
-            and type(softcap) is float and softcap == 0.0):
+    """Checks every feature keyword; raises TypeError/ValueError naming the argument. (MQA/GQA is
+    a property of the shapes, not of the variant: ``AttentionShape.group``.)"""
+    if window_size is None and alibi_slopes is None and sink is None and type(softcap) is float and softcap == 0.0:
         return _PLAIN[causal]   # the plain call, without the per-call checks' overhead
     left, right = check_window(window_size)
     cap = check_softcap(softcap)
@@ -145,4 +143,4 @@ def check_variant(batch: int, heads_q: int, heads_kv: int, causal: bool, *, wind
     window_right = 0 if causal else (min(right, UNBOUNDED) if right >= 0 else UNBOUNDED)
     return Variant(causal=right_bounded, window_right=window_right,
                    window_left=min(left, UNBOUNDED) if left >= 0 else None,
-                   softcap=cap, alibi_slopes=alibi_slopes, sink=sink, group=heads_q // heads_kv)
+                   softcap=cap, alibi_slopes=alibi_slopes, sink=sink)

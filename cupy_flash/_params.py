@@ -48,7 +48,7 @@ def make_params(shape, softmax_scale: float, delta_stride: int | None = None, va
     record["delta_stride"] = shape.seqlen_q if delta_stride is None else delta_stride
     record["softmax_scale"] = softmax_scale
     record["scale_log2"] = softmax_scale * math.log2(math.e)
-    record["group"] = 1
+    record["group"] = shape.group
     if variant is not None and not variant.plain:
         variant.fill(record)
     return record

@@ -44,10 +44,10 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
         dk = cupy.empty(k.shape, dtype=k.dtype)
         dv = cupy.empty(v.shape, dtype=v.dtype)
         expanded = (shape.batch, shape.seqlen_k, shape.heads, shape.head_dim)
-        dk_heads, dv_heads = (dk, dv) if variant.group == 1 else (cupy.empty(expanded, k.dtype), cupy.empty(expanded, v.dtype))
+        dk_heads, dv_heads = (dk, dv) if shape.group == 1 else (cupy.empty(expanded, k.dtype), cupy.empty(expanded, v.dtype))
         backward = _backward_tensor_core if shape.dtype in TENSOR_CORE_DTYPES else _backward_cuda_core
         dq, delta = backward(do, q, k, v, o, lse, dk_heads, dv_heads, shape, scale, variant, deterministic)
-        if variant.group > 1:
+        if shape.group > 1:
             launch_kv_group_sum(make_params(shape, scale, variant=variant, dk=dk, dv=dv, dk_expanded=dk_heads,
                                             dv_expanded=dv_heads), shape)
         if variant.sink is None:
