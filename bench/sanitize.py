@@ -18,5 +18,21 @@ for dtype in (numpy.float16, ml_dtypes.bfloat16, numpy.float32):
             o, lse = cupy_flash.flash_forward(q, k, v, causal=causal)
             for deterministic in (False, True):
                 cupy_flash.flash_backward(o, q, k, v, o, lse, causal=causal, deterministic=deterministic)
+    # Variants: a broadcast bias with dbias (atomic adds) and a full one (plain stores), and a
+    # packed batch with an empty sequence, GQA and a window.
+    q = cupy.asarray(rng.standard_normal((2, 70, 2, 64), dtype=numpy.float32).astype(dtype))
+    k = cupy.asarray(rng.standard_normal((2, 45, 2, 64), dtype=numpy.float32).astype(dtype))
+    for bias_shape in ((2, 1, 1, 45), (2, 2, 70, 45)):
+        bias = cupy.asarray(rng.standard_normal(bias_shape, dtype=numpy.float32))
+        o, lse = cupy_flash.flash_forward(q, k, k, causal=True, bias=bias)
+        cupy_flash.flash_backward(o, q, k, k, o, lse, causal=True, bias=bias, return_dbias=True)
+    lens_q, lens_k = [70, 0, 33], [45, 9, 130]
+    q = cupy.asarray(rng.standard_normal((sum(lens_q), 4, 64), dtype=numpy.float32).astype(dtype))
+    k = cupy.asarray(rng.standard_normal((sum(lens_k), 2, 64), dtype=numpy.float32).astype(dtype))
+    packed = dict(cu_seqlens_q=cupy.asarray(numpy.cumsum([0] + lens_q), dtype=cupy.int32),
+                  cu_seqlens_k=cupy.asarray(numpy.cumsum([0] + lens_k), dtype=cupy.int32), window_size=(20, -1))
+    o, lse = cupy_flash.flash_forward(q, k, k, causal=True, **packed)
+    for deterministic in (False, True):
+        cupy_flash.flash_backward(o, q, k, k, o, lse, causal=True, deterministic=deterministic, **packed)
 cupy.cuda.Device().synchronize()
 print("sanitize workload done")

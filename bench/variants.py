@@ -1,6 +1,6 @@
 """Variant benchmark: sliding window, GQA, and the plain path against a baseline build.
 
-    python -m bench.variants                       # window and GQA tables
+    python -m bench.variants                       # ragged varlen, bias, window and GQA tables
     python -m bench.variants --baseline DIR        # also: plain shapes, this tree vs DIR's cupy_flash
 
 Window: causal attention at seqlen 16k with window (1024, 0) against the full causal mask (the
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import statistics
@@ -108,6 +109,58 @@ def gqa_table(dtype):
     return rows
 
 
+def ragged_table(dtype):
+    """A packed batch of ragged sequences against a dense batch of the same number of tokens:
+    TFLOP/s count each sequence's own (query, key) pairs, so equal TFLOP/s means no time is lost
+    to the raggedness (the target: the ragged batch within 10% of the dense one). The padded
+    dense batch (every sequence at the longest length) is what a framework without varlen runs."""
+    rows = []
+    heads, d = 16, 128
+    lens = [4096, 512, 3000, 1200, 64, 2600, 777, 6000, 1800, 129, 3500, 2600]   # 26,378 tokens
+    total = sum(lens)
+    dense_batch, dense_len = 8, total // 8
+    q = random((total, heads, d), dtype, 0)
+    k, v, do = (random((total, heads, d), dtype, s) for s in (1, 2, 3))
+    cu = cupy.asarray([0] + list(itertools.accumulate(lens)), dtype=cupy.int32)
+    dense = [random((dense_batch, dense_len, heads, d), dtype, s) for s in range(4)]
+    for causal in (False, True):
+        div = 2 if causal else 1
+        flop_ragged = sum(4.0 * heads * n * n * d / div for n in lens)
+        flop_dense = 4.0 * dense_batch * heads * dense_len * dense_len * d / div
+        ragged = time_pair(cupy_flash, q, k, v, do, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                           max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+        flat = time_pair(cupy_flash, *dense, causal=causal)
+        row = dict(causal=causal, tokens=total, lens=lens, dense=f"{dense_batch} x {dense_len}",
+                   ragged_fwd_ms=ragged[0], ragged_bwd_ms=ragged[1], dense_fwd_ms=flat[0], dense_bwd_ms=flat[1],
+                   ragged_fwd=flop_ragged / ragged[0] / 1e9, ragged_bwd=2.5 * flop_ragged / ragged[1] / 1e9,
+                   dense_fwd=flop_dense / flat[0] / 1e9, dense_bwd=2.5 * flop_dense / flat[1] / 1e9)
+        row["fwd_ratio"] = row["ragged_fwd"] / row["dense_fwd"]
+        row["bwd_ratio"] = row["ragged_bwd"] / row["dense_bwd"]
+        rows.append(row)
+        print(f"ragged | causal={int(causal)} {total} tokens in {len(lens)} sequences: fwd {row['ragged_fwd']:.1f} TF/s "
+              f"vs dense {dense_batch}x{dense_len} {row['dense_fwd']:.1f} ({row['fwd_ratio']:.2f}); bwd "
+              f"{row['ragged_bwd']:.1f} vs {row['dense_bwd']:.1f} ({row['bwd_ratio']:.2f})", flush=True)
+    return rows
+
+
+def bias_table(dtype):
+    """The cost of an additive bias: a (seqlen_q, seqlen_k) float32 bias shared by batch and heads
+    (read from L2 by every head) and a key padding mask (batch, 1, 1, seqlen_k), against no bias."""
+    rows = []
+    batch, seqlen, heads, d = 2, 4096, 16, 128
+    q, k, v, do = (random((batch, seqlen, heads, d), dtype, s) for s in range(4))
+    flop = 4.0 * batch * heads * seqlen * seqlen * d
+    cases = (("none", None), ("(seqlen_q, seqlen_k)", random((seqlen, seqlen), cupy.float32, 5)),
+             ("key mask (batch, 1, 1, seqlen_k)", cupy.zeros((batch, 1, 1, seqlen), cupy.float32)))
+    for label, bias in cases:
+        opts = {} if bias is None else dict(bias=bias)
+        fwd, bwd = time_pair(cupy_flash, q, k, v, do, **opts)
+        rows.append(dict(case=label, fwd_ms=fwd, bwd_ms=bwd, fwd_tflops=flop / fwd / 1e9, bwd_tflops=2.5 * flop / bwd / 1e9))
+        print(f"bias | {label:34s} fwd {fwd:7.3f} ms {rows[-1]['fwd_tflops']:6.1f} TF/s | bwd {bwd:7.3f} ms "
+              f"{rows[-1]['bwd_tflops']:6.1f} TF/s", flush=True)
+    return rows
+
+
 def load_baseline(directory):
     """Import DIR/cupy_flash under another name (its kernels from DIR/kernels_cu)."""
     spec = importlib.util.spec_from_file_location("cupy_flash_baseline", os.path.join(directory, "cupy_flash", "__init__.py"),
@@ -160,6 +213,8 @@ def main():
     if args.baseline:
         result["baseline"] = baseline_table(dtype, load_baseline(args.baseline), args.seqlens, args.rounds)
     if not args.baseline_only:
+        result["ragged"] = ragged_table(dtype)
+        result["bias"] = bias_table(dtype)
         result["window"] = window_table(dtype)
         result["gqa"] = gqa_table(dtype)
     os.makedirs(args.out, exist_ok=True)

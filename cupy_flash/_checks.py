@@ -127,29 +127,28 @@ def check_flag(name: str, value) -> bool:
     return bool(value)
 
 
-def check_backward_extras(shape: AttentionShape, q, do, o, lse) -> None:
+def check_backward_extras(shape: AttentionShape, q, do, o, lse, packed=None) -> None:
     for name, x in (("do", do), ("o", o)):
-        _require_rank4(name, x)
-        if tuple(x.shape) != tuple(q.shape):
-            raise ValueError(f"{name} has shape {tuple(x.shape)} but q has shape {tuple(q.shape)}; they must match")
+        if getattr(x, "ndim", None) != q.ndim or tuple(x.shape) != tuple(q.shape):
+            raise ValueError(f"{name} has shape {tuple(getattr(x, 'shape', ()))} but q has shape {tuple(q.shape)}; "
+                             "they must match")
         if x.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {x.dtype} but q has dtype {q.dtype}")
-    expected = (shape.batch, shape.heads, shape.seqlen_q)
-    if getattr(lse, "ndim", None) != 3 or tuple(lse.shape) != expected:
-        raise ValueError(f"lse has shape {tuple(getattr(lse, 'shape', ()))}; expected "
-                         f"(batch, heads, seqlen_q) = {expected}")
+    if packed is None:
+        expected, labels = (shape.batch, shape.heads, shape.seqlen_q), "(batch, heads, seqlen_q)"
+    else:
+        expected, labels = (shape.heads, packed.total_q), "(heads, total_q)"
+    if getattr(lse, "ndim", None) != len(expected) or tuple(lse.shape) != expected:
+        raise ValueError(f"lse has shape {tuple(getattr(lse, 'shape', ()))}; expected {labels} = {expected}")
     if lse.dtype != numpy.float32:
         raise TypeError(f"lse has dtype {lse.dtype}; expected float32 (as returned by flash_forward)")
 
 
-FEATURE_KEYWORDS = ("window_size", "softcap", "alibi_slopes", "sink")
-PLANNED_KEYWORDS = ("bias", "return_dbias", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+PACKED_KEYWORDS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+FEATURE_KEYWORDS = ("window_size", "softcap", "alibi_slopes", "sink", "bias") + PACKED_KEYWORDS
 
 
 def check_no_extra_options(function: str, options: dict) -> None:
-    planned = sorted(set(options) & set(PLANNED_KEYWORDS))
-    if planned:
-        raise TypeError(f"{function}() does not support {', '.join(planned)} yet")
     unknown = sorted(set(options) - set(FEATURE_KEYWORDS))
     if unknown:
         raise TypeError(f"{function}() got unsupported keyword argument(s): {', '.join(unknown)}")
@@ -188,21 +187,98 @@ def as_gpu_array(name: str, x):
     return array
 
 
+class _ShapeOf:
+    """A stand-in with a leading batch axis of 1, so packed (total, heads, d) arrays go through
+    check_qkv's dtype and head checks."""
+
+    def __init__(self, x):
+        self.shape, self.dtype, self.ndim = (1,) + tuple(x.shape), x.dtype, x.ndim + 1
+
+
+def _check_cu_seqlens(name: str, cu, total: int, total_name: str):
+    """The host copy of an int32 prefix-sum array (one small device-to-host copy: a sync)."""
+    if getattr(cu, "ndim", None) != 1 or cu.shape[0] < 2:
+        raise ValueError(f"{name} must be a 1-D array of batch + 1 >= 2 offsets, got shape {tuple(getattr(cu, 'shape', ()))}")
+    if cu.dtype != numpy.int32:
+        raise TypeError(f"{name} has dtype {cu.dtype}; expected int32")
+    import cupy
+
+    host = cupy.asnumpy(cu).astype(numpy.int64)
+    if host[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {int(host[0])}")
+    if (numpy.diff(host) < 0).any():
+        raise ValueError(f"{name} must be non-decreasing (prefix sums of sequence lengths), got {host.tolist()[:16]}")
+    if host[-1] != total:
+        raise ValueError(f"{name} ends at {int(host[-1])} but {total_name} has {total} rows; they must match")
+    return host
+
+
+def _check_max_seqlen(name: str, value, actual: int) -> int:
+    if value is None:
+        return actual
+    if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < actual:
+        raise ValueError(f"{name} is {int(value)} but the longest sequence has {actual} rows")
+    if value >= MAX_SEQLEN:
+        raise ValueError(f"{name} is {int(value)}; at most {MAX_SEQLEN - 1} is supported")
+    return int(value)
+
+
+def check_packed(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    """Shape and ``_features.Packed`` of a packed variable-length batch: q (total_q, heads_q, d),
+    k and v (total_k, heads_kv, d), cu_seqlens int32 prefix sums on the GPU (read back once to
+    check them: non-decreasing from 0 to the total)."""
+    from ._features import Packed
+
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu is None:
+            raise ValueError(f"{name} is missing: packed batches need both cu_seqlens_q and cu_seqlens_k")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 3:
+            raise ValueError(f"{name} must have 3 dimensions (total_tokens, heads, head_dim) with cu_seqlens, "
+                             f"got shape {tuple(getattr(x, 'shape', ()))}")
+    dense = check_qkv(_ShapeOf(q), _ShapeOf(k), _ShapeOf(v))
+    cu_q, cu_k = as_gpu_array("cu_seqlens_q", cu_seqlens_q), as_gpu_array("cu_seqlens_k", cu_seqlens_k)
+    if getattr(cu_q, "shape", None) != getattr(cu_k, "shape", None):
+        raise ValueError(f"cu_seqlens_q has shape {tuple(cu_q.shape)} but cu_seqlens_k has shape "
+                         f"{tuple(cu_k.shape)}; both hold batch + 1 offsets")
+    total_q, total_k = int(q.shape[0]), int(k.shape[0])
+    host_q = _check_cu_seqlens("cu_seqlens_q", cu_q, total_q, "q")
+    host_k = _check_cu_seqlens("cu_seqlens_k", cu_k, total_k, "k")
+    max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, int(numpy.diff(host_q).max()))
+    max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, int(numpy.diff(host_k).max()))
+    shape = AttentionShape(len(host_q) - 1, max(max_q, 1), max(max_k, 1), dense.heads, dense.head_dim,
+                           dense.dtype, dense.heads_kv)
+    _check_grid(shape)
+    return shape, Packed(cu_q, cu_k, shape.seqlen_q, shape.seqlen_k, total_q, total_k)
+
+
 def prepare_qkv(q, k, v, softmax_scale, causal, features=None):
     """GPU views of q, k, v and their checked shape, scale and variant (``_features.Variant``, with
     its arrays on the GPU): the checks shared by the forward and backward entry points. ``features``
-    are the feature keywords (window_size, softcap, alibi_slopes, sink)."""
+    are the feature keywords (window_size, softcap, alibi_slopes, sink, bias, cu_seqlens_q/k,
+    max_seqlen_q/k). For a packed batch the shape's seqlens are the longest sequence's."""
     from ._features import check_variant
 
     features = dict(features or {})
+    packed_options = {name: features.pop(name, None) for name in PACKED_KEYWORDS}
     q, k, v = (as_gpu_array(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
-    shape = check_qkv(q, k, v)
+    packed = None
+    if packed_options["cu_seqlens_q"] is not None or packed_options["cu_seqlens_k"] is not None:
+        shape, packed = check_packed(q, k, v, **packed_options)
+    else:
+        for name in ("max_seqlen_q", "max_seqlen_k"):
+            if packed_options[name] is not None:
+                raise ValueError(f"{name} is only meaningful with cu_seqlens_q and cu_seqlens_k (packed batches)")
+        shape = check_qkv(q, k, v)
     scale = check_softmax_scale(softmax_scale, shape.head_dim)
     causal = check_flag("causal", causal)
-    for name in ("alibi_slopes", "sink"):
+    for name in ("alibi_slopes", "sink", "bias"):
         if features.get(name) is not None:
             features[name] = as_gpu_array(name, features[name])
-    variant = check_variant(shape.batch, shape.heads, causal, **features)
+    variant = check_variant(shape.batch, shape.heads, causal, seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k,
+                            packed=packed, **features)
     return q, k, v, shape, scale, variant
 
 

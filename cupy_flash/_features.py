@@ -22,10 +22,12 @@ FEATURE_WINDOW = 1
 FEATURE_SOFTCAP = 2
 FEATURE_ALIBI = 4
 FEATURE_SINK = 8
+FEATURE_BIAS = 16
+FEATURE_VARLEN = 32
 FORWARD_ONLY_FEATURES = FEATURE_SINK   # the backward reads the sink only through lse
-ALL_FEATURES = FEATURE_WINDOW | FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK
+ALL_FEATURES = FEATURE_WINDOW | FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK | FEATURE_BIAS | FEATURE_VARLEN
 FEATURE_NAMES = {FEATURE_WINDOW: "window", FEATURE_SOFTCAP: "softcap", FEATURE_ALIBI: "alibi",
-                 FEATURE_SINK: "sink"}
+                 FEATURE_SINK: "sink", FEATURE_BIAS: "bias", FEATURE_VARLEN: "varlen"}
 
 # Window sizes are clamped below 2^30 (past any sequence length): the kernels add them to the
 # diagonal shift in int32.
@@ -42,6 +44,8 @@ class Variant:
     softcap: float = 0.0
     alibi_slopes: object = None   # (heads_q,) or (batch, heads_q)
     sink: object = None           # (heads_q,)
+    bias: object = None           # broadcastable to (batch, heads_q, seqlen_q, seqlen_k)
+    packed: object = None         # a ``Packed`` batch (cu_seqlens): variable-length sequences
 
     @property
     def plain(self) -> bool:
@@ -54,22 +58,29 @@ class Variant:
         return ((FEATURE_WINDOW if self.window_left is not None else 0)
                 | (FEATURE_SOFTCAP if self.softcap > 0 else 0)
                 | (FEATURE_ALIBI if self.alibi_slopes is not None else 0)
-                | (FEATURE_SINK if self.sink is not None else 0))
+                | (FEATURE_SINK if self.sink is not None else 0)
+                | (FEATURE_BIAS if self.bias is not None else 0)
+                | (FEATURE_VARLEN if self.packed is not None else 0))
 
     @property
     def backward_flags(self) -> int:
         return self.flags & ~FORWARD_ONLY_FEATURES
 
     def on_device(self) -> Variant:
-        """The same variant with its arrays as contiguous float32 CuPy arrays (small copies)."""
-        if self.alibi_slopes is None and self.sink is None:
+        """The same variant with its arrays as float32 CuPy arrays: slopes and sink contiguous (small
+        copies), the bias as given when it is float32 (any strides) or else converted once (a
+        float32 copy of the bias's own size)."""
+        if self.alibi_slopes is None and self.sink is None and self.bias is None:
             return self   # most calls: dataclasses.replace costs microseconds on every call
         import cupy
 
         def prepared(x):
             return None if x is None else cupy.ascontiguousarray(x, dtype=cupy.float32)
 
-        return dataclasses.replace(self, alibi_slopes=prepared(self.alibi_slopes), sink=prepared(self.sink))
+        bias = self.bias
+        if bias is not None and bias.dtype != cupy.float32:
+            bias = bias.astype(cupy.float32)
+        return dataclasses.replace(self, alibi_slopes=prepared(self.alibi_slopes), sink=prepared(self.sink), bias=bias)
 
     def fill(self, record) -> None:
         """Write the mask and score-modifier fields of a FlashParams record."""
@@ -83,6 +94,42 @@ class Variant:
             record["alibi_batch_stride"] = self.alibi_slopes.shape[-1] if self.alibi_slopes.ndim == 2 else 0
         if self.sink is not None:
             record["sink"] = self.sink.data.ptr
+        if self.bias is not None:
+            record["bias"] = self.bias.data.ptr
+            record["bias_strides"] = broadcast_strides(self.bias, record)
+        if self.packed is not None:
+            self.packed.fill(record)
+
+
+def broadcast_strides(array, record) -> list[int]:
+    """Element strides of a float32 array seen as (batch, heads, seqlen_q, seqlen_k): leading axes
+    it lacks and axes of size 1 get stride 0 (broadcast)."""
+    shape = (1,) * (4 - array.ndim) + tuple(array.shape)
+    strides = (0,) * (4 - array.ndim) + tuple(s // array.itemsize for s in array.strides)
+    return [0 if n == 1 else s for n, s in zip(shape, strides)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """A packed variable-length batch: sequence b has query rows [cu_seqlens_q[b], cu_seqlens_q[b+1])
+    and key rows [cu_seqlens_k[b], cu_seqlens_k[b+1]) of q (total_q, heads, d) and k, v."""
+
+    cu_seqlens_q: object   # int32 (batch + 1,), on the GPU
+    cu_seqlens_k: object
+    max_seqlen_q: int
+    max_seqlen_k: int
+    total_q: int
+    total_k: int
+
+    def fill(self, record) -> None:
+        record["cu_seqlens_q"] = self.cu_seqlens_q.data.ptr
+        record["cu_seqlens_k"] = self.cu_seqlens_k.data.ptr
+        # lse (heads, total_q); delta and lse_log2 (heads, total_q) (unpadded: the varlen backward
+        # masks rows past each sequence itself).
+        record["lse_batch_stride"] = 0
+        record["lse_head_stride"] = self.total_q
+        record["delta_batch_stride"] = 0
+        record["delta_stride"] = self.total_q
 
 
 def describe(flags: int) -> str:
@@ -126,11 +173,29 @@ def check_softcap(softcap) -> float:
 _PLAIN = {causal: Variant(causal=causal, window_right=0 if causal else UNBOUNDED) for causal in (False, True)}
 
 
+def check_bias(bias, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int) -> None:
+    full = (batch, heads_q, seqlen_q, seqlen_k)
+    if not (hasattr(bias, "shape") and hasattr(bias, "dtype") and hasattr(bias, "ndim")):
+        raise TypeError(f"bias must be an array broadcastable to (batch, heads_q, seqlen_q, seqlen_k) = {full}, "
+                        f"got {type(bias).__name__}")
+    from ._checks import dtype_name
+
+    if numpy.dtype(bias.dtype).kind != "f" and dtype_name(bias.dtype) != "bfloat16":
+        raise TypeError(f"bias has dtype {bias.dtype}; expected a floating dtype (float32, float16, bfloat16)")
+    shape = tuple(int(n) for n in bias.shape)
+    if len(shape) > 4 or any(n not in (1, want) for n, want in zip(shape[::-1], full[::-1])):
+        raise ValueError(f"bias has shape {shape}, which does not broadcast to (batch, heads_q, seqlen_q, "
+                         f"seqlen_k) = {full}")
+
+
 def check_variant(batch: int, heads_q: int, causal: bool, *, window_size=None, softcap=0.0,
-                  alibi_slopes=None, sink=None) -> Variant:
+                  alibi_slopes=None, sink=None, bias=None, seqlen_q: int = 0, seqlen_k: int = 0,
+                  packed: Packed | None = None) -> Variant:
     """Checks every feature keyword; raises TypeError/ValueError naming the argument. (MQA/GQA is
-    a property of the shapes, not of the variant: ``AttentionShape.group``.)"""
-    if window_size is None and alibi_slopes is None and sink is None and type(softcap) is float and softcap == 0.0:
+    a property of the shapes, not of the variant: ``AttentionShape.group``; a packed batch is
+    checked by ``_checks.check_packed``.) seqlen_q, seqlen_k: what a bias must broadcast to."""
+    if (window_size is None and alibi_slopes is None and sink is None and bias is None and packed is None
+            and type(softcap) is float and softcap == 0.0):
         return _PLAIN[causal]   # the plain call, without the per-call checks' overhead
     left, right = check_window(window_size)
     cap = check_softcap(softcap)
@@ -139,8 +204,13 @@ def check_variant(batch: int, heads_q: int, causal: bool, *, window_size=None, s
                            "(heads_q,) or (batch, heads_q)")
     if sink is not None:
         _check_float_array("sink", sink, [(heads_q,)], "(heads_q,)")
+    if bias is not None:
+        if packed is not None:
+            raise ValueError("bias is not supported with cu_seqlens_q/cu_seqlens_k (packed batches): "
+                             "a per-sequence bias has no dense (batch, heads, seqlen_q, seqlen_k) shape")
+        check_bias(bias, batch, heads_q, seqlen_q, seqlen_k)
     right_bounded = causal or right >= 0
     window_right = 0 if causal else (min(right, UNBOUNDED) if right >= 0 else UNBOUNDED)
     return Variant(causal=right_bounded, window_right=window_right,
                    window_left=min(left, UNBOUNDED) if left >= 0 else None,
-                   softcap=cap, alibi_slopes=alibi_slopes, sink=sink)
+                   softcap=cap, alibi_slopes=alibi_slopes, sink=sink, bias=bias, packed=packed)

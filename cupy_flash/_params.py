@@ -11,15 +11,19 @@ import math
 import numpy
 
 POINTER_FIELDS = ("q", "k", "v", "o", "lse", "dout", "delta", "dq_accum", "dq", "dk", "dv", "lse_log2",
-                  "dq_semaphore", "alibi_slopes", "sink", "dk_expanded", "dv_expanded")
+                  "dq_semaphore", "alibi_slopes", "sink", "dk_expanded", "dv_expanded", "bias", "dbias",
+                  "cu_seqlens_q", "cu_seqlens_k")
 # Tensors of shape (batch, seqlen, heads, head_dim) and their element strides {batch, row, head}.
 STRIDED_FIELDS = ("q", "k", "v", "o", "dout", "dq_accum", "dq", "dk", "dv")
 
 PARAMS_DTYPE = numpy.dtype(
     [(name, numpy.uint64) for name in POINTER_FIELDS]
     + [(name + "_strides", numpy.int64, (3,)) for name in STRIDED_FIELDS]
+    + [(name + "_strides", numpy.int64, (4,)) for name in ("bias", "dbias")]
     + [(name, numpy.int64) for name in ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "delta_stride",
-                                        "group", "window_right", "window_left", "alibi_batch_stride")]
+                                        "group", "window_right", "window_left", "alibi_batch_stride",
+                                        "lse_batch_stride", "lse_head_stride", "delta_batch_stride",
+                                        "dbias_atomic")]
     + [(name, numpy.float32) for name in ("softmax_scale", "scale_log2", "softcap", "softcap_inv")]
 )
 
@@ -38,14 +42,21 @@ def make_params(shape, softmax_scale: float, delta_stride: int | None = None, va
         record[name] = array.data.ptr
         if name in STRIDED_FIELDS:
             itemsize = array.dtype.itemsize
-            assert array.ndim == 4 and array.strides[3] == itemsize, (name, array.strides)
-            record[name + "_strides"] = [s // itemsize for s in array.strides[:3]]
+            if array.ndim == 3:   # packed varlen (total, heads, head_dim): batch stride 0, rows from cu_seqlens
+                assert array.strides[2] == itemsize, (name, array.strides)
+                record[name + "_strides"] = [0] + [s // itemsize for s in array.strides[:2]]
+            else:
+                assert array.ndim == 4 and array.strides[3] == itemsize, (name, array.strides)
+                record[name + "_strides"] = [s // itemsize for s in array.strides[:3]]
     record["batch"] = shape.batch
     record["heads"] = shape.heads
     record["seqlen_q"] = shape.seqlen_q
     record["seqlen_k"] = shape.seqlen_k
     record["head_dim"] = shape.head_dim
     record["delta_stride"] = shape.seqlen_q if delta_stride is None else delta_stride
+    record["delta_batch_stride"] = shape.heads * record["delta_stride"][0]
+    record["lse_head_stride"] = shape.seqlen_q
+    record["lse_batch_stride"] = shape.heads * shape.seqlen_q
     record["softmax_scale"] = softmax_scale
     record["scale_log2"] = softmax_scale * math.log2(math.e)
     record["group"] = shape.group

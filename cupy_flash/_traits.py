@@ -120,9 +120,11 @@ def forward_smem_bytes(tile: int) -> int:
     return 4 * (block_m * ld + block_n * ld + block_m * (block_n + 1))
 
 
-def forward_tc_smem_bytes(tile: int, target: str = "sm8x") -> int:
-    # Q tile and one K and one V tile of 2-byte elements, rows padded by 8 elements.
-    return 2 * (forward_tc_block_m(tile, target) + 2 * forward_tc_config(tile, target)[0]) * (tile + 8)
+def forward_tc_smem_bytes(tile: int, target: str = "sm8x", bias: bool = False) -> int:
+    # Q tile and one K and one V tile of 2-byte elements, rows padded by 8 elements; with a bias,
+    # a float32 bias tile (BLOCK_M x (BLOCK_N + 8)).
+    block_m, block_n = forward_tc_block_m(tile, target), forward_tc_config(tile, target)[0]
+    return 2 * (block_m + 2 * block_n) * (tile + 8) + (4 * block_m * (block_n + 8) if bias else 0)
 
 
 def backward_smem_bytes(tile: int) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy
 
 from . import _checks, _traits
@@ -10,7 +12,8 @@ from ._params import make_params
 from .preprocess import launch_dq_convert, launch_kv_group_sum, launch_preprocess
 
 
-def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, deterministic=False, **features):
+def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, deterministic=False,
+                   return_dbias=False, **features):
     """Gradients of ``o = flash_forward(q, k, v)[0]`` given the output gradient ``do``.
 
     ``o`` and ``lse`` are what ``flash_forward`` returned for the same q, k, v and options; the
@@ -21,17 +24,29 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
     and bfloat16: the key blocks add in turn; float32: a separate dQ pass): results are bitwise
     identical run to run.
 
-    The variant keywords (window_size, softcap, alibi_slopes, sink) must be those of the forward.
-    With MQA/GQA, dk and dv sum the gradients of each K/V head's group of query heads.
+    The variant keywords (window_size, softcap, alibi_slopes, sink, bias, cu_seqlens_q/k,
+    max_seqlen_q/k) must be those of the forward. With MQA/GQA, dk and dv sum the gradients of
+    each K/V head's group of query heads.
 
-    Returns ``(dq, dk, dv)`` with the shapes and dtype of q, k, v, and with ``sink`` also dsink
-    (float32, like sink): ``(dq, dk, dv, dsink)``.
+    Returns ``(dq, dk, dv)`` with the shapes and dtype of q, k, v; with ``sink`` also dsink
+    (float32, like sink); with ``return_dbias=True`` (and a bias) last dbias, the gradient of the
+    bias in its own shape and dtype, summed over the axes it broadcasts over. Those sums are float32
+    atomic adds, so ``deterministic=True`` with ``return_dbias`` needs a bias that broadcasts over
+    no axis (every axis of size 1 is one of size 1 in (batch, heads_q, seqlen_q, seqlen_k) too).
     """
     _checks.check_no_extra_options("flash_backward", features)
     q, k, v, shape, scale, variant = _checks.prepare_qkv(q, k, v, softmax_scale, causal, features)
     deterministic = _checks.check_flag("deterministic", deterministic)
+    return_dbias = _checks.check_flag("return_dbias", return_dbias)
+    if return_dbias and variant.bias is None:
+        raise ValueError("return_dbias=True needs the bias the forward used (bias=...)")
     do, o, lse = (_checks.as_gpu_array(n, x) for n, x in (("do", do), ("o", o), ("lse", lse)))
-    _checks.check_backward_extras(shape, q, do, o, lse)
+    _checks.check_backward_extras(shape, q, do, o, lse, variant.packed)
+    dbias_layout = _dbias_layout(variant.bias, shape) if return_dbias else None
+    if dbias_layout is not None and deterministic and dbias_layout[2]:
+        raise ValueError(f"deterministic=True with return_dbias=True needs a bias that is not summed over "
+                         f"batch, heads or queries (its gradient would take atomic adds); bias has shape "
+                         f"{tuple(variant.bias.shape)}")
 
     import cupy
 
@@ -39,27 +54,65 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
         _checks.same_device(q=q, k=k, v=v, do=do, o=o, lse=lse)
         q, k, v, do, o = (_checks.kernel_ready(x) for x in (q, k, v, do, o))
         lse = cupy.ascontiguousarray(lse)
+        bias_dtype = None if variant.bias is None else variant.bias.dtype
         variant = variant.on_device()
         # MQA/GQA: the kernels write per-query-head dK/dV, summed over each group afterwards.
         dk = cupy.empty(k.shape, dtype=k.dtype)
         dv = cupy.empty(v.shape, dtype=v.dtype)
-        expanded = (shape.batch, shape.seqlen_k, shape.heads, shape.head_dim)
+        expanded = k.shape[:-2] + (shape.heads, shape.head_dim)
         dk_heads, dv_heads = (dk, dv) if shape.group == 1 else (cupy.empty(expanded, k.dtype), cupy.empty(expanded, v.dtype))
+        dbias = None if dbias_layout is None else cupy.zeros(dbias_layout[0], dtype=cupy.float32)
         backward = _backward_tensor_core if shape.dtype in TENSOR_CORE_DTYPES else _backward_cuda_core
-        dq, delta = backward(do, q, k, v, o, lse, dk_heads, dv_heads, shape, scale, variant, deterministic)
+        dq, delta = backward(do, q, k, v, o, lse, dk_heads, dv_heads, shape, scale, variant, deterministic,
+                             dbias, dbias_layout)
         if shape.group > 1:
-            launch_kv_group_sum(make_params(shape, scale, variant=variant, dk=dk, dv=dv, dk_expanded=dk_heads,
-                                            dv_expanded=dv_heads), shape)
-        if variant.sink is None:
-            return dq, dk, dv
-        # The sink's probability in row i is exp(sink - lse_i) and its dP is 0 (it carries no
-        # value), so d sink = -sum_i exp(sink - lse_i) * delta_i over batch and rows.
-        sink_prob = cupy.exp(variant.sink[None, :, None] - lse)
-        delta = delta.reshape(shape.batch, shape.heads, -1)[:, :, :shape.seqlen_q]   # drop the padding
-        return dq, dk, dv, -(sink_prob * delta).sum(axis=(0, 2))
+            launch_kv_group_sum(make_params(_row_shape(shape, variant), scale, dk=dk, dv=dv, dk_expanded=dk_heads,
+                                            dv_expanded=dv_heads), _row_shape(shape, variant))
+        grads = (dq, dk, dv)
+        if variant.sink is not None:
+            # The sink's probability in row i is exp(sink - lse_i) and its dP is 0 (it carries no
+            # value), so d sink = -sum_i exp(sink - lse_i) * delta_i over batch and rows.
+            if variant.packed is None:
+                delta = delta.reshape(shape.batch, shape.heads, -1)[:, :, :shape.seqlen_q]   # drop the padding
+                grads += (-(cupy.exp(variant.sink[None, :, None] - lse) * delta).sum(axis=(0, 2)),)
+            else:   # lse and delta (heads, total_q)
+                grads += (-(cupy.exp(variant.sink[:, None] - lse) * delta).sum(axis=1),)
+        if dbias is not None:
+            grads += (dbias.reshape(variant.bias.shape).astype(bias_dtype, copy=False),)
+        return grads
 
 
-def _backward_tensor_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, deterministic):
+def _row_shape(shape, variant):
+    """The row kernels see a packed batch as one sequence of all its rows."""
+    if variant.packed is None:
+        return shape
+    return dataclasses.replace(shape, batch=1, seqlen_q=variant.packed.total_q, seqlen_k=variant.packed.total_k)
+
+
+def _dbias_layout(bias, shape):
+    """(shape, element strides, atomic) of the float32 dbias accumulator: contiguous in the bias's
+    shape padded to 4 dimensions, stride 0 where the bias broadcasts; atomic when it broadcasts over
+    any axis (several (b, h, i, j) then add into one element)."""
+    full = (shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k)
+    dims = (1,) * (4 - bias.ndim) + tuple(int(n) for n in bias.shape)
+    strides, step = [], 1
+    for n in reversed(dims):
+        strides.append(step if n > 1 else 0)
+        step *= n
+    strides.reverse()
+    atomic = any(n == 1 and want > 1 for n, want in zip(dims, full))
+    return dims, strides, atomic
+
+
+def _fill_dbias(params, dbias, dbias_layout):
+    if dbias is None:
+        return
+    params["dbias"] = dbias.data.ptr
+    params["dbias_strides"] = dbias_layout[1]
+    params["dbias_atomic"] = int(dbias_layout[2])
+
+
+def _backward_tensor_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, deterministic, dbias, dbias_layout):
     """float16 / bfloat16: backward_tc.cu. dQ is accumulated in float32 (atomically, or in a fixed
     order when deterministic) and then scaled and cast by the convert kernel. Returns (dq, delta),
     delta as (batch * heads, padded seqlen_q)."""
@@ -68,29 +121,37 @@ def _backward_tensor_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, de
     target = tensor_core_target()
     block_m, block_n, num_warps, *_ = _traits.backward_tc_config(shape.tile, target)
     bh = shape.batch * shape.heads
-    padded = -(-shape.seqlen_q // _traits.ROW_STAT_PADDING) * _traits.ROW_STAT_PADDING
-    # Row statistics padded per (batch, head): padded rows have delta 0 and lse_log2 +inf (P = 0).
-    delta = cupy.zeros((bh, padded), dtype=cupy.float32)
-    lse_log2 = cupy.full((bh, padded), numpy.inf, dtype=cupy.float32)
+    if variant.packed is None:
+        padded = -(-shape.seqlen_q // _traits.ROW_STAT_PADDING) * _traits.ROW_STAT_PADDING
+        # Row statistics padded per (batch, head): padded rows have delta 0 and lse_log2 +inf (P = 0).
+        delta = cupy.zeros((bh, padded), dtype=cupy.float32)
+        lse_log2 = cupy.full((bh, padded), numpy.inf, dtype=cupy.float32)
+    else:   # (heads, total_q), every row written by the preprocess kernel; the kernel masks past each sequence
+        padded = variant.packed.total_q
+        delta = cupy.empty((shape.heads, padded), dtype=cupy.float32)
+        lse_log2 = cupy.empty((shape.heads, padded), dtype=cupy.float32)
     dq_accum = cupy.empty(q.shape, dtype=cupy.float32)   # zeroed by the preprocess kernel
     num_q_blocks = -(-shape.seqlen_q // block_m)
     dq_semaphore = cupy.zeros(bh * num_q_blocks, dtype=cupy.int32) if deterministic else None
 
     dq = cupy.empty(q.shape, dtype=q.dtype)
-    params = make_params(shape, scale, delta_stride=padded, variant=variant, q=q, k=k, v=v, o=o, lse=lse, dout=do,
-                         delta=delta, lse_log2=lse_log2, dq_accum=dq_accum, dq_semaphore=dq_semaphore,
-                         dq=dq, dk=dk, dv=dv)
-    launch_preprocess(params, shape)
+    arrays = dict(q=q, k=k, v=v, o=o, lse=lse, dout=do, delta=delta, lse_log2=lse_log2, dq_accum=dq_accum,
+                  dq_semaphore=dq_semaphore, dq=dq, dk=dk, dv=dv)
+    params = make_params(shape, scale, delta_stride=padded, variant=variant, **arrays)
+    _fill_dbias(params, dbias, dbias_layout)
+    row_shape = _row_shape(shape, variant)
+    row_params = params if row_shape is shape else make_params(row_shape, scale, delta_stride=padded, **arrays)
+    launch_preprocess(row_params, row_shape)
 
     spec = ModuleSpec("backward_tc", shape.dtype, shape.tile, target, variant.backward_flags)
     smem = _traits.backward_tc_smem_bytes(shape.tile, target)
     kernel = get_kernel(spec, spec.backward_tc_kernel(variant.causal), smem)
     kernel((-(-shape.seqlen_k // block_n) * bh,), (32 * num_warps,), (params,), shared_mem=smem)
-    launch_dq_convert(params, shape)
+    launch_dq_convert(row_params, row_shape)
     return dq, delta
 
 
-def _backward_cuda_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, deterministic):
+def _backward_cuda_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, deterministic, dbias, dbias_layout):
     """float32: backward.cu. dQ with float32 atomics, or when deterministic by a separate pass.
     Returns (dq, delta)."""
     import cupy
@@ -99,10 +160,13 @@ def _backward_cuda_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, dete
     dq = cupy.empty(q.shape, dtype=q.dtype)
     # float32 dQ accumulator for the atomic path: O(batch * seqlen * heads * head_dim).
     dq_accum = None if deterministic else cupy.empty(q.shape, dtype=cupy.float32)
-    delta = cupy.empty((shape.batch, shape.heads, shape.seqlen_q), dtype=cupy.float32)
-    params = make_params(shape, scale, variant=variant, q=q, k=k, v=v, dout=do, o=o, lse=lse, delta=delta,
-                         dq_accum=dq_accum, dq=dq, dk=dk, dv=dv)
-    launch_preprocess(params, shape)
+    row_shape = _row_shape(shape, variant)
+    delta = cupy.empty(lse.shape, dtype=cupy.float32)   # (batch, heads, seqlen_q) or packed (heads, total_q)
+    arrays = dict(q=q, k=k, v=v, dout=do, o=o, lse=lse, delta=delta, dq_accum=dq_accum, dq=dq, dk=dk, dv=dv)
+    params = make_params(shape, scale, variant=variant, **arrays)
+    _fill_dbias(params, dbias, dbias_layout)
+    row_params = params if row_shape is shape else make_params(row_shape, scale, **arrays)
+    launch_preprocess(row_params, row_shape)
 
     spec = ModuleSpec("backward", shape.dtype, shape.tile, features=variant.backward_flags)
     block_m, block_n = _traits.BACKWARD_BLOCKS[shape.tile]
@@ -115,5 +179,5 @@ def _backward_cuda_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, dete
         kernel = get_kernel(spec, spec.backward_dq_kernel(causal), smem)
         kernel((-(-shape.seqlen_q // block_m) * bh,), (_traits.THREADS,), (params,), shared_mem=smem)
     else:
-        launch_dq_convert(params, shape)
+        launch_dq_convert(row_params, row_shape)
     return dq, delta

@@ -16,11 +16,16 @@ def launch_forward(q, k, v, shape, scale, variant):
     variant = variant.on_device()
     causal = variant.causal
     o = cupy.empty(q.shape, dtype=q.dtype)
-    lse = cupy.empty((shape.batch, shape.heads, shape.seqlen_q), dtype=cupy.float32)
+    lse_shape = (shape.batch, shape.heads, shape.seqlen_q) if variant.packed is None else (shape.heads, variant.packed.total_q)
+    lse = cupy.empty(lse_shape, dtype=cupy.float32)
     if shape.dtype in TENSOR_CORE_DTYPES:
         target = tensor_core_target()
         spec = ModuleSpec("forward_tc", shape.dtype, shape.tile, target, variant.flags)
-        smem = _traits.forward_tc_smem_bytes(shape.tile, target)
+        smem = _traits.forward_tc_smem_bytes(shape.tile, target, bias=variant.bias is not None)
+        if smem > _traits.TARGET_SMEM_BYTES[target]:
+            raise ValueError(f"bias with head_dim {shape.head_dim} needs {smem} bytes of shared memory per block; "
+                             f"this GPU allows {_traits.TARGET_SMEM_BYTES[target]} (use head_dim <= 128, or an "
+                             "sm_80/sm_90-class GPU)")
         kernel = get_kernel(spec, spec.forward_tc_kernel(causal), smem)
         block_m = _traits.forward_tc_block_m(shape.tile, target)
         threads = 32 * _traits.forward_tc_config(shape.tile, target)[1]   # 32 x num_warps
@@ -51,10 +56,18 @@ def flash_forward(q, k, v, *, softmax_scale=None, causal=False, **features):
           (shift = seqlen_k - seqlen_q; -1 = unbounded; with causal, right is 0);
       ``softcap=c > 0``: logits become c * tanh(logit / c);
       ``alibi_slopes`` (heads_q,) or (batch, heads_q): logits get -slope * |i + shift - j|;
-      ``sink`` (heads_q,): a logit per head that joins every row's softmax and carries no value.
+      ``sink`` (heads_q,): a logit per head that joins every row's softmax and carries no value;
+      ``bias`` broadcastable to (batch, heads_q, seqlen_q, seqlen_k): added to the logits (after
+          softcap and ALiBi); -inf masks. Read as float32 (another float dtype is converted once).
+    Packed variable-length batches: ``cu_seqlens_q``, ``cu_seqlens_k`` (int32 (batch + 1,) prefix
+    sums on the GPU; read back once to check them) with q (total_q, heads_q, head_dim) and k, v
+    (total_k, heads_kv, head_dim); ``max_seqlen_q/k`` default to the longest sequence. Each sequence
+    is attended on its own (causal and windows aligned to its own bottom-right corner); no padding
+    is computed. Not combined with ``bias``.
 
-    Returns ``(o, lse)``: o like q; lse float32 (batch, heads_q, seqlen_q), the natural-log
-    logsumexp of the logits (the sink included), -inf (with o = 0) for a row that sees no key.
+    Returns ``(o, lse)``: o like q; lse float32 (batch, heads_q, seqlen_q) (packed: (heads_q,
+    total_q)), the natural-log logsumexp of the logits (the sink included), -inf (with o = 0) for
+    a row that sees no key.
     """
     _checks.check_no_extra_options("flash_forward", features)
     q, k, v, shape, scale, variant = _checks.prepare_qkv(q, k, v, softmax_scale, causal, features)

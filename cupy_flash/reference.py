@@ -79,7 +79,7 @@ def _visible(seqlen_q, seqlen_k, causal, xp, window_size=None):
 
 
 def _softmax_parts(q, k, v, softmax_scale, causal, upcast, window_size=None, softcap=0.0, alibi_slopes=None,
-                   sink=None):
+                   sink=None, bias=None):
     """(work dtype, rounding fn, xp, scale, Q, K, V, P, lse, extras) in (batch, heads, seqlen, d)
     layout, K and V repeated to the query heads (MQA/GQA); extras holds the softcap's tanh and the
     sink's per-row probability for the backward."""
@@ -103,10 +103,15 @@ def _softmax_parts(q, k, v, softmax_scale, causal, upcast, window_size=None, sof
         slopes = slopes[None, :, None, None] if slopes.ndim == 1 else slopes[:, :, None, None]
         distance = xp.abs(xp.arange(seqlen_k)[None, :] - xp.arange(seqlen_q)[:, None] - (seqlen_k - seqlen_q))
         scores = rnd(scores - slopes * distance.astype(work))
+    if bias is not None:   # broadcast to (batch, heads, seqlen_q, seqlen_k)
+        scores = rnd(scores + _to_float(xp.asarray(bias), xp, work))
     visible = _visible(seqlen_q, seqlen_k, causal, xp, window_size)
     if visible is not None:
         scores = xp.where(visible, scores, -xp.inf)
-    row_max = scores.max(axis=-1, keepdims=True)
+    if scores.shape[-1]:
+        row_max = scores.max(axis=-1, keepdims=True)
+    else:   # a sequence of a packed batch with no keys
+        row_max = xp.full(scores.shape[:-1] + (1,), -xp.inf, dtype=scores.dtype)
     sink_logit = None
     if sink is not None:
         sink_logit = xp.asarray(sink).astype(work)[None, :, None, None]
@@ -125,7 +130,70 @@ def _softmax_parts(q, k, v, softmax_scale, causal, upcast, window_size=None, sof
     return work, rnd, xp, scale, Q, K, V, P, lse, extras
 
 
+def _packed_sequences(features):
+    """Per-sequence (b, row slices, features) of a packed batch, or None for a dense call."""
+    cu_q, cu_k = features.pop("cu_seqlens_q", None), features.pop("cu_seqlens_k", None)
+    features.pop("max_seqlen_q", None)
+    features.pop("max_seqlen_k", None)
+    if cu_q is None and cu_k is None:
+        return None
+    cu_q, cu_k = (numpy.asarray(_host(x)).astype(numpy.int64) for x in (cu_q, cu_k))
+    sequences = []
+    for b in range(len(cu_q) - 1):
+        own = dict(features)
+        slopes = own.get("alibi_slopes")
+        if slopes is not None and slopes.ndim == 2:
+            own["alibi_slopes"] = slopes[b]
+        sequences.append((slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1])), own))
+    return sequences
+
+
+def _host(x):
+    try:
+        import cupy
+
+        return cupy.asnumpy(x)
+    except ImportError:  # pragma: no cover
+        return numpy.asarray(x)
+
+
 def attention_reference(q, k, v, *, softmax_scale=None, causal=False, upcast=True, **features):
+    """Dense attention; see ``_attention_reference_dense``. With ``cu_seqlens_q/k`` (a packed
+    batch: q (total_q, heads, d)), each sequence separately: o (total_q, heads, d), lse (heads,
+    total_q)."""
+    sequences = _packed_sequences(features)
+    if sequences is None:
+        return _attention_reference_dense(q, k, v, softmax_scale=softmax_scale, causal=causal, upcast=upcast, **features)
+    xp = _xp(q)
+    outs, lses = [], []
+    for rows_q, rows_k, own in sequences:
+        o, lse = _attention_reference_dense(q[None, rows_q], k[None, rows_k], v[None, rows_k], softmax_scale=softmax_scale,
+                                            causal=causal, upcast=upcast, **own)
+        outs.append(o[0])
+        lses.append(lse[0])
+    return xp.concatenate(outs, axis=0), xp.concatenate(lses, axis=1)
+
+
+def attention_reference_backward(do, q, k, v, *, softmax_scale=None, causal=False, upcast=True, **features):
+    """Gradients of ``attention_reference``; see ``_attention_reference_backward_dense``. Packed
+    batches (``cu_seqlens_q/k``): each sequence separately, dsink summed over them."""
+    sequences = _packed_sequences(features)
+    if sequences is None:
+        return _attention_reference_backward_dense(do, q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                                   upcast=upcast, **features)
+    xp = _xp(q)
+    parts = []
+    for rows_q, rows_k, own in sequences:
+        grads = _attention_reference_backward_dense(do[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k],
+                                                    softmax_scale=softmax_scale, causal=causal, upcast=upcast, **own)
+        parts.append(grads)
+    out = tuple(xp.concatenate([g[i][0] for g in parts], axis=0) for i in range(3))
+    if len(parts[0]) > 3:
+        out += (sum(g[3] for g in parts),)
+    return out
+
+
+def _attention_reference_dense(q, k, v, *, softmax_scale=None, causal=False, upcast=True, **features):
     """Dense attention. Returns ``(o, lse)``: o of shape (batch, seqlen_q, heads, head_dim) and lse
     of shape (batch, heads, seqlen_q), float64 when ``upcast`` (else float32 holding values rounded
     to the input dtype; lse stays float32). Same conventions and variant keywords as
@@ -137,7 +205,8 @@ def attention_reference(q, k, v, *, softmax_scale=None, causal=False, upcast=Tru
     return _bhnd(o), lse.astype(xp.float64 if upcast else xp.float32)
 
 
-def attention_reference_backward(do, q, k, v, *, softmax_scale=None, causal=False, upcast=True, **features):
+def _attention_reference_backward_dense(do, q, k, v, *, softmax_scale=None, causal=False, upcast=True,
+                                        return_dbias=False, **features):
     """Hand-derived gradients of ``attention_reference``'s o with respect to q, k, v, given do:
 
         dV = P^T dO,  dP = dO V^T,  dZ = P * (dP - rowsum(P * dP)),
@@ -146,8 +215,9 @@ def attention_reference_backward(do, q, k, v, *, softmax_scale=None, causal=Fals
 
     (rowsum(P * dP) = rowsum(dO * O), the "delta" of FlashAttention), with dK and dV summed over
     each K/V head's group of query heads. Returns (dq, dk, dv) in the layout of q, k, v, and with
-    ``sink`` also dsink = -sum over batch and rows of P_sink * delta: (dq, dk, dv, dsink). float64
-    when ``upcast``, else float32 rounded stage by stage to the dtype."""
+    ``sink`` also dsink = -sum over batch and rows of P_sink * delta: (dq, dk, dv, dsink); with
+    ``return_dbias`` last dbias = dZ summed to the bias's shape. float64 when ``upcast``, else
+    float32 rounded stage by stage to the dtype."""
     work, rnd, xp, scale, Q, K, V, P, _, extras = _softmax_parts(q, k, v, softmax_scale, causal, upcast, **features)
     dO = _bhnd(_to_float(do, xp, work))
     dV = rnd(P.swapaxes(-1, -2) @ dO)
@@ -156,6 +226,7 @@ def attention_reference_backward(do, q, k, v, *, softmax_scale=None, causal=Fals
     # precision stores it (PyTorch's, which FlashAttention's tests compare against, does).
     delta = rnd((P * dP).sum(axis=-1, keepdims=True))
     dS = rnd(P * (dP - delta))
+    dZ = dS   # the gradient of the logits (and so of an additive bias)
     if "tanh" in extras:
         dS = rnd(dS * (1 - extras["tanh"] ** 2))
     dQ = rnd(scale * (dS @ K))
@@ -163,11 +234,17 @@ def attention_reference_backward(do, q, k, v, *, softmax_scale=None, causal=Fals
     group = Q.shape[1] // k.shape[2]
     if group > 1:   # sum each K/V head's group (rounded once more, as a dense implementation would)
         batch, _, seqlen_k, head_dim = dK.shape
-        dK, dV = (rnd(x.reshape(batch, -1, group, seqlen_k, head_dim).sum(axis=2)) for x in (dK, dV))
+        dK, dV = (rnd(x.reshape(batch, k.shape[2], group, seqlen_k, head_dim).sum(axis=2)) for x in (dK, dV))
     grads = (_bhnd(dQ), _bhnd(dK), _bhnd(dV))
     if "sink_prob" in extras:
         # delta as rowsum(dO * O) with O as stored (rounded to the dtype when not upcast): the
         # form a dense implementation that keeps O evaluates (equal to rowsum(P * dP) exactly).
         O = rnd(P @ V)
         grads += (-(extras["sink_prob"] * (dO * O).sum(axis=-1)).sum(axis=(0, 2)),)
+    if return_dbias:
+        bias = features["bias"]
+        dims = (1,) * (4 - bias.ndim) + tuple(bias.shape)
+        summed = tuple(axis for axis, n in enumerate(dims) if n == 1 and dZ.shape[axis] > 1)
+        dbias = dZ.sum(axis=summed, keepdims=True) if summed else dZ
+        grads += (dbias.reshape(bias.shape),)
     return grads

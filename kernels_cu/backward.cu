@@ -18,13 +18,15 @@
 // Row-wise softmax statistics of one query block. Rows past seqlen_q and rows that see no key
 // (lse = -inf) get lse = -inf, which makes their P (and so dS) exactly 0.
 template <int BLOCK_M>
-__device__ __forceinline__ void load_row_stats(float* lse_tile, float* delta_tile, const FlashParams& p, long long b, long long h, int q_start) {
+__device__ __forceinline__ void load_row_stats(float* lse_tile, float* delta_tile, const FlashParams& p, long long b, long long h,
+                                               const Sequence& seq, int q_start) {
+    const float* lse = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_row0;
+    const float* delta = p.delta + b * p.delta_batch_stride + h * p.delta_stride + seq.q_row0;
     for (int r = threadIdx.x; r < BLOCK_M; r += FLASH_THREADS) {
-        const long long query = q_start + r;
-        const long long bh = b * p.heads + h;
-        const bool valid = query < p.seqlen_q;
-        lse_tile[r] = valid ? p.lse[bh * p.seqlen_q + query] : FLASH_NEG_INF;
-        delta_tile[r] = valid ? p.delta[bh * p.delta_stride + query] : 0.f;
+        const int query = q_start + r;
+        const bool valid = query < seq.seqlen_q;
+        lse_tile[r] = valid ? lse[query] : FLASH_NEG_INF;
+        delta_tile[r] = valid ? delta[query] : 0.f;
     }
 }
 
@@ -34,9 +36,9 @@ __device__ __forceinline__ void load_row_stats(float* lse_tile, float* delta_til
 // With a score modifier (softcap, ALiBi), P = exp2(logit_log2 - lse * log2(e)).
 template <int FEATURES>
 __device__ __forceinline__ float softmax_prob(float score, float lse, bool visible, const FlashParams& p,
-                                              const ScoreMod<FEATURES>& mod, int from_diagonal) {
+                                              const ScoreMod<FEATURES>& mod, int query, int key) {
     if (!visible || lse == FLASH_NEG_INF) return 0.f;
-    if (ScoreMod<FEATURES>::active) return exp2f(fmaf(lse, -FLASH_LOG2E, mod.log2_logit(score, from_diagonal)));
+    if (ScoreMod<FEATURES>::active) return exp2f(fmaf(lse, -FLASH_LOG2E, mod.log2_logit(score, query, key)));
     return exp2f(fmaf(score, p.softmax_scale, -lse) * FLASH_LOG2E);
 }
 
@@ -63,17 +65,21 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_kernel(const 
     float* delta_tile = lse_tile + BLOCK_M;
 
     const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3;
-    const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
+    const int head_dim = (int)p.head_dim;
     const KeyBlock block = key_block_of(p, false);
     const long long b = block.b, h = block.h;
     const int kv_start = block.kv_block * BLOCK_N;
-    const Band band = band_of(p);
-    const ScoreMod<FEATURES> mod(p, b, h);
+    const Sequence seq = sequence_of<FEATURES>(p, b);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    if ((FEATURES & FEATURE_VARLEN) && kv_start >= seqlen_k) return;   // the grid covers the longest sequence
+    const Band band = band_of(p, seq);
+    const ScoreMod<FEATURES> mod(p, b, h, seq);
+    const long long k_row = seq.k_row0 + kv_start;
 
-    load_tile<T, BLOCK_N, D_TILE, LD>(k_tile, static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, kv_start, kv_head_of(h, p)), p.k_strides[1], seqlen_k - kv_start, head_dim);
-    load_tile<T, BLOCK_N, D_TILE, LD>(v_tile, static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, kv_start, kv_head_of(h, p)), p.v_strides[1], seqlen_k - kv_start, head_dim);
+    load_tile<T, BLOCK_N, D_TILE, LD>(k_tile, static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, k_row, kv_head_of(h, p)), p.k_strides[1], seqlen_k - kv_start, head_dim);
+    load_tile<T, BLOCK_N, D_TILE, LD>(v_tile, static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, k_row, kv_head_of(h, p)), p.v_strides[1], seqlen_k - kv_start, head_dim);
 
-    const int2 q_range = q_block_range<IS_CAUSAL, FEATURES>(p, kv_start, BLOCK_M, BLOCK_N, band);
+    const int2 q_range = q_block_range<IS_CAUSAL, FEATURES>(seq, kv_start, BLOCK_M, BLOCK_N, band);
 
     float dk_acc[KROWS][DCOLS], dv_acc[KROWS][DCOLS];
 #pragma unroll
@@ -84,9 +90,10 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_kernel(const 
     for (int q_block = q_range.x; q_block < q_range.y; ++q_block) {
         const int q_start = q_block * BLOCK_M;
         __syncthreads();   // previous iteration is done with the Q, dO, P^T and dS^T tiles
-        load_tile<T, BLOCK_M, D_TILE, LD>(q_tile, static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, q_start, h), p.q_strides[1], seqlen_q - q_start, head_dim);
-        load_tile<T, BLOCK_M, D_TILE, LD>(do_tile, static_cast<const T*>(p.dout) + tensor_offset(p.dout_strides, b, q_start, h), p.dout_strides[1], seqlen_q - q_start, head_dim);
-        load_row_stats<BLOCK_M>(lse_tile, delta_tile, p, b, h, q_start);
+        const long long q_row = seq.q_row0 + q_start;
+        load_tile<T, BLOCK_M, D_TILE, LD>(q_tile, static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, q_row, h), p.q_strides[1], seqlen_q - q_start, head_dim);
+        load_tile<T, BLOCK_M, D_TILE, LD>(do_tile, static_cast<const T*>(p.dout) + tensor_offset(p.dout_strides, b, q_row, h), p.dout_strides[1], seqlen_q - q_start, head_dim);
+        load_row_stats<BLOCK_M>(lse_tile, delta_tile, p, b, h, seq, q_start);
         __syncthreads();
 
         // S^T = K Q^T and dP^T = V dO^T for this thread's (key row, query column) pairs.
@@ -124,9 +131,11 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_kernel(const 
                 const int query_local = tx + 8 * j;
                 const int key = kv_start + key_local, query = q_start + query_local;
                 const bool visible = key_visible<IS_CAUSAL, FEATURES>(key, query, seqlen_k, band);
-                const float prob = softmax_prob<FEATURES>(st[i][j], lse_tile[query_local], visible, p, mod, key - query - band.shift);
+                const float prob = softmax_prob<FEATURES>(st[i][j], lse_tile[query_local], visible, p, mod, query, key);
+                const float ds = prob * (dpt[i][j] - delta_tile[query_local]);   // d logit
+                add_dbias<FEATURES>(p, b, h, query, key, seq, ds);
                 pt_tile[key_local * T_LD + query_local] = prob;
-                dst_tile[key_local * T_LD + query_local] = prob * (dpt[i][j] - delta_tile[query_local]) * mod.grad_factor(st[i][j]);
+                dst_tile[key_local * T_LD + query_local] = ds * mod.grad_factor(st[i][j]);
             }
         }
         __syncthreads();
@@ -177,7 +186,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_kernel(const 
             for (int i = 0; i < QROWS; ++i) {
                 const int query = q_start + ty * QROWS + i;
                 if (query < seqlen_q) {
-                    float* acc = p.dq_accum + tensor_offset(p.dq_accum_strides, b, query, h);
+                    float* acc = p.dq_accum + tensor_offset(p.dq_accum_strides, b, seq.q_row0 + query, h);
 #pragma unroll
                     for (int j = 0; j < DCOLS; ++j) {
                         if (tx + 8 * j < head_dim) atomicAdd(acc + tx + 8 * j, dq[i][j]);
@@ -198,8 +207,8 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_kernel(const 
             v_tile[(ty * KROWS + i) * LD + tx + 8 * j] = dv_acc[i][j];
         }
     __syncthreads();
-    store_tile<T, BLOCK_N, D_TILE, LD>(static_cast<T*>(p.dk) + tensor_offset(p.dk_strides, b, kv_start, h), p.dk_strides[1], k_tile, seqlen_k - kv_start, head_dim, p.softmax_scale);
-    store_tile<T, BLOCK_N, D_TILE, LD>(static_cast<T*>(p.dv) + tensor_offset(p.dv_strides, b, kv_start, h), p.dv_strides[1], v_tile, seqlen_k - kv_start, head_dim, 1.f);
+    store_tile<T, BLOCK_N, D_TILE, LD>(static_cast<T*>(p.dk) + tensor_offset(p.dk_strides, b, k_row, h), p.dk_strides[1], k_tile, seqlen_k - kv_start, head_dim, p.softmax_scale);
+    store_tile<T, BLOCK_N, D_TILE, LD>(static_cast<T*>(p.dv) + tensor_offset(p.dv_strides, b, k_row, h), p.dv_strides[1], v_tile, seqlen_k - kv_start, head_dim, 1.f);
 }
 
 // Deterministic dQ: one block per (query block, batch, head), looping over key blocks in order;
@@ -225,20 +234,24 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_dq_kernel(con
     float* delta_tile = lse_tile + BLOCK_M;
 
     const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3;
-    const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
+    const int head_dim = (int)p.head_dim;
     const QueryBlock block = query_block_of(p, BLOCK_M);
     const long long b = block.b, h = block.h;
     const int q_start = block.q_block * BLOCK_M;
-    const Band band = band_of(p);
-    const ScoreMod<FEATURES> mod(p, b, h);
+    const Sequence seq = sequence_of<FEATURES>(p, b);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    if ((FEATURES & FEATURE_VARLEN) && q_start >= seqlen_q) return;   // the grid covers the longest sequence
+    const Band band = band_of(p, seq);
+    const ScoreMod<FEATURES> mod(p, b, h, seq);
+    const long long q_row = seq.q_row0 + q_start;
 
-    load_tile<T, BLOCK_M, D_TILE, LD>(q_tile, static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, q_start, h), p.q_strides[1], seqlen_q - q_start, head_dim);
-    load_tile<T, BLOCK_M, D_TILE, LD>(do_tile, static_cast<const T*>(p.dout) + tensor_offset(p.dout_strides, b, q_start, h), p.dout_strides[1], seqlen_q - q_start, head_dim);
-    load_row_stats<BLOCK_M>(lse_tile, delta_tile, p, b, h, q_start);
+    load_tile<T, BLOCK_M, D_TILE, LD>(q_tile, static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, q_row, h), p.q_strides[1], seqlen_q - q_start, head_dim);
+    load_tile<T, BLOCK_M, D_TILE, LD>(do_tile, static_cast<const T*>(p.dout) + tensor_offset(p.dout_strides, b, q_row, h), p.dout_strides[1], seqlen_q - q_start, head_dim);
+    load_row_stats<BLOCK_M>(lse_tile, delta_tile, p, b, h, seq, q_start);
 
-    const int2 kv_range = kv_block_range<IS_CAUSAL, FEATURES>(p, q_start, BLOCK_M, BLOCK_N, band);
-    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, 0, kv_head_of(h, p));
-    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, 0, kv_head_of(h, p));
+    const int2 kv_range = kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start, BLOCK_M, BLOCK_N, band);
+    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, seq.k_row0, kv_head_of(h, p));
+    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, seq.k_row0, kv_head_of(h, p));
 
     float dq_acc[ROWS][DCOLS];
 #pragma unroll
@@ -287,7 +300,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_dq_kernel(con
                 const int key_local = tx + 8 * j;
                 const int key = kv_start + key_local, query = q_start + query_local;
                 const bool visible = key_visible<IS_CAUSAL, FEATURES>(key, query, seqlen_k, band);
-                const float prob = softmax_prob<FEATURES>(s[i][j], lse_tile[query_local], visible, p, mod, key - query - band.shift);
+                const float prob = softmax_prob<FEATURES>(s[i][j], lse_tile[query_local], visible, p, mod, query, key);
                 ds_tile[query_local * S_LD + key_local] = prob * (dp[i][j] - delta_tile[query_local]) * mod.grad_factor(s[i][j]);
             }
         }
@@ -313,5 +326,5 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_dq_kernel(con
 #pragma unroll
         for (int j = 0; j < DCOLS; ++j) q_tile[(ty * ROWS + i) * LD + tx + 8 * j] = dq_acc[i][j];
     __syncthreads();
-    store_tile<T, BLOCK_M, D_TILE, LD>(static_cast<T*>(p.dq) + tensor_offset(p.dq_strides, b, q_start, h), p.dq_strides[1], q_tile, seqlen_q - q_start, head_dim, p.softmax_scale);
+    store_tile<T, BLOCK_M, D_TILE, LD>(static_cast<T*>(p.dq) + tensor_offset(p.dq_strides, b, q_row, h), p.dq_strides[1], q_tile, seqlen_q - q_start, head_dim, p.softmax_scale);
 }

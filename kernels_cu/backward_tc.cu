@@ -87,22 +87,28 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
+    const int head_dim = (int)p.head_dim;
     const KeyBlock block = key_block_of(p, p.dq_semaphore == nullptr);
     const long long b = block.b, h = block.h, bh = block.bh;
     const int kv_block = block.kv_block;
     const int kv_start = kv_block * BLOCK_N;
+    const Sequence seq = sequence_of<FEATURES>(p, b);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    // Varlen: the grid covers the longest sequence. No query block waits on a key block past its
+    // sequence's end (the turns count from kv_block_range), so leaving early cannot stall one.
+    if ((FEATURES & FEATURE_VARLEN) && kv_start >= seqlen_k) return;
 
-    const Band band = band_of(p);
-    const ScoreMod<FEATURES> mod(p, b, h);
-    const int num_q_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
-    const int2 q_range = q_block_range<IS_CAUSAL, FEATURES>(p, kv_start, BLOCK_M, BLOCK_N, band);   // blocks that see these keys
+    const Band band = band_of(p, seq);
+    const ScoreMod<FEATURES> mod(p, b, h, seq);
+    const int num_q_blocks = (int)((p.seqlen_q + BLOCK_M - 1) / BLOCK_M);   // semaphores per (batch, head)
+    const int2 q_range = q_block_range<IS_CAUSAL, FEATURES>(seq, kv_start, BLOCK_M, BLOCK_N, band);   // blocks that see these keys
     const int q_block_begin = q_range.x, q_block_end = q_range.y;
 
-    const T* q = static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, 0, h);
-    const T* dout = static_cast<const T*>(p.dout) + tensor_offset(p.dout_strides, b, 0, h);
-    const float* lse_log2 = p.lse_log2 + bh * p.delta_stride;
-    const float* delta = p.delta + bh * p.delta_stride;
+    const T* q = static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, seq.q_row0, h);
+    const T* dout = static_cast<const T*>(p.dout) + tensor_offset(p.dout_strides, b, seq.q_row0, h);
+    const long long stats_row0 = b * p.delta_batch_stride + h * p.delta_stride + seq.q_row0;
+    const float* lse_log2 = p.lse_log2 + stats_row0;
+    const float* delta = p.delta + stats_row0;
 
     auto load_query_block = [&](int q_block, int stage) {
         const int q_start = q_block * BLOCK_M;
@@ -110,6 +116,16 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
                                                          p.q_strides[1], seqlen_q - q_start, head_dim);
         async_load_tile<T, BLOCK_M, D_TILE, LD, THREADS>(do_tiles + stage * BLOCK_M * LD, dout + q_start * p.dout_strides[1],
                                                          p.dout_strides[1], seqlen_q - q_start, head_dim);
+        if (FEATURES & FEATURE_VARLEN) {
+            // Packed rows start anywhere: 4-byte copies; rows past the sequence read 0 and are masked.
+            for (int i = threadIdx.x; i < 2 * BLOCK_M; i += THREADS) {
+                const bool is_delta = i >= BLOCK_M;
+                const int r = i - (is_delta ? BLOCK_M : 0);
+                cp_async_4(smem_addr((is_delta ? delta_tiles : lse_tiles) + stage * BLOCK_M + r),
+                           (is_delta ? delta : lse_log2) + q_start + r, q_start + r < seqlen_q);
+            }
+            return;
+        }
         // delta and lse_log2 rows are padded to a multiple of every BLOCK_M, so each chunk is whole.
         constexpr int CHUNKS = BLOCK_M / 4;
         for (int i = threadIdx.x; i < 2 * CHUNKS; i += THREADS) {
@@ -120,9 +136,9 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
         }
     };
 
-    async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(k_tile, static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, kv_start, kv_head_of_wide(h, p)),
+    async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(k_tile, static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, seq.k_row0 + kv_start, kv_head_of_wide(h, p)),
                                                      p.k_strides[1], seqlen_k - kv_start, head_dim);
-    async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(v_tile, static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, kv_start, kv_head_of_wide(h, p)),
+    async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(v_tile, static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, seq.k_row0 + kv_start, kv_head_of_wide(h, p)),
                                                      p.v_strides[1], seqlen_k - kv_start, head_dim);
     if (q_block_begin < q_block_end) load_query_block(q_block_begin, 0);
     cp_async_commit();
@@ -156,7 +172,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
 #pragma unroll
             for (int e = 0; e < 4; ++e) dk_acc[m][j][e] = dv_acc[m][j][e] = 0.f;
 
-    float* dq_accum = p.dq_accum + tensor_offset(p.dq_accum_strides, b, 0, h);
+    float* dq_accum = p.dq_accum + tensor_offset(p.dq_accum_strides, b, seq.q_row0, h);
     int* semaphores = p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + bh * num_q_blocks;
     // Deterministic mode, thread 0 only: the query block whose adds are not yet published. Kept in
     // shared memory: as a register, live through the loop, it spilled 4-8 bytes at d=256.
@@ -178,7 +194,9 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
 
         // S^T = K Q^T and dP^T = V dO^T for the warp's tile, in S_PASSES passes over its queries,
         // then P^T and dS^T to shared memory.
-        const bool needs_mask = tile_needs_mask<IS_CAUSAL, FEATURES>(q_start, BLOCK_M, kv_start, BLOCK_N, seqlen_k, band);
+        // Varlen also masks rows past the sequence: their row statistics are not padded (+inf, 0).
+        const bool needs_mask = tile_needs_mask<IS_CAUSAL, FEATURES>(q_start, BLOCK_M, kv_start, BLOCK_N, seqlen_k, band) ||
+                                ((FEATURES & FEATURE_VARLEN) && q_start + BLOCK_M > seqlen_q);
 #pragma unroll 1
         for (int pass = 0; pass < S_PASSES; ++pass) {
             const int pass_col = s_col + pass * S_PASS_N * 8;
@@ -228,10 +246,13 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
                         const int query = q_start + col + (e & 1);
                         const float row_lse_log2 = (e & 1) ? lse.y : lse.x;
                         float prob = ScoreMod<FEATURES>::active
-                                         ? exp2f(mod.log2_logit(s[m][j][e], key - query - band.shift) - row_lse_log2)
+                                         ? exp2f(mod.log2_logit(s[m][j][e], query, key) - row_lse_log2)
                                          : exp2f(fmaf(s[m][j][e], p.scale_log2, -row_lse_log2));
-                        if (needs_mask && !key_visible<IS_CAUSAL, FEATURES>(key, query, seqlen_k, band)) prob = 0.f;
+                        if (needs_mask && (!key_visible<IS_CAUSAL, FEATURES>(key, query, seqlen_k, band) ||
+                                           ((FEATURES & FEATURE_VARLEN) && query >= seqlen_q)))
+                            prob = 0.f;
                         const float ds = prob * (dp[m][j][e] - ((e & 1) ? dsum.y : dsum.x));
+                        add_dbias<FEATURES>(p, b, h, query, key, seq, ds);
                         dp[m][j][e] = (FEATURES & FEATURE_SOFTCAP) ? ds * mod.grad_factor(s[m][j][e]) : ds;
                         s[m][j][e] = prob;
                     }
@@ -283,7 +304,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
                 if (q_block > q_block_begin) publish_dq(semaphores + q_block - 1);
                 // This block's turn: after the key blocks of the query block's band that precede it.
                 const int turn = (FEATURES & FEATURE_WINDOW)
-                                     ? kv_block - kv_block_range<IS_CAUSAL, FEATURES>(p, q_start, BLOCK_M, BLOCK_N, band).x
+                                     ? kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start, BLOCK_M, BLOCK_N, band).x
                                      : kv_block;
                 int done;
                 do {
@@ -332,7 +353,8 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
     if (semaphores != nullptr) {
         __syncthreads();
         const KeyBlock again = key_block_of(p, false);
-        const int2 range = q_block_range<IS_CAUSAL, FEATURES>(p, again.kv_block * BLOCK_N, BLOCK_M, BLOCK_N, band_of(p));
+        const Sequence again_seq = sequence_of<FEATURES>(p, again.b);
+        const int2 range = q_block_range<IS_CAUSAL, FEATURES>(again_seq, again.kv_block * BLOCK_N, BLOCK_M, BLOCK_N, band_of(p, again_seq));
         if (threadIdx.x == 0 && range.x < range.y)
             publish_dq(p.dq_semaphore + again.bh * ((p.seqlen_q + BLOCK_M - 1) / BLOCK_M) + range.y - 1);
     }
@@ -355,8 +377,8 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
     __syncthreads();
     // One loop for both tiles rather than store_staged_tile twice: with two loops, ptxas (at 255
     // registers in this kernel) spilled 8-12 bytes at d=160 and d=224 on sm_90.
-    T* dk = static_cast<T*>(p.dk) + tensor_offset(p.dk_strides, b, kv_start, h);
-    T* dv = static_cast<T*>(p.dv) + tensor_offset(p.dv_strides, b, kv_start, h);
+    T* dk = static_cast<T*>(p.dk) + tensor_offset(p.dk_strides, b, seq.k_row0 + kv_start, h);
+    T* dv = static_cast<T*>(p.dv) + tensor_offset(p.dv_strides, b, seq.k_row0 + kv_start, h);
     constexpr int CHUNKS = D_TILE / 8;
     for (int idx = threadIdx.x; idx < BLOCK_N * CHUNKS; idx += THREADS) {
         const int r = idx / CHUNKS;

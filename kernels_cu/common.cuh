@@ -65,6 +65,10 @@ struct FlashParams {
     const float* sink;           // FEATURE_SINK: one logit per query head
     const void* dk_expanded;     // GQA backward: per-query-head dK, dV, contiguous (batch, seqlen_k, heads, head_dim)
     const void* dv_expanded;
+    const float* bias;           // FEATURE_BIAS: float32, element (b, h, i, j) at bias_strides . (b, h, i, j)
+    float* dbias;                // FEATURE_BIAS backward: float32 gradient of the bias; null when not wanted
+    const int* cu_seqlens_q;     // FEATURE_VARLEN: sequence b has rows [cu[b], cu[b + 1]) of the packed tensors
+    const int* cu_seqlens_k;
     long long q_strides[3];
     long long k_strides[3];
     long long v_strides[3];
@@ -74,6 +78,8 @@ struct FlashParams {
     long long dq_strides[3];
     long long dk_strides[3];
     long long dv_strides[3];
+    long long bias_strides[4];    // 0 along the dimensions the bias broadcasts over
+    long long dbias_strides[4];
     long long batch;
     long long heads;
     long long seqlen_q;
@@ -84,6 +90,10 @@ struct FlashParams {
     long long window_right;   // IS_CAUSAL: key j visible from query i only if j - i <= shift + window_right
     long long window_left;    // FEATURE_WINDOW: ... and only if j - i >= shift - window_left
     long long alibi_batch_stride;   // 0 for slopes of shape (heads,), heads for (batch, heads)
+    long long lse_batch_stride;     // lse of (b, h, row) at b * lse_batch_stride + h * lse_head_stride + row
+    long long lse_head_stride;      //   (varlen: batch stride 0, rows packed: (heads, total_q))
+    long long delta_batch_stride;   // delta, lse_log2 of (b, h, row) at b * this + h * delta_stride + row
+    long long dbias_atomic;         // nonzero: several (b, h, i, j) share a dbias element (broadcast bias)
     float softmax_scale;
     float scale_log2;         // softmax_scale * log2(e): scores go straight into exp2
     float softcap;            // FEATURE_SOFTCAP: logits become softcap * tanh(logit / softcap)
@@ -92,6 +102,14 @@ struct FlashParams {
 #ifdef FLASH_PARAMS_BYTES
 static_assert(sizeof(FlashParams) == FLASH_PARAMS_BYTES, "FlashParams disagrees with cupy_flash/_params.py");
 #endif
+
+// One sequence of the batch: its lengths and, for packed variable-length batches (FEATURE_VARLEN),
+// the row of the packed tensors where it starts (0 otherwise: the batch stride does the work; under
+// VARLEN the launcher sets the batch strides of q, k, v and their gradients to 0).
+struct Sequence {
+    int seqlen_q, seqlen_k;
+    long long q_row0, k_row0;
+};
 
 // The K/V head serving query head h (MQA/GQA). The forward kernels divide in 32 bits (heads < 2^31):
 // the 64-bit division sits on the prologue's critical path (the first K load), which matters at
@@ -257,6 +275,18 @@ __device__ __forceinline__ KeyBlock key_block_of(const FlashParams& p, bool kv_b
 #define FEATURE_SOFTCAP 2
 #define FEATURE_ALIBI 4
 #define FEATURE_SINK 8   // forward only: the sink joins each row's softmax in the epilogue
+#define FEATURE_BIAS 16  // an additive float32 bias, read per (b, h, query, key) with broadcast strides
+#define FEATURE_VARLEN 32   // packed variable-length batch: per-sequence lengths from cu_seqlens
+
+template <int FEATURES>
+__device__ __forceinline__ Sequence sequence_of(const FlashParams& p, long long b) {
+    if (FEATURES & FEATURE_VARLEN) {
+        const int q0 = p.cu_seqlens_q[b], q1 = p.cu_seqlens_q[b + 1];
+        const int k0 = p.cu_seqlens_k[b], k1 = p.cu_seqlens_k[b + 1];
+        return {q1 - q0, k1 - k0, q0, k0};
+    }
+    return {(int)p.seqlen_q, (int)p.seqlen_k, 0, 0};
+}
 
 struct Band {
     int right;   // visible iff left <= key - query <= right (each bound only where its flag is set)
@@ -264,8 +294,8 @@ struct Band {
     int shift;
 };
 // int arithmetic: seqlens < 2^30 and the launcher clamps window sizes below 2^30.
-__device__ __forceinline__ Band band_of(const FlashParams& p) {
-    const int shift = (int)(p.seqlen_k - p.seqlen_q);
+__device__ __forceinline__ Band band_of(const FlashParams& p, const Sequence& seq) {
+    const int shift = seq.seqlen_k - seq.seqlen_q;
     return {shift + (int)p.window_right, shift - (int)p.window_left, shift};
 }
 
@@ -286,8 +316,8 @@ __device__ __forceinline__ bool tile_needs_mask(int q_start, int block_m, int kv
 
 // Key blocks [first, end) that a query block starting at q_start sees any key of.
 template <bool IS_CAUSAL, int FEATURES>
-__device__ __forceinline__ int2 kv_block_range(const FlashParams& p, int q_start, int block_m, int block_n, const Band& band) {
-    const int num_kv_blocks = (int)((p.seqlen_k + block_n - 1) / block_n);
+__device__ __forceinline__ int2 kv_block_range(const Sequence& seq, int q_start, int block_m, int block_n, const Band& band) {
+    const int num_kv_blocks = (seq.seqlen_k + block_n - 1) / block_n;
     int first = 0, end = num_kv_blocks;
     if (IS_CAUSAL) {   // the last row's last visible key
         const long long last_key = (long long)q_start + block_m - 1 + band.right;
@@ -302,8 +332,8 @@ __device__ __forceinline__ int2 kv_block_range(const FlashParams& p, int q_start
 
 // Query blocks [first, end) that see any key of the key block starting at kv_start.
 template <bool IS_CAUSAL, int FEATURES>
-__device__ __forceinline__ int2 q_block_range(const FlashParams& p, int kv_start, int block_m, int block_n, const Band& band) {
-    const int num_q_blocks = (int)((p.seqlen_q + block_m - 1) / block_m);
+__device__ __forceinline__ int2 q_block_range(const Sequence& seq, int kv_start, int block_m, int block_n, const Band& band) {
+    const int num_q_blocks = (seq.seqlen_q + block_m - 1) / block_m;
     int first = 0, end = num_q_blocks;
     if (IS_CAUSAL) {   // the first query that sees the block's first key
         const long long first_query = (long long)kv_start - band.right;
@@ -316,22 +346,38 @@ __device__ __forceinline__ int2 q_block_range(const FlashParams& p, int kv_start
     return make_int2(first, max(first, end));
 }
 
-// The logit of a raw score q.k, in log2 units, with softcap and ALiBi applied (FlashAttention's
-// order: softcap, then the ALiBi bias -slope * |i + shift - j|); only used when either flag is
-// set, since the plain kernels fold softmax_scale * log2(e) into their exp2's fma.
+// The logit of a raw score q.k, in log2 units, with the score modifiers applied in
+// FlashAttention's order: softcap, then the ALiBi bias -slope * |i + shift - j|, then the additive
+// bias. Only used when one of them is set: the plain kernels fold softmax_scale * log2(e) into
+// their exp2's fma.
 template <int FEATURES>
 struct ScoreMod {
-    static constexpr bool active = (FEATURES & (FEATURE_SOFTCAP | FEATURE_ALIBI)) != 0;
+    static constexpr bool active = (FEATURES & (FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_BIAS)) != 0;
     float scale, cap, inv_cap, slope;
-    __device__ __forceinline__ ScoreMod(const FlashParams& p, long long b, long long h)
+    int shift, seqlen_q, seqlen_k;
+    const float* bias;                 // the (b, h) plane of the bias
+    long long bias_row, bias_col;
+    __device__ __forceinline__ ScoreMod(const FlashParams& p, long long b, long long h, const Sequence& seq)
         : scale(p.softmax_scale), cap(p.softcap), inv_cap(p.softcap_inv),
-          slope((FEATURES & FEATURE_ALIBI) ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f) {}
-    // key - query - shift: the signed distance from the diagonal (exact in float below 2^24).
-    __device__ __forceinline__ float log2_logit(float raw, int from_diagonal) const {
+          slope((FEATURES & FEATURE_ALIBI) ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f),
+          shift(seq.seqlen_k - seq.seqlen_q), seqlen_q(seq.seqlen_q), seqlen_k(seq.seqlen_k),
+          bias((FEATURES & FEATURE_BIAS) ? p.bias + b * p.bias_strides[0] + h * p.bias_strides[1] : nullptr),
+          bias_row(p.bias_strides[2]), bias_col(p.bias_strides[3]) {}
+    // The bias at (query, key); 0 outside the sequence (padding rows and columns of a tile, masked).
+    __device__ __forceinline__ float bias_at(int query, int key) const {
+        return query < seqlen_q && key < seqlen_k ? bias[query * bias_row + key * bias_col] : 0.f;
+    }
+    // The logit with a given bias value (the tensor-core forward stages the bias in shared memory).
+    __device__ __forceinline__ float log2_logit_with(float raw, int query, int key, float bias_value) const {
         float z = raw * scale;
         if (FEATURES & FEATURE_SOFTCAP) z = cap * tanhf(z * inv_cap);
-        if (FEATURES & FEATURE_ALIBI) z -= slope * fabsf((float)from_diagonal);
+        // key - query - shift: the signed distance from the diagonal (exact in float below 2^24).
+        if (FEATURES & FEATURE_ALIBI) z -= slope * fabsf((float)(key - query - shift));
+        if (FEATURES & FEATURE_BIAS) z += bias_value;
         return z * FLASH_LOG2E;
+    }
+    __device__ __forceinline__ float log2_logit(float raw, int query, int key) const {
+        return log2_logit_with(raw, query, key, (FEATURES & FEATURE_BIAS) ? bias_at(query, key) : 0.f);
     }
     // d logit / d (scale * raw): 1 - tanh^2 under softcap, else 1.
     __device__ __forceinline__ float grad_factor(float raw) const {
@@ -340,6 +386,19 @@ struct ScoreMod {
         return 1.f - th * th;
     }
 };
+
+// FEATURE_BIAS backward: the gradient of the logit (dS, before the softcap factor) is the bias's
+// gradient; with a broadcast bias several (b, h, i, j) share an element and add atomically. The
+// launcher zeroes p.dbias (tiles outside the mask's band are never visited).
+template <int FEATURES>
+__device__ __forceinline__ void add_dbias(const FlashParams& p, long long b, long long h, int query, int key,
+                                          const Sequence& seq, float ds) {
+    if (!(FEATURES & FEATURE_BIAS) || p.dbias == nullptr || query >= seq.seqlen_q || key >= seq.seqlen_k) return;
+    float* at = p.dbias + b * p.dbias_strides[0] + h * p.dbias_strides[1] + query * p.dbias_strides[2] +
+                key * p.dbias_strides[3];
+    if (p.dbias_atomic) atomicAdd(at, ds);
+    else *at = ds;
+}
 
 // FEATURE_SINK: a row's lse with the sink's logit joined to its softmax, and the factor
 // exp(lse - joined) by which its output shrinks (0 for a row that sees no key: its output stays 0).

@@ -35,21 +35,24 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const F
     float* p_tile = kv_tile + BLOCK_N * LD;    // [BLOCK_M][P_LD]
 
     const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3;
-    const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
+    const int head_dim = (int)p.head_dim;
     const QueryBlock block = query_block_of(p, BLOCK_M);
     const long long b = block.b, h = block.h;
     const int q_start = block.q_block * BLOCK_M;
-    const Band band = band_of(p);
-    const ScoreMod<FEATURES> mod(p, b, h);
+    const Sequence seq = sequence_of<FEATURES>(p, b);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    if ((FEATURES & FEATURE_VARLEN) && q_start >= seqlen_q) return;   // the grid covers the longest sequence
+    const Band band = band_of(p, seq);
+    const ScoreMod<FEATURES> mod(p, b, h, seq);
     const float score_log2 = score_to_log2<FEATURES>(p);
 
-    const T* q = static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, q_start, h);
-    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, 0, kv_head_of(h, p));
-    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, 0, kv_head_of(h, p));
+    const T* q = static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, seq.q_row0 + q_start, h);
+    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, seq.k_row0, kv_head_of(h, p));
+    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, seq.k_row0, kv_head_of(h, p));
 
     load_tile<T, BLOCK_M, D_TILE, LD>(q_tile, q, p.q_strides[1], seqlen_q - q_start, head_dim);
 
-    const int2 kv_range = kv_block_range<IS_CAUSAL, FEATURES>(p, q_start, BLOCK_M, BLOCK_N, band);
+    const int2 kv_range = kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start, BLOCK_M, BLOCK_N, band);
 
     float o_acc[ROWS][DCOLS];
     float row_max[ROWS];          // unscaled max of the scores seen so far; -inf before any key
@@ -95,7 +98,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const F
 #pragma unroll
             for (int j = 0; j < SCOLS; ++j) {
                 const int key = kv_start + tx + 8 * j;
-                if (ScoreMod<FEATURES>::active) s[i][j] = mod.log2_logit(s[i][j], key - query - band.shift);
+                if (ScoreMod<FEATURES>::active) s[i][j] = mod.log2_logit(s[i][j], query, key);
                 if (!key_visible<IS_CAUSAL, FEATURES>(key, query, seqlen_k, band)) s[i][j] = FLASH_NEG_INF;
                 block_max = fmaxf(block_max, s[i][j]);
             }
@@ -138,7 +141,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const F
     // Normalise once, stage O through the Q tile, store it in 16-byte vectors. The barrier matters
     // when the loop ran zero times (a causal block that sees no key): Q may still be loading.
     __syncthreads();
-    float* lse = p.lse + (b * p.heads + h) * p.seqlen_q;
+    float* lse = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_row0;
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
         const int row = ty * ROWS + i;
@@ -148,6 +151,6 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const F
         if (tx == 0 && q_start + row < seqlen_q) lse[q_start + row] = lse_inv.x;
     }
     __syncthreads();
-    T* o = static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, q_start, h);
+    T* o = static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, seq.q_row0 + q_start, h);
     store_tile<T, BLOCK_M, D_TILE, LD>(o, p.o_strides[1], q_tile, seqlen_q - q_start, head_dim, 1.f);
 }

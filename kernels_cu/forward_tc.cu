@@ -24,29 +24,38 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
     constexpr int S_TILES = BLOCK_N / 8;      // n-tiles of S per m-tile
     constexpr int O_TILES = D_TILE / 8;       // n-tiles of O per m-tile
     static_assert(D_TILE % 32 == 0 && BLOCK_N % 16 == 0, "tile shape");
-    constexpr unsigned int SMEM_BYTES = (BLOCK_M + 2 * BLOCK_N) * LD * sizeof(T);
+    // FEATURE_BIAS: the bias tile of each key block, float32, staged with the V tile. Read from
+    // global memory inside the score loop, the 64 loaded values per thread lived beside the scores
+    // and spilled 8-216 bytes in most instantiations (also when loaded into the accumulators).
+    constexpr int BIAS_LD = BLOCK_N + 8;
+    constexpr unsigned int BIAS_BYTES = (FEATURES & FEATURE_BIAS) ? BLOCK_M * BIAS_LD * sizeof(float) : 0;
+    constexpr unsigned int SMEM_BYTES = (BLOCK_M + 2 * BLOCK_N) * LD * sizeof(T) + BIAS_BYTES;
     require_dynamic_smem(SMEM_BYTES);
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* q_tile = reinterpret_cast<T*>(smem_raw);   // [BLOCK_M][LD]
     T* k_tile = q_tile + BLOCK_M * LD;             // [BLOCK_N][LD]
     T* v_tile = k_tile + BLOCK_N * LD;             // [BLOCK_N][LD]
+    float* bias_tile = reinterpret_cast<float*>(v_tile + BLOCK_N * LD);   // [BLOCK_M][BIAS_LD], FEATURE_BIAS
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
+    const int head_dim = (int)p.head_dim;
     const QueryBlock block = query_block_of(p, BLOCK_M);
     const long long b = block.b, h = block.h;
     const int q_start = block.q_block * BLOCK_M;
-    const Band band = band_of(p);
-    const ScoreMod<FEATURES> mod(p, b, h);
+    const Sequence seq = sequence_of<FEATURES>(p, b);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    if ((FEATURES & FEATURE_VARLEN) && q_start >= seqlen_q) return;   // the grid covers the longest sequence
+    const Band band = band_of(p, seq);
+    const ScoreMod<FEATURES> mod(p, b, h, seq);
     const float score_log2 = score_to_log2<FEATURES>(p);
 
-    const T* q = static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, q_start, h);
-    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, 0, kv_head_of(h, p));
-    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, 0, kv_head_of(h, p));
+    const T* q = static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, seq.q_row0 + q_start, h);
+    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, seq.k_row0, kv_head_of(h, p));
+    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, seq.k_row0, kv_head_of(h, p));
 
-    const int2 kv_range = kv_block_range<IS_CAUSAL, FEATURES>(p, q_start, BLOCK_M, BLOCK_N, band);
+    const int2 kv_range = kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start, BLOCK_M, BLOCK_N, band);
     const int kv_end = kv_range.y;
 
     async_load_tile<T, BLOCK_M, D_TILE, LD, THREADS>(q_tile, q, p.q_strides[1], seqlen_q - q_start, head_dim);
@@ -83,6 +92,16 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
         cp_async_wait();
         __syncthreads();   // K_j (and Q) landed; every warp is done reading V_{j-1}
         async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(v_tile, v + kv_start * p.v_strides[1], p.v_strides[1], seqlen_k - kv_start, head_dim);
+        if (FEATURES & FEATURE_BIAS) {
+            // 4-byte copies: any strides (0 where the bias broadcasts); outside the sequence, zeros.
+#pragma unroll 1
+            for (int idx = threadIdx.x; idx < BLOCK_M * BLOCK_N; idx += THREADS) {
+                const int r = idx / BLOCK_N, c = idx % BLOCK_N;
+                const bool inside = q_start + r < seqlen_q && kv_start + c < seqlen_k;
+                cp_async_4(smem_addr(bias_tile + r * BIAS_LD + c),
+                           mod.bias + (inside ? (q_start + r) * mod.bias_row + (kv_start + c) * mod.bias_col : 0), inside);
+            }
+        }
         cp_async_commit();
 
         // S = Q K_j^T for the warp's rows x BLOCK_N keys; each K fragment serves all M_TILES.
@@ -128,7 +147,8 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
                     for (int e = 0; e < 4; ++e) {
                         const int query = q_start + warp_row + 16 * m + g + 8 * (e >> 1);
                         const int key = kv_start + j * 8 + 2 * t + (e & 1);
-                        s[m][j][e] = mod.log2_logit(s[m][j][e], key - query - band.shift);
+                        const float bias_value = (FEATURES & FEATURE_BIAS) ? bias_tile[(query - q_start) * BIAS_LD + key - kv_start] : 0.f;
+                        s[m][j][e] = mod.log2_logit_with(s[m][j][e], query, key, bias_value);
                     }
         }
         // Mask only blocks that cross the sequence end or a band edge (int arithmetic: keys and
@@ -208,7 +228,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
     // only it has read), then store rows in 16-byte vectors.
     cp_async_wait();
     __syncthreads();
-    float* lse = p.lse + (b * p.heads + h) * p.seqlen_q;
+    float* lse = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_row0;
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m)
 #pragma unroll
@@ -227,6 +247,6 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
             if (t == 0 && q_start + row < seqlen_q) lse[q_start + row] = lse_inv.x;
         }
     __syncthreads();
-    store_staged_tile<T, BLOCK_M, D_TILE, LD, THREADS>(static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, q_start, h),
+    store_staged_tile<T, BLOCK_M, D_TILE, LD, THREADS>(static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, seq.q_row0 + q_start, h),
                                                        p.o_strides[1], q_tile, seqlen_q - q_start, head_dim);
 }

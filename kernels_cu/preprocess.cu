@@ -30,11 +30,11 @@ __global__ void __launch_bounds__(256) flash_preprocess_kernel(const FlashParams
 #pragma unroll
         for (int offset = 16; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
         if (lane == 0) {
-            const long long bh = b * p.heads + h;
-            p.delta[bh * p.delta_stride + row] = dot;
+            const long long stats = b * p.delta_batch_stride + h * p.delta_stride + row;
+            p.delta[stats] = dot;
             if (p.lse_log2 != nullptr) {
-                const float lse = p.lse[bh * p.seqlen_q + row];
-                p.lse_log2[bh * p.delta_stride + row] = lse == FLASH_NEG_INF ? -FLASH_NEG_INF : lse * FLASH_LOG2E;
+                const float lse = p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + row];
+                p.lse_log2[stats] = lse == FLASH_NEG_INF ? -FLASH_NEG_INF : lse * FLASH_LOG2E;
             }
         }
         if (p.dq_accum != nullptr) {

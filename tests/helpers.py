@@ -142,9 +142,15 @@ def gradient_term_scales(do, q, k, v, softmax_scale=None, causal=False, **featur
     def grouped(x):
         return x.reshape(x.shape[0], -1, group, *x.shape[2:]).sum(axis=2)
 
-    return {"dq": float((scale * (abs_ds @ xp.abs(K))).max()),
-            "dk": float(grouped(scale * (abs_ds.swapaxes(-1, -2) @ xp.abs(Q))).max()),
-            "dv": float(grouped(P.swapaxes(-1, -2) @ abs_do).max())}
+    scales = {"dq": float((scale * (abs_ds @ xp.abs(K))).max()),
+              "dk": float(grouped(scale * (abs_ds.swapaxes(-1, -2) @ xp.abs(Q))).max()),
+              "dv": float(grouped(P.swapaxes(-1, -2) @ abs_do).max())}
+    bias = features.get("bias")
+    if bias is not None:   # dbias sums dS over the bias's broadcast axes
+        dims = (1,) * (4 - bias.ndim) + tuple(bias.shape)
+        summed = tuple(axis for axis, n in enumerate(dims) if n == 1 and abs_ds.shape[axis] > 1)
+        scales["dbias"] = float((abs_ds.sum(axis=summed) if summed else abs_ds).max())
+    return scales
 
 
 def max_finite_abs(x) -> float:

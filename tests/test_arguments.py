@@ -27,6 +27,15 @@ def good(xp, dtype=numpy.float16):
     return {n: xp.asarray(a) for n, a in arrays.items()}
 
 
+def packed(a):
+    """The good arguments as a packed batch of B sequences (total, heads, d); lse (heads, total)."""
+    rows = {n: a[n].reshape(-1, H, D) for n in ("q", "k", "v", "do", "o")}
+    return {**rows, "lse": a["lse"].transpose(1, 0, 2).reshape(H, B * NQ)}
+
+
+CU = numpy.array([0, NQ, B * NQ], numpy.int32)
+CU_K = numpy.array([0, NK, B * NK], numpy.int32)
+
 # (id, change to the good arguments, options, exception, text the message must contain)
 CASES = [
     ("q-rank", lambda a: {"q": a["q"][0]}, {}, ValueError, "q must have 4 dimensions"),
@@ -57,7 +66,29 @@ CASES = [
     ("alibi-dtype", lambda a: {}, {"alibi_slopes": numpy.ones((H,), numpy.int32)}, TypeError, "alibi_slopes has dtype int32"),
     ("sink-shape", lambda a: {}, {"sink": numpy.ones((B, H), numpy.float32)}, ValueError, "sink has shape (2, 3); expected (heads_q,)"),
     ("sink-list", lambda a: {}, {"sink": [0.0] * H}, TypeError, "sink must be"),
-    ("bias-not-yet", lambda a: {}, {"bias": numpy.zeros((1,), numpy.float32)}, TypeError, "does not support bias yet"),
+    ("bias-shape", lambda a: {}, {"bias": numpy.zeros((NQ + 1, NK), numpy.float32)}, ValueError,
+     "bias has shape (6, 7), which does not broadcast to (batch, heads_q, seqlen_q, seqlen_k) = (2, 3, 5, 7)"),
+    ("bias-rank", lambda a: {}, {"bias": numpy.zeros((1, B, H, NQ, NK), numpy.float32)}, ValueError, "does not broadcast"),
+    ("bias-dtype", lambda a: {}, {"bias": numpy.zeros((NQ, NK), numpy.int32)}, TypeError, "bias has dtype int32"),
+    ("bias-list", lambda a: {}, {"bias": [[0.0] * NK] * NQ}, TypeError, "bias must be an array"),
+    # Packed (variable-length) batches: q, k, v as (total, heads, d).
+    ("packed-one-cu", packed, {"cu_seqlens_q": CU}, ValueError, "cu_seqlens_k is missing"),
+    ("packed-rank", lambda a: {}, {"cu_seqlens_q": CU, "cu_seqlens_k": CU}, ValueError,
+     "q must have 3 dimensions (total_tokens, heads, head_dim) with cu_seqlens"),
+    ("packed-cu-dtype", packed, {"cu_seqlens_q": CU.astype(numpy.int64), "cu_seqlens_k": CU_K}, TypeError,
+     "cu_seqlens_q has dtype int64; expected int32"),
+    ("packed-cu-start", packed, {"cu_seqlens_q": CU + 1, "cu_seqlens_k": CU_K}, ValueError, "cu_seqlens_q must start at 0"),
+    ("packed-cu-decreasing", packed, {"cu_seqlens_q": numpy.array([0, 7, 3], numpy.int32),
+                                      "cu_seqlens_k": CU_K}, ValueError, "cu_seqlens_q must be non-decreasing"),
+    ("packed-cu-total", packed, {"cu_seqlens_q": CU, "cu_seqlens_k": CU_K - numpy.array([0, 0, 1], numpy.int32)}, ValueError,
+     f"cu_seqlens_k ends at {B * NK - 1} but k has {B * NK} rows"),
+    ("packed-cu-batch", packed, {"cu_seqlens_q": CU, "cu_seqlens_k": numpy.array([0, B * NK], numpy.int32)}, ValueError,
+     "cu_seqlens_q has shape (3,) but cu_seqlens_k has shape (2,)"),
+    ("packed-max-short", packed, {"cu_seqlens_q": CU, "cu_seqlens_k": CU_K, "max_seqlen_q": NQ - 1}, ValueError,
+     f"max_seqlen_q is {NQ - 1} but the longest sequence has {NQ} rows"),
+    ("packed-max-alone", lambda a: {}, {"max_seqlen_q": NQ}, ValueError, "max_seqlen_q is only meaningful with cu_seqlens"),
+    ("packed-with-bias", packed, {"cu_seqlens_q": CU, "cu_seqlens_k": CU_K, "bias": numpy.zeros((NQ, NK), numpy.float32)},
+     ValueError, "bias is not supported with cu_seqlens_q"),
     ("unknown-option", lambda a: {}, {"window": (1, 1)}, TypeError, "unsupported keyword argument(s): window"),
 ]
 BACKWARD_CASES = [
@@ -69,6 +100,16 @@ BACKWARD_CASES = [
     ("lse-layout", lambda a: {"lse": a["lse"].reshape(B, NQ, H)}, {}, ValueError, "expected (batch, heads, seqlen_q)"),
     ("lse-dtype", lambda a: {"lse": a["lse"].astype(numpy.float16)}, {}, TypeError, "lse has dtype float16"),
     ("deterministic-str", lambda a: {}, {"deterministic": "yes"}, TypeError, "deterministic must be a bool"),
+    ("dbias-without-bias", lambda a: {}, {"return_dbias": True}, ValueError, "return_dbias=True needs the bias"),
+    ("dbias-str", lambda a: {}, {"return_dbias": "yes", "bias": numpy.zeros((NQ, NK), numpy.float32)}, TypeError,
+     "return_dbias must be a bool"),
+    ("dbias-deterministic-broadcast", lambda a: {}, {"return_dbias": True, "deterministic": True,
+                                                     "bias": numpy.zeros((NQ, NK), numpy.float32)}, ValueError,
+     "deterministic=True with return_dbias=True needs a bias that is not summed over"),
+    ("packed-lse-layout", lambda a: {**packed(a), "lse": packed(a)["lse"].T}, {"cu_seqlens_q": CU, "cu_seqlens_k": CU_K},
+     ValueError, "expected (heads, total_q)"),
+    ("packed-do-shape", lambda a: {**packed(a), "do": a["do"]}, {"cu_seqlens_q": CU, "cu_seqlens_k": CU_K}, ValueError,
+     "do has shape"),
 ]
 
 
@@ -80,7 +121,10 @@ def call_backward(a, options):
     return cupy_flash.flash_backward(a["do"], a["q"], a["k"], a["v"], a["o"], a["lse"], **options)
 
 
-ALL = ([("forward",) + c for c in CASES] + [("backward",) + c for c in CASES]
+FORWARD_CASES = [
+    ("return-dbias", lambda a: {}, {"return_dbias": True}, TypeError, "unsupported keyword argument(s): return_dbias"),
+]
+ALL = ([("forward",) + c for c in CASES + FORWARD_CASES] + [("backward",) + c for c in CASES]
        + [("backward",) + c for c in BACKWARD_CASES])
 
 

@@ -46,6 +46,11 @@ def problems(draw):
             features["alibi_per_batch"] = per_batch
         if draw(st.booleans()):
             features["sink"] = draw(st.lists(st.floats(-8.0, 8.0), min_size=heads, max_size=heads))
+        if draw(st.booleans()):
+            # An additive bias of any broadcast shape; masks (-inf entries) half the time.
+            features["bias"] = dict(shape=draw(st.sampled_from(BIAS_SHAPES)), std=draw(st.sampled_from([0.5, 3.0])),
+                                    masked=draw(st.booleans()), dtype=draw(st.sampled_from(["float32", "input"])),
+                                    seed=draw(st.integers(0, 2**16)))
     return dict(features=features, heads_kv=heads_kv,
         dtype=draw(st.sampled_from(sorted(DTYPES))),
         batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
@@ -57,6 +62,37 @@ def problems(draw):
         logit_std=draw(st.sampled_from([0.3, 1.0, 3.0, 30.0, 300.0])),
         seed=draw(st.integers(0, 2**32 - 1)),
     )
+
+
+# Bias shapes as (batch, heads, seqlen_q, seqlen_k) flags: True keeps the axis, False makes it 1;
+# None drops the axis (fewer dimensions).
+BIAS_SHAPES = [
+    (True, True, True, True),      # full
+    (None, True, True, True),      # (heads, seqlen_q, seqlen_k): shared by the batch
+    (None, None, True, True),      # (seqlen_q, seqlen_k)
+    (True, False, False, True),    # (batch, 1, 1, seqlen_k): a key padding mask
+    (True, True, True, False),     # (batch, heads, seqlen_q, 1): per-row offsets
+]
+
+
+def make_bias(p, spec):
+    """The bias array (on the GPU) a bias spec of ``problems`` describes."""
+    import cupy
+
+    full = (p["batch"], p["heads"], p["seqlen_q"], p["seqlen_k"])
+    shape = tuple(n if keep else 1 for n, keep in zip(full, spec["shape"]) if keep is not None)
+    rng = numpy.random.default_rng(spec["seed"])
+    values = rng.standard_normal(shape).astype(numpy.float32) * spec["std"]
+    if spec["masked"]:
+        values[rng.random(shape) < 0.2] = -numpy.inf
+    dtype = DTYPES[p["dtype"]] if spec["dtype"] == "input" else numpy.float32
+    return cupy.asarray(values.astype(dtype))
+
+
+def bias_broadcasts(p) -> bool:
+    spec = p.get("features", {}).get("bias")
+    full = (p["batch"], p["heads"], p["seqlen_q"], p["seqlen_k"])
+    return spec is not None and any(keep is not True and n > 1 for n, keep in zip(full, spec["shape"]))
 
 
 def describe(p):
@@ -96,6 +132,8 @@ def options(p):
         features["alibi_slopes"] = slopes.reshape(p["batch"], p["heads"]) if per_batch else slopes
     if "sink" in features:
         features["sink"] = cupy.asarray(features["sink"], dtype=cupy.float32)
+    if "bias" in features:
+        features["bias"] = make_bias(p, features["bias"])
     result.update(features)
     return result
 
@@ -126,6 +164,20 @@ EDGE_CASES = [
     # float32 (a dense bf16 softmax backward rounds it; the reference now does too).
     dict(dtype="bfloat16", batch=3, heads=1, seqlen_q=1, seqlen_k=3, head_dim=8, causal=False, softmax_scale=None,
          logit_std=1.0, seed=0),
+    # 11: a full float16 bias with -inf entries (a mask) under causal, d=256 (the largest bias tile).
+    dict(dtype="float16", batch=2, heads=2, seqlen_q=333, seqlen_k=517, head_dim=256, causal=True, softmax_scale=None,
+         logit_std=3.0, seed=12, features={"bias": dict(shape=(True, True, True, True), std=3.0, masked=True,
+                                                        dtype="input", seed=1)}),
+    # 12: a key padding mask (batch, 1, 1, seqlen_k) with softcap, ALiBi and GQA: dbias sums over heads and rows.
+    dict(dtype="bfloat16", batch=2, heads=4, heads_kv=2, seqlen_q=200, seqlen_k=150, head_dim=64, causal=False,
+         softmax_scale=None, logit_std=3.0, seed=13,
+         features={"softcap": 5.0, "alibi_slopes": [0.5, 0.25, 0.125, 0.0625],
+                   "bias": dict(shape=(True, False, False, True), std=0.5, masked=True, dtype="float32", seed=2)}),
+    # 13: float32 (CUDA-core kernels), a (seqlen_q, seqlen_k) bias shared by batch and heads, window.
+    dict(dtype="float32", batch=2, heads=3, seqlen_q=150, seqlen_k=190, head_dim=48, causal=False,
+         softmax_scale=None, logit_std=1.0, seed=14,
+         features={"window_size": (30, 10), "bias": dict(shape=(None, None, True, True), std=3.0, masked=False,
+                                                           dtype="float32", seed=3)}),
 ]
 
 
@@ -154,6 +206,9 @@ def _check_forward(p):
 @example(EDGE_CASES[7])
 @example(EDGE_CASES[8])
 @example(EDGE_CASES[9])
+@example(EDGE_CASES[11])
+@example(EDGE_CASES[12])
+@example(EDGE_CASES[13])
 def test_forward_matches_reference(p):
     count_example("forward_matches_reference")
     _check_forward(p)
@@ -161,21 +216,28 @@ def test_forward_matches_reference(p):
 
 def _check_backward(p, deterministic):
     q, k, v, do = make_inputs(p, with_grad=True)
-    o, lse = cupy_flash.flash_forward(q, k, v, **options(p))
+    opts = options(p)
+    o, lse = cupy_flash.flash_forward(q, k, v, **opts)
+    # dbias when there is a bias (with deterministic=True only for one that does not broadcast).
+    return_dbias = "bias" in opts and not (deterministic and bias_broadcasts(p))
     with poisoned_allocations():
-        grads = cupy_flash.flash_backward(do, q, k, v, o, lse, deterministic=deterministic, **options(p))
-    exact = attention_reference_backward(do, q, k, v, **options(p))
-    low = attention_reference_backward(do, q, k, v, upcast=False, **options(p))
+        grads = cupy_flash.flash_backward(do, q, k, v, o, lse, deterministic=deterministic, return_dbias=return_dbias, **opts)
+    exact = attention_reference_backward(do, q, k, v, return_dbias=return_dbias, **opts)
+    low = attention_reference_backward(do, q, k, v, upcast=False, return_dbias=return_dbias, **opts)
     context = describe(p) + f" deterministic={deterministic}"
     lse_magnitude = max_finite_abs(lse)
-    term_scales = gradient_term_scales(do, q, k, v, **options(p))
-    assert len(grads) == len(exact) == (4 if "sink" in p.get("features", {}) else 3)
+    term_scales = gradient_term_scales(do, q, k, v, **opts)
+    has_sink = "sink" in opts
+    assert len(grads) == len(exact) == 3 + has_sink + return_dbias
     for name, ours, x, e, lo in zip(("dq", "dk", "dv"), grads, (q, k, v), exact, low):
         assert ours.shape == x.shape and ours.dtype == x.dtype
         check_error_rule(name, ours, e, lo, context, lse_magnitude, term_scales[name])
-    if len(grads) == 4:   # dsink: a float32 sum over batch and rows of P_sink * delta
+    if has_sink:   # dsink: a float32 sum over batch and rows of P_sink * delta
         check_error_rule("dsink", grads[3], exact[3], low[3], context, lse_magnitude,
                          float(abs(exact[3]).max()) * p["batch"] * p["seqlen_q"])
+    if return_dbias:   # dbias: dS summed over the bias's broadcast axes (float32 atomics)
+        assert grads[-1].shape == opts["bias"].shape and grads[-1].dtype == opts["bias"].dtype
+        check_error_rule("dbias", grads[-1], exact[-1], low[-1], context, lse_magnitude, term_scales["dbias"])
 
 
 @given(problems(), st.booleans())
@@ -190,9 +252,135 @@ def _check_backward(p, deterministic):
 @example(EDGE_CASES[8], False)
 @example(EDGE_CASES[9], True)
 @example(EDGE_CASES[10], False)
+@example(EDGE_CASES[11], True)
+@example(EDGE_CASES[12], False)
+@example(EDGE_CASES[13], False)
 def test_backward_matches_reference(p, deterministic):
     count_example("backward_matches_reference")
     _check_backward(p, deterministic)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed variable-length batches: each sequence against the dense reference of that sequence.
+
+@st.composite
+def packed_problems(draw):
+    batch = draw(st.integers(1, 6))
+    length = st.one_of(st.integers(0, 3), st.integers(1, 150), st.integers(150, 700))
+    lens_q = draw(st.lists(length, min_size=batch, max_size=batch))
+    same = draw(st.booleans())
+    lens_k = lens_q if same else draw(st.lists(length, min_size=batch, max_size=batch))
+    if sum(lens_q) == 0:
+        lens_q = [1] + lens_q[1:]
+    if sum(lens_k) == 0:
+        lens_k = [1] + lens_k[1:]
+    heads = draw(st.integers(1, 4))
+    heads_kv = draw(st.sampled_from([n for n in range(1, heads + 1) if heads % n == 0]))
+    features = {}
+    if draw(st.booleans()):
+        size = st.one_of(st.just(-1), st.integers(0, 40), st.integers(40, 400))
+        features["window_size"] = (draw(size), draw(size))
+    if draw(st.booleans()):
+        features["softcap"] = 5.0
+    if draw(st.booleans()):
+        features["alibi_slopes"] = [2.0**-(i % 8) for i in range(batch * heads)]
+        features["alibi_per_batch"] = True
+    if draw(st.booleans()):
+        features["sink"] = [float(i) - 1.0 for i in range(heads)]
+    return dict(dtype=draw(st.sampled_from(sorted(DTYPES))), batch=batch, heads=heads, heads_kv=heads_kv,
+                lens_q=lens_q, lens_k=lens_k, seqlen_q=max(lens_q), seqlen_k=max(lens_k),
+                head_dim=8 * draw(st.integers(1, 32)), causal=draw(st.booleans()), softmax_scale=None,
+                logit_std=draw(st.sampled_from([1.0, 30.0])), seed=draw(st.integers(0, 2**32 - 1)),
+                features=features, max_slack=draw(st.sampled_from([0, 0, 5])))
+
+
+def packed_inputs(p):
+    import cupy
+
+    rng = numpy.random.default_rng(p["seed"])
+    total_q, total_k = sum(p["lens_q"]), sum(p["lens_k"])
+    q = random_array(rng, (total_q, p["heads"], p["head_dim"]), p["dtype"], input_magnitude(p))
+    k = random_array(rng, (total_k, p["heads_kv"], p["head_dim"]), p["dtype"], input_magnitude(p))
+    v = random_array(rng, (total_k, p["heads_kv"], p["head_dim"]), p["dtype"])
+    do = random_array(rng, (total_q, p["heads"], p["head_dim"]), p["dtype"])
+    opts = options(p)
+    opts["cu_seqlens_q"] = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(p["lens_q"])]).astype(numpy.int32))
+    opts["cu_seqlens_k"] = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(p["lens_k"])]).astype(numpy.int32))
+    # max_seqlen may exceed the longest sequence (a padded bucket size): the extra blocks do nothing.
+    opts["max_seqlen_q"] = p["seqlen_q"] + p["max_slack"]
+    opts["max_seqlen_k"] = p["seqlen_k"] + p["max_slack"]
+    return q, k, v, do, opts
+
+
+@given(packed_problems(), st.booleans())
+@example(dict(dtype="bfloat16", batch=4, heads=4, heads_kv=2, lens_q=[0, 129, 1, 700], lens_k=[5, 64, 300, 700],
+              seqlen_q=700, seqlen_k=700, head_dim=128, causal=True, softmax_scale=None, logit_std=1.0, seed=3,
+              features={"window_size": (100, -1)}, max_slack=0), True)
+@example(dict(dtype="float32", batch=3, heads=2, heads_kv=1, lens_q=[17, 0, 260], lens_k=[33, 9, 0],
+              seqlen_q=260, seqlen_k=33, head_dim=64, causal=False, softmax_scale=None, logit_std=1.0, seed=4,
+              features={"sink": [0.0, 1.0]}, max_slack=5), False)
+def test_packed_batches_match_reference(p, deterministic):
+    count_example("packed_batches_match_reference")
+    q, k, v, do, opts = packed_inputs(p)
+    context = describe(p) + f" lens_q={p['lens_q']} lens_k={p['lens_k']} deterministic={deterministic}"
+    with poisoned_allocations():
+        o, lse = cupy_flash.flash_forward(q, k, v, **opts)
+    assert o.shape == q.shape and lse.shape == (p["heads"], q.shape[0])
+    o_exact, lse_exact = attention_reference(q, k, v, **opts)
+    o_low, lse_low = attention_reference(q, k, v, upcast=False, **opts)
+    lse_magnitude = max_finite_abs(lse_exact)
+    check_error_rule("o", o, o_exact, o_low, context, lse_magnitude)
+    check_error_rule("lse", lse, lse_exact, lse_low, context, lse_magnitude)
+    with poisoned_allocations():
+        grads = cupy_flash.flash_backward(do, q, k, v, o, lse, deterministic=deterministic, **opts)
+    exact = attention_reference_backward(do, q, k, v, **opts)
+    low = attention_reference_backward(do, q, k, v, upcast=False, **opts)
+    assert len(grads) == len(exact)
+    for name, ours, x, e, lo in zip(("dq", "dk", "dv", "dsink"), grads, (q, k, v, None), exact, low):
+        if x is not None:
+            assert ours.shape == x.shape and ours.dtype == x.dtype
+        # Term scales of the whole batch bound each sequence's (the floor only matters at cancellation).
+        check_error_rule(name, ours, e, lo, context, lse_magnitude,
+                         float(abs(e).max()) * max(p["lens_q"] + p["lens_k"]) if name == "dsink" else
+                         _packed_term_scale(p, name, do, q, k, v, opts))
+
+
+def _packed_term_scale(p, name, do, q, k, v, opts):
+    """gradient_term_scales of each sequence, the largest."""
+    cu_q, cu_k = (numpy.asarray(opts[n].get()) for n in ("cu_seqlens_q", "cu_seqlens_k"))
+    dense = {n: x for n, x in opts.items() if not n.startswith(("cu_", "max_"))}
+    worst = 0.0
+    for b in range(p["batch"]):
+        rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if rq.start == rq.stop or rk.start == rk.stop:
+            continue
+        own = dict(dense)
+        if "alibi_slopes" in own:
+            own["alibi_slopes"] = own["alibi_slopes"][b]
+        scales = gradient_term_scales(do[None, rq], q[None, rq], k[None, rk], v[None, rk], **own)
+        worst = max(worst, scales[name])
+    return worst
+
+
+def test_packed_batch_equals_separate_calls():
+    """Three sequences packed give bitwise the outputs of three dense calls (same kernels, same
+    block decomposition per sequence)."""
+    import cupy
+
+    rng = numpy.random.default_rng(21)
+    lens = [(300, 500), (1, 77), (640, 640)]
+    qs = [random_array(rng, (nq, 4, 64), "bfloat16") for nq, _ in lens]
+    ks = [random_array(rng, (nk, 2, 64), "bfloat16") for _, nk in lens]
+    vs = [random_array(rng, (nk, 2, 64), "bfloat16") for _, nk in lens]
+    cu_q = cupy.asarray(numpy.cumsum([0] + [nq for nq, _ in lens]).astype(numpy.int32))
+    cu_k = cupy.asarray(numpy.cumsum([0] + [nk for _, nk in lens]).astype(numpy.int32))
+    o, lse = cupy_flash.flash_forward(cupy.concatenate(qs), cupy.concatenate(ks), cupy.concatenate(vs), causal=True,
+                                      cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    for i, (q, k, v) in enumerate(zip(qs, ks, vs)):
+        o_one, lse_one = cupy_flash.flash_forward(q[None], k[None], v[None], causal=True)
+        rows = slice(int(cu_q[i]), int(cu_q[i + 1]))
+        assert bool((bitwise(o[rows]) == bitwise(o_one[0])).all())
+        assert bool((bitwise(lse[:, rows]) == bitwise(lse_one[0])).all())
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))

@@ -13,7 +13,8 @@ from cupy_flash.reference import round_to_dtype
 from helpers import random_array
 
 
-def naive_attention(q, k, v, scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sink=None):
+def naive_attention(q, k, v, scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sink=None,
+                    bias=None):
     """Textbook formula, one query at a time, in Python floats, with every variant spelled out."""
     batch, seqlen_q, heads, dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
@@ -21,6 +22,8 @@ def naive_attention(q, k, v, scale, causal, window_size=(-1, -1), softcap=0.0, a
     left, right = window_size
     o = numpy.zeros((batch, seqlen_q, heads, dim))
     lse = numpy.full((batch, heads, seqlen_q), -numpy.inf)
+    if bias is not None:
+        bias = numpy.broadcast_to(bias, (batch, heads, seqlen_q, seqlen_k))
     for b in range(batch):
         for h in range(heads):
             hk = h // (heads // heads_kv)
@@ -36,9 +39,11 @@ def naive_attention(q, k, v, scale, causal, window_size=(-1, -1), softcap=0.0, a
                     if alibi_slopes is not None:
                         slope = alibi_slopes[h] if alibi_slopes.ndim == 1 else alibi_slopes[b, h]
                         x -= slope * abs(i + shift - j)
+                    if bias is not None:
+                        x += float(bias[b, h, i, j])
                     scores.append(x)
                 logits = scores + ([float(sink[h])] if sink is not None else [])
-                if not logits:
+                if not logits or max(logits) == -math.inf:
                     continue
                 top = max(logits)
                 total = sum(math.exp(x - top) for x in logits)
@@ -48,9 +53,22 @@ def naive_attention(q, k, v, scale, causal, window_size=(-1, -1), softcap=0.0, a
     return o, lse
 
 
+# Axes of (batch, heads, seqlen_q, seqlen_k) a drawn bias keeps (True), broadcasts (False) or lacks (None).
+BIAS_AXES = [(True, True, True, True), (None, True, True, True), (None, None, True, True), (True, False, False, True),
+             (True, True, True, False), (None, None, None, True)]
+
+
+def make_bias(axes, full, rng, masked=False):
+    shape = tuple(n if keep else 1 for n, keep in zip(full, axes) if keep is not None)
+    bias = rng.standard_normal(shape)
+    if masked:
+        bias[rng.random(shape) < 0.3] = -numpy.inf
+    return bias
+
+
 @st.composite
 def variants(draw, batch, heads):
-    """Feature keywords in any combination (possibly none)."""
+    """Feature keywords in any combination (possibly none); a bias as its axes ("bias_axes")."""
     features = {}
     if draw(st.booleans()):
         features["window_size"] = (draw(st.integers(-1, 4)), draw(st.integers(-1, 4)))
@@ -62,6 +80,8 @@ def variants(draw, batch, heads):
                                                              max_size=math.prod(shape)))).reshape(shape)
     if draw(st.booleans()):
         features["sink"] = numpy.array(draw(st.lists(st.floats(-3.0, 3.0), min_size=heads, max_size=heads)))
+    if draw(st.booleans()):
+        features["bias_axes"] = draw(st.sampled_from(BIAS_AXES))
     return features
 
 
@@ -72,6 +92,8 @@ def test_reference_matches_naive_formula(seqlen_q, seqlen_k, causal, dim, scale,
     rng = numpy.random.default_rng(seed)
     q = rng.standard_normal((2, seqlen_q, 4, dim))
     k, v = (rng.standard_normal((2, seqlen_k, heads_kv, dim)) for _ in range(2))
+    if "bias_axes" in features:   # masks included: -inf entries
+        features["bias"] = make_bias(features.pop("bias_axes"), (2, 4, seqlen_q, seqlen_k), rng, masked=seed % 2 == 0)
     o, lse = attention_reference(q, k, v, softmax_scale=scale, causal=causal, **features)
     o_naive, lse_naive = naive_attention(q, k, v, scale, causal, **features)
     numpy.testing.assert_allclose(o, o_naive, rtol=1e-12, atol=1e-12)
@@ -100,15 +122,23 @@ def test_reference_backward_matches_finite_differences(seqlen_q, seqlen_k, causa
     k, v = (rng.standard_normal((1, seqlen_k, heads_kv, 3)) for _ in range(2))
     do = rng.standard_normal(q.shape)
     sink = features.pop("sink", None)
-    inputs = [q, k, v] + ([sink] if sink is not None else [])
+    axes = features.pop("bias_axes", None)
+    bias = None if axes is None else make_bias(axes, (1, 2, seqlen_q, seqlen_k), rng)
+    inputs = [q, k, v] + ([sink] if sink is not None else []) + ([bias] if bias is not None else [])
 
-    def loss(q_, k_, v_, sink_=None):
-        extra = {"sink": sink_} if sink_ is not None else {}
-        return float((attention_reference(q_, k_, v_, softmax_scale=scale, causal=causal, **features, **extra)[0]
+    def extras(rest):
+        rest = list(rest)
+        extra = {"sink": rest.pop(0)} if sink is not None else {}
+        if bias is not None:
+            extra["bias"] = rest.pop(0)
+        return extra
+
+    def loss(q_, k_, v_, *rest):
+        return float((attention_reference(q_, k_, v_, softmax_scale=scale, causal=causal, **features, **extras(rest))[0]
                       * do).sum())
 
     grads = attention_reference_backward(do, q, k, v, softmax_scale=scale, causal=causal, **features,
-                                         **({"sink": sink} if sink is not None else {}))
+                                         **extras(inputs[3:]), return_dbias=bias is not None)
     assert len(grads) == len(inputs)
     eps = 1e-6
     for which, (x, grad) in enumerate(zip(inputs, grads)):
@@ -119,6 +149,29 @@ def test_reference_backward_matches_finite_differences(seqlen_q, seqlen_k, causa
             minus[which][index] -= eps
             numeric[index] = (loss(*plus) - loss(*minus)) / (2 * eps)
         numpy.testing.assert_allclose(grad, numeric, rtol=1e-5, atol=1e-7)
+
+
+def test_packed_reference_is_the_dense_reference_per_sequence():
+    rng = numpy.random.default_rng(5)
+    lens_q, lens_k = [3, 0, 5], [4, 2, 0]
+    q = rng.standard_normal((sum(lens_q), 2, 4))
+    k, v = (rng.standard_normal((sum(lens_k), 1, 4)) for _ in range(2))
+    cu_q, cu_k = numpy.cumsum([0] + lens_q).astype(numpy.int32), numpy.cumsum([0] + lens_k).astype(numpy.int32)
+    slopes = rng.random((3, 2))
+    o, lse = attention_reference(q, k, v, causal=True, alibi_slopes=slopes, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert o.shape == q.shape and lse.shape == (2, sum(lens_q))
+    for b in range(3):
+        rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        o_b, lse_b = naive_attention(q[None, rq], k[None, rk], v[None, rk], 0.5, True, alibi_slopes=slopes[b])
+        numpy.testing.assert_allclose(o[rq], o_b[0], atol=1e-12)
+        assert numpy.array_equal(lse[:, rq], lse_b[0]) or numpy.allclose(lse[:, rq], lse_b[0], rtol=1e-12)
+    assert numpy.all(numpy.isneginf(lse[:, cu_q[2]:]))   # the third sequence has no keys
+    do = rng.standard_normal(q.shape)
+    dq, dk, dv = attention_reference_backward(do, q, k, v, causal=True, alibi_slopes=slopes, cu_seqlens_q=cu_q,
+                                              cu_seqlens_k=cu_k)
+    assert dq.shape == q.shape and dk.shape == k.shape and numpy.all(dq[cu_q[2]:] == 0)
+    numpy.testing.assert_allclose(dk[cu_k[0]:cu_k[1]], attention_reference_backward(
+        do[None, :3], q[None, :3], k[None, :4], v[None, :4], causal=True, alibi_slopes=slopes[0])[1][0])
 
 
 def test_low_precision_reference_rounds_each_stage():
