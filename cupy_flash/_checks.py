@@ -244,6 +244,9 @@ def check_packed(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
         raise ValueError(f"cu_seqlens_q has shape {tuple(cu_q.shape)} but cu_seqlens_k has shape "
                          f"{tuple(cu_k.shape)}; both hold batch + 1 offsets")
     total_q, total_k = int(q.shape[0]), int(k.shape[0])
+    for label, total in (("q", total_q), ("k", total_k)):
+        if total >= 2**31:
+            raise ValueError(f"{label} has {total} rows; packed batches support fewer than 2^31 tokens")
     host_q = _check_cu_seqlens("cu_seqlens_q", cu_q, total_q, "q")
     host_k = _check_cu_seqlens("cu_seqlens_k", cu_k, total_k, "k")
     max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, int(numpy.diff(host_q).max()))
@@ -251,7 +254,7 @@ def check_packed(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
     shape = AttentionShape(len(host_q) - 1, max(max_q, 1), max(max_k, 1), dense.heads, dense.head_dim,
                            dense.dtype, dense.heads_kv)
     _check_grid(shape)
-    return shape, Packed(cu_q, cu_k, shape.seqlen_q, shape.seqlen_k, total_q, total_k)
+    return shape, Packed(cu_q, cu_k, shape.seqlen_q, shape.seqlen_k, total_q, total_k, host_q)
 
 
 def prepare_qkv(q, k, v, softmax_scale, causal, features=None):

@@ -120,16 +120,21 @@ class Packed:
     max_seqlen_k: int
     total_q: int
     total_k: int
+    host_cu_seqlens_q: object = None   # NumPy copy (checked on the host)
+
+    def packed_row_of_padded(self):
+        """For each packed query row, its index in a (batch, padded) layout whose rows are the
+        sequences' rows padded to the longest (so ``padded[..., index]`` gathers the packed rows)."""
+        cu = self.host_cu_seqlens_q
+        return numpy.concatenate([b * self.max_seqlen_q + numpy.arange(cu[b + 1] - cu[b]) for b in range(len(cu) - 1)])
 
     def fill(self, record) -> None:
         record["cu_seqlens_q"] = self.cu_seqlens_q.data.ptr
         record["cu_seqlens_k"] = self.cu_seqlens_k.data.ptr
-        # lse (heads, total_q); delta and lse_log2 (heads, total_q) (unpadded: the varlen backward
-        # masks rows past each sequence itself).
+        # lse (heads, total_q). delta and lse_log2 keep the dense (batch, heads, delta_stride)
+        # layout, padded per sequence, so the backward reads them as it does for dense batches.
         record["lse_batch_stride"] = 0
         record["lse_head_stride"] = self.total_q
-        record["delta_batch_stride"] = 0
-        record["delta_stride"] = self.total_q
 
 
 def describe(flags: int) -> str:

@@ -23,7 +23,7 @@ PARAMS_DTYPE = numpy.dtype(
     + [(name, numpy.int64) for name in ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "delta_stride",
                                         "group", "window_right", "window_left", "alibi_batch_stride",
                                         "lse_batch_stride", "lse_head_stride", "delta_batch_stride",
-                                        "dbias_atomic")]
+                                        "dbias_atomic", "packed_sequences")]
     + [(name, numpy.float32) for name in ("softmax_scale", "scale_log2", "softcap", "softcap_inv")]
 )
 

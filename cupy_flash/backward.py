@@ -75,7 +75,10 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
             if variant.packed is None:
                 delta = delta.reshape(shape.batch, shape.heads, -1)[:, :, :shape.seqlen_q]   # drop the padding
                 grads += (-(cupy.exp(variant.sink[None, :, None] - lse) * delta).sum(axis=(0, 2)),)
-            else:   # lse and delta (heads, total_q)
+            else:   # lse (heads, total_q); delta (batch, heads, padded rows per sequence)
+                rows = cupy.asarray(variant.packed.packed_row_of_padded())
+                delta = delta.reshape(shape.batch, shape.heads, -1)[:, :, :shape.seqlen_q].transpose(1, 0, 2)
+                delta = delta.reshape(shape.heads, -1)[:, rows]
                 grads += (-(cupy.exp(variant.sink[:, None] - lse) * delta).sum(axis=1),)
         if dbias is not None:
             grads += (dbias.reshape(variant.bias.shape).astype(bias_dtype, copy=False),)
@@ -87,6 +90,14 @@ def _row_shape(shape, variant):
     if variant.packed is None:
         return shape
     return dataclasses.replace(shape, batch=1, seqlen_q=variant.packed.total_q, seqlen_k=variant.packed.total_k)
+
+
+def _packed_row_params(row_shape, shape, scale, delta_stride, variant, arrays):
+    """Row-kernel params of a packed batch: all rows as one sequence, with cu_seqlens_q so the
+    preprocess kernel writes delta (and lse_log2) into the attention kernels' per-sequence layout."""
+    record = make_params(row_shape, scale, delta_stride=delta_stride, cu_seqlens_q=variant.packed.cu_seqlens_q, **arrays)
+    record["packed_sequences"] = shape.batch
+    return record
 
 
 def _dbias_layout(bias, shape):
@@ -121,15 +132,12 @@ def _backward_tensor_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, de
     target = tensor_core_target()
     block_m, block_n, num_warps, *_ = _traits.backward_tc_config(shape.tile, target)
     bh = shape.batch * shape.heads
-    if variant.packed is None:
-        padded = -(-shape.seqlen_q // _traits.ROW_STAT_PADDING) * _traits.ROW_STAT_PADDING
-        # Row statistics padded per (batch, head): padded rows have delta 0 and lse_log2 +inf (P = 0).
-        delta = cupy.zeros((bh, padded), dtype=cupy.float32)
-        lse_log2 = cupy.full((bh, padded), numpy.inf, dtype=cupy.float32)
-    else:   # (heads, total_q), every row written by the preprocess kernel; the kernel masks past each sequence
-        padded = variant.packed.total_q
-        delta = cupy.empty((shape.heads, padded), dtype=cupy.float32)
-        lse_log2 = cupy.empty((shape.heads, padded), dtype=cupy.float32)
+    padded = -(-shape.seqlen_q // _traits.ROW_STAT_PADDING) * _traits.ROW_STAT_PADDING
+    # Row statistics padded per (batch, head): padded rows have delta 0 and lse_log2 +inf (P = 0).
+    # A packed batch uses the same layout (its sequences padded to the longest): O(batch x heads x
+    # max_seqlen_q) floats, read only where the sequences are.
+    delta = cupy.zeros((bh, padded), dtype=cupy.float32)
+    lse_log2 = cupy.full((bh, padded), numpy.inf, dtype=cupy.float32)
     dq_accum = cupy.empty(q.shape, dtype=cupy.float32)   # zeroed by the preprocess kernel
     num_q_blocks = -(-shape.seqlen_q // block_m)
     dq_semaphore = cupy.zeros(bh * num_q_blocks, dtype=cupy.int32) if deterministic else None
@@ -140,7 +148,7 @@ def _backward_tensor_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, de
     params = make_params(shape, scale, delta_stride=padded, variant=variant, **arrays)
     _fill_dbias(params, dbias, dbias_layout)
     row_shape = _row_shape(shape, variant)
-    row_params = params if row_shape is shape else make_params(row_shape, scale, delta_stride=padded, **arrays)
+    row_params = params if row_shape is shape else _packed_row_params(row_shape, shape, scale, padded, variant, arrays)
     launch_preprocess(row_params, row_shape)
 
     spec = ModuleSpec("backward_tc", shape.dtype, shape.tile, target, variant.backward_flags)
@@ -161,11 +169,12 @@ def _backward_cuda_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, dete
     # float32 dQ accumulator for the atomic path: O(batch * seqlen * heads * head_dim).
     dq_accum = None if deterministic else cupy.empty(q.shape, dtype=cupy.float32)
     row_shape = _row_shape(shape, variant)
-    delta = cupy.empty(lse.shape, dtype=cupy.float32)   # (batch, heads, seqlen_q) or packed (heads, total_q)
+    # (batch, heads, seqlen_q); packed: sequences padded to the longest, rows past one unread.
+    delta = cupy.empty((shape.batch, shape.heads, shape.seqlen_q), dtype=cupy.float32)
     arrays = dict(q=q, k=k, v=v, dout=do, o=o, lse=lse, delta=delta, dq_accum=dq_accum, dq=dq, dk=dk, dv=dv)
     params = make_params(shape, scale, variant=variant, **arrays)
     _fill_dbias(params, dbias, dbias_layout)
-    row_params = params if row_shape is shape else make_params(row_shape, scale, **arrays)
+    row_params = params if row_shape is shape else _packed_row_params(row_shape, shape, scale, shape.seqlen_q, variant, arrays)
     launch_preprocess(row_params, row_shape)
 
     spec = ModuleSpec("backward", shape.dtype, shape.tile, features=variant.backward_flags)

@@ -21,7 +21,7 @@ template <int BLOCK_M>
 __device__ __forceinline__ void load_row_stats(float* lse_tile, float* delta_tile, const FlashParams& p, long long b, long long h,
                                                const Sequence& seq, int q_start) {
     const float* lse = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_row0;
-    const float* delta = p.delta + b * p.delta_batch_stride + h * p.delta_stride + seq.q_row0;
+    const float* delta = p.delta + b * p.delta_batch_stride + h * p.delta_stride;   // (batch, heads, rows), packed too
     for (int r = threadIdx.x; r < BLOCK_M; r += FLASH_THREADS) {
         const int query = q_start + r;
         const bool valid = query < seq.seqlen_q;

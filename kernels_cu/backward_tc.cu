@@ -106,7 +106,9 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
 
     const T* q = static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, seq.q_row0, h);
     const T* dout = static_cast<const T*>(p.dout) + tensor_offset(p.dout_strides, b, seq.q_row0, h);
-    const long long stats_row0 = b * p.delta_batch_stride + h * p.delta_stride + seq.q_row0;
+    // delta and lse_log2 are (batch, heads, delta_stride) also for packed batches (padded per
+    // sequence: +inf and 0 past its end), so the same 16-byte loads serve both.
+    const long long stats_row0 = b * p.delta_batch_stride + h * p.delta_stride;
     const float* lse_log2 = p.lse_log2 + stats_row0;
     const float* delta = p.delta + stats_row0;
 
@@ -116,16 +118,6 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
                                                          p.q_strides[1], seqlen_q - q_start, head_dim);
         async_load_tile<T, BLOCK_M, D_TILE, LD, THREADS>(do_tiles + stage * BLOCK_M * LD, dout + q_start * p.dout_strides[1],
                                                          p.dout_strides[1], seqlen_q - q_start, head_dim);
-        if (FEATURES & FEATURE_VARLEN) {
-            // Packed rows start anywhere: 4-byte copies; rows past the sequence read 0 and are masked.
-            for (int i = threadIdx.x; i < 2 * BLOCK_M; i += THREADS) {
-                const bool is_delta = i >= BLOCK_M;
-                const int r = i - (is_delta ? BLOCK_M : 0);
-                cp_async_4(smem_addr((is_delta ? delta_tiles : lse_tiles) + stage * BLOCK_M + r),
-                           (is_delta ? delta : lse_log2) + q_start + r, q_start + r < seqlen_q);
-            }
-            return;
-        }
         // delta and lse_log2 rows are padded to a multiple of every BLOCK_M, so each chunk is whole.
         constexpr int CHUNKS = BLOCK_M / 4;
         for (int i = threadIdx.x; i < 2 * CHUNKS; i += THREADS) {
@@ -194,9 +186,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
 
         // S^T = K Q^T and dP^T = V dO^T for the warp's tile, in S_PASSES passes over its queries,
         // then P^T and dS^T to shared memory.
-        // Varlen also masks rows past the sequence: their row statistics are not padded (+inf, 0).
-        const bool needs_mask = tile_needs_mask<IS_CAUSAL, FEATURES>(q_start, BLOCK_M, kv_start, BLOCK_N, seqlen_k, band) ||
-                                ((FEATURES & FEATURE_VARLEN) && q_start + BLOCK_M > seqlen_q);
+        const bool needs_mask = tile_needs_mask<IS_CAUSAL, FEATURES>(q_start, BLOCK_M, kv_start, BLOCK_N, seqlen_k, band);
 #pragma unroll 1
         for (int pass = 0; pass < S_PASSES; ++pass) {
             const int pass_col = s_col + pass * S_PASS_N * 8;
@@ -248,9 +238,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
                         float prob = ScoreMod<FEATURES>::active
                                          ? exp2f(mod.log2_logit(s[m][j][e], query, key) - row_lse_log2)
                                          : exp2f(fmaf(s[m][j][e], p.scale_log2, -row_lse_log2));
-                        if (needs_mask && (!key_visible<IS_CAUSAL, FEATURES>(key, query, seqlen_k, band) ||
-                                           ((FEATURES & FEATURE_VARLEN) && query >= seqlen_q)))
-                            prob = 0.f;
+                        if (needs_mask && !key_visible<IS_CAUSAL, FEATURES>(key, query, seqlen_k, band)) prob = 0.f;
                         const float ds = prob * (dp[m][j][e] - ((e & 1) ? dsum.y : dsum.x));
                         add_dbias<FEATURES>(p, b, h, query, key, seq, ds);
                         dp[m][j][e] = (FEATURES & FEATURE_SOFTCAP) ? ds * mod.grad_factor(s[m][j][e]) : ds;

@@ -94,6 +94,7 @@ struct FlashParams {
     long long lse_head_stride;      //   (varlen: batch stride 0, rows packed: (heads, total_q))
     long long delta_batch_stride;   // delta, lse_log2 of (b, h, row) at b * this + h * delta_stride + row
     long long dbias_atomic;         // nonzero: several (b, h, i, j) share a dbias element (broadcast bias)
+    long long packed_sequences;     // row kernels of a packed batch: its number of sequences
     float softmax_scale;
     float scale_log2;         // softmax_scale * log2(e): scores go straight into exp2
     float softcap;            // FEATURE_SOFTCAP: logits become softcap * tanh(logit / softcap)
@@ -106,9 +107,11 @@ static_assert(sizeof(FlashParams) == FLASH_PARAMS_BYTES, "FlashParams disagrees 
 // One sequence of the batch: its lengths and, for packed variable-length batches (FEATURE_VARLEN),
 // the row of the packed tensors where it starts (0 otherwise: the batch stride does the work; under
 // VARLEN the launcher sets the batch strides of q, k, v and their gradients to 0).
+// Row offsets are 32-bit (the launcher checks total tokens < 2^31): as 64-bit values, held through
+// the backward's loop, they cost varlen instantiations 4-60 bytes of spills.
 struct Sequence {
     int seqlen_q, seqlen_k;
-    long long q_row0, k_row0;
+    int q_row0, k_row0;
 };
 
 // The K/V head serving query head h (MQA/GQA). The forward kernels divide in 32 bits (heads < 2^31):
@@ -287,6 +290,7 @@ __device__ __forceinline__ Sequence sequence_of(const FlashParams& p, long long 
     }
     return {(int)p.seqlen_q, (int)p.seqlen_k, 0, 0};
 }
+
 
 struct Band {
     int right;   // visible iff left <= key - query <= right (each bound only where its flag is set)

@@ -30,7 +30,18 @@ __global__ void __launch_bounds__(256) flash_preprocess_kernel(const FlashParams
 #pragma unroll
         for (int offset = 16; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
         if (lane == 0) {
-            const long long stats = b * p.delta_batch_stride + h * p.delta_stride + row;
+            // Packed batch (launched as one sequence of all rows): delta and lse_log2 go to the
+            // (batch, heads, delta_stride) layout of the attention kernels, row r of sequence s at
+            // (s, h, r - cu_seqlens_q[s]); the sequence comes from a binary search.
+            long long stats = b * p.delta_batch_stride + h * p.delta_stride + row;
+            if (p.cu_seqlens_q != nullptr) {
+                int lo = 0, hi = (int)p.packed_sequences;   // sequences: find the last s with cu[s] <= row
+                while (hi - lo > 1) {
+                    const int mid = (lo + hi) / 2;
+                    if (p.cu_seqlens_q[mid] <= row) lo = mid; else hi = mid;
+                }
+                stats = (lo * p.heads + h) * p.delta_stride + (row - p.cu_seqlens_q[lo]);
+            }
             p.delta[stats] = dot;
             if (p.lse_log2 != nullptr) {
                 const float lse = p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + row];

@@ -45,7 +45,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned int* r, unsigned int 
 __device__ __forceinline__ void cp_async_16(unsigned int dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
-// 4-byte copy (row statistics at arbitrary offsets); with valid = false it writes zero.
+// 4-byte copy (the bias tile: any strides); with valid = false it writes zero.
 __device__ __forceinline__ void cp_async_4(unsigned int dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(valid ? 4 : 0));
 }
