@@ -70,7 +70,7 @@ CASES = [
      "bias has shape (6, 7), which does not broadcast to (batch, heads_q, seqlen_q, seqlen_k) = (2, 3, 5, 7)"),
     ("bias-rank", lambda a: {}, {"bias": numpy.zeros((1, B, H, NQ, NK), numpy.float32)}, ValueError, "does not broadcast"),
     ("bias-dtype", lambda a: {}, {"bias": numpy.zeros((NQ, NK), numpy.int32)}, TypeError, "bias has dtype int32"),
-    ("bias-list", lambda a: {}, {"bias": [[0.0] * NK] * NQ}, TypeError, "bias must be an array"),
+    ("bias-list", lambda a: {}, {"bias": [[0.0] * NK] * NQ}, TypeError, "bias must be a"),
     # Packed (variable-length) batches: q, k, v as (total, heads, d).
     ("packed-one-cu", packed, {"cu_seqlens_q": CU}, ValueError, "cu_seqlens_k is missing"),
     ("packed-rank", lambda a: {}, {"cu_seqlens_q": CU, "cu_seqlens_k": CU}, ValueError,

@@ -178,6 +178,10 @@ EDGE_CASES = [
          softmax_scale=None, logit_std=1.0, seed=14,
          features={"window_size": (30, 10), "bias": dict(shape=(None, None, True, True), std=3.0, masked=False,
                                                            dtype="float32", seed=3)}),
+    # 14: one query, one key, a sink, bf16 d=8: dk 2.3x the low-precision error (found by hypothesis
+    # on the device, 2026-11-22; open: see test_known_sink_precision_gap).
+    dict(dtype="bfloat16", batch=1, heads=1, heads_kv=1, seqlen_q=1, seqlen_k=1, head_dim=8, causal=False,
+         softmax_scale=None, logit_std=0.3, seed=1, features={"sink": [0.0]}),
 ]
 
 
@@ -258,6 +262,12 @@ def _check_backward(p, deterministic):
 def test_backward_matches_reference(p, deterministic):
     count_example("backward_matches_reference")
     _check_backward(p, deterministic)
+
+
+@pytest.mark.xfail(reason="open (#5): with a sink, bf16 rows of one or two keys at small head_dim reach 2.3-4.3x "
+                          "the low-precision reference's dq/dk error (hypothesis, device run of 2026-11-22)", strict=False)
+def test_known_sink_precision_gap():
+    _check_backward(EDGE_CASES[14], deterministic=False)
 
 
 # ---------------------------------------------------------------------------------------------
