@@ -254,7 +254,7 @@ def check_packed(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
     shape = AttentionShape(len(host_q) - 1, max(max_q, 1), max(max_k, 1), dense.heads, dense.head_dim,
                            dense.dtype, dense.heads_kv)
     _check_grid(shape)
-    return shape, Packed(cu_q, cu_k, shape.seqlen_q, shape.seqlen_k, total_q, total_k, host_q)
+    return shape, Packed(cu_q, cu_k, total_q, total_k, host_q)
 
 
 def prepare_qkv(q, k, v, softmax_scale, causal, features=None):

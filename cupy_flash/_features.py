@@ -96,12 +96,12 @@ class Variant:
             record["sink"] = self.sink.data.ptr
         if self.bias is not None:
             record["bias"] = self.bias.data.ptr
-            record["bias_strides"] = broadcast_strides(self.bias, record)
+            record["bias_strides"] = broadcast_strides(self.bias)
         if self.packed is not None:
             self.packed.fill(record)
 
 
-def broadcast_strides(array, record) -> list[int]:
+def broadcast_strides(array) -> list[int]:
     """Element strides of a float32 array seen as (batch, heads, seqlen_q, seqlen_k): leading axes
     it lacks and axes of size 1 get stride 0 (broadcast)."""
     shape = (1,) * (4 - array.ndim) + tuple(array.shape)
@@ -116,17 +116,15 @@ class Packed:
 
     cu_seqlens_q: object   # int32 (batch + 1,), on the GPU
     cu_seqlens_k: object
-    max_seqlen_q: int
-    max_seqlen_k: int
     total_q: int
     total_k: int
-    host_cu_seqlens_q: object = None   # NumPy copy (checked on the host)
+    host_cu_seqlens_q: object   # NumPy copy (checked on the host)
 
-    def packed_row_of_padded(self):
-        """For each packed query row, its index in a (batch, padded) layout whose rows are the
-        sequences' rows padded to the longest (so ``padded[..., index]`` gathers the packed rows)."""
+    def packed_row_of_padded(self, rows_per_sequence: int):
+        """For each packed query row, its index in a (batch, rows_per_sequence) layout of the
+        sequences' rows padded to a common length (``padded[..., index]`` gathers the packed rows)."""
         cu = self.host_cu_seqlens_q
-        return numpy.concatenate([b * self.max_seqlen_q + numpy.arange(cu[b + 1] - cu[b]) for b in range(len(cu) - 1)])
+        return numpy.concatenate([b * rows_per_sequence + numpy.arange(cu[b + 1] - cu[b]) for b in range(len(cu) - 1)])
 
     def fill(self, record) -> None:
         record["cu_seqlens_q"] = self.cu_seqlens_q.data.ptr

@@ -8,6 +8,7 @@ import numpy
 
 from . import _checks, _traits
 from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, get_kernel, tensor_core_target
+from ._features import broadcast_strides
 from ._params import make_params
 from .preprocess import launch_dq_convert, launch_kv_group_sum, launch_preprocess
 
@@ -43,7 +44,7 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
     do, o, lse = (_checks.as_gpu_array(n, x) for n, x in (("do", do), ("o", o), ("lse", lse)))
     _checks.check_backward_extras(shape, q, do, o, lse, variant.packed)
     dbias_layout = _dbias_layout(variant.bias, shape) if return_dbias else None
-    if dbias_layout is not None and deterministic and dbias_layout[2]:
+    if dbias_layout is not None and deterministic and dbias_layout[1]:
         raise ValueError(f"deterministic=True with return_dbias=True needs a bias that is not summed over "
                          f"batch, heads or queries (its gradient would take atomic adds); bias has shape "
                          f"{tuple(variant.bias.shape)}")
@@ -66,8 +67,9 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
         dq, delta = backward(do, q, k, v, o, lse, dk_heads, dv_heads, shape, scale, variant, deterministic,
                              dbias, dbias_layout)
         if shape.group > 1:
-            launch_kv_group_sum(make_params(_row_shape(shape, variant), scale, dk=dk, dv=dv, dk_expanded=dk_heads,
-                                            dv_expanded=dv_heads), _row_shape(shape, variant))
+            row_shape = _row_shape(shape, variant)
+            launch_kv_group_sum(make_params(row_shape, scale, dk=dk, dv=dv, dk_expanded=dk_heads, dv_expanded=dv_heads),
+                                row_shape)
         grads = (dq, dk, dv)
         if variant.sink is not None:
             # The sink's probability in row i is exp(sink - lse_i) and its dP is 0 (it carries no
@@ -76,7 +78,7 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
                 delta = delta.reshape(shape.batch, shape.heads, -1)[:, :, :shape.seqlen_q]   # drop the padding
                 grads += (-(cupy.exp(variant.sink[None, :, None] - lse) * delta).sum(axis=(0, 2)),)
             else:   # lse (heads, total_q); delta (batch, heads, padded rows per sequence)
-                rows = cupy.asarray(variant.packed.packed_row_of_padded())
+                rows = cupy.asarray(variant.packed.packed_row_of_padded(shape.seqlen_q))
                 delta = delta.reshape(shape.batch, shape.heads, -1)[:, :, :shape.seqlen_q].transpose(1, 0, 2)
                 delta = delta.reshape(shape.heads, -1)[:, rows]
                 grads += (-(cupy.exp(variant.sink[:, None] - lse) * delta).sum(axis=1),)
@@ -101,26 +103,19 @@ def _packed_row_params(row_shape, shape, scale, delta_stride, variant, arrays):
 
 
 def _dbias_layout(bias, shape):
-    """(shape, element strides, atomic) of the float32 dbias accumulator: contiguous in the bias's
-    shape padded to 4 dimensions, stride 0 where the bias broadcasts; atomic when it broadcasts over
-    any axis (several (b, h, i, j) then add into one element)."""
+    """(shape, atomic) of the float32 dbias accumulator: the bias's shape padded to 4 dimensions;
+    atomic when the bias broadcasts over any axis (several (b, h, i, j) then add into one element)."""
     full = (shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k)
     dims = (1,) * (4 - bias.ndim) + tuple(int(n) for n in bias.shape)
-    strides, step = [], 1
-    for n in reversed(dims):
-        strides.append(step if n > 1 else 0)
-        step *= n
-    strides.reverse()
-    atomic = any(n == 1 and want > 1 for n, want in zip(dims, full))
-    return dims, strides, atomic
+    return dims, any(n == 1 and want > 1 for n, want in zip(dims, full))
 
 
 def _fill_dbias(params, dbias, dbias_layout):
     if dbias is None:
         return
     params["dbias"] = dbias.data.ptr
-    params["dbias_strides"] = dbias_layout[1]
-    params["dbias_atomic"] = int(dbias_layout[2])
+    params["dbias_strides"] = broadcast_strides(dbias)   # contiguous, stride 0 where the bias broadcasts
+    params["dbias_atomic"] = int(dbias_layout[1])
 
 
 def _backward_tensor_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, deterministic, dbias, dbias_layout):

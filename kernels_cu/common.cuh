@@ -107,8 +107,8 @@ static_assert(sizeof(FlashParams) == FLASH_PARAMS_BYTES, "FlashParams disagrees 
 // One sequence of the batch: its lengths and, for packed variable-length batches (FEATURE_VARLEN),
 // the row of the packed tensors where it starts (0 otherwise: the batch stride does the work; under
 // VARLEN the launcher sets the batch strides of q, k, v and their gradients to 0).
-// Row offsets are 32-bit (the launcher checks total tokens < 2^31): as 64-bit values, held through
-// the backward's loop, they cost varlen instantiations 4-60 bytes of spills.
+// Row offsets are 32-bit (the launcher checks total tokens < 2^31), which halves what a varlen
+// kernel holds for them; it did not by itself remove the varlen backward's spills (tests/test_compile.py).
 struct Sequence {
     int seqlen_q, seqlen_k;
     int q_row0, k_row0;
