@@ -197,3 +197,20 @@ def test_round_to_dtype_matches_numpy_casts(dtype):
     got = round_to_dtype(x, dtype, numpy)
     assert numpy.array_equal(got, expected)
     assert numpy.isnan(round_to_dtype(numpy.array([numpy.nan], numpy.float32), dtype, numpy)).all()
+
+
+@pytest.mark.parametrize("features", [{}, {"sink": numpy.array([0.5, -1.0], numpy.float32)}, {"softcap": 5.0}])
+def test_delta_term_leaves_the_rule_tight(features):
+    """The error rule's stored-O delta term (helpers.gradient_term_scales) bounds a real FlashAttention
+    error, but on ordinary shapes it must stay well under the dense bf16 error it is added to, or the
+    rule could no longer fail."""
+    from helpers import gradient_term_scales
+
+    rng = numpy.random.default_rng(5)
+    q, k, v, do = (random_array(rng, (1, 200, 2, 64), "bfloat16", xp=numpy) for _ in range(4))
+    exact = attention_reference_backward(do, q, k, v, **features)
+    low = attention_reference_backward(do, q, k, v, upcast=False, **features)
+    scales = gradient_term_scales(do, q, k, v, **features)
+    for index, name in enumerate(("dq", "dk")):
+        dense_error = float(numpy.abs(numpy.asarray(low[index], numpy.float64) - exact[index]).max())
+        assert 0 < scales["delta:" + name] < 0.25 * dense_error, (name, scales["delta:" + name], dense_error)
