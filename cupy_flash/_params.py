@@ -63,3 +63,15 @@ def make_params(shape, softmax_scale: float, delta_stride: int | None = None, va
     if variant is not None and not variant.plain:
         variant.fill(record)
     return record
+
+
+def as_argument(record: numpy.ndarray) -> numpy.ndarray:
+    """The record as a kernel argument: the same bytes as one unstructured void element. CuPy takes
+    a NumPy argument's address from ``__array_interface__``, which for the record's structured dtype
+    rebuilds the description of every field on each call: 40% of a call's host time (measured on
+    the H100: forward 182 us against 139 us before the variants' fields). (CuPy passes only size-one
+    arrays by value, so a uint8 view will not do.)"""
+    return record.view(_OPAQUE)
+
+
+_OPAQUE = numpy.dtype((numpy.void, PARAMS_DTYPE.itemsize))

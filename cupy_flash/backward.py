@@ -9,7 +9,7 @@ import numpy
 from . import _checks, _traits
 from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, get_kernel, tensor_core_target
 from ._features import broadcast_strides
-from ._params import make_params
+from ._params import as_argument, make_params
 from .preprocess import launch_dq_convert, launch_kv_group_sum, launch_preprocess
 
 
@@ -149,7 +149,7 @@ def _backward_tensor_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, de
     spec = ModuleSpec("backward_tc", shape.dtype, shape.tile, target, variant.backward_flags)
     smem = _traits.backward_tc_smem_bytes(shape.tile, target)
     kernel = get_kernel(spec, spec.backward_tc_kernel(variant.causal), smem)
-    kernel((-(-shape.seqlen_k // block_n) * bh,), (32 * num_warps,), (params,), shared_mem=smem)
+    kernel((-(-shape.seqlen_k // block_n) * bh,), (32 * num_warps,), (as_argument(params),), shared_mem=smem)
     launch_dq_convert(row_params, row_shape)
     return dq, delta
 
@@ -177,11 +177,11 @@ def _backward_cuda_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, dete
     bh = shape.batch * shape.heads
     smem = _traits.backward_smem_bytes(shape.tile)
     kernel = get_kernel(spec, spec.backward_kernel(causal, atomic_dq=not deterministic), smem)
-    kernel((-(-shape.seqlen_k // block_n) * bh,), (_traits.THREADS,), (params,), shared_mem=smem)
+    kernel((-(-shape.seqlen_k // block_n) * bh,), (_traits.THREADS,), (as_argument(params),), shared_mem=smem)
     if deterministic:
         smem = _traits.backward_dq_smem_bytes(shape.tile)
         kernel = get_kernel(spec, spec.backward_dq_kernel(causal), smem)
-        kernel((-(-shape.seqlen_q // block_m) * bh,), (_traits.THREADS,), (params,), shared_mem=smem)
+        kernel((-(-shape.seqlen_q // block_m) * bh,), (_traits.THREADS,), (as_argument(params),), shared_mem=smem)
     else:
         launch_dq_convert(row_params, row_shape)
     return dq, delta

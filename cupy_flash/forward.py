@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from . import _checks, _traits
 from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, tensor_core_target, get_kernel
-from ._params import make_params
+from ._params import as_argument, make_params
 
 
 def launch_forward(q, k, v, shape, scale, variant):
@@ -37,7 +37,7 @@ def launch_forward(q, k, v, shape, scale, variant):
         threads = _traits.THREADS
     grid = -(-shape.seqlen_q // block_m) * shape.batch * shape.heads
     params = make_params(shape, scale, variant=variant, q=q, k=k, v=v, o=o, lse=lse)
-    kernel((grid,), (threads,), (params,), shared_mem=smem)
+    kernel((grid,), (threads,), (as_argument(params),), shared_mem=smem)
     return o, lse
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from . import _traits
 from ._compile import ModuleSpec, get_kernel
+from ._params import as_argument
 
 _MAX_ROW_BLOCKS = 1 << 16   # the row kernels loop over rows, so the grid never needs to be larger
 
@@ -18,7 +19,7 @@ def _launch(name_of, params, shape, rows=None):
     spec = ModuleSpec("preprocess", shape.dtype)
     kernel = get_kernel(spec, name_of(spec))
     rows = shape.batch * shape.seqlen_q * shape.heads if rows is None else rows
-    kernel((row_kernel_grid(rows),), (_traits.ROW_KERNEL_THREADS,), (params,))
+    kernel((row_kernel_grid(rows),), (_traits.ROW_KERNEL_THREADS,), (as_argument(params),))
 
 
 def launch_preprocess(params, shape):
