@@ -130,16 +130,26 @@ def ragged_table(dtype):
         ragged = time_pair(cupy_flash, q, k, v, do, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu,
                            max_seqlen_q=max(lens), max_seqlen_k=max(lens))
         flat = time_pair(cupy_flash, *dense, causal=causal)
+        # The dense batch through the packed path (equal lengths): the varlen code's own cost, apart
+        # from raggedness.
+        cu_equal = cupy.arange(0, (dense_batch + 1) * dense_len, dense_len, dtype=cupy.int32)
+        packed_dense = time_pair(cupy_flash, *(x.reshape(-1, heads, d) for x in dense), causal=causal,
+                                 cu_seqlens_q=cu_equal, cu_seqlens_k=cu_equal, max_seqlen_q=dense_len,
+                                 max_seqlen_k=dense_len)
         row = dict(causal=causal, tokens=total, lens=lens, dense=f"{dense_batch} x {dense_len}",
                    ragged_fwd_ms=ragged[0], ragged_bwd_ms=ragged[1], dense_fwd_ms=flat[0], dense_bwd_ms=flat[1],
                    ragged_fwd=flop_ragged / ragged[0] / 1e9, ragged_bwd=2.5 * flop_ragged / ragged[1] / 1e9,
                    dense_fwd=flop_dense / flat[0] / 1e9, dense_bwd=2.5 * flop_dense / flat[1] / 1e9)
         row["fwd_ratio"] = row["ragged_fwd"] / row["dense_fwd"]
         row["bwd_ratio"] = row["ragged_bwd"] / row["dense_bwd"]
+        row["packed_dense_fwd_ratio"] = flat[0] / packed_dense[0]
+        row["packed_dense_bwd_ratio"] = flat[1] / packed_dense[1]
         rows.append(row)
         print(f"ragged | causal={int(causal)} {total} tokens in {len(lens)} sequences: fwd {row['ragged_fwd']:.1f} TF/s "
               f"vs dense {dense_batch}x{dense_len} {row['dense_fwd']:.1f} ({row['fwd_ratio']:.2f}); bwd "
-              f"{row['ragged_bwd']:.1f} vs {row['dense_bwd']:.1f} ({row['bwd_ratio']:.2f})", flush=True)
+              f"{row['ragged_bwd']:.1f} vs {row['dense_bwd']:.1f} ({row['bwd_ratio']:.2f}); the dense batch packed: "
+              f"fwd {row['packed_dense_fwd_ratio']:.2f}, bwd {row['packed_dense_bwd_ratio']:.2f} of its dense speed",
+              flush=True)
     return rows
 
 
@@ -199,24 +209,25 @@ def baseline_table(dtype, baseline, seqlens=(2048, 16384), rounds=3):
     return rows
 
 
+TABLES = {"ragged": ragged_table, "bias": bias_table, "window": window_table, "gqa": gqa_table}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--baseline", help="directory with another checkout's cupy_flash/ and kernels_cu/")
     parser.add_argument("--seqlens", nargs="+", type=int, default=[2048, 16384], help="plain shapes vs the baseline")
     parser.add_argument("--rounds", type=int, default=3, help="alternating old/new rounds per plain shape")
-    parser.add_argument("--baseline-only", action="store_true", help="skip the window and GQA tables")
+    parser.add_argument("--tables", nargs="*", default=list(TABLES), choices=list(TABLES),
+                        help="variant tables to run (none: only the baseline comparison)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args()
     dtype = DTYPES[args.dtype]
     result = dict(device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), dtype=args.dtype)
     if args.baseline:
         result["baseline"] = baseline_table(dtype, load_baseline(args.baseline), args.seqlens, args.rounds)
-    if not args.baseline_only:
-        result["ragged"] = ragged_table(dtype)
-        result["bias"] = bias_table(dtype)
-        result["window"] = window_table(dtype)
-        result["gqa"] = gqa_table(dtype)
+    for name in args.tables:
+        result[name] = TABLES[name](dtype)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"variants-{args.dtype}.json")
     with open(path, "w") as f:
