@@ -34,5 +34,32 @@ for dtype in (numpy.float16, ml_dtypes.bfloat16, numpy.float32):
     o, lse = cupy_flash.flash_forward(q, k, k, causal=True, **packed)
     for deterministic in (False, True):
         cupy_flash.flash_backward(o, q, k, k, o, lse, causal=True, deterministic=deterministic, **packed)
+    if dtype == numpy.float32:
+        continue
+    # Decoding: contiguous and paged caches (pages of 16, shuffled), one and several splits, an
+    # append, GQA, a window; the split path of flash_forward; merge_attention_states.
+    for paged in (False, True):
+        for splits in (1, 4):
+            batch, capacity, heads_kv, d = 2, 96, 2, 72
+            q = cupy.asarray(rng.standard_normal((batch, 3, 8, d), dtype=numpy.float32).astype(dtype))
+            k_cache = cupy.asarray(rng.standard_normal((batch * capacity // 16 + 2, 16, heads_kv, d) if paged else
+                                                       (batch, capacity, heads_kv, d), dtype=numpy.float32).astype(dtype))
+            v_cache = k_cache.copy()
+            new = cupy.asarray(rng.standard_normal((batch, 2, heads_kv, d), dtype=numpy.float32).astype(dtype))
+            cache = dict(cache_seqlens=cupy.asarray([0, 77], dtype=cupy.int32), k_new=new, v_new=new)
+            if paged:
+                cache["block_table"] = cupy.asarray(rng.permutation(batch * capacity // 16 + 2)[:batch * capacity // 16]
+                                                    .reshape(batch, -1).astype(numpy.int32))
+            cupy_flash.flash_decode(q, k_cache, v_cache, causal=True, window_size=(40, -1), num_splits=splits, **cache)
+            cupy.cuda.Device().synchronize()
+            print("decode", dtype.__name__ if hasattr(dtype, "__name__") else dtype, "paged" if paged else "contiguous",
+                  splits, "ok", flush=True)
+    q = cupy.asarray(rng.standard_normal((2, 1, 8, 64), dtype=numpy.float32).astype(dtype))
+    k = cupy.asarray(rng.standard_normal((2, 3000, 1, 64), dtype=numpy.float32).astype(dtype))
+    o, lse = cupy_flash.flash_forward(q, k, k, causal=True)
+    o2, lse2 = cupy_flash.flash_forward(q, k[:, :100], k[:, :100])
+    cupy_flash.merge_attention_states([o, o2], [lse, lse2])
+    cupy.cuda.Device().synchronize()
+    print("split forward and merge ok", flush=True)
 cupy.cuda.Device().synchronize()
 print("sanitize workload done")

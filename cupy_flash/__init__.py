@@ -7,8 +7,9 @@ See README.md and the docstrings of the functions below.
 """
 
 from .backward import flash_backward
+from .decode import flash_decode, merge_attention_states
 from .forward import flash_attention, flash_forward
-from .reference import attention_reference, attention_reference_backward
+from .reference import attention_reference, attention_reference_backward, decode_reference
 
 __version__ = "0.1.0"
 
@@ -16,7 +17,10 @@ __all__ = [
     "flash_forward",
     "flash_backward",
     "flash_attention",
+    "flash_decode",
+    "merge_attention_states",
     "attention_reference",
     "attention_reference_backward",
+    "decode_reference",
     "__version__",
 ]

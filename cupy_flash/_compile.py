@@ -45,7 +45,7 @@ def _kernel_dir() -> Path:
 
 
 # Headers each family's source is prefixed with (NVRTC gets one string: no include path needed).
-TENSOR_CORE_FAMILIES = ("forward_tc", "backward_tc")
+TENSOR_CORE_FAMILIES = ("forward_tc", "backward_tc", "decode")
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,6 +76,8 @@ class ModuleSpec:
     def __post_init__(self):
         if self.family in ("backward", "backward_tc"):   # the backward kernels never see the sink
             object.__setattr__(self, "features", self.features & ~_features.FORWARD_ONLY_FEATURES)
+        if self.family == "decode":
+            object.__setattr__(self, "features", self.features & _features.DECODE_FEATURES)
 
     @property
     def archs(self) -> tuple[int, ...]:
@@ -110,6 +112,16 @@ class ModuleSpec:
         return (f"flash_backward_dq_kernel<{self.ctype}, {self.tile}, {block_m}, {block_n}, {_flag(causal)}, "
                 f"{self.features}>")
 
+    def decode_kernel(self, causal: bool) -> str:
+        return (f"flash_decode_kernel<{self.ctype}, {self.tile}, {_traits.DECODE_WARPS}, {_flag(causal)}, "
+                f"{self.features}>")
+
+    def append_kernel(self) -> str:
+        return f"flash_append_kernel<{self.ctype}>"
+
+    def combine_kernel(self, partial_dtype: str) -> str:
+        return f"flash_combine_kernel<{CTYPES[partial_dtype]}, {self.ctype}>"
+
     def dq_convert_kernel(self) -> str:
         return f"flash_dq_convert_kernel<{self.ctype}>"
 
@@ -132,6 +144,14 @@ class ModuleSpec:
         if self.family == "backward":
             return (tuple(self.backward_kernel(c, a) for c in (False, True) for a in (False, True))
                     + tuple(self.backward_dq_kernel(c) for c in (False, True)))
+        if self.family == "decode":
+            if self.tile is not None:
+                return tuple(self.decode_kernel(c) for c in (False, True))
+            # Row kernels: the combine of split partials (float32) and of merge_attention_states'
+            # inputs (the dtype itself); the append for the tensor-core dtypes flash_decode takes.
+            partials = ("float32",) if self.dtype == "float32" else ("float32", self.dtype)
+            append = (self.append_kernel(),) if self.dtype in TENSOR_CORE_DTYPES else ()
+            return append + tuple(self.combine_kernel(d) for d in partials)
         raise ValueError(f"unknown kernel family {self.family!r}")
 
     def describe(self) -> str:
@@ -155,6 +175,7 @@ def all_module_specs(features=(0,) + LARGEST_FEATURE_SETS) -> list[ModuleSpec]:
     specs = []
     for dtype in CTYPES:
         specs.append(ModuleSpec("preprocess", dtype))
+        specs.append(ModuleSpec("decode", dtype))
         for tile in _traits.HEAD_DIM_TILES:
             for flags in features:
                 specs.append(ModuleSpec("forward", dtype, tile, features=flags))
@@ -162,9 +183,10 @@ def all_module_specs(features=(0,) + LARGEST_FEATURE_SETS) -> list[ModuleSpec]:
                     for target in _traits.TARGET_ARCH:
                         specs.append(ModuleSpec("forward_tc", dtype, tile, target, flags))
                         specs.append(ModuleSpec("backward_tc", dtype, tile, target, flags))
+                    specs.append(ModuleSpec("decode", dtype, tile, features=flags))
                 else:   # the CUDA-core backward runs float32 only
                     specs.append(ModuleSpec("backward", dtype, tile, features=flags))
-    return specs
+    return list(dict.fromkeys(specs))   # the decode family keeps fewer flags: equal specs once
 
 
 # ---------------------------------------------------------------------------------------------

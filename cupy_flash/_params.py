@@ -12,9 +12,11 @@ import numpy
 
 POINTER_FIELDS = ("q", "k", "v", "o", "lse", "dout", "delta", "dq_accum", "dq", "dk", "dv", "lse_log2",
                   "dq_semaphore", "alibi_slopes", "sink", "dk_expanded", "dv_expanded", "bias", "dbias",
-                  "cu_seqlens_q", "cu_seqlens_k")
-# Tensors of shape (batch, seqlen, heads, head_dim) and their element strides {batch, row, head}.
-STRIDED_FIELDS = ("q", "k", "v", "o", "dout", "dq_accum", "dq", "dk", "dv")
+                  "cu_seqlens_q", "cu_seqlens_k", "k_new", "v_new", "cache_seqlens", "block_table", "o_partial",
+                  "lse_partial")
+# Tensors of shape (batch, seqlen, heads, head_dim) and their element strides {batch, row, head}
+# (a paged cache: {page, row, head}).
+STRIDED_FIELDS = ("q", "k", "v", "o", "dout", "dq_accum", "dq", "dk", "dv", "k_new", "v_new")
 
 PARAMS_DTYPE = numpy.dtype(
     [(name, numpy.uint64) for name in POINTER_FIELDS]
@@ -23,7 +25,8 @@ PARAMS_DTYPE = numpy.dtype(
     + [(name, numpy.int64) for name in ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "delta_stride",
                                         "group", "window_right", "window_left", "alibi_batch_stride",
                                         "lse_batch_stride", "lse_head_stride", "delta_batch_stride",
-                                        "dbias_atomic", "packed_sequences")]
+                                        "dbias_atomic", "packed_sequences", "block_table_stride", "page_shift",
+                                        "cache_capacity", "seqlen_new", "num_splits", "keys_per_split")]
     + [(name, numpy.float32) for name in ("softmax_scale", "scale_log2", "softcap", "softcap_inv")]
 )
 

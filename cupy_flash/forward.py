@@ -5,6 +5,7 @@ from __future__ import annotations
 from . import _checks, _traits
 from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, tensor_core_target, get_kernel
 from ._params import as_argument, make_params
+from .decode import check_num_splits, launch_decode, uses_split_path
 
 
 def launch_forward(q, k, v, shape, scale, variant):
@@ -41,7 +42,7 @@ def launch_forward(q, k, v, shape, scale, variant):
     return o, lse
 
 
-def flash_forward(q, k, v, *, softmax_scale=None, causal=False, **features):
+def flash_forward(q, k, v, *, softmax_scale=None, causal=False, num_splits=None, **features):
     """Exact attention ``softmax(softmax_scale * q k^T) v`` without materialising the scores.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim) with
@@ -65,15 +66,23 @@ def flash_forward(q, k, v, *, softmax_scale=None, causal=False, **features):
     is attended on its own (causal and windows aligned to its own bottom-right corner); no padding
     is computed. Not combined with ``bias``.
 
+    Split-KV: with float16/bfloat16, when each K/V head has few query rows (group x seqlen_q <= 32,
+    e.g. decoding) the keys are split into ranges computed in parallel and merged exactly
+    (``num_splits``: how many; default chosen from the SM count and the work; giving it takes this
+    path whenever the variant allows: not with bias or packed batches).
+
     Returns ``(o, lse)``: o like q; lse float32 (batch, heads_q, seqlen_q) (packed: (heads_q,
     total_q)), the natural-log logsumexp of the logits (the sink included), -inf (with o = 0) for
     a row that sees no key.
     """
     _checks.check_no_extra_options("flash_forward", features)
+    num_splits = check_num_splits(num_splits)
     q, k, v, shape, scale, variant = _checks.prepare_qkv(q, k, v, softmax_scale, causal, features)
     with q.device:
         _checks.same_device(q=q, k=k, v=v)
         q, k, v = (_checks.kernel_ready(x) for x in (q, k, v))
+        if uses_split_path(shape, variant, num_splits):
+            return launch_decode(q, k, v, shape, scale, variant, num_splits)
         return launch_forward(q, k, v, shape, scale, variant)
 
 

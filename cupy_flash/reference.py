@@ -193,6 +193,47 @@ def attention_reference_backward(do, q, k, v, *, softmax_scale=None, causal=Fals
     return out
 
 
+def decode_reference(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
+                     softmax_scale=None, causal=False, upcast=True, **features):
+    """What ``flash_decode`` returns, computed densely per sequence: its keys are the cache's first
+    cache_seqlens[b] rows (gathered through block_table for a paged cache) followed by k_new[b]. The
+    cache arrays are read, never written. Returns (o, lse) as ``attention_reference``."""
+    xp = _xp(q)
+    lengths = numpy.asarray(_host(cache_seqlens)).astype(numpy.int64)
+    table = None if block_table is None else numpy.asarray(_host(block_table)).astype(numpy.int64)
+
+    def rows_of(cache, b):
+        # 16-bit values move as their bits: gathers and concatenation need no bfloat16 support.
+        bits = cache.view(xp.uint16) if cache.dtype.itemsize == 2 else cache
+        n = int(lengths[b])
+        if table is None:
+            rows = bits[b, :n]
+        else:
+            page_size = cache.shape[1]
+            keys = numpy.arange(n)
+            rows = bits[xp.asarray(table[b, keys // page_size]), xp.asarray(keys % page_size)]
+        return rows
+
+    def appended(cache, new, b):
+        rows = rows_of(cache, b)
+        if new is not None:
+            extra = new.view(xp.uint16) if new.dtype.itemsize == 2 else new
+            rows = xp.concatenate([rows, extra[b]], axis=0)
+        return rows.view(cache.dtype) if cache.dtype.itemsize == 2 else rows
+
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        own = dict(features)
+        slopes = own.get("alibi_slopes")
+        if slopes is not None and slopes.ndim == 2:
+            own["alibi_slopes"] = slopes[b]
+        o, lse = _attention_reference_dense(q[b:b + 1], appended(k_cache, k_new, b)[None], appended(v_cache, v_new, b)[None],
+                                            softmax_scale=softmax_scale, causal=causal, upcast=upcast, **own)
+        outs.append(o)
+        lses.append(lse)
+    return xp.concatenate(outs, axis=0), xp.concatenate(lses, axis=0)
+
+
 def _attention_reference_dense(q, k, v, *, softmax_scale=None, causal=False, upcast=True, **features):
     """Dense attention. Returns ``(o, lse)``: o of shape (batch, seqlen_q, heads, head_dim) and lse
     of shape (batch, heads, seqlen_q), float64 when ``upcast`` (else float32 holding values rounded

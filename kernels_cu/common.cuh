@@ -69,6 +69,12 @@ struct FlashParams {
     float* dbias;                // FEATURE_BIAS backward: float32 gradient of the bias; null when not wanted
     const int* cu_seqlens_q;     // FEATURE_VARLEN: sequence b has rows [cu[b], cu[b + 1]) of the packed tensors
     const int* cu_seqlens_k;
+    const void* k_new;           // flash_decode: keys / values appended at each sequence's cache end
+    const void* v_new;
+    const int* cache_seqlens;    // flash_decode: keys already in sequence b's cache (before k_new)
+    const int* block_table;      // flash_decode, paged cache: page of key j of b at b * block_table_stride + j / page size
+    void* o_partial;             // split-KV: per split normalised O (splits, batch, seqlen_q, heads, head_dim), contiguous
+    float* lse_partial;          //   and its lse (splits, batch, heads, seqlen_q); -inf where a split saw no key
     long long q_strides[3];
     long long k_strides[3];
     long long v_strides[3];
@@ -78,6 +84,8 @@ struct FlashParams {
     long long dq_strides[3];
     long long dk_strides[3];
     long long dv_strides[3];
+    long long k_new_strides[3];
+    long long v_new_strides[3];
     long long bias_strides[4];    // 0 along the dimensions the bias broadcasts over
     long long dbias_strides[4];
     long long batch;
@@ -95,6 +103,12 @@ struct FlashParams {
     long long delta_batch_stride;   // delta, lse_log2 of (b, h, row) at b * this + h * delta_stride + row
     long long dbias_atomic;         // nonzero: several (b, h, i, j) share a dbias element (broadcast bias)
     long long packed_sequences;     // row kernels of a packed batch: its number of sequences
+    long long block_table_stride;   // flash_decode: pages per sequence in block_table (paged cache)
+    long long page_shift;           //   log2 of the page size (paged cache)
+    long long cache_capacity;       //   keys one sequence's cache holds (pages x page size, or its rows)
+    long long seqlen_new;           //   rows of k_new / v_new (0 without them)
+    long long num_splits;           // split-KV: key ranges per (batch, K/V head, row block)
+    long long keys_per_split;
     float softmax_scale;
     float scale_log2;         // softmax_scale * log2(e): scores go straight into exp2
     float softcap;            // FEATURE_SOFTCAP: logits become softcap * tanh(logit / softcap)

@@ -1,0 +1,158 @@
+"""Decoding benchmark: one new query token against a K/V cache (bf16, d=128, 32 query heads).
+
+    python -m bench.decode [--out DIR] [--lengths 4096 16384 ...] [--batches 1 8 64]
+
+Decoding is memory-bound, so the figure is bandwidth: bytes of K and V read per second, against
+the device's copy rate measured in the same run (a 1 GiB device-to-device copy: bytes read plus
+bytes written per second). For each (batch, cache length, GQA 8:1 or 1:1): flash_decode on a
+contiguous cache, flash_decode on a paged cache (pages of 256 keys, shuffled), and PyTorch SDPA's
+flash backend on the same tensors (seqlen_q = 1) where it runs. Caches rotate among enough copies
+to exceed the L2 cache (so no call reads a cache its predecessor left in L2).
+
+A small decode call reads a few MB in microseconds, far less than one call's Python time, so calls
+launched one by one measure the host. Both sides are therefore timed as a generation loop runs
+them: captured in a CUDA graph (ours with cupy.cuda.Graph, PyTorch's with torch.cuda.CUDAGraph), 24
+calls per graph over the rotating caches; CUDA events around each replay, warm-up excluded, the
+median replay over the calls in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import cupy
+
+import cupy_flash
+from bench.attention import time_calls, to_torch
+
+HEADS, D = 32, 128
+ROTATE_BYTES = 256 * 2**20          # several times the H100's 50 MB L2
+MEMORY_LIMIT = 40 * 2**30           # skip shapes whose caches (all rotations) exceed this
+
+
+def copy_rate_gbs() -> float:
+    src = cupy.empty(2**30, dtype=cupy.uint8)
+    dst = cupy.empty_like(src)
+    ms = time_calls(lambda _: dst.__setitem__(Ellipsis, src), [None], min_calls=20, max_calls=50)
+    return 2 * src.nbytes / ms / 1e6
+
+
+CALLS_PER_GRAPH = 24
+
+
+def cupy_graph_ms(call, inputs) -> float:
+    """Milliseconds per call of call(inputs[i % len]) captured CALLS_PER_GRAPH times in one graph."""
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for i in range(CALLS_PER_GRAPH):   # compile and warm the pool on the capture stream
+            call(inputs[i % len(inputs)])
+        stream.synchronize()
+        stream.begin_capture()
+        keep = [call(inputs[i % len(inputs)]) for i in range(CALLS_PER_GRAPH)]
+        graph = stream.end_capture()
+    ms = time_calls(lambda _: graph.launch(), [None], min_calls=10, max_calls=50)
+    del keep
+    return ms / CALLS_PER_GRAPH
+
+
+def torch_graph_ms(torch, call, inputs) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(3):
+            call(inputs[i % len(inputs)])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        keep = [call(inputs[i % len(inputs)]) for i in range(CALLS_PER_GRAPH)]
+    torch.cuda.synchronize()
+    ms = time_calls(lambda _: graph.replay(), [None], min_calls=10, max_calls=50)
+    del keep
+    return ms / CALLS_PER_GRAPH
+
+
+def random_bf16(shape, seed):
+    import ml_dtypes
+
+    return cupy.random.default_rng(seed).standard_normal(shape, dtype=cupy.float32).astype(ml_dtypes.bfloat16)
+
+
+def one_shape(batch, length, heads_kv, copies):
+    """Rows of one (batch, length, heads_kv): K/V GB/s of each implementation."""
+    import numpy
+
+    group = HEADS // heads_kv
+    kv_bytes = 2 * batch * length * heads_kv * D * 2
+    q = random_bf16((batch, 1, HEADS, D), 0)
+    caches = [(random_bf16((batch, length, heads_kv, D), 2 * i + 1), random_bf16((batch, length, heads_kv, D), 2 * i + 2))
+              for i in range(copies)]
+    lengths = cupy.full((batch,), length, dtype=cupy.int32)
+    row = dict(batch=batch, cache_len=length, gqa=f"{group}:1", kv_mb=kv_bytes / 2**20)
+    ms = cupy_graph_ms(lambda c: cupy_flash.flash_decode(q, c[0], c[1], cache_seqlens=lengths), caches)
+    row["ours_gbs"] = kv_bytes / ms / 1e6
+    # Paged: the same data in pages of 256 keys, placed in shuffled order.
+    page = 256
+    pages_per = length // page
+    order = numpy.random.default_rng(0).permutation(batch * pages_per).astype(numpy.int32)
+    table = cupy.asarray(order.reshape(batch, pages_per))
+    paged = []
+    for k, v in caches:
+        k_pages, v_pages = (cupy.empty((batch * pages_per, page, heads_kv, D), dtype=k.dtype) for _ in range(2))
+        for dst, src in ((k_pages, k), (v_pages, v)):
+            dst.view(cupy.uint16)[cupy.asarray(order)] = src.view(cupy.uint16).reshape(batch * pages_per, page, heads_kv, D)
+        paged.append((k_pages, v_pages))
+    ms = cupy_graph_ms(lambda c: cupy_flash.flash_decode(q, c[0], c[1], cache_seqlens=lengths, block_table=table), paged)
+    row["ours_paged_gbs"] = kv_bytes / ms / 1e6
+    del paged
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        tq = to_torch(torch, q).transpose(1, 2)
+        tcaches = [tuple(to_torch(torch, x).transpose(1, 2) for x in c) for c in caches]
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.no_grad():
+            ms = torch_graph_ms(torch, lambda c: sdpa(tq, c[0], c[1], enable_gqa=group > 1), tcaches)
+        row["flash_gbs"] = kv_bytes / ms / 1e6
+        row["ours_over_flash"] = row["ours_gbs"] / row["flash_gbs"]
+    except Exception as error:   # the flash backend may refuse a shape (or enable_gqa)
+        row["flash_error"] = f"{type(error).__name__}: {str(error)[:120]}"
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", nargs="+", type=int, default=[4096, 16384, 32768, 65536, 131072])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = parser.parse_args()
+    copy = copy_rate_gbs()
+    result = dict(device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), copy_gbs=copy, rows=[])
+    print(f"copy rate {copy:.0f} GB/s (read + write)", flush=True)
+    print(f"{'batch':>5} {'cache':>7} {'gqa':>4} {'ours GB/s':>9} {'of copy':>7} {'paged':>7} {'flash':>7} {'ours/flash':>10}")
+    for heads_kv in (HEADS // 8, HEADS):
+        for batch in args.batches:
+            for length in args.lengths:
+                size = 2 * batch * length * heads_kv * D * 2
+                copies = max(1, min(8, -(-ROTATE_BYTES // size)))
+                if size * copies > MEMORY_LIMIT:
+                    continue
+                row = one_shape(batch, length, heads_kv, copies)
+                row["ours_of_copy"] = row["ours_gbs"] / copy
+                result["rows"].append(row)
+                flash = row.get("flash_gbs")
+                print(f"{batch:5d} {length:7d} {row['gqa']:>4} {row['ours_gbs']:9.0f} {row['ours_of_copy']:7.2f} "
+                      f"{row['ours_paged_gbs']:7.0f} " + (f"{flash:7.0f} {row['ours_over_flash']:10.2f}" if flash else
+                                                          f"{'n/a':>7} {'':>10} {row['flash_error'][:60]}"), flush=True)
+                cupy.get_default_memory_pool().free_all_blocks()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "decode-bf16.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()

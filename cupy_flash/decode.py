@@ -1,0 +1,335 @@
+"""Decoding launch (decode.cu): split-KV attention for few queries over many keys, ``flash_decode``
+against a (paged) K/V cache, and ``merge_attention_states``."""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import numpy
+
+from . import _checks, _traits
+from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, get_kernel
+from ._features import DECODE_FEATURES, check_variant
+from ._params import as_argument, make_params
+from .preprocess import row_kernel_grid
+
+# A split covers at least this many keys: below it the partials' write and combine cost more than
+# the parallelism gains. Splits stop at MAX_SPLITS (the combine reads each split's lse per row).
+MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 128
+# flash_forward takes the decode kernel when a K/V head's query rows (group x seqlen_q) fit in this
+# many 16-row blocks: the regular forward's 128-row blocks would be mostly padding.
+DECODE_MAX_ROWS = 32
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+
+
+def choose_splits(work_units: int, keys: int, tile: int, device: int) -> int:
+    """Splits of the keys so that about one wave of blocks fills the GPU: the SM count times the
+    blocks each SM holds (registers: 3 at head_dim <= 128, 2 above), over the blocks without
+    splitting, each split keeping MIN_KEYS_PER_SPLIT keys or more."""
+    slots = _sm_count(device) * (3 if tile <= 128 else 2)
+    if work_units >= slots // 2:
+        return 1
+    return max(1, min(-(-slots // work_units), keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+
+
+def _split_layout(num_splits: int, keys: int) -> tuple[int, int]:
+    """(splits, keys per split): whole chunks of the block's warps per split, no empty split."""
+    per_split = -(-keys // num_splits)
+    chunk = _traits.DECODE_KEYS_PER_CHUNK
+    per_split = max(chunk, -(-per_split // chunk) * chunk)
+    return -(-keys // per_split), per_split
+
+
+def check_num_splits(num_splits) -> int | None:
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, (bool, numpy.bool_)) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits is {int(num_splits)}; expected 1 to {MAX_SPLITS}")
+    return int(num_splits)
+
+
+def uses_split_path(shape, variant, num_splits) -> bool:
+    """Whether flash_forward runs on the decode kernel: fp16/bf16, few query rows per K/V head (or
+    num_splits given), and no bias or packed batch (the decode kernel has neither)."""
+    if shape.dtype not in TENSOR_CORE_DTYPES or variant.flags & ~DECODE_FEATURES:
+        return False
+    return num_splits is not None or shape.group * shape.seqlen_q <= DECODE_MAX_ROWS
+
+
+def launch_decode(q, k, v, shape, scale, variant, num_splits=None, *, cache=None):
+    """o, lse of the decode kernel (with its combine when split). ``shape.seqlen_k`` is the cache
+    capacity; ``cache`` (flash_decode) holds cache_seqlens, block_table, page_shift, k_new, v_new."""
+    import cupy
+
+    variant = variant.on_device()
+    device = q.device.id
+    o = cupy.empty(q.shape, dtype=q.dtype)
+    lse = cupy.empty((shape.batch, shape.heads, shape.seqlen_q), dtype=cupy.float32)
+    row_blocks = -(-shape.group * shape.seqlen_q // _traits.DECODE_ROWS)
+    work_units = shape.batch * shape.heads_kv * row_blocks
+    if num_splits is None:
+        num_splits = choose_splits(work_units, shape.seqlen_k, shape.tile, device)
+    num_splits, keys_per_split = _split_layout(num_splits, shape.seqlen_k)
+    grid = num_splits * work_units
+    if grid > _checks.MAX_GRID_BLOCKS:
+        raise ValueError(f"batch * heads_kv * row blocks * splits is {grid}, over CUDA's grid limit")
+    arrays = dict(q=q, k=k, v=v, o=o, lse=lse)
+    partial_lse = None
+    if num_splits > 1:
+        # Partials: normalised O per split (float32) and its lse; O(splits x outputs), never seqlen^2.
+        arrays["o_partial"] = cupy.empty((num_splits, shape.batch, shape.seqlen_q, shape.heads, shape.head_dim),
+                                         dtype=cupy.float32)
+        arrays["lse_partial"] = partial_lse = cupy.empty((num_splits, shape.batch, shape.heads, shape.seqlen_q),
+                                                         dtype=cupy.float32)
+    if cache is not None:
+        arrays.update(cache_seqlens=cache["cache_seqlens"], block_table=cache.get("block_table"),
+                      k_new=cache.get("k_new"), v_new=cache.get("v_new"))
+    params = make_params(shape, scale, variant=variant, **arrays)
+    params["num_splits"] = num_splits
+    params["keys_per_split"] = keys_per_split
+    params["cache_capacity"] = shape.seqlen_k
+    if cache is not None:
+        params["seqlen_new"] = 0 if cache.get("k_new") is None else cache["k_new"].shape[1]
+        if cache.get("block_table") is not None:
+            params["block_table_stride"] = cache["block_table"].shape[1]
+            params["page_shift"] = cache["page_shift"]
+    argument = as_argument(params)
+    rows_spec = ModuleSpec("decode", shape.dtype)
+    if cache is not None and cache.get("k_new") is not None:
+        append = get_kernel(rows_spec, rows_spec.append_kernel())
+        rows = shape.batch * int(cache["k_new"].shape[1]) * shape.heads_kv
+        append((row_kernel_grid(rows),), (_traits.ROW_KERNEL_THREADS,), (argument,))
+    spec = ModuleSpec("decode", shape.dtype, shape.tile, features=variant.flags)
+    smem = _traits.decode_smem_bytes(shape.tile)
+    kernel = get_kernel(spec, spec.decode_kernel(variant.causal), smem)
+    kernel((grid,), (32 * _traits.DECODE_WARPS,), (argument,), shared_mem=smem)
+    if partial_lse is not None:
+        combine = get_kernel(rows_spec, rows_spec.combine_kernel("float32"))
+        combine((row_kernel_grid(shape.batch * shape.seqlen_q * shape.heads),), (_traits.ROW_KERNEL_THREADS,), (argument,))
+    return o, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# flash_decode
+
+def check_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, block_table=None):
+    """Shapes of a decode call (reads .shape/.dtype/.ndim only): (AttentionShape with seqlen_k =
+    the cache capacity, page_shift or None)."""
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(getattr(x, 'shape', ()))}")
+    kind = _checks.dtype_name(q.dtype)
+    if kind not in TENSOR_CORE_DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}; flash_decode takes float16 or bfloat16")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but q has dtype {q.dtype}")
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has shape {tuple(k_cache.shape)}")
+    batch, seqlen_q, heads, head_dim = (int(n) for n in q.shape)
+    if head_dim % 8 or not 8 <= head_dim <= _traits.MAX_HEAD_DIM:
+        raise ValueError(f"q has head_dim {head_dim}; expected a multiple of 8 from 8 to {_traits.MAX_HEAD_DIM}")
+    if int(k_cache.shape[3]) != head_dim:
+        raise ValueError(f"k_cache has head_dim {k_cache.shape[3]} but q has head_dim {head_dim}")
+    heads_kv = int(k_cache.shape[2])
+    if heads_kv < 1 or heads % heads_kv:
+        raise ValueError(f"k_cache has {heads_kv} heads but q has {heads}; the query heads must be a multiple "
+                         "of the K/V heads")
+    if batch < 1 or seqlen_q < 1 or heads < 1:
+        raise ValueError(f"q has shape {tuple(q.shape)}; every dimension must be at least 1")
+    _check_index_array("cache_seqlens", cache_seqlens, (batch,), "(batch,)")
+    page_shift = None
+    if block_table is not None:
+        _check_index_array("block_table", block_table, None, "(batch, pages per sequence)")
+        if block_table.ndim != 2 or int(block_table.shape[0]) != batch or int(block_table.shape[1]) < 1:
+            raise ValueError(f"block_table has shape {tuple(block_table.shape)}; expected (batch, pages per "
+                             f"sequence) with batch {batch}")
+        page_size = int(k_cache.shape[1])
+        if page_size < 16 or page_size & (page_size - 1):
+            raise ValueError(f"k_cache has pages of {page_size} keys (its axis 1); a paged cache needs a power "
+                             "of two from 16 up")
+        page_shift = page_size.bit_length() - 1
+        capacity = int(block_table.shape[1]) * page_size
+    else:
+        if int(k_cache.shape[0]) != batch:
+            raise ValueError(f"k_cache has batch {k_cache.shape[0]} but q has batch {batch} (without block_table "
+                             "the cache is (batch, capacity, heads_kv, head_dim))")
+        capacity = int(k_cache.shape[1])
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new come together: pass both or neither")
+    if k_new is not None:
+        for name, x in (("k_new", k_new), ("v_new", v_new)):
+            if getattr(x, "ndim", None) != 4:
+                raise ValueError(f"{name} must have 4 dimensions (batch, seqlen_new, heads_kv, head_dim), "
+                                 f"got shape {tuple(getattr(x, 'shape', ()))}")
+            if x.dtype != q.dtype:
+                raise TypeError(f"{name} has dtype {x.dtype} but q has dtype {q.dtype}")
+            if (int(x.shape[0]), int(x.shape[2]), int(x.shape[3])) != (batch, heads_kv, head_dim):
+                raise ValueError(f"{name} has shape {tuple(x.shape)}; expected (batch, seqlen_new, heads_kv, "
+                                 f"head_dim) = ({batch}, *, {heads_kv}, {head_dim})")
+        if tuple(v_new.shape) != tuple(k_new.shape):
+            raise ValueError(f"v_new has shape {tuple(v_new.shape)} but k_new has shape {tuple(k_new.shape)}")
+        if int(k_new.shape[1]) < 1:
+            raise ValueError("k_new has no rows; pass k_new=None to append nothing")
+    if capacity >= _checks.MAX_SEQLEN:
+        raise ValueError(f"the cache holds {capacity} keys per sequence; at most {_checks.MAX_SEQLEN - 1} supported")
+    shape = _checks.AttentionShape(batch, seqlen_q, capacity, heads, head_dim, kind, heads_kv)
+    return shape, page_shift
+
+
+def _check_index_array(name, x, shape, labels):
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{name} must be an int32 array of shape {labels}, got {type(x).__name__}")
+    if x.dtype != numpy.int32:
+        raise TypeError(f"{name} has dtype {x.dtype}; expected int32")
+    if shape is not None and tuple(int(n) for n in x.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}; expected {labels} = {shape}")
+
+
+def _in_place_ready(name, x):
+    """The cache is written in place: it cannot be copied, so it must already be kernel-ready."""
+    if _checks.kernel_ready(x) is not x:
+        raise ValueError(f"{name} must have a contiguous last axis and 16-byte aligned rows (it is updated in "
+                         "place, so it cannot be copied)")
+    return x
+
+
+def flash_decode(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
+                 softmax_scale=None, causal=False, window_size=None, softcap=0.0, alibi_slopes=None, sink=None,
+                 num_splits=None):
+    """Attention of new queries against a K/V cache, appending k_new/v_new into it first.
+
+    q: (batch, seqlen_q, heads_q, head_dim) float16/bfloat16, the new tokens' queries.
+    k_cache, v_cache: contiguous (batch, capacity, heads_kv, head_dim), or with ``block_table`` a
+    paged cache (num_pages, page_size, heads_kv, head_dim) with page_size a power of two >= 16 and
+    block_table int32 (batch, pages per sequence): key j of sequence b is row j % page_size of page
+    block_table[b, j // page_size]. heads_q a multiple of heads_kv (GQA/MQA: the group's query
+    heads share one read of the cache).
+    cache_seqlens: int32 (batch,) on the GPU, the keys already in each sequence's cache. It is read
+    on the device only (never copied to the host), so the call can be captured in a CUDA graph and
+    replayed as the lengths change; it is not modified (advance it yourself, e.g.
+    ``cache_seqlens += seqlen_new``).
+    k_new, v_new: (batch, seqlen_new, heads_kv, head_dim), written into the cache in place at rows
+    cache_seqlens[b] .. + seqlen_new - 1 before the attention, which then sees
+    cache_seqlens[b] + seqlen_new keys. The caller leaves room: rows past the capacity are dropped.
+    Query i of the seqlen_q new ones sits at position i + seqlen_k - seqlen_q (bottom-right, as
+    FlashAttention): ``causal`` masks the keys after it (causal among the new tokens);
+    ``window_size``, ``softcap``, ``alibi_slopes`` and ``sink`` as in flash_forward.
+    num_splits: split the keys into this many ranges computed in parallel and merged exactly
+    (default: chosen from the SM count and the work, sized for the capacity).
+
+    Returns (o, lse): o like q; lse float32 (batch, heads_q, seqlen_q).
+    """
+    shape, page_shift = check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+    scale = _checks.check_softmax_scale(softmax_scale, shape.head_dim)
+    causal = _checks.check_flag("causal", causal)
+    num_splits = check_num_splits(num_splits)
+    q, k_cache, v_cache, cache_seqlens = (_checks.as_gpu_array(n, x) for n, x in (
+        ("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens)))
+    features = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sink=sink)
+    for name in ("alibi_slopes", "sink"):
+        if features[name] is not None:
+            features[name] = _checks.as_gpu_array(name, features[name])
+    variant = check_variant(shape.batch, shape.heads, causal, **features)
+    with q.device:
+        arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
+        if block_table is not None:
+            arrays["block_table"] = block_table = _checks.as_gpu_array("block_table", block_table)
+        if k_new is not None:
+            arrays["k_new"] = k_new = _checks.kernel_ready(_checks.as_gpu_array("k_new", k_new))
+            arrays["v_new"] = v_new = _checks.kernel_ready(_checks.as_gpu_array("v_new", v_new))
+        _checks.same_device(**arrays)
+        q = _checks.kernel_ready(q)
+        k_cache, v_cache = _in_place_ready("k_cache", k_cache), _in_place_ready("v_cache", v_cache)
+        cache = dict(cache_seqlens=_contiguous(cache_seqlens), block_table=_contiguous(block_table),
+                     page_shift=page_shift, k_new=k_new, v_new=v_new)
+        return launch_decode(q, k_cache, v_cache, shape, scale, variant, num_splits, cache=cache)
+
+
+def _contiguous(x):
+    import cupy
+
+    return None if x is None else cupy.ascontiguousarray(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# merge_attention_states
+
+def check_merge(outputs, lses):
+    """(count, shape, dtype name) of a merge; reads .shape/.dtype only."""
+    if not isinstance(outputs, (list, tuple)) or not isinstance(lses, (list, tuple)):
+        raise TypeError("outputs and lses must be lists (or tuples) of arrays")
+    if not outputs:
+        raise ValueError("outputs is empty; merge_attention_states needs at least one partial result")
+    if len(outputs) != len(lses):
+        raise ValueError(f"outputs has {len(outputs)} arrays but lses has {len(lses)}; one lse per output")
+    first = outputs[0]
+    if getattr(first, "ndim", None) != 4:
+        raise ValueError(f"outputs[0] must have 4 dimensions (batch, seqlen_q, heads, head_dim), got shape "
+                         f"{tuple(getattr(first, 'shape', ()))}")
+    kind = _checks.dtype_name(first.dtype)
+    if kind is None:
+        raise TypeError(f"outputs[0] has dtype {first.dtype}; expected float16, bfloat16 or float32")
+    batch, seqlen_q, heads, head_dim = (int(n) for n in first.shape)
+    if not 1 <= head_dim <= _traits.MAX_HEAD_DIM:
+        raise ValueError(f"outputs[0] has head_dim {head_dim}; at most {_traits.MAX_HEAD_DIM} supported")
+    for i, (o, lse) in enumerate(zip(outputs, lses)):
+        if getattr(o, "shape", None) is None or tuple(o.shape) != tuple(first.shape):
+            raise ValueError(f"outputs[{i}] has shape {tuple(getattr(o, 'shape', ()))} but outputs[0] has "
+                             f"{tuple(first.shape)}")
+        if o.dtype != first.dtype:
+            raise TypeError(f"outputs[{i}] has dtype {o.dtype} but outputs[0] has {first.dtype}")
+        if getattr(lse, "dtype", None) != numpy.float32:
+            raise TypeError(f"lses[{i}] has dtype {getattr(lse, 'dtype', type(lse).__name__)}; expected float32")
+        if tuple(lse.shape) != (batch, heads, seqlen_q):
+            raise ValueError(f"lses[{i}] has shape {tuple(lse.shape)}; expected (batch, heads, seqlen_q) = "
+                             f"{(batch, heads, seqlen_q)}")
+    if len(outputs) > 2**16:
+        raise ValueError(f"{len(outputs)} partial results; at most 65536")
+    return len(outputs), first.shape, kind
+
+
+def merge_attention_states(outputs, lses):
+    """Exact attention over the union of disjoint key sets from each set's (o, lse):
+    ``lse = logsumexp_s lse_s``, ``o = sum_s exp(lse_s - lse) o_s``. A partial with lse -inf (no key)
+    weighs nothing; a row that no partial saw gets o = 0 and lse = -inf (no NaN).
+
+    outputs: list of (batch, seqlen_q, heads, head_dim) arrays of one dtype (float16, bfloat16,
+    float32); lses: list of float32 (batch, heads, seqlen_q). Returns (o, lse) in that dtype and
+    float32. The building block of split-KV decoding, cascade attention over a shared prefix and
+    context-parallel attention. The partials are stacked once (a copy of their size)."""
+    import cupy
+
+    count, shape4, kind = check_merge(outputs, lses)
+    outputs = [_checks.as_gpu_array(f"outputs[{i}]", x) for i, x in enumerate(outputs)]
+    lses = [_checks.as_gpu_array(f"lses[{i}]", x) for i, x in enumerate(lses)]
+    with outputs[0].device:
+        _checks.same_device(**{f"outputs[{i}]": x for i, x in enumerate(outputs)},
+                            **{f"lses[{i}]": x for i, x in enumerate(lses)})
+        dtype = outputs[0].dtype
+        # 16-bit values are stacked as their bits (a plain copy, whatever CuPy makes of bfloat16).
+        bits = numpy.uint16 if dtype.itemsize == 2 else numpy.float32
+        stacked = cupy.stack([x.view(bits) for x in outputs]).view(dtype)
+        stacked_lse = cupy.stack(lses)
+        batch, seqlen_q, heads, head_dim = (int(n) for n in shape4)
+        o = cupy.empty(shape4, dtype=dtype)
+        lse = cupy.empty((batch, heads, seqlen_q), dtype=cupy.float32)
+        shape = _checks.AttentionShape(batch, seqlen_q, 1, heads, head_dim, kind)
+        params = make_params(shape, 1.0, o=o, lse=lse, o_partial=stacked, lse_partial=stacked_lse)
+        params["num_splits"] = count
+        spec = ModuleSpec("decode", kind)
+        kernel = get_kernel(spec, spec.combine_kernel(kind))
+        rows = batch * seqlen_q * heads
+        if rows:
+            kernel((row_kernel_grid(rows),), (_traits.ROW_KERNEL_THREADS,), (as_argument(params),))
+        return o, lse

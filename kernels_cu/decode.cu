@@ -1,0 +1,379 @@
+// Decoding (float16 / bfloat16, sm_80+): attention of a few new query tokens against a long K/V
+// cache, split over the keys (flash-decoding), with its combine and the cache append.
+//
+//   flash_append_kernel      k_new / v_new rows written into the cache at cache_seqlens[b] + t
+//   flash_decode_kernel      one block per (split, row block, batch, K/V head): a partial softmax
+//                            over the split's keys, written normalised with its lse (or, with one
+//                            split, as the final O and lse)
+//   flash_combine_kernel     O = sum_s exp(lse_s - lse) O_s, lse = logsumexp_s lse_s (the sink
+//                            joined here); also merge_attention_states' kernel
+//
+// Rows of a decode block are (token, query head) pairs of one K/V head: row r is token r / group,
+// head kv_head * group + r % group. So the whole group of query heads shares one read of the cache
+// (GQA), and with one new token a group of 8 fills half an m16 tile instead of 1/16 of eight.
+//
+// Decoding is memory-bound: each key's K and V row is read once and used for 16 rows at most. The
+// four warps of a block take interleaved tiles of 16 keys, each warp streaming its own tiles through
+// its own two shared-memory stages (cp.async, warp-local waits: no block barrier in the loop), and
+// merge their partial softmaxes once at the end. Tiles start at multiples of 16 keys, so with pages
+// of 16 or more keys (powers of two) a tile never crosses a page: one block_table read per tile.
+
+// Row (in elements) of key `key` of batch entry b, K/V head kv_head in a cache with these strides:
+// paged ({page, row, head} strides, the page from block_table) or contiguous ({batch, row, head}).
+__device__ __forceinline__ long long cache_offset(const FlashParams& p, const long long* strides, long long b, int key,
+                                                  long long kv_head) {
+    if (p.block_table != nullptr) {
+        const long long page = p.block_table[b * p.block_table_stride + (key >> p.page_shift)];
+        return page * strides[0] + (long long)(key & ((1 << p.page_shift) - 1)) * strides[1] + kv_head * strides[2];
+    }
+    return b * strides[0] + (long long)key * strides[1] + kv_head * strides[2];
+}
+
+// Keys in sequence b's cache once the new rows are in (never past the cache's capacity: the append
+// drops rows that do not fit, and the caller is told to leave room). Without cache_seqlens (the
+// split-KV path of flash_forward) every sequence has p.seqlen_k keys.
+__device__ __forceinline__ int decode_seqlen_k(const FlashParams& p, long long b) {
+    if (p.cache_seqlens == nullptr) return (int)p.seqlen_k;
+    return (int)min((long long)p.cache_seqlens[b] + p.seqlen_new, p.cache_capacity);
+}
+
+// One warp per (batch, new token, K/V head): 16-byte copies of its K and V rows into the cache.
+template <typename T>
+__global__ void flash_append_kernel(const FlashParams p) {
+    const int lane = threadIdx.x & 31;
+    const long long heads_kv = p.heads / p.group;
+    const long long rows = p.batch * p.seqlen_new * heads_kv;
+    for (long long r = first_row_of_warp(); r < rows; r += rows_per_grid()) {
+        const long long b = r / (p.seqlen_new * heads_kv);
+        const long long t = (r / heads_kv) % p.seqlen_new;
+        const long long kv_head = r % heads_kv;
+        const long long position = (long long)p.cache_seqlens[b] + t;
+        if (position >= p.cache_capacity) continue;
+        T* k_dst = static_cast<T*>(const_cast<void*>(p.k)) + cache_offset(p, p.k_strides, b, (int)position, kv_head);
+        T* v_dst = static_cast<T*>(const_cast<void*>(p.v)) + cache_offset(p, p.v_strides, b, (int)position, kv_head);
+        const T* k_src = static_cast<const T*>(p.k_new) + tensor_offset(p.k_new_strides, b, t, kv_head);
+        const T* v_src = static_cast<const T*>(p.v_new) + tensor_offset(p.v_new_strides, b, t, kv_head);
+        for (int c = 8 * lane; c < p.head_dim; c += 8 * 32) {
+            *reinterpret_cast<uint4*>(k_dst + c) = *reinterpret_cast<const uint4*>(k_src + c);
+            *reinterpret_cast<uint4*>(v_dst + c) = *reinterpret_cast<const uint4*>(v_src + c);
+        }
+    }
+}
+
+template <typename T, int D_TILE, int NUM_WARPS, bool IS_CAUSAL, int FEATURES>
+__global__ void __launch_bounds__(32 * NUM_WARPS, D_TILE > 128 ? 2 : 3) flash_decode_kernel(const FlashParams p) {
+    constexpr int ROWS = 16;                 // (token, head) rows per block: one m16 tile
+    constexpr int KEYS = 16;                 // keys per warp tile: one k16 step of P V
+    constexpr int STAGES = 2;
+    constexpr int LD = D_TILE + 8;           // padded pitch (see forward_tc.cu)
+    constexpr int O_TILES = D_TILE / 8;
+    constexpr int CHUNKS = D_TILE / 8;       // 16-byte chunks per row
+    constexpr int ROWS_PER_PASS = CHUNKS >= 32 ? 1 : 32 / CHUNKS;
+    constexpr int PASSES = KEYS / ROWS_PER_PASS;
+    constexpr int TILE_ELEMS = KEYS * LD;    // one K or V tile
+    constexpr int MERGE_LD = D_TILE + 4;     // float pitch of the epilogue's per-warp O
+    constexpr unsigned int LOOP_BYTES = (ROWS * LD + NUM_WARPS * STAGES * 2 * TILE_ELEMS) * sizeof(T);
+    constexpr unsigned int MERGE_BYTES = (ROWS * LD) * sizeof(T) + NUM_WARPS * ROWS * MERGE_LD * sizeof(float);
+    constexpr unsigned int SMEM_BYTES = LOOP_BYTES > MERGE_BYTES ? LOOP_BYTES : MERGE_BYTES;
+    static_assert(CHUNKS <= 32 || CHUNKS % 32 == 0, "row chunks per lane");
+    static_assert(KEYS % ROWS_PER_PASS == 0, "tile rows per pass");
+    require_dynamic_smem(SMEM_BYTES);
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* q_tile = reinterpret_cast<T*>(smem_raw);                  // [ROWS][LD]
+    T* warp_tiles = q_tile + ROWS * LD;                          // [NUM_WARPS][STAGES][K, V][KEYS][LD]
+    float* merge_o = reinterpret_cast<float*>(warp_tiles);       // epilogue: [NUM_WARPS][ROWS][MERGE_LD]
+    __shared__ float merge_max[NUM_WARPS][ROWS], merge_max_scaled[NUM_WARPS][ROWS], merge_sum[NUM_WARPS][ROWS];
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int head_dim = (int)p.head_dim;
+    const long long group = p.group, heads_kv = p.heads / p.group;
+    const int rows_per_kv_head = (int)(group * p.seqlen_q);
+    const int row_blocks = (rows_per_kv_head + ROWS - 1) / ROWS;
+    const int split = (int)(blockIdx.x % p.num_splits);
+    const long long rest = blockIdx.x / p.num_splits;
+    const int row0 = (int)(rest % row_blocks) * ROWS;
+    const long long b = rest / row_blocks / heads_kv, kv_head = rest / row_blocks % heads_kv;
+    const int row_count = min(ROWS, rows_per_kv_head - row0);
+
+    // Keys this block may see: its split's range, cut to the band of its first and last tokens.
+    const int seqlen_k = decode_seqlen_k(p, b);
+    Sequence seq = {(int)p.seqlen_q, seqlen_k, 0, 0};
+    const Band band = band_of(p, seq);
+    const int token_first = (int)(row0 / group), token_last = (int)((row0 + row_count - 1) / group);
+    int key_begin = (int)min((long long)split * p.keys_per_split, (long long)seqlen_k);
+    int key_end = (int)min((long long)(split + 1) * p.keys_per_split, (long long)seqlen_k);
+    if (IS_CAUSAL) key_end = (int)max((long long)key_begin, min((long long)key_end, (long long)token_last + band.right + 1));
+    if (FEATURES & FEATURE_WINDOW) key_begin = (int)min((long long)key_end, max((long long)key_begin, (long long)token_first + band.left));
+
+    // Rows g and g + 8 of this thread: token and head (and the ALiBi slope of that head).
+    int row_token[2];
+    float row_slope[2];
+    long long row_head[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = min(row0 + g + 8 * r, rows_per_kv_head - 1);   // padding rows repeat the last
+        row_token[r] = (int)(row / group);
+        row_head[r] = kv_head * group + row % group;
+        row_slope[r] = (FEATURES & FEATURE_ALIBI) ? p.alibi_slopes[b * p.alibi_batch_stride + row_head[r]] : 0.f;
+    }
+
+    // Q rows into shared memory (rows past row_count and columns past head_dim as zeros).
+    for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += 32 * NUM_WARPS) {
+        const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
+        const int row = row0 + r;
+        const bool valid = r < row_count && c < head_dim;
+        const T* src = static_cast<const T*>(p.q) + (valid ? tensor_offset(p.q_strides, b, row / group, kv_head * group + row % group) + c : 0);
+        cp_async_16(smem_addr(q_tile + r * LD + c), src, valid);
+    }
+    cp_async_commit();
+
+    const T* k = static_cast<const T*>(p.k);
+    const T* v = static_cast<const T*>(p.v);
+    T* my_tiles = warp_tiles + warp * STAGES * 2 * TILE_ELEMS;
+    // This warp's tiles: starts key_begin rounded down to 16, then every NUM_WARPS-th tile.
+    const int first_tile = (key_begin & ~(KEYS - 1)) + warp * KEYS;
+    constexpr int TILE_STEP = NUM_WARPS * KEYS;
+
+    auto load_tile = [&](int tile_start, int stage) {
+        T* k_dst = my_tiles + stage * 2 * TILE_ELEMS;
+        T* v_dst = k_dst + TILE_ELEMS;
+        const long long k_row = cache_offset(p, p.k_strides, b, tile_start, kv_head);
+        const long long v_row = cache_offset(p, p.v_strides, b, tile_start, kv_head);
+        const int c = (lane % CHUNKS) * 8;
+        // Lanes past ROWS_PER_PASS whole rows (when CHUNKS does not divide 32) issue nothing: even a
+        // zero-byte cp.async writes its 16 bytes, which would land past the tile.
+        if (CHUNKS < 32 && lane >= ROWS_PER_PASS * CHUNKS) return;
+#pragma unroll
+        for (int pass = 0; pass < PASSES; ++pass) {
+#pragma unroll
+            for (int part = 0; part < (CHUNKS > 32 ? CHUNKS / 32 : 1); ++part) {
+                const int r = (CHUNKS >= 32 ? pass : pass * ROWS_PER_PASS + lane / CHUNKS);
+                const int col = CHUNKS >= 32 ? (lane + 32 * part) * 8 : c;
+                const bool valid = tile_start + r < key_end && col < head_dim;
+                cp_async_16(smem_addr(k_dst + r * LD + col), k + (valid ? k_row + r * p.k_strides[1] + col : 0), valid);
+                cp_async_16(smem_addr(v_dst + r * LD + col), v + (valid ? v_row + r * p.v_strides[1] + col : 0), valid);
+            }
+        }
+    };
+
+    float o_acc[O_TILES][4];
+#pragma unroll
+    for (int j = 0; j < O_TILES; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o_acc[j][e] = 0.f;
+    float row_max[2] = {FLASH_NEG_INF, FLASH_NEG_INF}, row_max_scaled[2] = {0.f, 0.f}, row_sum[2] = {0.f, 0.f};
+    const float score_log2 = score_to_log2<FEATURES>(p);
+    const unsigned int q_lane = smem_addr(q_tile) + a_frag_lane<LD>(lane);
+
+    if (first_tile < key_end) load_tile(first_tile, 0);
+    cp_async_commit();
+    cp_async_wait<1>();   // the Q group (committed first) landed for this thread ...
+    __syncthreads();      // ... and for the block: every warp reads all of Q
+    int stage = 0;
+    for (int tile_start = first_tile; tile_start < key_end; tile_start += TILE_STEP, stage ^= 1) {
+        if (tile_start + TILE_STEP < key_end) load_tile(tile_start + TILE_STEP, stage ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();   // this tile landed for this thread
+        __syncwarp();         // ... and for the whole warp
+        const unsigned int k_lane = smem_addr(my_tiles + stage * 2 * TILE_ELEMS) + b_frags_lane<LD>(lane);
+        const unsigned int v_lane = smem_addr(my_tiles + stage * 2 * TILE_ELEMS + TILE_ELEMS) + b_frags_trans_lane<LD>(lane);
+
+        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int kk = 0; kk < D_TILE / 16; ++kk) {
+            unsigned int a[4], bfrag[4];
+            ldmatrix_x4(a, q_lane + 2u * kk * 16);
+            ldmatrix_x4(bfrag, k_lane + 2u * kk * 16);
+            Mma<T>::mma(s[0], a, bfrag);
+            Mma<T>::mma(s[1], a, bfrag + 2);
+        }
+        // Logits (log2 units with a modifier), then the mask: the split's range and the band.
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1;
+                const int key = tile_start + 8 * j + 2 * t + (e & 1);
+                float z = s[j][e];
+                if (ScoreMod<FEATURES>::active) {
+                    z *= p.softmax_scale;
+                    if (FEATURES & FEATURE_SOFTCAP) z = p.softcap * tanhf(z * p.softcap_inv);
+                    if (FEATURES & FEATURE_ALIBI) z -= row_slope[r] * fabsf((float)(key - row_token[r] - band.shift));
+                    z *= FLASH_LOG2E;
+                }
+                const bool visible = key >= key_begin && key < key_end &&
+                                     (!IS_CAUSAL || key - row_token[r] <= band.right) &&
+                                     (!(FEATURES & FEATURE_WINDOW) || key - row_token[r] >= band.left);
+                s[j][e] = visible ? z : FLASH_NEG_INF;
+            }
+        // Online softmax over the tile (the 4 threads of a quad share a row).
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float tile_max = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+            const float new_max = fmaxf(row_max[r], tile_max);
+            const float new_max_scaled = new_max == FLASH_NEG_INF ? 0.f : new_max * score_log2;
+            const float rescale = row_max[r] == FLASH_NEG_INF ? 0.f : exp2f(row_max_scaled[r] - new_max_scaled);
+            row_max[r] = new_max;
+            row_max_scaled[r] = new_max_scaled;
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                    s[j][e] = exp2f(fmaf(s[j][e], score_log2, -new_max_scaled));
+                    sum += s[j][e];
+                }
+            row_sum[r] = row_sum[r] * rescale + sum;
+#pragma unroll
+            for (int j = 0; j < O_TILES; ++j) {
+                o_acc[j][2 * r] *= rescale;
+                o_acc[j][2 * r + 1] *= rescale;
+            }
+        }
+        // O += P V: the two key n-tiles of S are one A fragment of P.
+        unsigned int a[4] = {Mma<T>::pack(s[0][0], s[0][1]), Mma<T>::pack(s[0][2], s[0][3]),
+                             Mma<T>::pack(s[1][0], s[1][1]), Mma<T>::pack(s[1][2], s[1][3])};
+#pragma unroll
+        for (int j = 0; j < O_TILES; j += 2) {
+            unsigned int bfrag[4];
+            ldmatrix_x4_trans(bfrag, v_lane + 2u * j * 8);
+            Mma<T>::mma(o_acc[j], a, bfrag);
+            Mma<T>::mma(o_acc[j + 1], a, bfrag + 2);
+        }
+        __syncwarp();   // every lane is done with this stage before the next iteration refills it
+    }
+
+    // Merge the warps' partial softmaxes: per row the largest max, each warp's O scaled to it and
+    // summed through shared memory (the tiles are free once every warp has left its loop).
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float total = row_sum[r];
+        total += __shfl_xor_sync(0xffffffffu, total, 1);
+        total += __shfl_xor_sync(0xffffffffu, total, 2);
+        if (t == 0) {
+            merge_max[warp][g + 8 * r] = row_max[r];
+            merge_max_scaled[warp][g + 8 * r] = row_max_scaled[r];
+            merge_sum[warp][g + 8 * r] = total;
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = g + 8 * r;
+        float best = FLASH_NEG_INF, best_scaled = 0.f;
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w)
+            if (merge_sum[w][row] > 0.f && merge_max[w][row] > best) { best = merge_max[w][row]; best_scaled = merge_max_scaled[w][row]; }
+        const float factor = merge_sum[warp][row] > 0.f ? exp2f(row_max_scaled[r] - best_scaled) : 0.f;
+#pragma unroll
+        for (int j = 0; j < O_TILES; ++j) {
+            merge_o[(warp * ROWS + row) * MERGE_LD + j * 8 + 2 * t] = o_acc[j][2 * r] * factor;
+            merge_o[(warp * ROWS + row) * MERGE_LD + j * 8 + 2 * t + 1] = o_acc[j][2 * r + 1] * factor;
+        }
+    }
+    __syncthreads();
+    // One thread per (row, 4 columns): sum the warps, normalise, store.
+    const bool split_output = p.num_splits > 1;
+    for (int idx = threadIdx.x; idx < ROWS * (D_TILE / 4); idx += 32 * NUM_WARPS) {
+        const int row = idx / (D_TILE / 4), c = (idx % (D_TILE / 4)) * 4;
+        if (row >= row_count) continue;
+        float best = FLASH_NEG_INF, best_scaled = 0.f, total = 0.f;
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w)
+            if (merge_sum[w][row] > 0.f && merge_max[w][row] > best) { best = merge_max[w][row]; best_scaled = merge_max_scaled[w][row]; }
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w)
+            if (merge_sum[w][row] > 0.f) total += merge_sum[w][row] * exp2f(merge_max_scaled[w][row] - best_scaled);
+        const int q_row = row0 + row;
+        const long long token = q_row / group, head = kv_head * group + q_row % group;
+        // One split: the sink joins here; several: in the combine, once.
+        const float2 lse_inv = split_output ? finish_row<FEATURES & ~FEATURE_SINK>(p, head, best, best_scaled, total)
+                                            : finish_row<FEATURES>(p, head, best, best_scaled, total);
+        float out[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float acc = 0.f;
+#pragma unroll
+            for (int w = 0; w < NUM_WARPS; ++w) acc += merge_o[(w * ROWS + row) * MERGE_LD + c + e];
+            out[e] = acc * lse_inv.y;
+        }
+        if (c < head_dim) {
+            if (split_output) {
+                float* dst = static_cast<float*>(p.o_partial) +
+                             ((((long long)split * p.batch + b) * p.seqlen_q + token) * p.heads + head) * p.head_dim + c;
+                *reinterpret_cast<float4*>(dst) = make_float4(out[0], out[1], out[2], out[3]);
+            } else {
+                T* dst = static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, token, head) + c;
+                *reinterpret_cast<uint2*>(dst) = make_uint2(Mma<T>::pack(out[0], out[1]), Mma<T>::pack(out[2], out[3]));
+            }
+        }
+        if (c == 0) {
+            if (split_output)
+                p.lse_partial[(((long long)split * p.batch + b) * p.heads + head) * p.seqlen_q + token] = lse_inv.x;
+            else
+                p.lse[b * p.lse_batch_stride + head * p.lse_head_stride + token] = lse_inv.x;
+        }
+    }
+}
+
+// One warp per (batch, token, head) row: the splits' lse merged in float32 (a split that saw no key
+// has lse -inf and weight 0; a row no split saw gets lse -inf and O = 0), then O as the weighted sum.
+// Partials are T_IN, contiguous (splits, batch, seqlen_q, heads, head_dim); lse_partial (splits,
+// batch, heads, seqlen_q). With p.sink the sink's logit joins the merged row (FEATURE_SINK).
+template <typename T_IN, typename T_OUT>
+__global__ void flash_combine_kernel(const FlashParams p) {
+    constexpr int MAX_COLUMNS = 256 / 32;   // head_dim <= 256: at most 8 columns per lane
+    const int lane = threadIdx.x & 31;
+    const long long rows = p.batch * p.seqlen_q * p.heads;
+    const long long row_elems = rows * p.head_dim;
+    const long long lse_split_stride = p.batch * p.heads * p.seqlen_q;
+    for (long long r = first_row_of_warp(); r < rows; r += rows_per_grid()) {
+        const RowIndex at = row_index(p, r);
+        const float* lse_row = p.lse_partial + (at.b * p.heads + at.h) * p.seqlen_q + at.row;
+        float best = FLASH_NEG_INF;
+        for (long long s = lane; s < p.num_splits; s += 32) best = fmaxf(best, lse_row[s * lse_split_stride]);
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) best = fmaxf(best, __shfl_xor_sync(0xffffffffu, best, offset));
+        float total = 0.f;
+        if (best != FLASH_NEG_INF)
+            for (long long s = lane; s < p.num_splits; s += 32) total += expf(lse_row[s * lse_split_stride] - best);
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) total += __shfl_xor_sync(0xffffffffu, total, offset);
+        float lse = best == FLASH_NEG_INF ? FLASH_NEG_INF : best + logf(total);
+        float shrink = 1.f;   // exp(lse - lse with the sink)
+        if (p.sink != nullptr) {
+            const float2 joined = join_sink(lse, p.sink[at.h]);
+            lse = joined.x;
+            shrink = joined.y;
+        }
+        float acc[MAX_COLUMNS];
+#pragma unroll
+        for (int i = 0; i < MAX_COLUMNS; ++i) acc[i] = 0.f;
+        const T_IN* o_row = static_cast<const T_IN*>(p.o_partial) + r * p.head_dim;
+        if (best != FLASH_NEG_INF) {
+            for (long long s = 0; s < p.num_splits; ++s) {
+                const float lse_s = lse_row[s * lse_split_stride];
+                if (lse_s == FLASH_NEG_INF) continue;
+                const float weight = expf(lse_s - best) / total * shrink;
+#pragma unroll
+                for (int i = 0; i < MAX_COLUMNS; ++i) {
+                    const int c = lane + 32 * i;
+                    if (c < p.head_dim) acc[i] += weight * to_float(o_row[s * row_elems + c]);
+                }
+            }
+        }
+        T_OUT* out = static_cast<T_OUT*>(p.o) + tensor_offset(p.o_strides, at.b, at.row, at.h);
+#pragma unroll
+        for (int i = 0; i < MAX_COLUMNS; ++i) {
+            const int c = lane + 32 * i;
+            if (c < p.head_dim) out[c] = from_float<T_OUT>(acc[i]);
+        }
+        if (lane == 0) p.lse[at.b * p.lse_batch_stride + at.h * p.lse_head_stride + at.row] = lse;
+    }
+}

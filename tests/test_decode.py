@@ -1,0 +1,330 @@
+"""Decoding: flash_decode against a (paged) K/V cache, the split-KV path of flash_forward, and
+merge_attention_states. Argument checks run on CPU; the rest needs the GPU."""
+
+import numpy
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import cupy_flash
+from cupy_flash import attention_reference, decode_reference
+from helpers import bitwise, check_error_rule, count_example, max_finite_abs, poisoned_allocations, random_array, requires_gpu
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments (CPU: NumPy arrays stand in; every check runs before the arrays are taken).
+
+def decode_arrays(batch=2, seqlen_q=1, heads=4, heads_kv=2, d=16, capacity=32, new=1, dtype=numpy.float16):
+    rng = numpy.random.default_rng(0)
+    return dict(q=rng.standard_normal((batch, seqlen_q, heads, d)).astype(dtype),
+                k_cache=numpy.zeros((batch, capacity, heads_kv, d), dtype),
+                v_cache=numpy.zeros((batch, capacity, heads_kv, d), dtype),
+                cache_seqlens=numpy.array([3] * batch, numpy.int32),
+                k_new=rng.standard_normal((batch, new, heads_kv, d)).astype(dtype),
+                v_new=rng.standard_normal((batch, new, heads_kv, d)).astype(dtype))
+
+
+BAD_DECODE = [
+    ("float32 q", dict(q=numpy.zeros((2, 1, 4, 16), numpy.float32)), TypeError, "float16 or bfloat16"),
+    ("k_cache dtype", dict(k_cache=numpy.zeros((2, 32, 2, 16), numpy.float32)), TypeError, "k_cache has dtype"),
+    ("v_cache shape", dict(v_cache=numpy.zeros((2, 31, 2, 16), numpy.float16)), ValueError, "v_cache has shape"),
+    ("heads", dict(k_cache=numpy.zeros((2, 32, 3, 16), numpy.float16), v_cache=numpy.zeros((2, 32, 3, 16), numpy.float16)),
+     ValueError, "multiple of the K/V heads"),
+    ("cache batch", dict(k_cache=numpy.zeros((3, 32, 2, 16), numpy.float16), v_cache=numpy.zeros((3, 32, 2, 16), numpy.float16)),
+     ValueError, "k_cache has batch 3"),
+    ("cache_seqlens dtype", dict(cache_seqlens=numpy.array([3, 3], numpy.int64)), TypeError, "cache_seqlens has dtype"),
+    ("cache_seqlens shape", dict(cache_seqlens=numpy.array([3], numpy.int32)), ValueError, "cache_seqlens has shape"),
+    ("k_new alone", dict(v_new=None), ValueError, "k_new and v_new"),
+    ("k_new heads", dict(k_new=numpy.zeros((2, 1, 4, 16), numpy.float16), v_new=numpy.zeros((2, 1, 4, 16), numpy.float16)),
+     ValueError, "k_new has shape"),
+    ("block_table page size", dict(k_cache=numpy.zeros((4, 24, 2, 16), numpy.float16), v_cache=numpy.zeros((4, 24, 2, 16), numpy.float16),
+                                   block_table=numpy.zeros((2, 2), numpy.int32)), ValueError, "power of two from 16"),
+    ("block_table dtype", dict(block_table=numpy.zeros((2, 2), numpy.int64)), TypeError, "block_table has dtype"),
+    ("block_table batch", dict(k_cache=numpy.zeros((5, 16, 2, 16), numpy.float16), v_cache=numpy.zeros((5, 16, 2, 16), numpy.float16),
+                               block_table=numpy.zeros((3, 2), numpy.int32)), ValueError, "block_table has shape"),
+]
+
+
+@pytest.mark.parametrize("label, change, error, message", BAD_DECODE, ids=[c[0] for c in BAD_DECODE])
+def test_decode_bad_arguments(label, change, error, message):
+    arrays = decode_arrays()
+    arrays.update(change)
+    with pytest.raises(error, match=message):
+        cupy_flash.flash_decode(arrays.pop("q"), arrays.pop("k_cache"), arrays.pop("v_cache"), **arrays)
+
+
+@pytest.mark.parametrize("num_splits, error", [(0, ValueError), (1000, ValueError), (2.0, TypeError), (True, TypeError)])
+def test_num_splits_checked(num_splits, error):
+    arrays = decode_arrays()
+    with pytest.raises(error, match="num_splits"):
+        cupy_flash.flash_decode(arrays.pop("q"), arrays.pop("k_cache"), arrays.pop("v_cache"), num_splits=num_splits, **arrays)
+
+
+BAD_MERGE = [
+    ("empty", [], [], ValueError, "outputs is empty"),
+    ("count", [numpy.zeros((1, 2, 3, 8), numpy.float32)] * 2, [numpy.zeros((1, 3, 2), numpy.float32)], ValueError, "one lse per output"),
+    ("shape", [numpy.zeros((1, 2, 3, 8), numpy.float32), numpy.zeros((1, 2, 3, 16), numpy.float32)],
+     [numpy.zeros((1, 3, 2), numpy.float32)] * 2, ValueError, r"outputs\[1\] has shape"),
+    ("lse dtype", [numpy.zeros((1, 2, 3, 8), numpy.float32)], [numpy.zeros((1, 3, 2), numpy.float64)], TypeError, "float32"),
+    ("lse shape", [numpy.zeros((1, 2, 3, 8), numpy.float32)], [numpy.zeros((1, 2, 3), numpy.float32)], ValueError, r"lses\[0\] has shape"),
+    ("not a list", numpy.zeros((1, 2, 3, 8), numpy.float32), numpy.zeros((1, 3, 2), numpy.float32), TypeError, "lists"),
+]
+
+
+@pytest.mark.parametrize("label, outputs, lses, error, message", BAD_MERGE, ids=[c[0] for c in BAD_MERGE])
+def test_merge_bad_arguments(label, outputs, lses, error, message):
+    with pytest.raises(error, match=message):
+        cupy_flash.merge_attention_states(outputs, lses)
+
+
+# ---------------------------------------------------------------------------------------------
+# flash_decode against the dense reference (GPU).
+
+@st.composite
+def decode_problems(draw):
+    heads_kv = draw(st.integers(1, 3))
+    group = draw(st.sampled_from([1, 2, 4, 8]))
+    batch = draw(st.integers(1, 3))
+    seqlen_q = draw(st.one_of(st.just(1), st.integers(1, 9)))
+    new = draw(st.one_of(st.just(0), st.integers(1, seqlen_q + 2)))
+    paged = draw(st.booleans())
+    page_size = draw(st.sampled_from([16, 32, 64, 256])) if paged else None
+    capacity = draw(st.one_of(st.integers(new + 1, 300), st.integers(300, 3000)))
+    if paged:
+        capacity = -(-capacity // page_size) * page_size
+    lengths = draw(st.lists(st.integers(0, capacity - new), min_size=batch, max_size=batch))
+    features = {}
+    if draw(st.booleans()):
+        if draw(st.booleans()):
+            size = st.one_of(st.just(-1), st.integers(0, 40), st.integers(40, 1000))
+            features["window_size"] = (draw(size), draw(size))
+        if draw(st.booleans()):
+            features["softcap"] = draw(st.sampled_from([0.5, 5.0, 30.0]))
+        if draw(st.booleans()):
+            features["alibi_slopes"] = draw(st.lists(st.sampled_from([2.0**-e for e in range(9)]),
+                                                     min_size=heads_kv * group, max_size=heads_kv * group))
+        if draw(st.booleans()):
+            features["sink"] = draw(st.lists(st.floats(-4.0, 4.0), min_size=heads_kv * group, max_size=heads_kv * group))
+    return dict(dtype=draw(st.sampled_from(["float16", "bfloat16"])), batch=batch, heads_kv=heads_kv, heads=heads_kv * group,
+                seqlen_q=seqlen_q, new=new, capacity=capacity, page_size=page_size, lengths=lengths,
+                head_dim=8 * draw(st.integers(1, 32)), causal=draw(st.booleans()), features=features,
+                num_splits=draw(st.one_of(st.none(), st.integers(1, 9), st.just(128))),
+                logit_std=draw(st.sampled_from([0.3, 1.0, 3.0, 30.0])), seed=draw(st.integers(0, 2**32 - 1)))
+
+
+def make_decode_inputs(p):
+    """(q, cache arrays as flash_decode takes them, the same cache contiguous for the reference)."""
+    import cupy
+
+    rng = numpy.random.default_rng(p["seed"])
+    d = p["head_dim"]
+    magnitude = (p["logit_std"] / (d ** -0.5 * d ** 0.5)) ** 0.5
+    q = random_array(rng, (p["batch"], p["seqlen_q"], p["heads"], d), p["dtype"], magnitude)
+    shape = (p["batch"], p["capacity"], p["heads_kv"], d)
+    k_dense = random_array(rng, shape, p["dtype"], magnitude)
+    v_dense = random_array(rng, shape, p["dtype"])
+    new = None
+    if p["new"]:
+        new_shape = (p["batch"], p["new"], p["heads_kv"], d)
+        new = (random_array(rng, new_shape, p["dtype"], magnitude), random_array(rng, new_shape, p["dtype"]))
+    cache = dict(cache_seqlens=cupy.asarray(p["lengths"], dtype=cupy.int32))
+    if p["page_size"]:
+        pages_per = p["capacity"] // p["page_size"]
+        # Pages in a shuffled order with spare pages between, so a wrong page index reads other data.
+        order = rng.permutation(p["batch"] * pages_per + 3)[:p["batch"] * pages_per]
+        table = order.reshape(p["batch"], pages_per).astype(numpy.int32)
+        pool_shape = (p["batch"] * pages_per + 3, p["page_size"], p["heads_kv"], d)
+        k_pages, v_pages = (random_array(rng, pool_shape, p["dtype"]) for _ in range(2))
+        flat = cupy.asarray(table.reshape(-1))
+        k_bits, v_bits = k_pages.view(cupy.uint16), v_pages.view(cupy.uint16)
+        k_bits[flat] = k_dense.view(cupy.uint16).reshape(-1, p["page_size"], p["heads_kv"], d)
+        v_bits[flat] = v_dense.view(cupy.uint16).reshape(-1, p["page_size"], p["heads_kv"], d)
+        k_cache, v_cache, cache["block_table"] = k_pages, v_pages, cupy.asarray(table)
+    else:
+        k_cache, v_cache = k_dense.copy(), v_dense.copy()
+    if new is not None:
+        cache["k_new"], cache["v_new"] = new
+    return q, k_cache, v_cache, cache, (k_dense, v_dense)
+
+
+def copy_bits(dst, src):
+    """dst[...] = src for 16-bit floats, as their bits (no bfloat16 arithmetic needed)."""
+    import cupy
+
+    dst.view(cupy.uint16)[...] = src.view(cupy.uint16)
+
+
+def decode_options(p):
+    import cupy
+
+    features = dict(p["features"])
+    for name in ("alibi_slopes", "sink"):
+        if name in features:
+            features[name] = cupy.asarray(features[name], dtype=cupy.float32)
+    return dict(causal=p["causal"], **features)
+
+
+@requires_gpu
+@given(decode_problems())
+def test_decode_matches_reference(p):
+    import cupy
+
+    count_example("decode_matches_reference")
+    q, k_cache, v_cache, cache, (k_dense, v_dense) = make_decode_inputs(p)
+    opts = decode_options(p)
+    k_before, v_before = k_cache.copy(), v_cache.copy()
+    with poisoned_allocations():
+        o, lse = cupy_flash.flash_decode(q, k_cache, v_cache, num_splits=p["num_splits"], **cache, **opts)
+    context = str(p)
+    # The append wrote exactly rows lengths[b] .. + new of each sequence, bitwise, and nothing else.
+    if p["new"]:
+        for b, length in enumerate(p["lengths"]):
+            copy_bits(k_dense[b, length:length + p["new"]], cache["k_new"][b])
+            copy_bits(v_dense[b, length:length + p["new"]], cache["v_new"][b])
+    if p["page_size"]:
+        table = cache["block_table"].get().reshape(-1)
+        expect_k, expect_v = k_before.copy(), v_before.copy()
+        expect_k.view(cupy.uint16)[cupy.asarray(table)] = k_dense.view(cupy.uint16).reshape(-1, p["page_size"], p["heads_kv"], p["head_dim"])
+        expect_v.view(cupy.uint16)[cupy.asarray(table)] = v_dense.view(cupy.uint16).reshape(-1, p["page_size"], p["heads_kv"], p["head_dim"])
+    else:
+        expect_k, expect_v = k_dense, v_dense
+    assert bool((bitwise(k_cache) == bitwise(expect_k)).all()), "k_cache: the append wrote the wrong rows " + context
+    assert bool((bitwise(v_cache) == bitwise(expect_v)).all()), "v_cache: the append wrote the wrong rows " + context
+    # Results against the reference over the cache as it now is.
+    lengths = cupy.asarray(p["lengths"], dtype=cupy.int32) + p["new"]
+    exact = decode_reference(q, k_dense, v_dense, cache_seqlens=lengths, **opts)
+    low = decode_reference(q, k_dense, v_dense, cache_seqlens=lengths, upcast=False, **opts)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (p["batch"], p["heads"], p["seqlen_q"])
+    magnitude = max_finite_abs(exact[1])
+    check_error_rule("decode o", o, exact[0], low[0], context, magnitude)
+    check_error_rule("decode lse", lse, exact[1], low[1], context, magnitude)
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_paged_equals_contiguous_and_splits_agree(dtype):
+    """The same cache paged (pages of 16, shuffled) and contiguous gives bitwise the same result
+    (same tiles, same order); 1, 3 and 37 splits agree within the error rule."""
+    import cupy
+
+    base = dict(dtype=dtype, batch=3, heads_kv=2, heads=16, seqlen_q=2, new=2, capacity=4096, lengths=[4000, 17, 2500],
+                head_dim=128, causal=True, features={"softcap": 30.0}, logit_std=3.0, seed=7)
+    results = {}
+    for page_size in (None, 16):
+        for splits in (1, 3, 37):
+            p = dict(base, page_size=page_size, num_splits=splits)
+            q, k_cache, v_cache, cache, dense = make_decode_inputs(p)
+            results[page_size, splits] = cupy_flash.flash_decode(q, k_cache, v_cache, num_splits=splits, **cache,
+                                                                 **decode_options(p))
+    for splits in (1, 3, 37):
+        for a, b in zip(results[None, splits], results[16, splits]):
+            assert bool((bitwise(a) == bitwise(b)).all()), f"paged != contiguous at {splits} splits"
+    lengths = cupy.asarray(base["lengths"], dtype=cupy.int32) + base["new"]
+    q, _, _, cache, (k_dense, v_dense) = make_decode_inputs(dict(base, page_size=None, num_splits=1))
+    for b, length in enumerate(base["lengths"]):
+        copy_bits(k_dense[b, length:length + 2], cache["k_new"][b])
+        copy_bits(v_dense[b, length:length + 2], cache["v_new"][b])
+    exact = decode_reference(q, k_dense, v_dense, cache_seqlens=lengths, causal=True, softcap=30.0)
+    low = decode_reference(q, k_dense, v_dense, cache_seqlens=lengths, causal=True, softcap=30.0, upcast=False)
+    for splits in (1, 3, 37):
+        check_error_rule("decode o", results[None, splits][0], exact[0], low[0], f"splits={splits}")
+        check_error_rule("decode lse", results[None, splits][1], exact[1], low[1], f"splits={splits}", max_finite_abs(exact[1]))
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("seqlen_q, seqlen_k, heads, heads_kv", [(1, 40000, 16, 2), (4, 3000, 8, 8), (1, 1, 4, 1), (3, 130, 6, 3)])
+def test_forward_split_path(dtype, seqlen_q, seqlen_k, heads, heads_kv):
+    """flash_forward's split-KV path (few queries, many keys), chosen automatically and forced."""
+    rng = numpy.random.default_rng(3)
+    q = random_array(rng, (2, seqlen_q, heads, 64), dtype)
+    k, v = (random_array(rng, (2, seqlen_k, heads_kv, 64), dtype) for _ in range(2))
+    exact = attention_reference(q, k, v, causal=True)
+    low = attention_reference(q, k, v, causal=True, upcast=False)
+    for splits in (None, 1, 5):
+        with poisoned_allocations():
+            o, lse = cupy_flash.flash_forward(q, k, v, causal=True, num_splits=splits)
+        check_error_rule("o", o, exact[0], low[0], f"splits={splits}")
+        check_error_rule("lse", lse, exact[1], low[1], f"splits={splits}", max_finite_abs(exact[1]))
+
+
+# ---------------------------------------------------------------------------------------------
+# merge_attention_states (GPU).
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_merge_equals_attention_over_the_union(dtype):
+    """Keys split into disjoint sets (one of them empty for some rows through a window, one wholly
+    empty): merging each set's (o, lse) gives attention over all keys."""
+    import cupy
+
+    rng = numpy.random.default_rng(11)
+    batch, seqlen_q, heads, d, seqlen_k = 2, 5, 3, 40, 300
+    q = random_array(rng, (batch, seqlen_q, heads, d), dtype, 1.5)
+    k = random_array(rng, (batch, seqlen_k, heads, d), dtype, 1.5)
+    v = random_array(rng, (batch, seqlen_k, heads, d), dtype)
+    cuts = [0, 0, 97, 98, 250, 300]   # sets [0, 0) (empty), [0, 97), [97, 98), [98, 250), [250, 300)
+    outputs, lses = [], []
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        if hi == lo:   # an empty key set: o = 0, lse = -inf
+            outputs.append(cupy.zeros(q.shape, {2: cupy.uint16, 4: cupy.float32}[q.dtype.itemsize]).view(q.dtype))
+            lses.append(cupy.full((batch, heads, seqlen_q), -numpy.inf, cupy.float32))
+            continue
+        o, lse = cupy_flash.flash_forward(q, k[:, lo:hi], v[:, lo:hi])
+        outputs.append(o)
+        lses.append(lse)
+    with poisoned_allocations():
+        merged, merged_lse = cupy_flash.merge_attention_states(outputs, lses)
+    exact = attention_reference(q, k, v)
+    low = attention_reference(q, k, v, upcast=False)
+    # Each partial was rounded to the dtype once before the merge, as a dense reference's o is.
+    check_error_rule("merge o", merged, exact[0], low[0], dtype)
+    check_error_rule("merge lse", merged_lse, exact[1], low[1], dtype, max_finite_abs(exact[1]))
+
+
+@requires_gpu
+def test_merge_rows_no_partial_saw():
+    import cupy
+
+    o = cupy.full((1, 2, 1, 8), 3.0, cupy.float32)
+    lse = cupy.asarray([[[-numpy.inf, 0.5]]], dtype=cupy.float32)
+    merged, merged_lse = cupy_flash.merge_attention_states([o, o], [lse, lse])
+    assert not bool(cupy.isnan(merged).any())
+    assert bool((merged[0, 0] == 0).all()) and float(merged_lse[0, 0, 0]) == -numpy.inf
+    assert bool(cupy.allclose(merged[0, 1], 3.0)) and abs(float(merged_lse[0, 0, 1]) - (0.5 + numpy.log(2))) < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA graphs.
+
+@requires_gpu
+def test_decode_graph_replay_matches_eager():
+    """flash_decode captured once in a CUDA graph (fixed shapes, device-side cache_seqlens) and
+    replayed while cache_seqlens and k_new/v_new change, as a generation loop does, gives what eager
+    calls give."""
+    import cupy
+
+    p = dict(dtype="bfloat16", batch=2, heads_kv=2, heads=8, seqlen_q=1, new=1, capacity=1024, page_size=64,
+             lengths=[100, 500], head_dim=128, causal=True, features={}, num_splits=None, logit_std=1.0, seed=5)
+    q, k_cache, v_cache, cache, _ = make_decode_inputs(p)
+    k_eager, v_eager = k_cache.copy(), v_cache.copy()
+    rng = numpy.random.default_rng(0)
+    stream = cupy.cuda.Stream()
+    with stream:   # everything on one stream: its order is the only synchronisation needed
+        cupy_flash.flash_decode(q, k_cache.copy(), v_cache.copy(), **cache)   # compile, warm the pool
+        stream.synchronize()
+        stream.begin_capture()
+        o_graph, lse_graph = cupy_flash.flash_decode(q, k_cache, v_cache, **cache)
+        graph = stream.end_capture()
+        for step in range(3):
+            copy_bits(cache["k_new"], random_array(rng, cache["k_new"].shape, "bfloat16"))
+            copy_bits(cache["v_new"], random_array(rng, cache["v_new"].shape, "bfloat16"))
+            copy_bits(q, random_array(rng, q.shape, "bfloat16"))
+            graph.launch()
+            o_eager, lse_eager = cupy_flash.flash_decode(q, k_eager, v_eager, **cache)
+            stream.synchronize()
+            assert bool((bitwise(o_graph) == bitwise(o_eager)).all()), f"step {step}: o"
+            assert bool((bitwise(lse_graph) == bitwise(lse_eager)).all()), f"step {step}: lse"
+            assert bool((bitwise(k_cache) == bitwise(k_eager)).all()), f"step {step}: k_cache"
+            assert bool((bitwise(v_cache) == bitwise(v_eager)).all()), f"step {step}: v_cache"
+            cache["cache_seqlens"] += 1   # the loop advances the lengths on the device
