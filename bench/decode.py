@@ -44,6 +44,7 @@ CALLS_PER_GRAPH = 24
 
 def cupy_graph_ms(call, inputs) -> float:
     """Milliseconds per call of call(inputs[i % len]) captured CALLS_PER_GRAPH times in one graph."""
+    cupy.cuda.Device().synchronize()   # inputs were made on the default stream
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         for i in range(CALLS_PER_GRAPH):   # compile and warm the pool on the capture stream
@@ -58,6 +59,7 @@ def cupy_graph_ms(call, inputs) -> float:
 
 
 def torch_graph_ms(torch, call, inputs) -> float:
+    torch.cuda.synchronize()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -32,9 +32,10 @@ __device__ __forceinline__ long long cache_offset(const FlashParams& p, const lo
 // Keys in sequence b's cache once the new rows are in (never past the cache's capacity: the append
 // drops rows that do not fit, and the caller is told to leave room). Without cache_seqlens (the
 // split-KV path of flash_forward) every sequence has p.seqlen_k keys.
+// A negative length (never valid; it cannot be checked on the host without a sync) reads as 0.
 __device__ __forceinline__ int decode_seqlen_k(const FlashParams& p, long long b) {
     if (p.cache_seqlens == nullptr) return (int)p.seqlen_k;
-    return (int)min((long long)p.cache_seqlens[b] + p.seqlen_new, p.cache_capacity);
+    return (int)max(0LL, min((long long)p.cache_seqlens[b] + p.seqlen_new, p.cache_capacity));
 }
 
 // One warp per (batch, new token, K/V head): 16-byte copies of its K and V rows into the cache.
@@ -48,7 +49,7 @@ __global__ void flash_append_kernel(const FlashParams p) {
         const long long t = (r / heads_kv) % p.seqlen_new;
         const long long kv_head = r % heads_kv;
         const long long position = (long long)p.cache_seqlens[b] + t;
-        if (position >= p.cache_capacity) continue;
+        if (position < 0 || position >= p.cache_capacity) continue;
         T* k_dst = static_cast<T*>(const_cast<void*>(p.k)) + cache_offset(p, p.k_strides, b, (int)position, kv_head);
         T* v_dst = static_cast<T*>(const_cast<void*>(p.v)) + cache_offset(p, p.v_strides, b, (int)position, kv_head);
         const T* k_src = static_cast<const T*>(p.k_new) + tensor_offset(p.k_new_strides, b, t, kv_head);
