@@ -400,8 +400,11 @@ def _packed_term_scale(p, name, do, q, k, v, opts):
 
 def test_packed_batch_equals_separate_calls():
     """Three sequences packed give bitwise the outputs of three dense calls (same kernels, same
-    block decomposition per sequence)."""
+    block decomposition per sequence), except where the dense call takes the split-KV decode path
+    (a few query rows per K/V head): there both meet the error rule."""
     import cupy
+
+    from cupy_flash.decode import DECODE_MAX_ROWS
 
     rng = numpy.random.default_rng(21)
     lens = [(300, 500), (1, 77), (640, 640)]
@@ -415,6 +418,12 @@ def test_packed_batch_equals_separate_calls():
     for i, (q, k, v) in enumerate(zip(qs, ks, vs)):
         o_one, lse_one = cupy_flash.flash_forward(q[None], k[None], v[None], causal=True)
         rows = slice(int(cu_q[i]), int(cu_q[i + 1]))
+        if 2 * q.shape[0] <= DECODE_MAX_ROWS:   # group 2: the dense call ran the decode kernel
+            exact = attention_reference(q[None], k[None], v[None], causal=True)
+            low = attention_reference(q[None], k[None], v[None], causal=True, upcast=False)
+            for name, ours, e, lo in (("o", o[rows][None], exact[0], low[0]), ("lse", lse[:, rows][None], exact[1], low[1])):
+                check_error_rule(name, ours, e, lo, f"packed sequence {i}", max_finite_abs(exact[1]))
+            continue
         assert bool((bitwise(o[rows]) == bitwise(o_one[0])).all())
         assert bool((bitwise(lse[:, rows]) == bitwise(lse_one[0])).all())
 
