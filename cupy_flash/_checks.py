@@ -295,13 +295,17 @@ def same_device(**arrays) -> int:
     return first
 
 
-def kernel_ready(x):
-    """``x`` itself when the kernels can read it in place (last axis contiguous, every row starting
-    on a 16-byte boundary, since the kernels move 16-byte vectors); otherwise a fresh C-contiguous
-    copy, made once per call (``ascontiguousarray`` alone would keep a misaligned contiguous view).
-    The input is never modified."""
+def readable_in_place(x) -> bool:
+    """Whether the kernels can read (or write) ``x`` as it is: last axis contiguous and every row
+    starting on a 16-byte boundary, since the kernels move 16-byte vectors."""
     itemsize = x.dtype.itemsize
-    aligned = (x.data.ptr % 16 == 0
-               and x.strides[-1] == itemsize
-               and all(s % 16 == 0 for s in x.strides[:-1]))
-    return x if aligned else x.copy(order="C")
+    return (x.data.ptr % 16 == 0
+            and x.strides[-1] == itemsize
+            and all(s % 16 == 0 for s in x.strides[:-1]))
+
+
+def kernel_ready(x):
+    """``x`` itself when ``readable_in_place``; otherwise a fresh C-contiguous copy, made once per
+    call (``ascontiguousarray`` alone would keep a misaligned contiguous view). The input is never
+    modified."""
+    return x if readable_in_place(x) else x.copy(order="C")

@@ -198,7 +198,7 @@ def _check_index_array(name, x, shape, labels):
 
 def _in_place_ready(name, x):
     """The cache is written in place: it cannot be copied, so it must already be kernel-ready."""
-    if _checks.kernel_ready(x) is not x:
+    if not _checks.readable_in_place(x):
         raise ValueError(f"{name} must have a contiguous last axis and 16-byte aligned rows (it is updated in "
                          "place, so it cannot be copied)")
     return x

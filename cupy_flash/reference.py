@@ -138,14 +138,18 @@ def _packed_sequences(features):
     if cu_q is None and cu_k is None:
         return None
     cu_q, cu_k = (numpy.asarray(_host(x)).astype(numpy.int64) for x in (cu_q, cu_k))
-    sequences = []
-    for b in range(len(cu_q) - 1):
-        own = dict(features)
-        slopes = own.get("alibi_slopes")
-        if slopes is not None and slopes.ndim == 2:
-            own["alibi_slopes"] = slopes[b]
-        sequences.append((slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1])), own))
-    return sequences
+    return [(slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1])), features_of_sequence(features, b))
+            for b in range(len(cu_q) - 1)]
+
+
+def features_of_sequence(features: dict, b: int) -> dict:
+    """The feature keywords for batch entry b computed alone: per-batch ALiBi slopes (batch, heads)
+    become that entry's (heads,)."""
+    own = dict(features)
+    slopes = own.get("alibi_slopes")
+    if slopes is not None and slopes.ndim == 2:
+        own["alibi_slopes"] = slopes[b]
+    return own
 
 
 def _host(x):
@@ -223,10 +227,7 @@ def decode_reference(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=No
 
     outs, lses = [], []
     for b in range(q.shape[0]):
-        own = dict(features)
-        slopes = own.get("alibi_slopes")
-        if slopes is not None and slopes.ndim == 2:
-            own["alibi_slopes"] = slopes[b]
+        own = features_of_sequence(features, b)
         o, lse = _attention_reference_dense(q[b:b + 1], appended(k_cache, k_new, b)[None], appended(v_cache, v_new, b)[None],
                                             softmax_scale=softmax_scale, causal=causal, upcast=upcast, **own)
         outs.append(o)

@@ -264,14 +264,18 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, D_TILE > 128 ? 2 : 3) flash_de
         }
     }
     __syncthreads();
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = g + 8 * r;
+    // A row's largest max over the warps that saw a key, in score units and as used in exponents.
+    auto merged_max = [&](int row) {
         float best = FLASH_NEG_INF, best_scaled = 0.f;
 #pragma unroll
         for (int w = 0; w < NUM_WARPS; ++w)
             if (merge_sum[w][row] > 0.f && merge_max[w][row] > best) { best = merge_max[w][row]; best_scaled = merge_max_scaled[w][row]; }
-        const float factor = merge_sum[warp][row] > 0.f ? exp2f(row_max_scaled[r] - best_scaled) : 0.f;
+        return make_float2(best, best_scaled);
+    };
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = g + 8 * r;
+        const float factor = merge_sum[warp][row] > 0.f ? exp2f(row_max_scaled[r] - merged_max(row).y) : 0.f;
 #pragma unroll
         for (int j = 0; j < O_TILES; ++j) {
             merge_o[(warp * ROWS + row) * MERGE_LD + j * 8 + 2 * t] = o_acc[j][2 * r] * factor;
@@ -284,18 +288,17 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, D_TILE > 128 ? 2 : 3) flash_de
     for (int idx = threadIdx.x; idx < ROWS * (D_TILE / 4); idx += 32 * NUM_WARPS) {
         const int row = idx / (D_TILE / 4), c = (idx % (D_TILE / 4)) * 4;
         if (row >= row_count) continue;
-        float best = FLASH_NEG_INF, best_scaled = 0.f, total = 0.f;
-#pragma unroll
-        for (int w = 0; w < NUM_WARPS; ++w)
-            if (merge_sum[w][row] > 0.f && merge_max[w][row] > best) { best = merge_max[w][row]; best_scaled = merge_max_scaled[w][row]; }
+        const float2 best = merged_max(row);
+        const float best_scaled = best.y;
+        float total = 0.f;
 #pragma unroll
         for (int w = 0; w < NUM_WARPS; ++w)
             if (merge_sum[w][row] > 0.f) total += merge_sum[w][row] * exp2f(merge_max_scaled[w][row] - best_scaled);
         const int q_row = row0 + row;
         const long long token = q_row / group, head = kv_head * group + q_row % group;
         // One split: the sink joins here; several: in the combine, once.
-        const float2 lse_inv = split_output ? finish_row<FEATURES & ~FEATURE_SINK>(p, head, best, best_scaled, total)
-                                            : finish_row<FEATURES>(p, head, best, best_scaled, total);
+        const float2 lse_inv = split_output ? finish_row<FEATURES & ~FEATURE_SINK>(p, head, best.x, best_scaled, total)
+                                            : finish_row<FEATURES>(p, head, best.x, best_scaled, total);
         float out[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {

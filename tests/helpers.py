@@ -138,6 +138,13 @@ def check_error_rule(quantity: str, ours, exact, low_precision, context: str = "
     return ratio
 
 
+def input_magnitude(p) -> float:
+    """Std of q and k entries that gives scaled logits of std p['logit_std'] (q.k has std
+    magnitude^2 * sqrt(head_dim)); p['softmax_scale'] absent or None means 1/sqrt(head_dim)."""
+    scale = p.get("softmax_scale") or p["head_dim"] ** -0.5
+    return (p["logit_std"] / (scale * p["head_dim"] ** 0.5)) ** 0.5
+
+
 def gradient_term_scales(do, q, k, v, softmax_scale=None, causal=False, **features) -> dict:
     """For dq, dk and dv: the largest sum of |terms| (float64) behind any one element, i.e. the
     gradient computed with every factor replaced by its absolute value (softcap's factor <= 1 left
@@ -145,7 +152,8 @@ def gradient_term_scales(do, q, k, v, softmax_scale=None, causal=False, **featur
     from cupy_flash.reference import _bhnd, _is_bfloat16, _softmax_parts, _to_float
 
     work, _, xp, scale, Q, K, V, P, _, extras = _softmax_parts(q, k, v, softmax_scale, causal, True, **features)
-    abs_do = xp.abs(_bhnd(_to_float(do, xp, work)))
+    dO = _bhnd(_to_float(do, xp, work))
+    abs_do = xp.abs(dO)
     abs_dp = abs_do @ xp.abs(V).swapaxes(-1, -2)
     abs_ds = P * (abs_dp + (P * abs_dp).sum(axis=-1, keepdims=True))
     group = Q.shape[1] // k.shape[2]
@@ -156,7 +164,6 @@ def gradient_term_scales(do, q, k, v, softmax_scale=None, causal=False, **featur
     # The stored-O delta term (see above): a shift of delta_i moves dQ_i by exactly
     # scale * shift * sum_j P_ij f_ij K_j (f: softcap's factor); dK, dsink and dbias add rows.
     unit = {2: 2.0**-8 if _is_bfloat16(q.dtype) else 2.0**-11, 4: 2.0**-24}[q.dtype.itemsize]
-    dO = _bhnd(_to_float(do, xp, work))
     delta_shift = 3.0 * unit / math.sqrt(3.0) * xp.sqrt(((dO * (P @ V)) ** 2).sum(axis=-1, keepdims=True))
     dz_shift = P * delta_shift
     ds_shift = dz_shift * (1 - extras["tanh"] ** 2) if "tanh" in extras else dz_shift
@@ -164,6 +171,7 @@ def gradient_term_scales(do, q, k, v, softmax_scale=None, causal=False, **featur
 
     def quadrature(x, axis):
         return xp.sqrt((x ** 2).sum(axis=axis))
+
     scales = {"dq": float((scale * (abs_ds @ xp.abs(K))).max()),
               "dk": float(grouped(scale * (abs_ds.swapaxes(-1, -2) @ xp.abs(Q))).max()),
               "dv": float(grouped(P.swapaxes(-1, -2) @ abs_do).max()),

@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 import cupy_flash
 from cupy_flash import attention_reference, attention_reference_backward
 from helpers import (DTYPES, NOTES, as_float64, bitwise, check_error_rule, count_example, gradient_term_scales,
-                     max_finite_abs,
-                     poisoned_allocations, random_array, requires_gpu)
+                     input_magnitude, max_finite_abs, poisoned_allocations, random_array, requires_gpu)
 
 pytestmark = requires_gpu
 
@@ -102,13 +101,6 @@ def describe(p):
     return ("{dtype} b={batch} h={heads} h_kv={heads_kv} nq={seqlen_q} nk={seqlen_k} d={head_dim} causal={causal} "
             "scale={softmax_scale} logit_std={logit_std} seed={seed}").format(**{"heads_kv": p["heads"], **p}) + (
         f" {variant}" if variant else "")
-
-
-def input_magnitude(p):
-    """Std of q and k entries that gives scaled logits of std p['logit_std'] (q.k has std
-    magnitude^2 * sqrt(head_dim))."""
-    scale = p["softmax_scale"] or p["head_dim"] ** -0.5
-    return (p["logit_std"] / (scale * p["head_dim"] ** 0.5)) ** 0.5
 
 
 def make_inputs(p, with_grad=False):
@@ -371,31 +363,33 @@ def test_packed_batches_match_reference(p, deterministic):
     exact = attention_reference_backward(do, q, k, v, **opts)
     low = attention_reference_backward(do, q, k, v, upcast=False, **opts)
     assert len(grads) == len(exact)
+    term_scales = _packed_term_scales(p, do, q, k, v, opts)
     for name, ours, x, e, lo in zip(("dq", "dk", "dv", "dsink"), grads, (q, k, v, None), exact, low):
         if x is not None:
             assert ours.shape == x.shape and ours.dtype == x.dtype
         # Term scales of the whole batch bound each sequence's (the floor only matters at cancellation).
         check_error_rule(name, ours, e, lo, context, lse_magnitude,
                          float(abs(e).max()) * max(p["lens_q"] + p["lens_k"]) if name == "dsink" else
-                         _packed_term_scale(p, name, do, q, k, v, opts),
-                         _packed_term_scale(p, "delta:" + name, do, q, k, v, opts))
+                         term_scales.get(name, 0.0), term_scales.get("delta:" + name, 0.0))
 
 
-def _packed_term_scale(p, name, do, q, k, v, opts):
-    """gradient_term_scales of each sequence: the largest (the sum for dsink's, a sum over the batch)."""
+def _packed_term_scales(p, do, q, k, v, opts) -> dict:
+    """gradient_term_scales of each sequence, combined: the largest of each (dsink's delta term,
+    a sum over the batch, in quadrature)."""
+    from cupy_flash.reference import features_of_sequence
+
     cu_q, cu_k = (numpy.asarray(opts[n].get()) for n in ("cu_seqlens_q", "cu_seqlens_k"))
     dense = {n: x for n, x in opts.items() if not n.startswith(("cu_", "max_"))}
-    worst = 0.0
+    combined = {}
     for b in range(p["batch"]):
         rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
         if rq.start == rq.stop or rk.start == rk.stop:
             continue
-        own = dict(dense)
-        if "alibi_slopes" in own:
-            own["alibi_slopes"] = own["alibi_slopes"][b]
-        scales = gradient_term_scales(do[None, rq], q[None, rq], k[None, rk], v[None, rk], **own)
-        worst = math.hypot(worst, scales[name]) if name == "delta:dsink" else max(worst, scales.get(name, 0.0))
-    return worst
+        scales = gradient_term_scales(do[None, rq], q[None, rq], k[None, rk], v[None, rk], **features_of_sequence(dense, b))
+        for name, value in scales.items():
+            before = combined.get(name, 0.0)
+            combined[name] = math.hypot(before, value) if name == "delta:dsink" else max(before, value)
+    return combined
 
 
 def test_packed_batch_equals_separate_calls():

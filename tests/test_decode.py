@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import cupy_flash
 from cupy_flash import attention_reference, decode_reference
-from helpers import bitwise, check_error_rule, count_example, max_finite_abs, poisoned_allocations, random_array, requires_gpu
+from helpers import bitwise, check_error_rule, count_example, input_magnitude, max_finite_abs, poisoned_allocations, random_array, requires_gpu
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ def make_decode_inputs(p):
 
     rng = numpy.random.default_rng(p["seed"])
     d = p["head_dim"]
-    magnitude = (p["logit_std"] / (d ** -0.5 * d ** 0.5)) ** 0.5
+    magnitude = input_magnitude(p)
     q = random_array(rng, (p["batch"], p["seqlen_q"], p["heads"], d), p["dtype"], magnitude)
     shape = (p["batch"], p["capacity"], p["heads_kv"], d)
     k_dense = random_array(rng, shape, p["dtype"], magnitude)
