@@ -108,16 +108,23 @@ def bitwise(x):
 # one key with a sink holding the rest (one key, d=8, bf16: 2.3-4.3x the dense error without it,
 # device run of 2026-11-22); on ordinary shapes it is a small part of the bound
 # (test_reference.py::test_delta_term_leaves_the_rule_tight).
+# Gradients are held against the larger error of two dense forms (attention_reference_backward's
+# rounding="dense" and "flash"): each rounds P once, and on an output of few elements (one key and a
+# sink, d=8) which of them rounds well is a lottery: the kernel's 1.5 ulp against the dense form's
+# lucky 0.5 ulp read as 2.8x (device, 2026-11-22). On ordinary shapes the flash form is the more
+# accurate (0.05-1.0x the dense error; test_reference.py::test_flash_rounding_leaves_the_rule_tight),
+# so the rule there is unchanged.
 
 FLOOR_RELATIVE = 1e-5
 
 
 def check_error_rule(quantity: str, ours, exact, low_precision, context: str = "", lse_magnitude: float = 0.0,
                      term_scale: float = 0.0, delta_term: float = 0.0) -> float:
-    """Assert the rule for one output; returns our error / the low-precision error."""
+    """Assert the rule for one output; returns our error / the low-precision error. low_precision
+    is one dense low-precision result or a tuple of them (two dense forms): the larger error counts."""
     xp = _array_module(exact)
     ours = as_float64(ours)
-    low_precision = as_float64(low_precision)
+    forms = low_precision if isinstance(low_precision, tuple) else (low_precision,)
     assert not bool(xp.isnan(ours).any()), f"{quantity}: NaN in output {context}"
     finite = xp.isfinite(exact)
     # -inf (lse of a row that sees no key) must be reproduced exactly, everything else finite.
@@ -125,7 +132,7 @@ def check_error_rule(quantity: str, ours, exact, low_precision, context: str = "
     assert bool((ours[~finite] == exact[~finite]).all()), f"{quantity}: infinities differ {context}"
     zero = xp.zeros((), dtype=xp.float64)
     err = float(xp.where(finite, xp.abs(ours - exact), zero).max()) if ours.size else 0.0
-    low = float(xp.where(finite, xp.abs(low_precision - exact), zero).max()) if ours.size else 0.0
+    low = max(float(xp.where(finite, xp.abs(as_float64(form) - exact), zero).max()) for form in forms) if ours.size else 0.0
     scale = float(xp.where(finite, xp.abs(exact), zero).max()) if ours.size else 0.0
     floor = max(max(FLOOR_RELATIVE, 4 * 2.0**-24 * lse_magnitude) * max(scale, 1.0), 2.0**-24 * term_scale)
     bound = 2.0 * low + floor + delta_term
@@ -186,6 +193,15 @@ def gradient_term_scales(do, q, k, v, softmax_scale=None, causal=False, **featur
         scales["dbias"] = float((abs_ds.sum(axis=summed) if summed else abs_ds).max())
         scales["delta:dbias"] = float((quadrature(dz_shift, summed) if summed else dz_shift).max())
     return scales
+
+
+def low_precision_gradients(do, q, k, v, **options) -> list:
+    """attention_reference_backward in the input's precision in both dense forms ("dense" and
+    "flash"), as one (dense, flash) pair per output, for check_error_rule."""
+    from cupy_flash.reference import attention_reference_backward
+
+    return list(zip(*(attention_reference_backward(do, q, k, v, upcast=False, rounding=form, **options)
+                      for form in ("dense", "flash"))))
 
 
 def max_finite_abs(x) -> float:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import cupy_flash
 from cupy_flash import attention_reference, attention_reference_backward
 from helpers import (DTYPES, NOTES, as_float64, bitwise, check_error_rule, count_example, gradient_term_scales,
-                     input_magnitude, max_finite_abs, poisoned_allocations, random_array, requires_gpu)
+                     input_magnitude, low_precision_gradients, max_finite_abs, poisoned_allocations, random_array, requires_gpu)
 
 pytestmark = requires_gpu
 
@@ -224,7 +224,7 @@ def _check_backward(p, deterministic):
     with poisoned_allocations():
         grads = cupy_flash.flash_backward(do, q, k, v, o, lse, deterministic=deterministic, return_dbias=return_dbias, **opts)
     exact = attention_reference_backward(do, q, k, v, return_dbias=return_dbias, **opts)
-    low = attention_reference_backward(do, q, k, v, upcast=False, return_dbias=return_dbias, **opts)
+    low = low_precision_gradients(do, q, k, v, return_dbias=return_dbias, **opts)
     context = describe(p) + f" deterministic={deterministic}"
     lse_magnitude = max_finite_abs(lse)
     term_scales = gradient_term_scales(do, q, k, v, **opts)
@@ -282,6 +282,10 @@ def few_key_sink_problems(draw):
 
 
 @given(few_key_sink_problems())
+# One key and a sink: the kernel's dV 1.5 ulp off against the dense form's lucky 0.5 ulp (the error
+# rule now takes the larger of two dense forms' errors; see helpers).
+@example(dict(features={"sink": [3.0]}, heads_kv=1, dtype="bfloat16", batch=1, heads=1, seqlen_q=1, seqlen_k=1,
+              head_dim=8, causal=False, softmax_scale=None, logit_std=0.3, seed=1))
 def test_backward_few_keys_with_sink(p):
     count_example("backward_few_keys_with_sink")
     _check_backward(p, deterministic=False)
@@ -361,7 +365,7 @@ def test_packed_batches_match_reference(p, deterministic):
     with poisoned_allocations():
         grads = cupy_flash.flash_backward(do, q, k, v, o, lse, deterministic=deterministic, **opts)
     exact = attention_reference_backward(do, q, k, v, **opts)
-    low = attention_reference_backward(do, q, k, v, upcast=False, **opts)
+    low = low_precision_gradients(do, q, k, v, **opts)
     assert len(grads) == len(exact)
     term_scales = _packed_term_scales(p, do, q, k, v, opts)
     for name, ours, x, e, lo in zip(("dq", "dk", "dv", "dsink"), grads, (q, k, v, None), exact, low):

@@ -214,3 +214,31 @@ def test_delta_term_leaves_the_rule_tight(features):
     for index, name in enumerate(("dq", "dk")):
         dense_error = float(numpy.abs(numpy.asarray(low[index], numpy.float64) - exact[index]).max())
         assert 0 < scales["delta:" + name] < 0.25 * dense_error, (name, scales["delta:" + name], dense_error)
+
+
+@pytest.mark.parametrize("features", [{}, {"sink": numpy.array([0.5, -1.0], numpy.float32)}, {"softcap": 5.0}])
+def test_flash_rounding_leaves_the_rule_tight(features):
+    """The error rule takes the larger error of the two dense forms (rounding="dense" and "flash");
+    on ordinary shapes the flash form (scores and dP kept in float32) must be the more accurate one,
+    so the rule there is the dense form's, as before."""
+    rng = numpy.random.default_rng(5)
+    q, k, v, do = (random_array(rng, (1, 200, 2, 64), "bfloat16", xp=numpy) for _ in range(4))
+    exact = attention_reference_backward(do, q, k, v, **features)
+    dense = attention_reference_backward(do, q, k, v, upcast=False, **features)
+    flash = attention_reference_backward(do, q, k, v, upcast=False, rounding="flash", **features)
+    for index, name in enumerate(("dq", "dk", "dv")):
+        dense_error, flash_error = (float(numpy.abs(numpy.asarray(x[index], numpy.float64) - exact[index]).max())
+                                    for x in (dense, flash))
+        assert 0 < flash_error < 0.8 * dense_error, (name, flash_error, dense_error)
+
+
+def test_flash_rounding_is_a_low_precision_form_only():
+    """upcast=True ignores rounding (float64 is the ground truth either way); an unknown form is a
+    ValueError naming it."""
+    rng = numpy.random.default_rng(6)
+    q, k, v, do = (random_array(rng, (2, 9, 2, 16), "float16", xp=numpy) for _ in range(4))
+    for a, b in zip(attention_reference_backward(do, q, k, v, causal=True),
+                    attention_reference_backward(do, q, k, v, causal=True, rounding="flash")):
+        assert numpy.array_equal(a, b)
+    with pytest.raises(ValueError, match="rounding"):
+        attention_reference_backward(do, q, k, v, upcast=False, rounding="fast")
