@@ -1,6 +1,7 @@
 """Decoding benchmark: one new query token against a K/V cache (bf16, d=128, 32 query heads).
 
     python -m bench.decode [--out DIR] [--lengths 4096 16384 ...] [--batches 1 8 64]
+    python -m bench.decode --sweep auto 8 16 32 64 128 --batches 1 [--lengths ...]
 
 Decoding is memory-bound, so the figure is bandwidth: bytes of K and V read per second, against
 the device's copy rate measured in the same run (a 1 GiB device-to-device copy: bytes read plus
@@ -124,12 +125,42 @@ def one_shape(batch, length, heads_kv, copies):
     return row
 
 
+def split_sweep(batch, length, heads_kv, splits, copies=4):
+    """GB/s of flash_decode at each forced num_splits (None: the automatic choice) on one shape:
+    the measurement behind choose_splits."""
+    group = HEADS // heads_kv
+    kv_bytes = 2 * batch * length * heads_kv * D * 2
+    q = random_bf16((batch, 1, HEADS, D), 0)
+    caches = [(random_bf16((batch, length, heads_kv, D), 2 * i + 1), random_bf16((batch, length, heads_kv, D), 2 * i + 2))
+              for i in range(copies)]
+    lengths = cupy.full((batch,), length, dtype=cupy.int32)
+    row = dict(batch=batch, cache_len=length, gqa=f"{group}:1")
+    for n in splits:
+        ms = cupy_graph_ms(lambda c: cupy_flash.flash_decode(q, c[0], c[1], cache_seqlens=lengths, num_splits=n), caches)
+        row[f"splits_{n}"] = kv_bytes / ms / 1e6
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", nargs="+", type=int, default=[4096, 16384, 32768, 65536, 131072])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--sweep", nargs="+", default=None, metavar="N",
+                        help="instead of the table: GB/s at each num_splits N ('auto': the automatic choice) "
+                             "for every batch, length and GQA 8:1 / 1:1")
     args = parser.parse_args()
+    if args.sweep:
+        splits = [None if n == "auto" else int(n) for n in args.sweep]
+        print(f"{'batch':>5} {'cache':>7} {'gqa':>4} " + " ".join(f"{n or 'auto':>7}" for n in splits) + "   (GB/s)")
+        for heads_kv in (HEADS // 8, HEADS):
+            for batch in args.batches:
+                for length in args.lengths:
+                    row = split_sweep(batch, length, heads_kv, splits)
+                    print(f"{batch:5d} {length:7d} {row['gqa']:>4} " + " ".join(f"{row[f'splits_{n}']:7.0f}" for n in splits),
+                          flush=True)
+                    cupy.get_default_memory_pool().free_all_blocks()
+        return
     copy = copy_rate_gbs()
     result = dict(device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), copy_gbs=copy, rows=[])
     print(f"copy rate {copy:.0f} GB/s (read + write)", flush=True)

@@ -101,18 +101,34 @@ def backward_tc_smem_bytes(tile: int, target: str = "sm8x") -> int:
 BACKWARD_BLOCKS = {32: (64, 64), 64: (32, 64), 96: (32, 32), 128: (32, 32),
                    160: (16, 16), 192: (16, 16), 224: (16, 16), 256: (16, 16)}
 
-# Decoding (decode.cu): 4 warps, each streaming its own 16-key tiles through 2 shared-memory stages
+# Decoding (decode.cu): 4 warps, each streaming its own 16-key tiles through its shared-memory stages
 # beside one 16-row Q tile; the epilogue reuses the stages for the warps' float32 O.
 DECODE_WARPS = 4
 DECODE_ROWS = 16                      # (token, query head) rows per block
 DECODE_KEYS_PER_CHUNK = 16 * DECODE_WARPS   # keys one pass of the block's warps covers
 
 
+SM_SHARED_BYTES = 227 * 1024               # per SM for blocks on sm_90 (sm_80: 163 KB)
+
+
+def decode_stages(tile: int) -> int:
+    """Shared-memory stages of each decode warp's tile pipeline (decode.cu's STAGES; three measured
+    no faster, see there)."""
+    return 2
+
+
 def decode_smem_bytes(tile: int) -> int:
     ld = tile + 8
-    loop = 2 * (DECODE_ROWS * ld + DECODE_WARPS * 2 * 2 * 16 * ld)
+    loop = 2 * (DECODE_ROWS * ld + DECODE_WARPS * decode_stages(tile) * 2 * 16 * ld)
     merge = 2 * DECODE_ROWS * ld + 4 * DECODE_WARPS * DECODE_ROWS * (tile + 4)
     return max(loop, merge)
+
+
+def decode_blocks_per_sm(tile: int) -> int:
+    """Decode blocks one SM holds: decode.cu's __launch_bounds__ minimum (registers), within what
+    shared memory allows."""
+    bound = 3 if tile <= 128 else 2
+    return max(1, min(bound, SM_SHARED_BYTES // (decode_smem_bytes(tile) + 1024)))
 
 
 # Row-wise kernels (preprocess, dQ convert): one warp per row.

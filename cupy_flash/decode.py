@@ -15,12 +15,30 @@ from ._params import as_argument, make_params
 from .preprocess import row_kernel_grid
 
 # A split covers at least this many keys: below it the partials' write and combine cost more than
-# the parallelism gains. Splits stop at MAX_SPLITS (the combine reads each split's lse per row).
-MIN_KEYS_PER_SPLIT = 256
+# the parallelism gains. num_splits= takes up to MAX_SPLITS; the automatic choice stops at
+# MAX_AUTO_SPLITS, since the combine's time grows with the splits: on the H100 (bench.decode
+# --sweep, bf16, d=128, one token, 32 query heads) 8 query heads per K/V head at batch 1 ran at
+# 2008 GB/s with 32 splits against 1876 with 64 and 1662 with 128 at 32k keys (and 727 against
+# 665 with 16 at 4k: 128 keys per split beat 256); 13 to 24 splits were within 3% of each other
+# wherever the work already gave 32 blocks without splitting.
+MIN_KEYS_PER_SPLIT = 128
+MAX_AUTO_SPLITS = 32
 MAX_SPLITS = 128
 # flash_forward takes the decode kernel when a K/V head's query rows (group x seqlen_q) fit in this
 # many 16-row blocks: the regular forward's 128-row blocks would be mostly padding.
 DECODE_MAX_ROWS = 32
+
+
+# The combine kernel: one block per row, each warp loading COMBINE_BATCH splits at a time.
+COMBINE_BATCH = 4           # mirrors decode.cu's flash_combine_kernel
+COMBINE_MAX_WARPS = 8       # decode.cu's MAX_WARPS
+
+
+def combine_launch(rows: int, splits: int) -> tuple[tuple[int], tuple[int]]:
+    """(grid, block) of flash_combine_kernel: one block per row (the kernel loops past the grid),
+    as many warps as keep each one COMBINE_BATCH splits deep, up to COMBINE_MAX_WARPS."""
+    warps = min(COMBINE_MAX_WARPS, max(1, -(-splits // COMBINE_BATCH)))
+    return (min(rows, 2**31 - 1),), (32 * warps,)
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,12 +50,12 @@ def _sm_count(device: int) -> int:
 
 def choose_splits(work_units: int, keys: int, tile: int, device: int) -> int:
     """Splits of the keys so that about one wave of blocks fills the GPU: the SM count times the
-    blocks each SM holds (registers: 3 at head_dim <= 128, 2 above), over the blocks without
-    splitting, each split keeping MIN_KEYS_PER_SPLIT keys or more."""
-    slots = _sm_count(device) * (3 if tile <= 128 else 2)
+    blocks each SM holds (_traits.decode_blocks_per_sm), over the blocks without
+    splitting, each split keeping MIN_KEYS_PER_SPLIT keys or more, at most MAX_AUTO_SPLITS."""
+    slots = _sm_count(device) * _traits.decode_blocks_per_sm(tile)
     if work_units >= slots // 2:
         return 1
-    return max(1, min(-(-slots // work_units), keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(-(-slots // work_units), keys // MIN_KEYS_PER_SPLIT, MAX_AUTO_SPLITS))
 
 
 def _split_layout(num_splits: int, keys: int) -> tuple[int, int]:
@@ -115,7 +133,7 @@ def launch_decode(q, k, v, shape, scale, variant, num_splits=None, *, cache=None
     kernel((grid,), (32 * _traits.DECODE_WARPS,), (argument,), shared_mem=smem)
     if partial_lse is not None:
         combine = get_kernel(rows_spec, rows_spec.combine_kernel("float32"))
-        combine((row_kernel_grid(shape.batch * shape.seqlen_q * shape.heads),), (_traits.ROW_KERNEL_THREADS,), (argument,))
+        combine(*combine_launch(shape.batch * shape.seqlen_q * shape.heads, num_splits), (argument,))
     return o, lse
 
 
@@ -331,5 +349,5 @@ def merge_attention_states(outputs, lses):
         kernel = get_kernel(spec, spec.combine_kernel(kind))
         rows = batch * seqlen_q * heads
         if rows:
-            kernel((row_kernel_grid(rows),), (_traits.ROW_KERNEL_THREADS,), (as_argument(params),))
+            kernel(*combine_launch(rows, count), (as_argument(params),))
         return o, lse

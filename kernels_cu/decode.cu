@@ -65,6 +65,9 @@ template <typename T, int D_TILE, int NUM_WARPS, bool IS_CAUSAL, int FEATURES>
 __global__ void __launch_bounds__(32 * NUM_WARPS, D_TILE > 128 ? 2 : 3) flash_decode_kernel(const FlashParams p) {
     constexpr int ROWS = 16;                 // (token, head) rows per block: one m16 tile
     constexpr int KEYS = 16;                 // keys per warp tile: one k16 step of P V
+    // Tiles in flight per warp (_traits.decode_stages mirrors it). Three stages (two blocks per SM
+    // instead of three at head_dim 128) measured no faster for 8 query heads per K/V head at batch 1
+    // (1979 against 1986 GB/s at 32k keys) and slower elsewhere (1:1 batch 1: 8%, GQA batch 8: 5%).
     constexpr int STAGES = 2;
     constexpr int LD = D_TILE + 8;           // padded pitch (see forward_tc.cu)
     constexpr int O_TILES = D_TILE / 8;
@@ -168,15 +171,19 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, D_TILE > 128 ? 2 : 3) flash_de
     const float score_log2 = score_to_log2<FEATURES>(p);
     const unsigned int q_lane = smem_addr(q_tile) + a_frag_lane<LD>(lane);
 
-    if (first_tile < key_end) load_tile(first_tile, 0);
-    cp_async_commit();
-    cp_async_wait<1>();   // the Q group (committed first) landed for this thread ...
-    __syncthreads();      // ... and for the block: every warp reads all of Q
-    int stage = 0;
-    for (int tile_start = first_tile; tile_start < key_end; tile_start += TILE_STEP, stage ^= 1) {
-        if (tile_start + TILE_STEP < key_end) load_tile(tile_start + TILE_STEP, stage ^ 1);
+#pragma unroll
+    for (int ahead = 0; ahead < STAGES - 1; ++ahead) {   // one commit group per tile, empty or not
+        if (first_tile + ahead * TILE_STEP < key_end) load_tile(first_tile + ahead * TILE_STEP, ahead);
         cp_async_commit();
-        cp_async_wait<1>();   // this tile landed for this thread
+    }
+    cp_async_wait<STAGES - 1>();   // the Q group (committed first) landed for this thread ...
+    __syncthreads();               // ... and for the block: every warp reads all of Q
+    int stage = 0;
+    for (int tile_start = first_tile; tile_start < key_end; tile_start += TILE_STEP, stage = (stage + 1) % STAGES) {
+        const int ahead_start = tile_start + (STAGES - 1) * TILE_STEP;
+        if (ahead_start < key_end) load_tile(ahead_start, (stage + STAGES - 1) % STAGES);
+        cp_async_commit();
+        cp_async_wait<STAGES - 1>();   // this tile landed for this thread
         __syncwarp();         // ... and for the whole warp
         const unsigned int k_lane = smem_addr(my_tiles + stage * 2 * TILE_ELEMS) + b_frags_lane<LD>(lane);
         const unsigned int v_lane = smem_addr(my_tiles + stage * 2 * TILE_ELEMS + TILE_ELEMS) + b_frags_trans_lane<LD>(lane);
@@ -326,29 +333,73 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, D_TILE > 128 ? 2 : 3) flash_de
     }
 }
 
-// One warp per (batch, token, head) row: the splits' lse merged in float32 (a split that saw no key
-// has lse -inf and weight 0; a row no split saw gets lse -inf and O = 0), then O as the weighted sum.
+// Four consecutive columns as float32: a 16-byte load of floats, an 8-byte load of 16-bit values.
+__device__ __forceinline__ float4 load_vector4(const float* at) { return *reinterpret_cast<const float4*>(at); }
+template <typename T16>
+__device__ __forceinline__ float4 load_vector4(const T16* at) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(at);
+    return make_float4(to_float(T16{(unsigned short)(raw.x & 0xffffu)}), to_float(T16{(unsigned short)(raw.x >> 16)}),
+                       to_float(T16{(unsigned short)(raw.y & 0xffffu)}), to_float(T16{(unsigned short)(raw.y >> 16)}));
+}
+
+// Partial columns c..c+3 of one row (vector loads when head_dim is a multiple of 4, so every row
+// starts aligned; element loads otherwise); columns past head_dim read as 0.
+template <typename T_IN>
+__device__ __forceinline__ float4 load_four(const T_IN* row, int c, int head_dim, bool vectors) {
+    if (vectors) return c < head_dim ? load_vector4(row + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+    float f[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) f[e] = c + e < head_dim ? to_float(row[c + e]) : 0.f;
+    return make_float4(f[0], f[1], f[2], f[3]);
+}
+
+// One block per (batch, token, head) row, its blockDim.x / 32 warps (1 to 8, chosen by the launch
+// from the number of splits) taking interleaved splits. The splits' lse is merged in float32 (a split
+// that saw no key has lse -inf and weight 0; a row no split saw gets lse -inf and O = 0), then O as
+// the weighted sum. Each lane holds four columns (two passes above 128), and each warp loads
+// COMBINE_BATCH splits before it accumulates any, so loads overlap: one warp per row walking the
+// splits one by one waited on memory once per split (57 us for 86 splits, 8 query heads per K/V
+// head at 32k keys, against 34 us for the decode kernel itself).
 // Partials are T_IN, contiguous (splits, batch, seqlen_q, heads, head_dim); lse_partial (splits,
 // batch, heads, seqlen_q). With p.sink the sink's logit joins the merged row (FEATURE_SINK).
 template <typename T_IN, typename T_OUT>
-__global__ void flash_combine_kernel(const FlashParams p) {
-    constexpr int MAX_COLUMNS = 256 / 32;   // head_dim <= 256: at most 8 columns per lane
-    const int lane = threadIdx.x & 31;
+__global__ void __launch_bounds__(256) flash_combine_kernel(const FlashParams p) {
+    constexpr int PASSES = 256 / 128;        // head_dim <= 256: 4 columns per lane per pass
+    constexpr int COMBINE_BATCH = 4;
+    constexpr int MAX_WARPS = 8;
+    __shared__ float4 warp_sums[MAX_WARPS][PASSES][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int head_dim = (int)p.head_dim;
+    const bool vectors = (head_dim & 3) == 0;
     const long long rows = p.batch * p.seqlen_q * p.heads;
     const long long row_elems = rows * p.head_dim;
     const long long lse_split_stride = p.batch * p.heads * p.seqlen_q;
-    for (long long r = first_row_of_warp(); r < rows; r += rows_per_grid()) {
+    const int splits = (int)p.num_splits;
+    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {   // uniform over the block
         const RowIndex at = row_index(p, r);
         const float* lse_row = p.lse_partial + (at.b * p.heads + at.h) * p.seqlen_q + at.row;
-        float best = FLASH_NEG_INF;
-        for (long long s = lane; s < p.num_splits; s += 32) best = fmaxf(best, lse_row[s * lse_split_stride]);
+        // logsumexp of the splits' lse in one pass (each lane a running max and sum, then merged),
+        // loading 4 splits per lane at a time (all of them for the decode's 128 at most).
+        float best = FLASH_NEG_INF, total = 0.f;
+        for (int s0 = lane; s0 < splits; s0 += 4 * 32) {
+            float lse_s[4];
 #pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) best = fmaxf(best, __shfl_xor_sync(0xffffffffu, best, offset));
-        float total = 0.f;
-        if (best != FLASH_NEG_INF)
-            for (long long s = lane; s < p.num_splits; s += 32) total += expf(lse_row[s * lse_split_stride] - best);
+            for (int i = 0; i < 4; ++i) lse_s[i] = s0 + 32 * i < splits ? lse_row[(s0 + 32 * i) * lse_split_stride] : FLASH_NEG_INF;
 #pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) total += __shfl_xor_sync(0xffffffffu, total, offset);
+            for (int i = 0; i < 4; ++i) {
+                if (lse_s[i] == FLASH_NEG_INF) continue;
+                if (lse_s[i] > best) { total = total * expf(best - lse_s[i]) + 1.f; best = lse_s[i]; }
+                else total += expf(lse_s[i] - best);
+            }
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            const float other_best = __shfl_xor_sync(0xffffffffu, best, offset);
+            const float other_total = __shfl_xor_sync(0xffffffffu, total, offset);
+            const float joined = fmaxf(best, other_best);
+            total = (total > 0.f ? total * expf(best - joined) : 0.f) + (other_total > 0.f ? other_total * expf(other_best - joined) : 0.f);
+            best = joined;
+        }
         float lse = best == FLASH_NEG_INF ? FLASH_NEG_INF : best + logf(total);
         float shrink = 1.f;   // exp(lse - lse with the sink)
         if (p.sink != nullptr) {
@@ -356,28 +407,59 @@ __global__ void flash_combine_kernel(const FlashParams p) {
             lse = joined.x;
             shrink = joined.y;
         }
-        float acc[MAX_COLUMNS];
+        float4 acc[PASSES];
 #pragma unroll
-        for (int i = 0; i < MAX_COLUMNS; ++i) acc[i] = 0.f;
+        for (int i = 0; i < PASSES; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
         const T_IN* o_row = static_cast<const T_IN*>(p.o_partial) + r * p.head_dim;
         if (best != FLASH_NEG_INF) {
-            for (long long s = 0; s < p.num_splits; ++s) {
-                const float lse_s = lse_row[s * lse_split_stride];
-                if (lse_s == FLASH_NEG_INF) continue;
-                const float weight = expf(lse_s - best) / total * shrink;
+            const float scale = shrink / total;
+            for (int s0 = warp; s0 < splits; s0 += COMBINE_BATCH * warps) {
+                float lse_s[COMBINE_BATCH];
+                float4 part[COMBINE_BATCH][PASSES];
 #pragma unroll
-                for (int i = 0; i < MAX_COLUMNS; ++i) {
-                    const int c = lane + 32 * i;
-                    if (c < p.head_dim) acc[i] += weight * to_float(o_row[s * row_elems + c]);
+                for (int i = 0; i < COMBINE_BATCH; ++i) {
+                    const int s = s0 + i * warps;
+                    lse_s[i] = s < splits ? lse_row[s * lse_split_stride] : FLASH_NEG_INF;
+#pragma unroll
+                    for (int pass = 0; pass < PASSES; ++pass)
+                        part[i][pass] = load_four(o_row + (s < splits ? s : 0) * row_elems, 128 * pass + 4 * lane,
+                                                  head_dim, vectors);
+                }
+#pragma unroll
+                for (int i = 0; i < COMBINE_BATCH; ++i) {
+                    // A split with no key weighs exactly 0, whatever its O holds (merge inputs may be NaN).
+                    if (lse_s[i] == FLASH_NEG_INF) continue;
+                    const float weight = expf(lse_s[i] - best) * scale;
+#pragma unroll
+                    for (int pass = 0; pass < PASSES; ++pass) {
+                        acc[pass].x += weight * part[i][pass].x;
+                        acc[pass].y += weight * part[i][pass].y;
+                        acc[pass].z += weight * part[i][pass].z;
+                        acc[pass].w += weight * part[i][pass].w;
+                    }
                 }
             }
         }
-        T_OUT* out = static_cast<T_OUT*>(p.o) + tensor_offset(p.o_strides, at.b, at.row, at.h);
 #pragma unroll
-        for (int i = 0; i < MAX_COLUMNS; ++i) {
-            const int c = lane + 32 * i;
-            if (c < p.head_dim) out[c] = from_float<T_OUT>(acc[i]);
+        for (int pass = 0; pass < PASSES; ++pass) warp_sums[warp][pass][lane] = acc[pass];
+        __syncthreads();
+        if (warp == 0) {
+            T_OUT* out = static_cast<T_OUT*>(p.o) + tensor_offset(p.o_strides, at.b, at.row, at.h);
+#pragma unroll
+            for (int pass = 0; pass < PASSES; ++pass) {
+                float4 sum = warp_sums[0][pass][lane];
+                for (int w = 1; w < warps; ++w) {
+                    const float4 more = warp_sums[w][pass][lane];
+                    sum.x += more.x; sum.y += more.y; sum.z += more.z; sum.w += more.w;
+                }
+                const float f[4] = {sum.x, sum.y, sum.z, sum.w};
+                const int c = 128 * pass + 4 * lane;
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (c + e < head_dim) out[c + e] = from_float<T_OUT>(f[e]);
+            }
+            if (lane == 0) p.lse[at.b * p.lse_batch_stride + at.h * p.lse_head_stride + at.row] = lse;
         }
-        if (lane == 0) p.lse[at.b * p.lse_batch_stride + at.h * p.lse_head_stride + at.row] = lse;
+        __syncthreads();   // warp_sums is rewritten by the next row
     }
 }

@@ -53,6 +53,21 @@ def test_decode_bad_arguments(label, change, error, message):
         cupy_flash.flash_decode(arrays.pop("q"), arrays.pop("k_cache"), arrays.pop("v_cache"), **arrays)
 
 
+def test_choose_splits(monkeypatch):
+    """The automatic split count on a 132-SM GPU: about one wave of blocks (three per SM at head_dim
+    128, one at 256 by shared memory), 128 keys or more per split, at most MAX_AUTO_SPLITS (the combine's cost grows
+    with the splits); none once the work alone fills half the slots."""
+    from cupy_flash import decode
+
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    assert decode.choose_splits(4, 32768, 128, 0) == decode.MAX_AUTO_SPLITS == 32   # GQA 8:1, batch 1
+    assert decode.choose_splits(32, 32768, 128, 0) == 13                             # 1:1, batch 1
+    assert decode.choose_splits(4, 1000, 128, 0) == 7                                # 128+ keys each
+    assert decode.choose_splits(4, 100, 128, 0) == 1
+    assert decode.choose_splits(32, 32768, 256, 0) == 5                              # 1 block per SM
+    assert decode.choose_splits(198, 32768, 128, 0) == 1
+
+
 @pytest.mark.parametrize("num_splits, error", [(0, ValueError), (1000, ValueError), (2.0, TypeError), (True, TypeError)])
 def test_num_splits_checked(num_splits, error):
     arrays = decode_arrays()
@@ -279,6 +294,40 @@ def test_merge_equals_attention_over_the_union(dtype):
     low = attention_reference(q, k, v, upcast=False)
     # Each partial was rounded to the dtype once before the merge, as a dense reference's o is.
     check_error_rule("merge o", merged, exact[0], low[0], dtype)
+    check_error_rule("merge lse", merged_lse, exact[1], low[1], dtype, max_finite_abs(exact[1]))
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype, head_dim, count", [("float32", 7, 130), ("float16", 200, 37), ("bfloat16", 64, 3)])
+def test_merge_many_partials(dtype, head_dim, count):
+    """Many partials (more than one round of the combine's warps, past 128), head dims off the
+    vector path (7) and past one pass of columns (200); an empty set's O is NaN and must weigh 0."""
+    import cupy
+
+    from cupy_flash.reference import round_to_dtype
+
+    rng = numpy.random.default_rng(count)
+    batch, seqlen_q, heads = 1, 3, 2
+    seqlen_k = 2 * count
+    q = random_array(rng, (batch, seqlen_q, heads, head_dim), dtype, 1.5)
+    k = random_array(rng, (batch, seqlen_k, heads, head_dim), dtype, 1.5)
+    v = random_array(rng, (batch, seqlen_k, heads, head_dim), dtype)
+    cuts = numpy.concatenate([[0, 0], numpy.sort(rng.choice(numpy.arange(1, seqlen_k), count - 2, replace=False)), [seqlen_k]])
+    outputs, lses = [], []
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        if hi == lo:
+            outputs.append(cupy.full(q.shape, numpy.nan, cupy.float32).astype(q.dtype))
+            lses.append(cupy.full((batch, heads, seqlen_q), -numpy.inf, cupy.float32))
+            continue
+        o, lse = attention_reference(q, k[:, lo:hi], v[:, lo:hi])
+        outputs.append(cupy.asarray(round_to_dtype(o, q.dtype, cupy)).astype(q.dtype))
+        lses.append(lse.astype(cupy.float32))
+    assert len(outputs) == count
+    with poisoned_allocations():
+        merged, merged_lse = cupy_flash.merge_attention_states(outputs, lses)
+    exact = attention_reference(q, k, v)
+    low = attention_reference(q, k, v, upcast=False)
+    check_error_rule("merge o", merged, exact[0], low[0], f"{dtype} d={head_dim} count={count}")
     check_error_rule("merge lse", merged_lse, exact[1], low[1], dtype, max_finite_abs(exact[1]))
 
 
