@@ -13,6 +13,7 @@ from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, get_kernel
 from ._features import DECODE_FEATURES, check_variant
 from ._params import as_argument, make_params
 from .preprocess import row_kernel_grid
+from ._streams import on_stream
 
 # A split covers at least this many keys: below it the partials' write and combine cost more than
 # the parallelism gains. num_splits= takes up to MAX_SPLITS; the automatic choice stops at
@@ -222,6 +223,7 @@ def _in_place_ready(name, x):
     return x
 
 
+@on_stream
 def flash_decode(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
                  softmax_scale=None, causal=False, window_size=None, softcap=0.0, alibi_slopes=None, sink=None,
                  num_splits=None):
@@ -247,6 +249,10 @@ def flash_decode(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, 
     (default: chosen from the SM count and the work, sized for the capacity).
 
     Returns (o, lse): o like q; lse float32 (batch, heads_q, seqlen_q).
+
+    ``stream``: run on this stream instead of CuPy's current one (a cupy.cuda.Stream, a
+    torch.cuda.Stream, anything with ``__cuda_stream__``, or a cudaStream_t int); work queued there
+    before the call comes first.
     """
     shape, page_shift = check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     scale = _checks.check_softmax_scale(softmax_scale, shape.head_dim)
@@ -317,6 +323,7 @@ def check_merge(outputs, lses):
     return len(outputs), first.shape, kind
 
 
+@on_stream
 def merge_attention_states(outputs, lses):
     """Exact attention over the union of disjoint key sets from each set's (o, lse):
     ``lse = logsumexp_s lse_s``, ``o = sum_s exp(lse_s - lse) o_s``. A partial with lse -inf (no key)
@@ -325,7 +332,12 @@ def merge_attention_states(outputs, lses):
     outputs: list of (batch, seqlen_q, heads, head_dim) arrays of one dtype (float16, bfloat16,
     float32); lses: list of float32 (batch, heads, seqlen_q). Returns (o, lse) in that dtype and
     float32. The building block of split-KV decoding, cascade attention over a shared prefix and
-    context-parallel attention. The partials are stacked once (a copy of their size)."""
+    context-parallel attention. The partials are stacked once (a copy of their size).
+
+    ``stream``: run on this stream instead of CuPy's current one (a cupy.cuda.Stream, a
+    torch.cuda.Stream, anything with ``__cuda_stream__``, or a cudaStream_t int); work queued there
+    before the call comes first.
+    """
     import cupy
 
     count, shape4, kind = check_merge(outputs, lses)

@@ -6,6 +6,7 @@ from . import _checks, _traits
 from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, tensor_core_target, get_kernel
 from ._params import as_argument, make_params
 from .decode import check_num_splits, launch_decode, uses_split_path
+from ._streams import on_stream
 
 
 def launch_forward(q, k, v, shape, scale, variant):
@@ -42,6 +43,7 @@ def launch_forward(q, k, v, shape, scale, variant):
     return o, lse
 
 
+@on_stream
 def flash_forward(q, k, v, *, softmax_scale=None, causal=False, num_splits=None, **features):
     """Exact attention ``softmax(softmax_scale * q k^T) v`` without materialising the scores.
 
@@ -74,6 +76,10 @@ def flash_forward(q, k, v, *, softmax_scale=None, causal=False, num_splits=None,
     Returns ``(o, lse)``: o like q; lse float32 (batch, heads_q, seqlen_q) (packed: (heads_q,
     total_q)), the natural-log logsumexp of the logits (the sink included), -inf (with o = 0) for
     a row that sees no key.
+
+    ``stream``: run on this stream instead of CuPy's current one (a cupy.cuda.Stream, a
+    torch.cuda.Stream, anything with ``__cuda_stream__``, or a cudaStream_t int); work queued there
+    before the call comes first.
     """
     _checks.check_no_extra_options("flash_forward", features)
     num_splits = check_num_splits(num_splits)
@@ -86,6 +92,7 @@ def flash_forward(q, k, v, *, softmax_scale=None, causal=False, num_splits=None,
         return launch_forward(q, k, v, shape, scale, variant)
 
 
+@on_stream
 def flash_attention(q, k, v, **options):
     """``flash_forward(...)[0]``: the attention output only."""
     return flash_forward(q, k, v, **options)[0]

@@ -1,0 +1,47 @@
+"""The ``stream=`` argument of every public function.
+
+Kernels run on CuPy's current stream. ``stream=`` names another for one call: a
+``cupy.cuda.Stream``, a PyTorch ``torch.cuda.Stream`` (or any object with a ``cuda_stream`` pointer
+or the ``__cuda_stream__`` protocol), or a raw ``cudaStream_t`` as an int. The call's inputs are
+taken (DLPack waits on the producer for the consumer's stream), its kernels launched and its
+outputs allocated on that stream, so work queued there before the call is ordered before it.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+
+def as_cupy_stream(stream):
+    """A CuPy stream for ``stream`` (None: None, the current stream), or TypeError naming it."""
+    import cupy
+
+    if stream is None or isinstance(stream, cupy.cuda.Stream | cupy.cuda.ExternalStream):
+        return stream
+    if hasattr(stream, "__cuda_stream__"):        # the CUDA stream protocol: (version, pointer)
+        pointer = stream.__cuda_stream__()[1]
+    elif hasattr(stream, "cuda_stream"):          # torch.cuda.Stream, numba streams
+        pointer = stream.cuda_stream
+    elif isinstance(stream, numbers.Integral) and not isinstance(stream, bool):
+        pointer = stream
+    else:
+        raise TypeError(f"stream must be a cupy.cuda.Stream, a torch.cuda.Stream, an object with "
+                        f"__cuda_stream__ or a cudaStream_t int, got {type(stream).__name__}")
+    if int(pointer) == 0:
+        return cupy.cuda.Stream.null
+    return cupy.cuda.ExternalStream(int(pointer))
+
+
+def on_stream(function):
+    """Give ``function`` a ``stream=None`` keyword: the body runs with that stream current."""
+
+    @functools.wraps(function)
+    def wrapper(*args, stream=None, **kwargs):
+        chosen = as_cupy_stream(stream)
+        if chosen is None:
+            return function(*args, **kwargs)
+        with chosen:
+            return function(*args, **kwargs)
+
+    return wrapper

@@ -1,0 +1,165 @@
+"""Fitting into pipelines: stream=, CUDA graphs of forward + backward, flash_vjp, the PyTorch adapter."""
+
+import numpy
+import pytest
+
+import cupy_flash
+from cupy_flash import attention_reference
+from helpers import HAS_GPU, as_float64, bitwise, check_error_rule, max_finite_abs, random_array, requires_gpu
+
+
+@pytest.mark.parametrize("stream, message", [("s", "stream must be"), (1.5, "stream must be"), (True, "stream must be")])
+def test_bad_stream_named(stream, message):
+    """A bad stream is a TypeError naming it, before any input is looked at."""
+    q = numpy.zeros((1, 4, 1, 8), numpy.float16)
+    for call in (lambda: cupy_flash.flash_forward(q, q, q, stream=stream),
+                 lambda: cupy_flash.flash_backward(q, q, q, q, q, numpy.zeros((1, 1, 4), numpy.float32), stream=stream),
+                 lambda: cupy_flash.flash_vjp(q, q, q, stream=stream),
+                 lambda: cupy_flash.merge_attention_states([q], [numpy.zeros((1, 1, 4), numpy.float32)], stream=stream)):
+        with pytest.raises(TypeError, match=message):
+            call()
+
+
+def test_flash_vjp_checks_before_launch():
+    q = numpy.zeros((1, 4, 1, 8), numpy.float16)
+    with pytest.raises(TypeError, match="q is a NumPy array"):
+        cupy_flash.flash_vjp(q, q, q, causal=True)
+    if HAS_GPU:
+        import cupy
+
+        g = cupy.zeros((1, 4, 1, 8), cupy.float16)
+        with pytest.raises(TypeError, match="unsupported keyword argument.*casual"):
+            cupy_flash.flash_vjp(g, g, g, casual=True)
+
+
+def _inputs(seed, dtype="bfloat16", shape=(2, 300, 4, 64), heads_kv=2):
+    rng = numpy.random.default_rng(seed)
+    q = random_array(rng, shape, dtype)
+    k = random_array(rng, (shape[0], shape[1], heads_kv, shape[3]), dtype)
+    v = random_array(rng, (shape[0], shape[1], heads_kv, shape[3]), dtype)
+    do = random_array(rng, shape, dtype)
+    return q, k, v, do
+
+
+@requires_gpu
+def test_flash_vjp_equals_forward_and_backward():
+    import cupy
+
+    q, k, v, do = _inputs(1)
+    sink = cupy.asarray([0.5, -1.0, 0.0, 2.0], dtype=cupy.float32)
+    o, pullback = cupy_flash.flash_vjp(q, k, v, causal=True, sink=sink)
+    o_ref, lse = cupy_flash.flash_forward(q, k, v, causal=True, sink=sink)
+    assert bool((bitwise(o) == bitwise(o_ref)).all())
+    grads = pullback(do, deterministic=True)
+    expected = cupy_flash.flash_backward(do, q, k, v, o_ref, lse, causal=True, sink=sink, deterministic=True)
+    assert len(grads) == 4
+    for ours, theirs in zip(grads, expected):
+        assert bool((bitwise(ours) == bitwise(theirs)).all())
+
+
+@requires_gpu
+def test_cupy_stream_orders_the_call():
+    """Inputs written on a non-blocking stream behind a slow kernel: the call on that stream sees
+    the new values (on another stream it could read the old ones)."""
+    import cupy
+
+    q, k, v, _ = _inputs(2)
+    fresh = random_array(numpy.random.default_rng(3), q.shape, "bfloat16")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()
+    with stream:
+        busy = cupy.ones((1 << 26,), cupy.float32)
+        for _ in range(20):
+            busy = busy * 1.0001   # keep the stream busy before q changes
+        q.view(cupy.uint16)[...] = fresh.view(cupy.uint16)
+    o, _ = cupy_flash.flash_forward(q, k, v, stream=stream)
+    stream.synchronize()
+    check_error_rule("o", o, attention_reference(fresh, k, v)[0], attention_reference(fresh, k, v, upcast=False)[0], "stream")
+
+
+@requires_gpu
+def test_torch_stream_orders_the_call():
+    """The same on a PyTorch stream, inputs as torch tensors (DLPack, no copy): ordering is kept."""
+    torch = pytest.importorskip("torch")
+    import cupy
+
+    q, k, v, do = _inputs(4, "float16")
+    tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+    fresh = torch.randn(tq.shape, device=tq.device, dtype=torch.float16)
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(20_000_000)   # ~10 ms of GPU time queued before q changes
+        tq.copy_(fresh)
+    o, lse = cupy_flash.flash_forward(tq, tk, tv, stream=side)
+    grads = cupy_flash.flash_backward(do, tq, tk, tv, o, lse, stream=side)
+    side.synchronize()
+    q_new = cupy.from_dlpack(fresh.detach())
+    check_error_rule("o", o, attention_reference(q_new, k, v)[0], attention_reference(q_new, k, v, upcast=False)[0], "torch stream")
+    from cupy_flash._checks import as_gpu_array
+
+    assert as_gpu_array("q", tq).data.ptr == tq.data_ptr()   # a torch tensor is taken without a copy
+    assert all(bool(cupy.isfinite(g).all()) for g in grads)
+
+
+@requires_gpu
+def test_forward_backward_graph_replay_matches_eager():
+    """flash_forward and flash_backward captured in one CUDA graph and replayed on new inputs
+    written into the captured buffers give bitwise what eager calls give."""
+    import cupy
+
+    q, k, v, do = _inputs(5)
+    rng = numpy.random.default_rng(6)
+    stream = cupy.cuda.Stream()
+    with stream:
+        def step():
+            o, lse = cupy_flash.flash_forward(q, k, v, causal=True)
+            return (o, lse) + tuple(cupy_flash.flash_backward(do, q, k, v, o, lse, causal=True, deterministic=True))
+
+        step()   # compile and warm the pool before capture
+        stream.synchronize()
+        stream.begin_capture()
+        captured = step()
+        graph = stream.end_capture()
+        for trial in range(2):
+            for x in (q, k, v, do):
+                x.view(cupy.uint16)[...] = random_array(rng, x.shape, "bfloat16").view(cupy.uint16)
+            graph.launch()
+            eager = step()
+            stream.synchronize()
+            for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), captured, eager):
+                assert bool((bitwise(a) == bitwise(b)).all()), f"trial {trial}: {name}"
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_torch_adapter_matches_sdpa(dtype):
+    """flash_attn_func's values and gradients against PyTorch SDPA (math, float64 as the truth):
+    our error at most twice SDPA's own in the dtype (causal, GQA 4:1, a ragged length)."""
+    torch = pytest.importorskip("torch")
+    from cupy_flash.torch_adapter import flash_attn_func
+
+    torch_dtype = getattr(torch, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    b, n, h, h_kv, d = 2, 257, 8, 2, 64
+    q = torch.randn(b, n, h, d, device="cuda", dtype=torch_dtype, generator=gen).requires_grad_()
+    k = torch.randn(b, n, h_kv, d, device="cuda", dtype=torch_dtype, generator=gen).requires_grad_()
+    v = torch.randn(b, n, h_kv, d, device="cuda", dtype=torch_dtype, generator=gen).requires_grad_()
+    do = torch.randn(b, n, h, d, device="cuda", dtype=torch_dtype, generator=gen)
+
+    def sdpa(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True).transpose(1, 2)
+
+    results = {}
+    for name, fn, cast in (("ours", flash_attn_func, None), ("sdpa", sdpa, None), ("exact", sdpa, torch.float64)):
+        leaves = [x.detach().to(cast or x.dtype).requires_grad_() for x in (q, k, v)]
+        o = fn(*leaves, causal=True) if name == "ours" else fn(*leaves)
+        o.backward(do.to(cast or do.dtype))
+        results[name] = [o.detach()] + [x.grad for x in leaves]
+    for i, label in enumerate(("o", "dq", "dk", "dv")):
+        exact = results["exact"][i]
+        ours_err = (results["ours"][i].double() - exact).abs().max().item()
+        sdpa_err = (results["sdpa"][i].double() - exact).abs().max().item()
+        assert results["ours"][i].dtype == torch_dtype and results["ours"][i].shape == exact.shape
+        assert ours_err <= 2 * sdpa_err + 1e-5 * max(1.0, exact.abs().max().item()), (label, ours_err, sdpa_err)
