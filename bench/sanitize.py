@@ -2,11 +2,10 @@
 shapes: the workload compute-sanitizer's memcheck and racecheck run over."""
 
 import cupy
+import ml_dtypes
 import numpy
 
 import cupy_flash
-
-import ml_dtypes
 
 rng = numpy.random.default_rng(0)
 for dtype in (numpy.float16, ml_dtypes.bfloat16, numpy.float32):

@@ -44,7 +44,8 @@ def main(family, dtype, tile, arch, features="0"):
             sass = sass.replace(".text.", "Function : ")
     for function in sass.split("Function : ")[1:]:
         name = function.split("\n", 1)[0].strip()
-        ops = collections.Counter(m.split(".")[0] for m in re.findall(r"(?:/\*[0-9a-f]{4}\*/|^)\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]{2,})\b", function, re.M))
+        opcode = r"(?:/\*[0-9a-f]{4}\*/|^)\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]{2,})\b"
+        ops = collections.Counter(m.split(".")[0] for m in re.findall(opcode, function, re.M))
         wide = len(re.findall(r"LDG\.E\.128|LDGSTS\.E\.BYPASS\.LTC128B\.128|LDGSTS\.E\.128|STG\.E\.128", function))
         keys = ["HMMA", "LDSM", "LDGSTS", "LDS", "STS", "LDG", "STG", "MUFU", "FFMA", "BAR", "LDL", "STL"]
         print(name[:90])

@@ -42,7 +42,8 @@ def main():
             errs = [maxerr(g, r) for g, r in zip((dq, dk, dv), rg)]
             errs2 = [maxerr(g, r) for g, r in zip((dq2, dk2, dv2), rg)]
             lows = [float(cupy.abs(l - r).max()) for l, r in zip(lg, rg)]
-            ok = lse_ok and eo <= 2 * elow + 1e-5 and all(e <= 2 * l + 1e-5 * (1 + float(cupy.abs(r).max())) for e, l, r in zip(errs + errs2, lows + lows, rg + rg))
+            ok = lse_ok and eo <= 2 * elow + 1e-5 and all(e <= 2 * l + 1e-5 * (1 + float(cupy.abs(r).max()))
+                                                          for e, l, r in zip(errs + errs2, lows + lows, rg + rg))
             bad += not ok
             print(f"{name:8s} b{b} nq{nq} nk{nk} h{h} d{d} c{int(causal)} o {eo:.2e}/{elow:.2e} lse {else_:.1e} "
                   f"grads {' '.join(f'{e:.1e}' for e in errs)} det {' '.join(f'{e:.1e}' for e in errs2)} "

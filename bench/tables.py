@@ -24,7 +24,8 @@ def tables(result) -> str:
             for n in seqlens:
                 cells = []
                 for d, c in columns:
-                    row = next((r for r in rows if (r["dtype"], r["head_dim"], r["seqlen"], r["causal"]) == (dtype, d, n, c)), None)
+                    row = next((r for r in rows if (r["dtype"], r["head_dim"], r["seqlen"], r["causal"]) == (dtype, d, n, c)),
+                               None)
                     if row is None:
                         cells.append("")
                         continue

@@ -209,17 +209,70 @@ def get_kernel(spec: ModuleSpec, name: str, smem_bytes: int = 0):
         return function
     with _lock:
         module = _modules.get((spec, device))
-        if module is None:
+        new_module = module is None
+        if new_module:
             log.info("preparing %s on device %d: compiled on first use, then cached on disk",
                      spec.describe(), device)
             module = cupy.RawModule(code=family_source(spec.family), options=OPTIONS,
                                     name_expressions=spec.name_expressions)
             _modules[(spec, device)] = module
-        function = module.get_function(name)
+        function = module.get_function(name)   # compiles the module (or loads CuPy's cached cubin)
+        if new_module:
+            record_in_index(spec)
         if smem_bytes > 48 * 1024:
             function.max_dynamic_shared_size_bytes = smem_bytes
         _functions[key] = function
     return function
+
+
+# An index of the modules compiled on this machine, beside CuPy's kernel cache (whose files are
+# named by hash only), so `python -m cupy_flash info` can say which are cached for this source.
+INDEX_NAME = "cupy_flash_index.json"
+
+
+def cache_dir() -> Path:
+    from cupy.cuda import compiler
+
+    default = getattr(compiler, "_default_cache_dir", os.path.expanduser("~/.cupy/kernel_cache"))
+    return Path(os.environ.get("CUPY_CACHE_DIR", default))
+
+
+def source_digest(family: str) -> str:
+    import hashlib
+
+    return hashlib.sha1((family_source(family) + " ".join(OPTIONS)).encode()).hexdigest()[:12]
+
+
+def read_index() -> dict:
+    import json
+
+    try:
+        return json.loads((cache_dir() / INDEX_NAME).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def record_in_index(spec: ModuleSpec, arch: int | None = None) -> None:
+    """Note ``spec`` as compiled for ``arch`` (default: the current device's). Best effort: a
+    read-only or shared cache directory only loses the listing."""
+    import json
+    import time
+
+    if arch is None:
+        import cupy
+
+        arch = int(cupy.cuda.Device().compute_capability)
+    try:
+        index = read_index()
+        index[f"{spec.describe()} sm_{arch}"] = dict(family=spec.family, digest=source_digest(spec.family),
+                                                     arch=arch, when=time.strftime("%Y-%m-%d %H:%M"))
+        path = cache_dir() / INDEX_NAME
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(index, indent=1, sort_keys=True))
+        temporary.replace(path)
+    except OSError as error:
+        log.debug("kernel index not written: %s", error)
 
 
 def tensor_core_target() -> str:

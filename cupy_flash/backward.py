@@ -10,8 +10,8 @@ from . import _checks, _traits
 from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, get_kernel, tensor_core_target
 from ._features import broadcast_strides
 from ._params import as_argument, make_params
-from .preprocess import launch_dq_convert, launch_kv_group_sum, launch_preprocess
 from ._streams import on_stream
+from .preprocess import launch_dq_convert, launch_kv_group_sum, launch_preprocess
 
 
 @on_stream

@@ -12,8 +12,8 @@ from . import _checks, _traits
 from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, get_kernel
 from ._features import DECODE_FEATURES, check_variant
 from ._params import as_argument, make_params
-from .preprocess import row_kernel_grid
 from ._streams import on_stream
+from .preprocess import row_kernel_grid
 
 # A split covers at least this many keys: below it the partials' write and combine cost more than
 # the parallelism gains. num_splits= takes up to MAX_SPLITS; the automatic choice stops at

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from . import _checks, _traits
-from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, tensor_core_target, get_kernel
+from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, get_kernel, tensor_core_target
 from ._params import as_argument, make_params
-from .decode import check_num_splits, launch_decode, uses_split_path
 from ._streams import on_stream
+from .decode import check_num_splits, launch_decode, uses_split_path
 
 
 def launch_forward(q, k, v, shape, scale, variant):

@@ -1,8 +1,7 @@
 import os
 
-from hypothesis import HealthCheck, settings
-
 import helpers
+from hypothesis import HealthCheck, settings
 
 # Example counts: "gpu" for a GPU run (the default when one is present), "quick" for a short pass.
 settings.register_profile("gpu", max_examples=int(os.environ.get("CUPY_FLASH_EXAMPLES", "100")), deadline=None,

@@ -7,10 +7,10 @@ arrays, where it also checks that no input was modified."""
 import ml_dtypes
 import numpy
 import pytest
+from helpers import bitwise, requires_gpu
 
 import cupy_flash
 from cupy_flash import _checks
-from helpers import bitwise, requires_gpu
 
 B, NQ, NK, H, D = 2, 5, 7, 3, 16
 

@@ -8,13 +8,26 @@ import math
 
 import numpy
 import pytest
+from helpers import (
+    DTYPES,
+    NOTES,
+    as_float64,
+    bitwise,
+    check_error_rule,
+    count_example,
+    gradient_term_scales,
+    input_magnitude,
+    low_precision_gradients,
+    max_finite_abs,
+    poisoned_allocations,
+    random_array,
+    requires_gpu,
+)
 from hypothesis import example, given
 from hypothesis import strategies as st
 
 import cupy_flash
 from cupy_flash import attention_reference, attention_reference_backward
-from helpers import (DTYPES, NOTES, as_float64, bitwise, check_error_rule, count_example, gradient_term_scales,
-                     input_magnitude, low_precision_gradients, max_finite_abs, poisoned_allocations, random_array, requires_gpu)
 
 pytestmark = requires_gpu
 

@@ -3,13 +3,21 @@ merge_attention_states. Argument checks run on CPU; the rest needs the GPU."""
 
 import numpy
 import pytest
+from helpers import (
+    bitwise,
+    check_error_rule,
+    count_example,
+    input_magnitude,
+    max_finite_abs,
+    poisoned_allocations,
+    random_array,
+    requires_gpu,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 
 import cupy_flash
 from cupy_flash import attention_reference, decode_reference
-from helpers import bitwise, check_error_rule, count_example, input_magnitude, max_finite_abs, poisoned_allocations, random_array, requires_gpu
-
 
 # ---------------------------------------------------------------------------------------------
 # Arguments (CPU: NumPy arrays stand in; every check runs before the arrays are taken).

@@ -2,10 +2,10 @@
 
 import numpy
 import pytest
+from helpers import HAS_GPU, bitwise, check_error_rule, random_array, requires_gpu
 
 import cupy_flash
 from cupy_flash import attention_reference
-from helpers import HAS_GPU, as_float64, bitwise, check_error_rule, max_finite_abs, random_array, requires_gpu
 
 
 @pytest.mark.parametrize("stream, message", [("s", "stream must be"), (1.5, "stream must be"), (True, "stream must be")])

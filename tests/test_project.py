@@ -4,7 +4,6 @@ import pathlib
 import re
 
 import pytest
-
 from helpers import requires_gpu
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

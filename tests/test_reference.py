@@ -5,12 +5,12 @@ import math
 import ml_dtypes
 import numpy
 import pytest
+from helpers import random_array
 from hypothesis import given
 from hypothesis import strategies as st
 
 from cupy_flash import attention_reference, attention_reference_backward
 from cupy_flash.reference import round_to_dtype
-from helpers import random_array
 
 
 def naive_attention(q, k, v, scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sink=None,

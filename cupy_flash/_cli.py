@@ -1,0 +1,355 @@
+"""Command line: ``python -m cupy_flash <command>``.
+
+    info     versions (cupy_flash, CuPy, CUDA runtime, driver, NVRTC), the GPUs, and which kernel
+             modules are compiled and cached on this machine for this source
+    warmup   compile chosen kernel modules ahead of time (a progress bar), so a first training or
+             generation step does not stall on NVRTC; CuPy keeps them in its disk cache
+    check    a short self-test on this GPU: forward, backward and decode against the dense
+             reference (the 2x error rule); exit status 0 when all pass, 1 otherwise
+    bench    forward and backward TFLOP/s on a few shapes, with PyTorch SDPA's flash backend timed
+             on the same data when PyTorch is installed
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+
+import numpy
+
+from . import __version__, _compile, _features, _traits
+
+DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+               "fp32": "float32", "float32": "float32"}
+FEATURE_BY_NAME = {name: flag for flag, name in _features.FEATURE_NAMES.items()}
+
+
+def _gpu_or_reason():
+    """(True, '') with a usable GPU, else (False, why)."""
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:   # no CuPy build, no driver, no device
+        return False, f"{type(error).__name__}: {str(error)[:160]}"
+    return (count > 0, "" if count > 0 else "0 CUDA devices")
+
+
+# ---------------------------------------------------------------------------------------------
+# info
+
+def command_info(args) -> int:
+    print(f"cupy_flash {__version__}   Python {platform.python_version()}   NumPy {numpy.__version__}")
+    try:
+        import cupy
+        from cupy_backends.cuda.libs import nvrtc
+    except ImportError as error:
+        print(f"CuPy: not importable ({error}); install cupy-flash[cuda12] or [cuda13]")
+        return 1
+    runtime = cupy.cuda.runtime
+    versions = [f"CuPy {cupy.__version__}", f"CUDA runtime {_version(runtime.runtimeGetVersion)}",
+                "NVRTC {}.{}".format(*nvrtc.getVersion())]
+    try:
+        driver = runtime.driverGetVersion()
+    except Exception:
+        driver = 0
+    versions.append(f"driver (CUDA) {_version(lambda: driver)}" if driver else "driver: none")
+    print("   ".join(versions))
+    ok, reason = _gpu_or_reason()
+    if ok:
+        for device in range(runtime.getDeviceCount()):
+            props = runtime.getDeviceProperties(device)
+            print(f"GPU {device}: {props['name'].decode()}, sm_{props['major']}{props['minor']}, "
+                  f"{props['multiProcessorCount']} SMs, {props['totalGlobalMem'] / 2**30:.0f} GiB")
+    else:
+        print(f"GPU: none ({reason})")
+    index = _compile.read_index()
+    digests = {}
+    current = {key: entry for key, entry in index.items()
+               if entry.get("digest") == digests.setdefault(entry.get("family"), _safe_digest(entry.get("family")))}
+    print(f"kernel cache: {_compile.cache_dir()}  ({len(current)} cupy_flash modules compiled for this source"
+          f"{f', {len(index) - len(current)} for older sources' if len(index) > len(current) else ''})")
+    for key in sorted(current):
+        print(f"  {key}  ({current[key]['when']})")
+    if not current:
+        print("  none yet: modules compile on first use (or run `python -m cupy_flash warmup`)")
+    return 0
+
+
+def _version(getter) -> str:
+    value = getter()
+    return f"{value // 1000}.{value % 1000 // 10}"
+
+
+def _safe_digest(family):
+    try:
+        return _compile.source_digest(family)
+    except Exception:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# warmup
+
+def warmup_specs(dtypes, head_dims, features, families, target) -> list:
+    """The ModuleSpecs that calls with these dtypes, head dims and feature names run."""
+    flags = 0
+    for name in features:
+        flags |= FEATURE_BY_NAME[name]
+    specs = []
+    for dtype in dtypes:
+        tensor_core = dtype in _compile.TENSOR_CORE_DTYPES
+        if "backward" in families:
+            specs.append(_compile.ModuleSpec("preprocess", dtype))
+        if "decode" in families or "forward" in families:
+            specs.append(_compile.ModuleSpec("decode", dtype))   # combine (split path, merges)
+        for head_dim in head_dims:
+            tile = _traits.head_dim_tile(head_dim)
+            if "forward" in families:
+                specs.append(_compile.ModuleSpec("forward_tc", dtype, tile, target, flags) if tensor_core
+                             else _compile.ModuleSpec("forward", dtype, tile, features=flags))
+            if "backward" in families:
+                specs.append(_compile.ModuleSpec("backward_tc", dtype, tile, target, flags) if tensor_core
+                             else _compile.ModuleSpec("backward", dtype, tile, features=flags))
+            if ("decode" in families or "forward" in families) and tensor_core:
+                specs.append(_compile.ModuleSpec("decode", dtype, tile, features=flags & _features.DECODE_FEATURES))
+    return list(dict.fromkeys(specs))
+
+
+def _progress(done, total, label, started, stream=sys.stderr):
+    width = 28
+    filled = int(width * done / total) if total else width
+    stream.write(f"\r[{'#' * filled}{' ' * (width - filled)}] {done}/{total} {time.time() - started:5.0f}s  {label[:70]:<70}")
+    stream.flush()
+
+
+def command_warmup(args) -> int:
+    ok, reason = _gpu_or_reason()
+    if not ok:
+        print(f"warmup needs a CUDA GPU (CuPy loads each module it compiles): {reason}", file=sys.stderr)
+        return 1
+    target = _compile.tensor_core_target()
+    specs = warmup_specs([DTYPE_NAMES[d] for d in args.dtypes], args.head_dims, args.features, args.families, target)
+    started = time.time()
+    for i, spec in enumerate(specs):
+        _progress(i, len(specs), spec.describe(), started)
+        for name in spec.name_expressions:
+            _compile.get_kernel(spec, name)
+        _compile.record_in_index(spec)   # also when this process had already loaded it
+    _progress(len(specs), len(specs), "done", started)
+    print(f"\n{len(specs)} modules ready in {time.time() - started:.0f} s (cached in {_compile.cache_dir()})",
+          file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# check
+
+CHECK_CASES = [   # (dtype, batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, causal, features)
+    ("bfloat16", 2, 257, 257, 4, 2, 64, True, {}),
+    ("float16", 1, 128, 515, 2, 2, 128, False, {"window_size": (100, 30)}),
+    ("bfloat16", 2, 96, 96, 4, 1, 96, True, {"softcap": 20.0, "sink": "per-head"}),
+    ("float16", 3, 33, 200, 2, 2, 256, False, {"alibi": "per-head"}),
+    ("float32", 1, 70, 70, 2, 2, 40, True, {}),
+]
+
+
+def _error_rule(ours, exact, low) -> tuple[bool, float]:
+    """FlashAttention's rule: max error at most twice the dense low-precision reference's, plus a
+    floor; returns (passed, error / bound)."""
+    from .reference import _to_float, _xp
+
+    xp = _xp(exact)
+    ours, lows = _to_float(ours, xp, xp.float64), low if isinstance(low, tuple) else (low,)
+    err = float(xp.abs(ours - exact).max())
+    low_err = max(float(xp.abs(_to_float(x, xp, xp.float64) - exact).max()) for x in lows)
+    bound = 2 * low_err + 1e-5 * max(1.0, float(xp.abs(exact).max()))
+    return bool(err <= bound) and not bool(xp.isnan(ours).any()), err / bound
+
+
+def command_check(args) -> int:
+    ok, reason = _gpu_or_reason()
+    if not ok:
+        print(f"check needs a CUDA GPU: {reason}", file=sys.stderr)
+        return 1
+    import cupy
+
+    from . import flash_backward, flash_decode, flash_forward
+    from .reference import attention_reference, attention_reference_backward, decode_reference
+
+    rng = numpy.random.default_rng(args.seed)
+    failures = 0
+    started = time.time()
+    print(f"{'case':<58} {'quantity':<6} {'err/bound':>9}")
+
+    def report(case, name, result):
+        nonlocal failures
+        passed, used = result
+        failures += not passed
+        print(f"{case:<58} {name:<6} {used:9.3f}{'' if passed else '   FAIL'}", flush=True)
+
+    for dtype, batch, nq, nk, heads, heads_kv, d, causal, features in CHECK_CASES:
+        dt = numpy.dtype(_dtype(dtype))
+        q, k, v, do = (_random(rng, shape, dt) for shape in ((batch, nq, heads, d), (batch, nk, heads_kv, d),
+                                                            (batch, nk, heads_kv, d), (batch, nq, heads, d)))
+        options = dict(causal=causal)
+        for name, value in features.items():
+            if name == "sink":
+                options["sink"] = cupy.asarray(numpy.linspace(-1, 1, heads), cupy.float32)
+            elif name == "alibi":
+                options["alibi_slopes"] = cupy.asarray(2.0 ** -numpy.arange(1, heads + 1), cupy.float32)
+            else:
+                options[name] = value
+        case = f"{dtype} b={batch} nq={nq} nk={nk} h={heads}/{heads_kv} d={d} causal={causal} {list(features)}"
+        o, lse = flash_forward(q, k, v, **options)
+        exact = attention_reference(q, k, v, **options)
+        low = attention_reference(q, k, v, upcast=False, **options)
+        report(case, "o", _error_rule(o, exact[0], low[0]))
+        grads = flash_backward(do, q, k, v, o, lse, **options)
+        exact = attention_reference_backward(do, q, k, v, **options)
+        lows = list(zip(*(attention_reference_backward(do, q, k, v, upcast=False, rounding=form, **options)
+                          for form in ("dense", "flash"))))
+        for name, ours, e, lo in zip(("dq", "dk", "dv"), grads, exact, lows):
+            report(case, name, _error_rule(ours, e, lo))
+    # Decoding: a paged cache, GQA, an append.
+    batch, heads, heads_kv, d, page = 2, 8, 2, 128, 64
+    lengths = numpy.array([700, 1500], numpy.int32)
+    k_cache, v_cache = (_random(rng, (batch * 2048 // page, page, heads_kv, d), numpy.dtype(_dtype("bfloat16")))
+                        for _ in range(2))
+    table = cupy.asarray(rng.permutation(batch * 2048 // page).astype(numpy.int32).reshape(batch, -1))
+    q = _random(rng, (batch, 1, heads, d), k_cache.dtype)
+    k_new, v_new = (_random(rng, (batch, 1, heads_kv, d), k_cache.dtype) for _ in range(2))
+    cache = dict(cache_seqlens=cupy.asarray(lengths), k_new=k_new, v_new=v_new, block_table=table)
+    exact = decode_reference(q, k_cache, v_cache, **cache)
+    low = decode_reference(q, k_cache, v_cache, upcast=False, **cache)
+    o, _ = flash_decode(q, k_cache, v_cache, **cache)
+    report("bfloat16 decode: paged (64), GQA 4:1, lengths 700/1500 + 1", "o", _error_rule(o, exact[0], low[0]))
+    print(f"{'all passed' if not failures else f'{failures} FAILED'} in {time.time() - started:.0f} s")
+    return 1 if failures else 0
+
+
+def _dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return name
+
+
+def _random(rng, shape, dtype):
+    import cupy
+
+    return cupy.asarray(rng.standard_normal(shape, dtype=numpy.float32).astype(dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# bench
+
+def command_bench(args) -> int:
+    ok, reason = _gpu_or_reason()
+    if not ok:
+        print(f"bench needs a CUDA GPU: {reason}", file=sys.stderr)
+        return 1
+    import cupy
+
+    from . import flash_backward, flash_forward
+
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        torch = None
+    rng = numpy.random.default_rng(0)
+    dt = numpy.dtype(_dtype(DTYPE_NAMES[args.dtype]))
+    print(f"{'shape':<40} {'pass':<4} {'ours TFLOP/s':>12} {'sdpa flash':>10} {'ratio':>6}")
+    for seqlen in args.seqlens:
+        for causal in (False, True):
+            batch, heads, d = max(1, 16384 // seqlen), args.heads, args.head_dim
+            copies = [tuple(_random(rng, (batch, seqlen, heads, d), dt) for _ in range(4)) for _ in range(3)]
+            flops = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
+            fwd = [flash_forward(q, k, v, causal=causal) for q, k, v, _ in copies]
+            ours = {"fwd": _time(lambda i: flash_forward(*copies[i % 3][:3], causal=causal), args.runs),
+                    "bwd": _time(lambda i: flash_backward(copies[i % 3][3], *copies[i % 3][:3], *fwd[i % 3], causal=causal),
+                                 args.runs)}
+            peer = {}
+            if torch is not None and dt.itemsize == 2:
+                tc = [[_to_torch(torch, x).transpose(1, 2).requires_grad_() for x in c] for c in copies]
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    sdpa = torch.nn.functional.scaled_dot_product_attention
+                    outs = [sdpa(q, k, v, is_causal=causal) for q, k, v, _ in tc]
+                    peer["fwd"] = _time(lambda i: sdpa(*tc[i % 3][:3], is_causal=causal), args.runs)
+                    peer["bwd"] = _time(lambda i: torch.autograd.grad(outs[i % 3], tc[i % 3][:3], tc[i % 3][3],
+                                                                      retain_graph=True), args.runs)
+            for name, scale in (("fwd", 1.0), ("bwd", 2.5)):
+                tflops = scale * flops / ours[name] / 1e9
+                line = f"b={batch} n={seqlen} h={heads} d={d} causal={causal!s:<5}"
+                if name in peer:
+                    peer_tflops = scale * flops / peer[name] / 1e9
+                    print(f"{line:<40} {name:<4} {tflops:12.0f} {peer_tflops:10.0f} {tflops / peer_tflops:6.2f}", flush=True)
+                else:
+                    print(f"{line:<40} {name:<4} {tflops:12.0f} {'-':>10} {'-':>6}", flush=True)
+            copies = fwd = None   # free this shape's arrays before the next
+            cupy.get_default_memory_pool().free_all_blocks()
+    return 0
+
+
+def _to_torch(torch, x):
+    import cupy
+
+    if x.dtype.itemsize == 2 and x.dtype.kind not in "fiu":   # bfloat16: through its bits
+        return torch.from_dlpack(x.view(cupy.uint16)).view(torch.bfloat16)
+    return torch.from_dlpack(x)
+
+
+def _time(call, runs) -> float:
+    """Median milliseconds of call(i) with CUDA events, after warm-up calls."""
+    import cupy
+
+    for i in range(3):
+        call(i)
+    times = []
+    for i in range(runs):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        call(i)
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return float(numpy.median(times))
+
+
+# ---------------------------------------------------------------------------------------------
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="python -m cupy_flash", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = top.add_subparsers(dest="command", required=True)
+    commands.add_parser("info", help="versions, GPUs, compiled kernel modules")
+    warmup = commands.add_parser("warmup", help="compile kernel modules ahead of time")
+    warmup.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=sorted(DTYPE_NAMES))
+    warmup.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    warmup.add_argument("--features", nargs="*", default=[], choices=sorted(FEATURE_BY_NAME),
+                        help="variant flags the calls use (window, softcap, alibi, sink, bias, varlen)")
+    warmup.add_argument("--families", nargs="+", default=["forward", "backward"],
+                        choices=["forward", "backward", "decode"])
+    check = commands.add_parser("check", help="self-test against the reference on this GPU (exit 0/1)")
+    check.add_argument("--seed", type=int, default=0)
+    bench = commands.add_parser("bench", help="forward/backward TFLOP/s (and SDPA flash when PyTorch is there)")
+    bench.add_argument("--seqlens", nargs="+", type=int, default=[1024, 4096])
+    bench.add_argument("--head-dim", type=int, default=128)
+    bench.add_argument("--heads", type=int, default=16)
+    bench.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_NAMES))
+    bench.add_argument("--runs", type=int, default=20)
+    return top
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    for head_dim in getattr(args, "head_dims", []):
+        if not 1 <= head_dim <= _traits.MAX_HEAD_DIM:
+            print(f"head dim {head_dim}: expected 1 to {_traits.MAX_HEAD_DIM}", file=sys.stderr)
+            return 2
+    return {"info": command_info, "warmup": command_warmup, "check": command_check,
+            "bench": command_bench}[args.command](args)

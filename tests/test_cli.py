@@ -1,0 +1,68 @@
+"""python -m cupy_flash: info, warmup, check, bench."""
+
+import subprocess
+import sys
+
+import pytest
+from helpers import HAS_GPU, requires_gpu
+
+from cupy_flash import _cli, _compile
+
+
+def test_info_runs_anywhere():
+    """info prints the versions and the GPU (or why there is none) and exits 0, GPU or not."""
+    result = subprocess.run([sys.executable, "-m", "cupy_flash", "info"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("cupy_flash ")
+    assert "CuPy " in result.stdout and "NVRTC " in result.stdout and "kernel cache:" in result.stdout
+    assert ("GPU 0:" in result.stdout) == HAS_GPU
+
+
+def test_unknown_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _cli.main(["compile-everything"])
+    assert exit_info.value.code == 2
+    assert _cli.main(["warmup", "--head-dims", "300"]) == 2
+
+
+@pytest.mark.skipif(HAS_GPU, reason="the no-GPU answer (a GPU is present)")
+@pytest.mark.parametrize("command", [["check"], ["warmup"], ["bench", "--runs", "1"]])
+def test_gpu_commands_say_why_without_a_gpu(command, capsys):
+    assert _cli.main(command) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_warmup_specs_cover_what_calls_run():
+    """The modules warmup compiles for dtypes x head dims x features x families: the tensor-core
+    families for 16-bit types (for the given target), the CUDA-core ones for float32, the decode
+    family (and its row kernels) with forward or decode, the preprocess module with backward."""
+    specs = _cli.warmup_specs(["bfloat16", "float32"], [64, 100], ["sink", "window"], ["forward", "backward"], "sm90")
+    described = {s.describe() for s in specs}
+    assert "forward_tc kernels (bfloat16, head_dim tile 64, sm90 tiles, window+sink)" in described
+    assert "backward_tc kernels (bfloat16, head_dim tile 128, sm90 tiles, window)" in described   # no sink in backward
+    assert "forward kernels (float32, head_dim tile 64, window+sink)" in described
+    assert "preprocess kernels (float32)" in described and "decode kernels (bfloat16)" in described
+    assert len(specs) == len(set(specs))
+    for spec in specs:   # every one is a module CuPy can be asked to build
+        assert spec.name_expressions
+
+
+def test_index_records_compiled_modules(tmp_path, monkeypatch):
+    """The index beside CuPy's cache lists a module once compiled, keyed to its source digest."""
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    spec = _compile.ModuleSpec("decode", "float16")
+    _compile.record_in_index(spec, 90)
+    index = _compile.read_index()
+    assert list(index) == [f"{spec.describe()} sm_90"]
+    assert index[f"{spec.describe()} sm_90"]["digest"] == _compile.source_digest("decode")
+
+
+@requires_gpu
+def test_warmup_check_and_info_on_the_gpu(tmp_path, monkeypatch, capsys):
+    """warmup compiles and info then lists the modules; check passes on this GPU (exit 0)."""
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    assert _cli.main(["warmup", "--dtypes", "bf16", "--head-dims", "64", "--families", "decode"]) == 0
+    assert _cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "decode kernels (bfloat16, head_dim tile 64) sm_" in out
+    assert _cli.main(["check"]) == 0, capsys.readouterr().out
