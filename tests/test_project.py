@@ -51,3 +51,36 @@ def test_quickstart_example_runs():
                           text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "max |o - reference|" in done.stdout
+
+
+def _run_example(args, timeout=600):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@requires_gpu
+def test_tiny_lm_learns_and_matches_dense_attention(tmp_path):
+    """The CuPy-only language model: its loss falls, and the run with dense reference attention
+    (same weights, same batches) follows the same curve."""
+    import json
+
+    done = _run_example([str(ROOT / "examples" / "train_tiny_lm.py"), "--steps", "60", "--out", str(tmp_path)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    curves = json.loads((tmp_path / "loss_curves.json").read_text())
+    flash, dense = curves["flash"], curves["dense reference"]
+    assert len(flash) == len(dense) == 60
+    assert sum(flash[-10:]) / 10 < 0.8 * flash[0], flash   # learning
+    assert max(abs(a - b) for a, b in zip(flash, dense)) < 0.05, (flash, dense)
+
+
+@requires_gpu
+def test_jax_example_runs():
+    pytest.importorskip("jax")
+    done = _run_example([str(ROOT / "examples" / "jax_interop.py")])
+    assert done.returncode == 0, done.stdout + done.stderr
+    errors = [float(line.rsplit("=", 1)[1]) for line in done.stdout.splitlines() if "max |cupy_flash" in line]
+    assert len(errors) == 2 and max(errors) < 2e-2, done.stdout
