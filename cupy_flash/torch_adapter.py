@@ -30,6 +30,8 @@ def _to_torch(array):
 class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sink, bias, options):
+        # DLPack refuses tensors that require grad; detached views share the memory.
+        q, k, v, sink, bias = (None if x is None else x.detach() for x in (q, k, v, sink, bias))
         stream = torch.cuda.current_stream(q.device)
         extra = {name: x for name, x in (("sink", sink), ("bias", bias)) if x is not None}
         o, lse = flash_forward(q, k, v, stream=stream, **extra, **options)
@@ -44,7 +46,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         stream = torch.cuda.current_stream(q.device)
         extra = {name: x for name, x in (("sink", sink), ("bias", bias)) if x is not None}
         want_dbias = bias is not None and ctx.needs_input_grad[4]
-        grads = flash_backward(do.contiguous(), q, k, v, o, lse, stream=stream, return_dbias=want_dbias,
+        grads = flash_backward(do.detach().contiguous(), q, k, v, o, lse, stream=stream, return_dbias=want_dbias,
                                **extra, **ctx.options)
         grads = [_to_torch(g) for g in grads]
         dq, dk, dv = grads[:3]
