@@ -20,6 +20,8 @@ def as_cupy_stream(stream):
     if stream is None or isinstance(stream, cupy.cuda.Stream | cupy.cuda.ExternalStream):
         return stream
     if hasattr(stream, "__cuda_stream__"):        # the CUDA stream protocol: (version, pointer)
+        if hasattr(cupy.cuda.Stream, "from_external"):
+            return cupy.cuda.Stream.from_external(stream)   # holds a reference to the stream
         pointer = stream.__cuda_stream__()[1]
     elif hasattr(stream, "cuda_stream"):          # torch.cuda.Stream, numba streams
         pointer = stream.cuda_stream
@@ -30,7 +32,19 @@ def as_cupy_stream(stream):
                         f"__cuda_stream__ or a cudaStream_t int, got {type(stream).__name__}")
     if int(pointer) == 0:
         return cupy.cuda.Stream.null
+    if hasattr(cupy.cuda.Stream, "from_external"):   # CuPy >= 14 (ExternalStream is deprecated)
+        return cupy.cuda.Stream.from_external(_StreamPointer(int(pointer)))
     return cupy.cuda.ExternalStream(int(pointer))
+
+
+class _StreamPointer:
+    """A raw cudaStream_t as the CUDA stream protocol's object."""
+
+    def __init__(self, pointer: int):
+        self.pointer = pointer
+
+    def __cuda_stream__(self):
+        return (0, self.pointer)
 
 
 def on_stream(function):

@@ -42,7 +42,8 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, sink, bias = ctx.saved_tensors
+        # The saved output o requires grad (autograd marks it): detached views again for DLPack.
+        q, k, v, o, lse, sink, bias = (None if x is None else x.detach() for x in ctx.saved_tensors)
         stream = torch.cuda.current_stream(q.device)
         extra = {name: x for name, x in (("sink", sink), ("bias", bias)) if x is not None}
         want_dbias = bias is not None and ctx.needs_input_grad[4]
