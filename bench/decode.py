@@ -82,17 +82,23 @@ def random_bf16(shape, seed):
     return cupy.random.default_rng(seed).standard_normal(shape, dtype=cupy.float32).astype(ml_dtypes.bfloat16)
 
 
-def one_shape(batch, length, heads_kv, copies):
-    """Rows of one (batch, length, heads_kv): K/V GB/s of each implementation."""
-    import numpy
-
-    group = HEADS // heads_kv
+def decode_case(batch, length, heads_kv, copies):
+    """(q, rotating (k, v) caches, cache_seqlens, K/V bytes per call, the row's first fields)."""
     kv_bytes = 2 * batch * length * heads_kv * D * 2
     q = random_bf16((batch, 1, HEADS, D), 0)
     caches = [(random_bf16((batch, length, heads_kv, D), 2 * i + 1), random_bf16((batch, length, heads_kv, D), 2 * i + 2))
               for i in range(copies)]
     lengths = cupy.full((batch,), length, dtype=cupy.int32)
-    row = dict(batch=batch, cache_len=length, gqa=f"{group}:1", kv_mb=kv_bytes / 2**20)
+    return q, caches, lengths, kv_bytes, dict(batch=batch, cache_len=length, gqa=f"{HEADS // heads_kv}:1")
+
+
+def one_shape(batch, length, heads_kv, copies):
+    """Rows of one (batch, length, heads_kv): K/V GB/s of each implementation."""
+    import numpy
+
+    group = HEADS // heads_kv
+    q, caches, lengths, kv_bytes, row = decode_case(batch, length, heads_kv, copies)
+    row["kv_mb"] = kv_bytes / 2**20
     ms = cupy_graph_ms(lambda c: cupy_flash.flash_decode(q, c[0], c[1], cache_seqlens=lengths), caches)
     row["ours_gbs"] = kv_bytes / ms / 1e6
     # Paged: the same data in pages of 256 keys, placed in shuffled order.
@@ -128,13 +134,7 @@ def one_shape(batch, length, heads_kv, copies):
 def split_sweep(batch, length, heads_kv, splits, copies=4):
     """GB/s of flash_decode at each forced num_splits (None: the automatic choice) on one shape:
     the measurement behind choose_splits."""
-    group = HEADS // heads_kv
-    kv_bytes = 2 * batch * length * heads_kv * D * 2
-    q = random_bf16((batch, 1, HEADS, D), 0)
-    caches = [(random_bf16((batch, length, heads_kv, D), 2 * i + 1), random_bf16((batch, length, heads_kv, D), 2 * i + 2))
-              for i in range(copies)]
-    lengths = cupy.full((batch,), length, dtype=cupy.int32)
-    row = dict(batch=batch, cache_len=length, gqa=f"{group}:1")
+    q, caches, lengths, kv_bytes, row = decode_case(batch, length, heads_kv, copies)
     for n in splits:
         ms = cupy_graph_ms(lambda c: cupy_flash.flash_decode(q, c[0], c[1], cache_seqlens=lengths, num_splits=n), caches)
         row[f"splits_{n}"] = kv_bytes / ms / 1e6
