@@ -259,6 +259,8 @@ def command_bench(args) -> int:
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        from .torch_adapter import to_torch
     except ImportError:
         torch = None
     rng = numpy.random.default_rng(0)
@@ -275,7 +277,7 @@ def command_bench(args) -> int:
                                  args.runs)}
             peer = {}
             if torch is not None and dt.itemsize == 2:
-                tc = [[_to_torch(torch, x).transpose(1, 2).requires_grad_() for x in c] for c in copies]
+                tc = [[to_torch(x).transpose(1, 2).requires_grad_() for x in c] for c in copies]
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                     sdpa = torch.nn.functional.scaled_dot_product_attention
                     outs = [sdpa(q, k, v, is_causal=causal) for q, k, v, _ in tc]
@@ -293,14 +295,6 @@ def command_bench(args) -> int:
             copies = fwd = None   # free this shape's arrays before the next
             cupy.get_default_memory_pool().free_all_blocks()
     return 0
-
-
-def _to_torch(torch, x):
-    import cupy
-
-    if x.dtype.itemsize == 2 and x.dtype.kind not in "fiu":   # bfloat16: through its bits
-        return torch.from_dlpack(x.view(cupy.uint16)).view(torch.bfloat16)
-    return torch.from_dlpack(x)
 
 
 def _time(call, runs) -> float:

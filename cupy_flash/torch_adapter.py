@@ -17,7 +17,7 @@ from .backward import flash_backward
 from .forward import flash_forward
 
 
-def _to_torch(array):
+def to_torch(array):
     """A torch tensor over a CuPy array's memory (bfloat16 through its bits: DLPack export of a
     bfloat16 CuPy array is not universal)."""
     if array.dtype.itemsize == 2 and array.dtype.kind == "V" or "bfloat16" in str(array.dtype):
@@ -35,7 +35,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         stream = torch.cuda.current_stream(q.device)
         extra = {name: x for name, x in (("sink", sink), ("bias", bias)) if x is not None}
         o, lse = flash_forward(q, k, v, stream=stream, **extra, **options)
-        o, lse = _to_torch(o), _to_torch(lse)
+        o, lse = to_torch(o), to_torch(lse)
         ctx.save_for_backward(q, k, v, o, lse, sink, bias)
         ctx.options = options
         return o
@@ -49,7 +49,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         want_dbias = bias is not None and ctx.needs_input_grad[4]
         grads = flash_backward(do.detach().contiguous(), q, k, v, o, lse, stream=stream, return_dbias=want_dbias,
                                **extra, **ctx.options)
-        grads = [_to_torch(g) for g in grads]
+        grads = [to_torch(g) for g in grads]
         dq, dk, dv = grads[:3]
         dsink = grads[3] if sink is not None else None
         dbias = grads[-1] if want_dbias else None
