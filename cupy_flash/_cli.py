@@ -49,13 +49,13 @@ def command_info(args) -> int:
         print(f"CuPy: not importable ({error}); install cupy-flash[cuda12] or [cuda13]")
         return 1
     runtime = cupy.cuda.runtime
-    versions = [f"CuPy {cupy.__version__}", f"CUDA runtime {_version(runtime.runtimeGetVersion)}",
+    versions = [f"CuPy {cupy.__version__}", f"CUDA runtime {_version(runtime.runtimeGetVersion())}",
                 "NVRTC {}.{}".format(*nvrtc.getVersion())]
     try:
         driver = runtime.driverGetVersion()
     except Exception:
         driver = 0
-    versions.append(f"driver (CUDA) {_version(lambda: driver)}" if driver else "driver: none")
+    versions.append(f"driver (CUDA) {_version(driver)}" if driver else "driver: none")
     print("   ".join(versions))
     ok, reason = _gpu_or_reason()
     if ok:
@@ -66,9 +66,8 @@ def command_info(args) -> int:
     else:
         print(f"GPU: none ({reason})")
     index = _compile.read_index()
-    digests = {}
-    current = {key: entry for key, entry in index.items()
-               if entry.get("digest") == digests.setdefault(entry.get("family"), _safe_digest(entry.get("family")))}
+    digests = {family: _safe_digest(family) for family in {entry.get("family") for entry in index.values()}}
+    current = {key: entry for key, entry in index.items() if entry.get("digest") == digests[entry.get("family")]}
     print(f"kernel cache: {_compile.cache_dir()}  ({len(current)} cupy_flash modules compiled for this source"
           f"{f', {len(index) - len(current)} for older sources' if len(index) > len(current) else ''})")
     for key in sorted(current):
@@ -78,8 +77,7 @@ def command_info(args) -> int:
     return 0
 
 
-def _version(getter) -> str:
-    value = getter()
+def _version(value: int) -> str:
     return f"{value // 1000}.{value % 1000 // 10}"
 
 
@@ -177,7 +175,7 @@ def command_check(args) -> int:
     import cupy
 
     from . import flash_backward, flash_decode, flash_forward
-    from .reference import attention_reference, attention_reference_backward, decode_reference
+    from .reference import attention_reference, attention_reference_backward, decode_reference, low_precision_backward_forms
 
     rng = numpy.random.default_rng(args.seed)
     failures = 0
@@ -209,8 +207,7 @@ def command_check(args) -> int:
         report(case, "o", _error_rule(o, exact[0], low[0]))
         grads = flash_backward(do, q, k, v, o, lse, **options)
         exact = attention_reference_backward(do, q, k, v, **options)
-        lows = list(zip(*(attention_reference_backward(do, q, k, v, upcast=False, rounding=form, **options)
-                          for form in ("dense", "flash"))))
+        lows = low_precision_backward_forms(do, q, k, v, **options)
         for name, ours, e, lo in zip(("dq", "dk", "dv"), grads, exact, lows):
             report(case, name, _error_rule(ours, e, lo))
     # Decoding: a paged cache, GQA, an append.

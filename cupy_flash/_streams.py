@@ -20,21 +20,20 @@ def as_cupy_stream(stream):
     if stream is None or isinstance(stream, cupy.cuda.Stream | cupy.cuda.ExternalStream):
         return stream
     if hasattr(stream, "__cuda_stream__"):        # the CUDA stream protocol: (version, pointer)
-        if hasattr(cupy.cuda.Stream, "from_external"):
-            return cupy.cuda.Stream.from_external(stream)   # holds a reference to the stream
-        pointer = stream.__cuda_stream__()[1]
+        source = stream
     elif hasattr(stream, "cuda_stream"):          # torch.cuda.Stream, numba streams
-        pointer = stream.cuda_stream
+        source = _StreamPointer(int(stream.cuda_stream))
     elif isinstance(stream, numbers.Integral) and not isinstance(stream, bool):
-        pointer = stream
+        source = _StreamPointer(int(stream))
     else:
         raise TypeError(f"stream must be a cupy.cuda.Stream, a torch.cuda.Stream, an object with "
                         f"__cuda_stream__ or a cudaStream_t int, got {type(stream).__name__}")
-    if int(pointer) == 0:
+    pointer = int(source.__cuda_stream__()[1])
+    if pointer == 0:
         return cupy.cuda.Stream.null
     if hasattr(cupy.cuda.Stream, "from_external"):   # CuPy >= 14 (ExternalStream is deprecated)
-        return cupy.cuda.Stream.from_external(_StreamPointer(int(pointer)))
-    return cupy.cuda.ExternalStream(int(pointer))
+        return cupy.cuda.Stream.from_external(source)   # holds a reference to the source
+    return cupy.cuda.ExternalStream(pointer)
 
 
 class _StreamPointer:
@@ -47,8 +46,16 @@ class _StreamPointer:
         return (0, self.pointer)
 
 
+STREAM_DOC = """
+    ``stream``: run on this stream instead of CuPy's current one (a cupy.cuda.Stream, a
+    torch.cuda.Stream, anything with ``__cuda_stream__``, or a cudaStream_t int); work queued there
+    before the call comes first.
+    """
+
+
 def on_stream(function):
-    """Give ``function`` a ``stream=None`` keyword: the body runs with that stream current."""
+    """Give ``function`` a ``stream=None`` keyword (and STREAM_DOC at the end of its docstring):
+    the body runs with that stream current."""
 
     @functools.wraps(function)
     def wrapper(*args, stream=None, **kwargs):
@@ -58,4 +65,5 @@ def on_stream(function):
         with chosen:
             return function(*args, **kwargs)
 
+    wrapper.__doc__ = (function.__doc__ or "").rstrip() + "\n" + STREAM_DOC
     return wrapper

@@ -36,9 +36,6 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
     bias in its own shape and dtype, summed over the axes it broadcasts over. Those sums are float32
     atomic adds, so ``deterministic=True`` with ``return_dbias`` needs a bias that broadcasts over
     no axis (every axis of size 1 is one of size 1 in (batch, heads_q, seqlen_q, seqlen_k) too).
-    ``stream``: run on this stream instead of CuPy's current one (a cupy.cuda.Stream, a
-    torch.cuda.Stream, anything with ``__cuda_stream__``, or a cudaStream_t int); work queued there
-    before the call comes first.
     """
     _checks.check_no_extra_options("flash_backward", features)
     q, k, v, shape, scale, variant = _checks.prepare_qkv(q, k, v, softmax_scale, causal, features)

@@ -249,10 +249,6 @@ def flash_decode(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, 
     (default: chosen from the SM count and the work, sized for the capacity).
 
     Returns (o, lse): o like q; lse float32 (batch, heads_q, seqlen_q).
-
-    ``stream``: run on this stream instead of CuPy's current one (a cupy.cuda.Stream, a
-    torch.cuda.Stream, anything with ``__cuda_stream__``, or a cudaStream_t int); work queued there
-    before the call comes first.
     """
     shape, page_shift = check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     scale = _checks.check_softmax_scale(softmax_scale, shape.head_dim)
@@ -333,10 +329,6 @@ def merge_attention_states(outputs, lses):
     float32); lses: list of float32 (batch, heads, seqlen_q). Returns (o, lse) in that dtype and
     float32. The building block of split-KV decoding, cascade attention over a shared prefix and
     context-parallel attention. The partials are stacked once (a copy of their size).
-
-    ``stream``: run on this stream instead of CuPy's current one (a cupy.cuda.Stream, a
-    torch.cuda.Stream, anything with ``__cuda_stream__``, or a cudaStream_t int); work queued there
-    before the call comes first.
     """
     import cupy
 

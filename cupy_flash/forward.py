@@ -76,10 +76,6 @@ def flash_forward(q, k, v, *, softmax_scale=None, causal=False, num_splits=None,
     Returns ``(o, lse)``: o like q; lse float32 (batch, heads_q, seqlen_q) (packed: (heads_q,
     total_q)), the natural-log logsumexp of the logits (the sink included), -inf (with o = 0) for
     a row that sees no key.
-
-    ``stream``: run on this stream instead of CuPy's current one (a cupy.cuda.Stream, a
-    torch.cuda.Stream, anything with ``__cuda_stream__``, or a cudaStream_t int); work queued there
-    before the call comes first.
     """
     _checks.check_no_extra_options("flash_forward", features)
     num_splits = check_num_splits(num_splits)

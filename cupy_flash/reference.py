@@ -202,6 +202,13 @@ def attention_reference_backward(do, q, k, v, *, softmax_scale=None, causal=Fals
     return out
 
 
+
+def low_precision_backward_forms(do, q, k, v, **options) -> list:
+    """``attention_reference_backward(..., upcast=False)`` in both dense forms ("dense" and "flash"),
+    as one (dense, flash) pair per output: the error rule holds gradients against the larger error."""
+    return list(zip(*(attention_reference_backward(do, q, k, v, upcast=False, rounding=form, **options)
+                      for form in ("dense", "flash"))))
+
 def decode_reference(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
                      softmax_scale=None, causal=False, upcast=True, **features):
     """What ``flash_decode`` returns, computed densely per sequence: its keys are the cache's first

@@ -196,12 +196,10 @@ def gradient_term_scales(do, q, k, v, softmax_scale=None, causal=False, **featur
 
 
 def low_precision_gradients(do, q, k, v, **options) -> list:
-    """attention_reference_backward in the input's precision in both dense forms ("dense" and
-    "flash"), as one (dense, flash) pair per output, for check_error_rule."""
-    from cupy_flash.reference import attention_reference_backward
+    """The two dense low-precision forms of every gradient, for check_error_rule (see above)."""
+    from cupy_flash.reference import low_precision_backward_forms
 
-    return list(zip(*(attention_reference_backward(do, q, k, v, upcast=False, rounding=form, **options)
-                      for form in ("dense", "flash"))))
+    return low_precision_backward_forms(do, q, k, v, **options)
 
 
 def max_finite_abs(x) -> float:
