@@ -83,6 +83,11 @@ class Variant:
             bias = bias.astype(cupy.float32)
         return dataclasses.replace(self, alibi_slopes=prepared(self.alibi_slopes), sink=prepared(self.sink), bias=bias)
 
+    def device_arrays(self) -> tuple:
+        """The arrays fill() points the kernels at (None where absent)."""
+        packed = () if self.packed is None else (self.packed.cu_seqlens_q, self.packed.cu_seqlens_k)
+        return (self.alibi_slopes, self.sink, self.bias) + packed
+
     def fill(self, record) -> None:
         """Write the mask and score-modifier fields of a FlashParams record."""
         record["window_right"] = self.window_right
@@ -126,6 +131,11 @@ class Packed:
         sequences' rows padded to a common length (``padded[..., index]`` gathers the packed rows)."""
         cu = self.host_cu_seqlens_q
         return numpy.concatenate([b * rows_per_sequence + numpy.arange(cu[b + 1] - cu[b]) for b in range(len(cu) - 1)])
+
+    def device_arrays(self) -> tuple:
+        """The arrays fill() points the kernels at (None where absent)."""
+        packed = () if self.packed is None else (self.packed.cu_seqlens_q, self.packed.cu_seqlens_k)
+        return (self.alibi_slopes, self.sink, self.bias) + packed
 
     def fill(self, record) -> None:
         record["cu_seqlens_q"] = self.cu_seqlens_q.data.ptr

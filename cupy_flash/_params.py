@@ -10,6 +10,8 @@ import math
 
 import numpy
 
+from ._streams import record_kernel_arrays
+
 POINTER_FIELDS = ("q", "k", "v", "o", "lse", "dout", "delta", "dq_accum", "dq", "dk", "dv", "lse_log2",
                   "dq_semaphore", "alibi_slopes", "sink", "dk_expanded", "dv_expanded", "bias", "dbias",
                   "cu_seqlens_q", "cu_seqlens_k", "k_new", "v_new", "cache_seqlens", "block_table", "o_partial",
@@ -37,6 +39,7 @@ def make_params(shape, softmax_scale: float, delta_stride: int | None = None, va
     ``delta_stride`` defaults to seqlen_q (unpadded delta rows); ``variant`` (a
     ``_features.Variant``) fills the mask and score-modifier fields."""
     record = numpy.zeros(1, dtype=PARAMS_DTYPE)
+    record_kernel_arrays(arrays.values())
     for name, array in arrays.items():
         if name not in POINTER_FIELDS:
             raise KeyError(name)
@@ -65,6 +68,7 @@ def make_params(shape, softmax_scale: float, delta_stride: int | None = None, va
     record["group"] = shape.group
     if variant is not None and not variant.plain:
         variant.fill(record)
+        record_kernel_arrays(variant.device_arrays())
     return record
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import numbers
+import threading
+import weakref
 
 
 def as_cupy_stream(stream):
@@ -53,17 +55,71 @@ STREAM_DOC = """
     """
 
 
+# Under CUDA-graph capture, the arrays a call's kernels read and write (its temporaries: split
+# partials, dq accumulators, contiguous copies) must outlive the call: CuPy's pool would hand their
+# memory to the next allocation, and every replay would write into it (seen on the H100: a replay
+# overwrote arrays allocated after the capture). So make_params records each kernel's arrays
+# during a public call, and when the call's stream is capturing, the outermost public call ties
+# them to its outputs' lifetime.
+_capture = threading.local()
+
+
+def record_kernel_arrays(arrays) -> None:
+    """Called by make_params with a kernel's arrays: noted while a public call runs."""
+    held = getattr(_capture, "held", None)
+    if held is not None:
+        held.extend(array for array in arrays if array is not None)
+
+
+def _release(*held) -> None:
+    """weakref.finalize's callback: the arrays in ``held`` are let go with it."""
+
+
+def _arrays_in(result):
+    import cupy
+
+    if isinstance(result, cupy.ndarray):
+        yield result
+    elif isinstance(result, tuple | list):
+        for item in result:
+            yield from _arrays_in(item)
+
+
+def _run_collecting(function, args, kwargs):
+    """function(*args, **kwargs); if the current stream is capturing a graph, the arrays its
+    kernels use stay alive as long as any of its outputs does."""
+    import cupy
+
+    if getattr(_capture, "held", None) is not None:
+        return function(*args, **kwargs)   # inside a public call, which collects
+    _capture.held = held = []
+    try:
+        result = function(*args, **kwargs)
+    finally:
+        _capture.held = None
+    # Asked only once kernels ran (a call that fails its checks may run where there is no GPU).
+    if not held or not cupy.cuda.get_current_stream().is_capturing():
+        return result
+    outputs = list(_arrays_in(result))
+    returned = {id(x) for x in outputs}
+    kept = tuple(x for x in held if id(x) not in returned)   # an output held by itself would never die
+    for output in outputs:
+        weakref.finalize(output, _release, *kept)
+    return result
+
+
 def on_stream(function):
     """Give ``function`` a ``stream=None`` keyword (and STREAM_DOC at the end of its docstring):
-    the body runs with that stream current."""
+    the body runs with that stream current (and, under graph capture, its temporaries live as
+    long as its outputs)."""
 
     @functools.wraps(function)
     def wrapper(*args, stream=None, **kwargs):
         chosen = as_cupy_stream(stream)
         if chosen is None:
-            return function(*args, **kwargs)
+            return _run_collecting(function, args, kwargs)
         with chosen:
-            return function(*args, **kwargs)
+            return _run_collecting(function, args, kwargs)
 
     wrapper.__doc__ = (function.__doc__ or "").rstrip() + "\n" + STREAM_DOC
     return wrapper

@@ -355,15 +355,17 @@ def test_merge_rows_no_partial_saw():
 # CUDA graphs.
 
 @requires_gpu
-def test_decode_graph_replay_matches_eager():
+@pytest.mark.parametrize("num_splits", [None, 5, 1])
+def test_decode_graph_replay_matches_eager(num_splits):
     """flash_decode captured once in a CUDA graph (fixed shapes, device-side cache_seqlens) and
     replayed while cache_seqlens and k_new/v_new change, as a generation loop does, gives what eager
-    calls give."""
+    calls give (split automatically, in 5, and unsplit)."""
     import cupy
 
     p = dict(dtype="bfloat16", batch=2, heads_kv=2, heads=8, seqlen_q=1, new=1, capacity=1024, page_size=64,
-             lengths=[100, 500], head_dim=128, causal=True, features={}, num_splits=None, logit_std=1.0, seed=5)
+             lengths=[100, 500], head_dim=128, causal=True, features={}, num_splits=num_splits, logit_std=1.0, seed=5)
     q, k_cache, v_cache, cache, _ = make_decode_inputs(p)
+    cache["num_splits"] = num_splits
     k_eager, v_eager = k_cache.copy(), v_cache.copy()
     rng = numpy.random.default_rng(0)
     stream = cupy.cuda.Stream()

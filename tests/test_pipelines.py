@@ -132,6 +132,51 @@ def test_forward_backward_graph_replay_matches_eager():
 
 
 @requires_gpu
+def test_graph_replay_leaves_later_allocations_alone():
+    """Temporaries of captured calls (split partials, dq accumulators, GQA's per-head dk/dv) live as
+    long as the calls' outputs: arrays allocated after the capture, of every size the
+    capture allocated, keep their contents through replays, and the replays still match eager."""
+    import cupy
+
+    q, k, v, do = _inputs(8)
+    pool = cupy.get_default_memory_pool()
+    sizes = []
+
+    def recording_malloc(size):
+        sizes.append(size)
+        return pool.malloc(size)
+
+    def step():
+        o, lse = cupy_flash.flash_forward(q[:, :1], k, v, num_splits=4)             # split path
+        cache = dict(cache_seqlens=cupy.full((q.shape[0],), k.shape[1], cupy.int32))
+        o_decode, lse_decode = cupy_flash.flash_decode(q[:, :1], k, v, num_splits=3, **cache)
+        o_full, lse_full = cupy_flash.flash_forward(q, k, v, causal=True)
+        grads = [cupy_flash.flash_backward(do, q, k, v, o_full, lse_full, causal=True, deterministic=d)
+                 for d in (False, True)]
+        return (o, lse, o_decode, lse_decode, o_full, lse_full) + tuple(g for pair in grads for g in pair)
+
+    stream = cupy.cuda.Stream()
+    with stream:
+        step()   # compile and warm the pool
+        stream.synchronize()
+        with cupy.cuda.using_allocator(recording_malloc):
+            stream.begin_capture()
+            captured = step()
+            graph = stream.end_capture()
+        victims = [cupy.full(size, 0x5A, dtype=cupy.uint8) for size in sizes for _ in range(2)]
+        stream.synchronize()
+        for _ in range(2):
+            graph.launch()
+        eager = step()
+        stream.synchronize()
+    assert sizes, "the capture allocated nothing: the test checks nothing"
+    overwritten = [x.size for x in victims if not bool((x == 0x5A).all())]
+    assert not overwritten, f"replays wrote into arrays of {overwritten} bytes allocated after the capture"
+    for i, (a, b) in enumerate(zip(captured, eager)):
+        assert bool((bitwise(a) == bitwise(b)).all()), f"output {i}"
+
+
+@requires_gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_torch_adapter_matches_sdpa(dtype):
     """flash_attn_func's values and gradients against PyTorch SDPA (math, float64 as the truth):
