@@ -140,6 +140,10 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, D_TILE > 128 ? 2 : 3) flash_de
     const int first_tile = (key_begin & ~(KEYS - 1)) + warp * KEYS;
     constexpr int TILE_STEP = NUM_WARPS * KEYS;
 
+    // The cache is read once: evict-first in L2, which keeps the partials and the kernels' code there
+    // for the combine and the next call (GQA 8:1, batch 1, 32k keys: 33.6 -> 32.1 us a call in a
+    // graph; 33 splits of uneven chunks, to give all 132 SMs a block, measured no faster than 32).
+    const unsigned long long read_once = l2_evict_first_policy();
     auto load_tile = [&](int tile_start, int stage) {
         T* k_dst = my_tiles + stage * 2 * TILE_ELEMS;
         T* v_dst = k_dst + TILE_ELEMS;
@@ -156,8 +160,10 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, D_TILE > 128 ? 2 : 3) flash_de
                 const int r = (CHUNKS >= 32 ? pass : pass * ROWS_PER_PASS + lane / CHUNKS);
                 const int col = CHUNKS >= 32 ? (lane + 32 * part) * 8 : c;
                 const bool valid = tile_start + r < key_end && col < head_dim;
-                cp_async_16(smem_addr(k_dst + r * LD + col), k + (valid ? k_row + r * p.k_strides[1] + col : 0), valid);
-                cp_async_16(smem_addr(v_dst + r * LD + col), v + (valid ? v_row + r * p.v_strides[1] + col : 0), valid);
+                cp_async_16_once(smem_addr(k_dst + r * LD + col), k + (valid ? k_row + r * p.k_strides[1] + col : 0), valid,
+                                 read_once);
+                cp_async_16_once(smem_addr(v_dst + r * LD + col), v + (valid ? v_row + r * p.v_strides[1] + col : 0), valid,
+                                 read_once);
             }
         }
     };

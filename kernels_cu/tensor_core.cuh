@@ -45,6 +45,17 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned int* r, unsigned int 
 __device__ __forceinline__ void cp_async_16(unsigned int dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
+// The same for data read once (a decode's K/V stream), marked evict-first in L2 so that it does not
+// push out what is read again soon (the split partials, the kernels' code).
+__device__ __forceinline__ unsigned long long l2_evict_first_policy() {
+    unsigned long long policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+__device__ __forceinline__ void cp_async_16_once(unsigned int dst, const void* src, bool valid, unsigned long long policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;"
+                 :: "r"(dst), "l"(src), "r"(valid ? 16 : 0), "l"(policy));
+}
 // 4-byte copy (the bias tile: any strides); with valid = false it writes zero.
 __device__ __forceinline__ void cp_async_4(unsigned int dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(valid ? 4 : 0));
