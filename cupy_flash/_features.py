@@ -132,11 +132,6 @@ class Packed:
         cu = self.host_cu_seqlens_q
         return numpy.concatenate([b * rows_per_sequence + numpy.arange(cu[b + 1] - cu[b]) for b in range(len(cu) - 1)])
 
-    def device_arrays(self) -> tuple:
-        """The arrays fill() points the kernels at (None where absent)."""
-        packed = () if self.packed is None else (self.packed.cu_seqlens_q, self.packed.cu_seqlens_k)
-        return (self.alibi_slopes, self.sink, self.bias) + packed
-
     def fill(self, record) -> None:
         record["cu_seqlens_q"] = self.cu_seqlens_q.data.ptr
         record["cu_seqlens_k"] = self.cu_seqlens_k.data.ptr
