@@ -11,6 +11,7 @@ import numpy
 from . import _checks, _traits
 from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, get_kernel
 from ._features import DECODE_FEATURES, check_variant
+from ._launch import launch
 from ._params import as_argument, make_params
 from ._streams import on_stream
 from .preprocess import row_kernel_grid
@@ -131,10 +132,16 @@ def launch_decode(q, k, v, shape, scale, variant, num_splits=None, *, cache=None
     spec = ModuleSpec("decode", shape.dtype, shape.tile, features=variant.flags)
     smem = _traits.decode_smem_bytes(shape.tile)
     kernel = get_kernel(spec, spec.decode_kernel(variant.causal), smem)
-    kernel((grid,), (32 * _traits.DECODE_WARPS,), (argument,), shared_mem=smem)
+    # Both kernels may start before the kernel ahead of them ends (_launch.py): the decode kernel
+    # only when its grid fits on the SMs. GQA 8:1 batch 1 (128 blocks) on the H100: 32.6 -> 31.4 us
+    # a call at 32k keys, 12.9 -> 11.6 us at 4k; launched early, a grid of 256 blocks (1:1, batch 8,
+    # unsplit) ran 13% slower (1701 against 1488 us a call), and one of 384 blocks 5% slower.
+    early = grid <= _sm_count(device)
+    launch(kernel, (grid,), (32 * _traits.DECODE_WARPS,), argument, smem, early=early)
     if partial_lse is not None:
         combine = get_kernel(rows_spec, rows_spec.combine_kernel("float32"))
-        combine(*combine_launch(shape.batch * shape.seqlen_q * shape.heads, num_splits), (argument,))
+        launch(combine, *combine_launch(shape.batch * shape.seqlen_q * shape.heads, num_splits), argument,
+               early=True)
     return o, lse
 
 

@@ -149,6 +149,22 @@ __device__ __forceinline__ void require_dynamic_smem(unsigned int bytes) {
     if (have < bytes) __trap();
 }
 
+// Programmatic dependent launch (sm_90; cupy_flash/_launch.py). A kernel launched early may be
+// resident before the kernel ahead of it in the stream has finished: it calls wait_for_predecessor
+// before its first global memory access (it returns once that kernel completed and its writes are
+// visible; at once for an ordinary launch). allow_dependents lets the next early-launched kernel's
+// blocks start (it still waits for this one to end). Both are no-ops before sm_90.
+__device__ __forceinline__ void wait_for_predecessor() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // 16-byte vectors: 8 elements of a 16-bit type, 4 floats.
 template <typename T> struct Vec { static constexpr int N = 16 / sizeof(T); };
 

@@ -100,6 +100,10 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, D_TILE > 128 ? 2 : 3) flash_de
     const int row0 = (int)(rest % row_blocks) * ROWS;
     const long long b = rest / row_blocks / heads_kv, kv_head = rest / row_blocks % heads_kv;
     const int row_count = min(ROWS, rows_per_kv_head - row0);
+    // Launched early (_launch.py): nothing global is read before the kernel ahead has finished. The
+    // combine may then start its blocks, which wait for this kernel's end.
+    wait_for_predecessor();
+    allow_dependents();
 
     // Keys this block may see: its split's range, cut to the band of its first and last tokens.
     const int seqlen_k = decode_seqlen_k(p, b);
@@ -381,6 +385,8 @@ __global__ void __launch_bounds__(256) flash_combine_kernel(const FlashParams p)
     const long long row_elems = rows * p.head_dim;
     const long long lse_split_stride = p.batch * p.heads * p.seqlen_q;
     const int splits = (int)p.num_splits;
+    wait_for_predecessor();   // launched early behind the decode kernel (_launch.py)
+    allow_dependents();
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {   // uniform over the block
         const RowIndex at = row_index(p, r);
         const float* lse_row = p.lse_partial + (at.b * p.heads + at.h) * p.seqlen_q + at.row;

@@ -76,6 +76,20 @@ def test_choose_splits(monkeypatch):
     assert decode.choose_splits(198, 32768, 128, 0) == 1
 
 
+def test_early_launch_structs_match_cuda_h():
+    """_launch's ctypes mirrors of CUlaunchAttribute and CUlaunchConfig have cuda.h's layout (a
+    wrong offset would hand the driver a garbage stream or attribute)."""
+    import ctypes
+
+    from cupy_flash import _launch
+
+    assert ctypes.sizeof(_launch._LaunchAttribute) == 72
+    assert _launch._LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(_launch._LaunchConfig) == 56
+    assert (_launch._LaunchConfig.shared_mem_bytes.offset, _launch._LaunchConfig.stream.offset,
+            _launch._LaunchConfig.attrs.offset, _launch._LaunchConfig.num_attrs.offset) == (24, 32, 40, 48)
+
+
 @pytest.mark.parametrize("num_splits, error", [(0, ValueError), (1000, ValueError), (2.0, TypeError), (True, TypeError)])
 def test_num_splits_checked(num_splits, error):
     arrays = decode_arrays()
@@ -353,6 +367,57 @@ def test_merge_rows_no_partial_saw():
 
 # ---------------------------------------------------------------------------------------------
 # CUDA graphs.
+
+@requires_gpu
+def test_chained_calls_with_early_launches(monkeypatch):
+    """Each call's queries are the previous call's output, and the calls run back to back (queued
+    behind a long matmul, and captured in a graph): on sm_90 a call's decode kernel is launched
+    early (_launch.py) and becomes resident while the previous call's combine is still writing
+    the o it reads (and reading partials whose memory the pool hands the new call). The chain
+    equals one of ordinary launches bit for bit."""
+    import cupy
+
+    from cupy_flash import _launch
+
+    rng = numpy.random.default_rng(3)
+    batch, heads, heads_kv, head_dim, capacity, calls = 1, 32, 4, 128, 4096, 12
+    k_cache = random_array(rng, (batch, capacity, heads_kv, head_dim), "bfloat16")
+    v_cache = random_array(rng, (batch, capacity, heads_kv, head_dim), "bfloat16", magnitude=4.0)
+    lengths = cupy.asarray(numpy.array([capacity - 5], numpy.int32))
+    first = random_array(rng, (batch, 1, heads, head_dim), "bfloat16", magnitude=3.0)
+    busy = cupy.ones((8192, 8192), dtype=cupy.float32)
+
+    def chain(q):
+        outputs = []
+        for _ in range(calls):
+            q, lse = cupy_flash.flash_decode(q, k_cache, v_cache, cache_seqlens=lengths)
+            outputs += [q, lse]
+        return outputs
+
+    early = []
+    launch_early = _launch._launch_early
+    monkeypatch.setattr(_launch, "_launch_early", lambda *args: early.append(launch_early(*args)) or early[-1])
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        chain(first)   # compile, warm the pool
+        busy @ busy    # keeps the GPU busy while the chain is queued behind it
+        queued = chain(first)
+        stream.begin_capture()
+        captured = chain(first)
+        graph = stream.end_capture()
+        graph.launch()
+        stream.synchronize()
+    if int(cupy.cuda.Device().compute_capability) >= 90:
+        assert early and all(result == 0 for result in early), f"early launches refused: {early}"
+    monkeypatch.setenv("CUPY_FLASH_PDL", "0")
+    count = len(early)
+    ordinary = chain(first)
+    cupy.cuda.Device().synchronize()
+    assert len(early) == count
+    for i, expected in enumerate(ordinary):
+        assert bool((bitwise(queued[i]) == bitwise(expected)).all()), f"queued call {i // 2}: {('o', 'lse')[i % 2]}"
+        assert bool((bitwise(captured[i]) == bitwise(expected)).all()), f"graph call {i // 2}: {('o', 'lse')[i % 2]}"
+
 
 @requires_gpu
 @pytest.mark.parametrize("num_splits", [None, 5, 1])

@@ -1,0 +1,95 @@
+"""Launches that may start before their predecessor ends: Hopper's programmatic dependent launch.
+
+CuPy's launch API has no launch attributes, so a kernel launched ``early`` goes through the
+driver's ``cuLaunchKernelEx`` (ctypes, libcuda) with ``programmaticStreamSerializationAllowed``:
+its blocks may become resident while the kernel before it in the stream still runs (from when
+every block of that kernel has executed ``griddepcontrol.launch_dependents``, or exited), and
+they must execute ``griddepcontrol.wait`` (common.cuh's ``wait_for_predecessor``) before they
+touch global memory: it returns once the predecessor has completed and its writes are visible.
+What is gained is the launch and the block start-up (a few microseconds), hidden behind the
+predecessor's tail; results are the same bit for bit.
+
+Only kernels that call ``wait_for_predecessor`` before their first global access may be launched
+early. Elsewhere (before sm_90, no libcuda entry, ``CUPY_FLASH_PDL=0``, a launch the driver
+refuses) the launch is CuPy's ordinary one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import sys
+import threading
+
+# CUlaunchAttributeID CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttribute(ctypes.Structure):
+    # CUlaunchAttribute: the id, padding to 8 bytes, a 64-byte value union whose first member
+    # here is programmaticStreamSerializationAllowed (an int).
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("value_rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    # CUlaunchConfig
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_mem_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+def enabled() -> bool:
+    """Early launches unless CUPY_FLASH_PDL=0 (read on each call: a test or a benchmark may flip it)."""
+    return os.environ.get("CUPY_FLASH_PDL", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _driver_entry():
+    """libcuda's cuLaunchKernelEx (CUDA 12.0+ drivers), or None."""
+    name = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+    try:
+        entry = ctypes.CDLL(name).cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    entry.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                      ctypes.POINTER(ctypes.c_void_p)]
+    entry.restype = ctypes.c_int
+    return entry
+
+
+@functools.lru_cache(maxsize=None)
+def _device_supports(device: int) -> bool:
+    import cupy
+
+    return int(cupy.cuda.Device(device).compute_capability) >= 90
+
+
+_refused = threading.Event()   # the driver refused an early launch once: ordinary launches from then on
+
+
+def launch(kernel, grid: tuple, block: tuple, argument, shared_mem: int = 0, *, early: bool = False) -> None:
+    """kernel(grid, block, (argument,), shared_mem=...) with ``argument`` one NumPy record (the
+    params struct, passed by value); ``early``: a programmatic dependent launch where possible."""
+    import cupy
+
+    if early and enabled() and not _refused.is_set():
+        entry = _driver_entry()
+        if entry is not None and _device_supports(cupy.cuda.Device().id):
+            if _launch_early(entry, kernel, grid, block, argument, shared_mem) == 0:
+                return
+            _refused.set()
+    kernel(grid, block, (argument,), shared_mem=shared_mem)
+
+
+def _launch_early(entry, kernel, grid, block, argument, shared_mem) -> int:
+    import cupy
+
+    grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+    attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    config = _LaunchConfig(*grid, *block, shared_mem, cupy.cuda.get_current_stream().ptr,
+                           ctypes.pointer(attribute), 1)
+    parameters = (ctypes.c_void_p * 1)(argument.ctypes.data)   # the struct's bytes, copied at launch
+    return entry(ctypes.byref(config), kernel.kernel.ptr, parameters, None)
