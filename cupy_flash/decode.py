@@ -18,14 +18,13 @@ from .preprocess import row_kernel_grid
 
 # A split covers at least this many keys: below it the partials' write and combine cost more than
 # the parallelism gains. num_splits= takes up to MAX_SPLITS; the automatic choice stops at
-# MAX_AUTO_SPLITS, since the combine's time grows with the splits: on the H100 (bench.decode
-# --sweep, bf16, d=128, one token, 32 query heads) 8 query heads per K/V head at batch 1 ran at
-# 2008 GB/s with 32 splits against 1876 with 64 and 1662 with 128 at 32k keys (and 727 against
-# 665 with 16 at 4k: 128 keys per split beat 256); 13 to 24 splits were within 3% of each other
-# wherever the work already gave 32 blocks without splitting.
+# MAX_AUTO_SPLITS. On the H100 (bf16, graphs of decode calls, one token, 32 query heads) one query
+# head per K/V head at 32k keys ran at 892 GB/s with 64 splits (a block on 128 SMs) against 757
+# with 32 and 734 with 128; two K/V heads of 16: 1451 with 64, 1506 with 32, 1260 with 128.
 MIN_KEYS_PER_SPLIT = 128
-MAX_AUTO_SPLITS = 32
+MAX_AUTO_SPLITS = 64
 MAX_SPLITS = 128
+
 # flash_forward takes the decode kernel when a K/V head's query rows (group x seqlen_q) fit in this
 # many 16-row blocks: the regular forward's 128-row blocks would be mostly padding.
 DECODE_MAX_ROWS = 32
@@ -51,13 +50,28 @@ def _sm_count(device: int) -> int:
 
 
 def choose_splits(work_units: int, keys: int, tile: int, device: int) -> int:
-    """Splits of the keys so that about one wave of blocks fills the GPU: the SM count times the
-    blocks each SM holds (_traits.decode_blocks_per_sm), over the blocks without
-    splitting, each split keeping MIN_KEYS_PER_SPLIT keys or more, at most MAX_AUTO_SPLITS."""
-    slots = _sm_count(device) * _traits.decode_blocks_per_sm(tile)
-    if work_units >= slots // 2:
-        return 1
-    return max(1, min(-(-slots // work_units), keys // MIN_KEYS_PER_SPLIT, MAX_AUTO_SPLITS))
+    """Splits of the keys over ``work_units`` blocks (batch x K/V heads x row blocks): while the
+    work fits on the SMs, as many as keep one block per SM; past that, about one wave of the
+    blocks each SM holds (_traits.decode_blocks_per_sm). Each split keeps MIN_KEYS_PER_SPLIT keys
+    or more, at most MAX_AUTO_SPLITS.
+
+    One block per SM, measured on the H100 (bf16, graphs of decode calls at 32k keys, one token,
+    32 query heads, early launches): 1:1 at batch 1 (32 units) 2796 GB/s with 4 splits against
+    2737 with 8 and 2708 with 13 (the old choice: three blocks per SM); batch 2 (64 units) 2881
+    with 2 splits against 2583 with 7; 96 units 2850 unsplit against 2710 with 5; head_dim 256,
+    32 units: 2866 with 4 against 2303 with 5 (160 blocks, one per SM: two waves). Past the SMs,
+    192 units: 2855 with 2 splits, 2806 with 3, 2687 unsplit."""
+    sms = _sm_count(device)
+    if work_units <= sms:
+        wanted = sms // work_units
+    else:
+        wanted = sms * _traits.decode_blocks_per_sm(tile) // work_units
+    # Past one pass of the combine's warps, whole passes only: 33 splits (all 132 SMs) ran slower
+    # than 32 (2001 against 2041 GB/s, GQA 8:1 batch 1 at 32k keys).
+    combine_pass = COMBINE_BATCH * COMBINE_MAX_WARPS
+    if wanted > combine_pass:
+        wanted -= wanted % combine_pass
+    return max(1, min(wanted, keys // MIN_KEYS_PER_SPLIT, MAX_AUTO_SPLITS))
 
 
 def _split_layout(num_splits: int, keys: int) -> tuple[int, int]:

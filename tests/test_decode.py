@@ -62,18 +62,26 @@ def test_decode_bad_arguments(label, change, error, message):
 
 
 def test_choose_splits(monkeypatch):
-    """The automatic split count on a 132-SM GPU: about one wave of blocks (three per SM at head_dim
-    128, one at 256 by shared memory), 128 keys or more per split, at most MAX_AUTO_SPLITS (the combine's cost grows
-    with the splits); none once the work alone fills half the slots."""
+    """The automatic split count on a 132-SM GPU: while the work fits on the SMs, as many splits as
+    keep one block per SM; past that, about one wave of the blocks an SM holds (three at head_dim
+    128, one at 256 by shared memory); past 32, whole passes of the combine (32 splits each); 128 keys
+    or more per split, at most MAX_AUTO_SPLITS."""
     from cupy_flash import decode
 
     monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
-    assert decode.choose_splits(4, 32768, 128, 0) == decode.MAX_AUTO_SPLITS == 32   # GQA 8:1, batch 1
-    assert decode.choose_splits(32, 32768, 128, 0) == 13                             # 1:1, batch 1
-    assert decode.choose_splits(4, 1000, 128, 0) == 7                                # 128+ keys each
+    assert decode.choose_splits(4, 32768, 128, 0) == 32                               # GQA 8:1, batch 1
+    assert decode.choose_splits(2, 32768, 128, 0) == 64                               # MQA, batch 1
+    assert decode.choose_splits(1, 32768, 128, 0) == decode.MAX_AUTO_SPLITS == 64
+    assert decode.choose_splits(3, 32768, 128, 0) == 32          # 44 splits: whole combine passes
+    assert decode.choose_splits(32, 32768, 128, 0) == 4                               # 1:1, batch 1
+    assert decode.choose_splits(32, 32768, 256, 0) == 4
+    assert decode.choose_splits(64, 32768, 128, 0) == 2
+    assert decode.choose_splits(96, 32768, 128, 0) == 1
+    assert decode.choose_splits(132, 32768, 128, 0) == 1
+    assert decode.choose_splits(192, 32768, 128, 0) == 2                              # three per SM
+    assert decode.choose_splits(192, 32768, 256, 0) == 1
+    assert decode.choose_splits(4, 1000, 128, 0) == 7                                 # 128+ keys each
     assert decode.choose_splits(4, 100, 128, 0) == 1
-    assert decode.choose_splits(32, 32768, 256, 0) == 5                              # 1 block per SM
-    assert decode.choose_splits(198, 32768, 128, 0) == 1
 
 
 def test_early_launch_structs_match_cuda_h():
