@@ -165,6 +165,19 @@ __device__ __forceinline__ void allow_dependents() {
 #endif
 }
 
+// One step of the online softmax's running max (every forward and the decode kernel): row_max
+// (score units) rises to cover tile_max, row_max_scaled is its exponent offset in log2 units (0
+// while the row has seen no key: exp2 of a masked -inf then gives 0, not NaN), and the returned
+// factor exp2(old - new) rescales the row's sum and O (0 until the row has seen a key).
+__device__ __forceinline__ float raise_row_max(float& row_max, float& row_max_scaled, float tile_max, float score_log2) {
+    const float new_max = fmaxf(row_max, tile_max);
+    const float new_max_scaled = new_max == FLASH_NEG_INF ? 0.f : new_max * score_log2;
+    const float rescale = row_max == FLASH_NEG_INF ? 0.f : exp2f(row_max_scaled - new_max_scaled);
+    row_max = new_max;
+    row_max_scaled = new_max_scaled;
+    return rescale;
+}
+
 // 16-byte vectors: 8 elements of a 16-bit type, 4 floats.
 template <typename T> struct Vec { static constexpr int N = 16 / sizeof(T); };
 

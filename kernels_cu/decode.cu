@@ -232,17 +232,13 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, D_TILE > 128 ? 2 : 3) flash_de
             float tile_max = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
             tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
             tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-            const float new_max = fmaxf(row_max[r], tile_max);
-            const float new_max_scaled = new_max == FLASH_NEG_INF ? 0.f : new_max * score_log2;
-            const float rescale = row_max[r] == FLASH_NEG_INF ? 0.f : exp2f(row_max_scaled[r] - new_max_scaled);
-            row_max[r] = new_max;
-            row_max_scaled[r] = new_max_scaled;
+            const float rescale = raise_row_max(row_max[r], row_max_scaled[r], tile_max, score_log2);
             float sum = 0.f;
 #pragma unroll
             for (int j = 0; j < 2; ++j)
 #pragma unroll
                 for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                    s[j][e] = exp2f(fmaf(s[j][e], score_log2, -new_max_scaled));
+                    s[j][e] = exp2f(fmaf(s[j][e], score_log2, -row_max_scaled[r]));
                     sum += s[j][e];
                 }
             row_sum[r] = row_sum[r] * rescale + sum;

@@ -102,16 +102,11 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const F
                 if (!key_visible<IS_CAUSAL, FEATURES>(key, query, seqlen_k, band)) s[i][j] = FLASH_NEG_INF;
                 block_max = fmaxf(block_max, s[i][j]);
             }
-            const float new_max = fmaxf(row_max[i], row_group_max(block_max));
-            // A row that has seen no key keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
-            const float new_max_scaled = new_max == FLASH_NEG_INF ? 0.f : new_max * score_log2;
-            const float rescale = row_max[i] == FLASH_NEG_INF ? 0.f : exp2f(row_max_scaled[i] - new_max_scaled);
-            row_max[i] = new_max;
-            row_max_scaled[i] = new_max_scaled;
+            const float rescale = raise_row_max(row_max[i], row_max_scaled[i], row_group_max(block_max), score_log2);
             float sum = 0.f;
 #pragma unroll
             for (int j = 0; j < SCOLS; ++j) {
-                const float prob = exp2f(fmaf(s[i][j], score_log2, -new_max_scaled));
+                const float prob = exp2f(fmaf(s[i][j], score_log2, -row_max_scaled[i]));
                 sum += prob;
                 p_tile[(ty * ROWS + i) * P_LD + tx + 8 * j] = prob;
             }

@@ -176,17 +176,13 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
                 for (int j = 0; j < S_TILES; ++j) block_max = fmaxf(block_max, fmaxf(s[m][j][2 * r], s[m][j][2 * r + 1]));
                 block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 1));
                 block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 2));
-                const float new_max = fmaxf(row_max[m][r], block_max);
-                const float new_max_scaled = new_max == FLASH_NEG_INF ? 0.f : new_max * score_log2;
-                const float rescale = row_max[m][r] == FLASH_NEG_INF ? 0.f : exp2f(row_max_scaled[m][r] - new_max_scaled);
-                row_max[m][r] = new_max;
-                row_max_scaled[m][r] = new_max_scaled;
+                const float rescale = raise_row_max(row_max[m][r], row_max_scaled[m][r], block_max, score_log2);
                 float sum = 0.f;
 #pragma unroll
                 for (int j = 0; j < S_TILES; ++j)
 #pragma unroll
                     for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                        s[m][j][e] = exp2f(fmaf(s[m][j][e], score_log2, -new_max_scaled));
+                        s[m][j][e] = exp2f(fmaf(s[m][j][e], score_log2, -row_max_scaled[m][r]));
                         sum += s[m][j][e];
                     }
                 row_sum[m][r] = row_sum[m][r] * rescale + sum;
