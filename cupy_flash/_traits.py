@@ -120,7 +120,7 @@ def decode_stages(tile: int) -> int:
 def decode_smem_bytes(tile: int) -> int:
     ld = tile + 8
     loop = 2 * (DECODE_ROWS * ld + DECODE_WARPS * decode_stages(tile) * 2 * 16 * ld)
-    merge = 2 * DECODE_ROWS * ld + 4 * DECODE_WARPS * DECODE_ROWS * (tile + 4)
+    merge = 2 * DECODE_ROWS * ld + 4 * DECODE_WARPS * DECODE_ROWS * (tile + 8)
     return max(loop, merge)
 
 

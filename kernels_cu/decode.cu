@@ -61,6 +61,38 @@ __global__ void flash_append_kernel(const FlashParams p) {
     }
 }
 
+// L2 prefetch of the first PREFETCH_BYTES of K and V of a decode block's split, issued before
+// wait_for_predecessor: launched early, the block has the kernel ahead's tail to fill (in a graph of
+// decode calls, the previous call's epilogue and combine: ~3 us with DRAM nearly idle). On the H100
+// (bf16, d = 128, GQA 8:1 batch 1, graphs): 11.58 -> 10.48 us a call at 4k keys, 31.46 -> 29.41 at
+// 32k (-6.5%; 64 KB a block: 30.08, 256 KB: 30.05), 101 -> 97.4 at 128k (256 KB: 96.1); 1:1
+// batch 1 at 32k -1.3%. Safe before the wait: L2 is where every SM's writes land, so a line
+// fetched early is never stale; only L1 could be, and cache_seqlens is read past it (ld.cg). That
+// length, which the kernel ahead may still be advancing, only bounds the prefetch. Contiguous caches
+// only: a paged cache's block_table may be rewritten too, and a stale page number is no address.
+constexpr int PREFETCH_BYTES = 128 * 1024;
+template <typename T, int FEATURES>
+__device__ __forceinline__ void prefetch_split_to_l2(const FlashParams& p, long long b, long long kv_head, int split) {
+    if (p.block_table != nullptr || (FEATURES & FEATURE_WINDOW)) return;
+    long long known = p.seqlen_k;
+    if (p.cache_seqlens != nullptr) known = max(0LL, min((long long)__ldcg(p.cache_seqlens + b) + p.seqlen_new, p.cache_capacity));
+    const int row_bytes = (int)p.head_dim * (int)sizeof(T);
+    const long long first = min((long long)split * p.keys_per_split, known);
+    const long long last = min(min(first + p.keys_per_split, known), first + PREFETCH_BYTES / (2 * row_bytes));
+    // Lines of 128 bytes per row: one more than whole lines, the last clamped to the row's end, so a
+    // row that straddles a line boundary is covered wherever it starts.
+    const int lines = row_bytes / 128 + 1;
+    const int count = (int)(last - first) * 2 * lines;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) {
+        const int key = (int)first + i / (2 * lines), line = i % lines;
+        const bool is_v = (i / lines) & 1;
+        const char* row = reinterpret_cast<const char*>(
+            is_v ? static_cast<const T*>(p.v) + cache_offset(p, p.v_strides, b, key, kv_head)
+                 : static_cast<const T*>(p.k) + cache_offset(p, p.k_strides, b, key, kv_head));
+        asm volatile("prefetch.global.L2 [%0];" :: "l"(row + min(128 * line, row_bytes - 1)));
+    }
+}
+
 template <typename T, int D_TILE, int NUM_WARPS, bool IS_CAUSAL, int FEATURES>
 __global__ void __launch_bounds__(32 * NUM_WARPS, D_TILE > 128 ? 2 : 3) flash_decode_kernel(const FlashParams p) {
     constexpr int ROWS = 16;                 // (token, head) rows per block: one m16 tile
@@ -75,7 +107,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, D_TILE > 128 ? 2 : 3) flash_de
     constexpr int ROWS_PER_PASS = CHUNKS >= 32 ? 1 : 32 / CHUNKS;
     constexpr int PASSES = KEYS / ROWS_PER_PASS;
     constexpr int TILE_ELEMS = KEYS * LD;    // one K or V tile
-    constexpr int MERGE_LD = D_TILE + 4;     // float pitch of the epilogue's per-warp O
+    constexpr int MERGE_LD = D_TILE + 8;     // float pitch of the epilogue's per-warp O (float2 stores conflict-free)
     constexpr unsigned int LOOP_BYTES = (ROWS * LD + NUM_WARPS * STAGES * 2 * TILE_ELEMS) * sizeof(T);
     constexpr unsigned int MERGE_BYTES = (ROWS * LD) * sizeof(T) + NUM_WARPS * ROWS * MERGE_LD * sizeof(float);
     constexpr unsigned int SMEM_BYTES = LOOP_BYTES > MERGE_BYTES ? LOOP_BYTES : MERGE_BYTES;
@@ -100,8 +132,10 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, D_TILE > 128 ? 2 : 3) flash_de
     const int row0 = (int)(rest % row_blocks) * ROWS;
     const long long b = rest / row_blocks / heads_kv, kv_head = rest / row_blocks % heads_kv;
     const int row_count = min(ROWS, rows_per_kv_head - row0);
-    // Launched early (_launch.py): nothing global is read before the kernel ahead has finished. The
-    // combine may then start its blocks, which wait for this kernel's end.
+    // Launched early (_launch.py), the block starts while the kernel ahead still runs: it asks L2 for
+    // the first keys of its split meanwhile, and reads nothing else before that kernel has finished.
+    // The combine may then start its blocks, which wait for this kernel's end.
+    prefetch_split_to_l2<T, FEATURES>(p, b, kv_head, split);
     wait_for_predecessor();
     allow_dependents();
 
@@ -261,8 +295,12 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, D_TILE > 128 ? 2 : 3) flash_de
         __syncwarp();   // every lane is done with this stage before the next iteration refills it
     }
 
-    // Merge the warps' partial softmaxes: per row the largest max, each warp's O scaled to it and
-    // summed through shared memory (the tiles are free once every warp has left its loop).
+    // Merge the warps' partial softmaxes (the tiles are free once every warp has left its loop).
+    // Every thread works out its two rows' merged max, total and lse itself (from four per-warp
+    // values), scales its O by its warp's share and the row's 1 / total, and the output is then a
+    // plain sum over the warps. The merge is serial code on the critical path of every call: the
+    // old form (one thread per (row, 4 columns), each redoing the row's max and total in a loop)
+    // took 2.1 us of a 4k-key call (globaltimer stamps, H100).
     cp_async_wait<0>();
     __syncthreads();
 #pragma unroll
@@ -277,64 +315,60 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, D_TILE > 128 ? 2 : 3) flash_de
         }
     }
     __syncthreads();
-    // A row's largest max over the warps that saw a key, in score units and as used in exponents.
-    auto merged_max = [&](int row) {
+    const bool split_output = p.num_splits > 1;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = g + 8 * r;
+        // The row's largest max over the warps that saw a key (score units, and as used in exponents).
         float best = FLASH_NEG_INF, best_scaled = 0.f;
 #pragma unroll
         for (int w = 0; w < NUM_WARPS; ++w)
             if (merge_sum[w][row] > 0.f && merge_max[w][row] > best) { best = merge_max[w][row]; best_scaled = merge_max_scaled[w][row]; }
-        return make_float2(best, best_scaled);
-    };
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = g + 8 * r;
-        const float factor = merge_sum[warp][row] > 0.f ? exp2f(row_max_scaled[r] - merged_max(row).y) : 0.f;
-#pragma unroll
-        for (int j = 0; j < O_TILES; ++j) {
-            merge_o[(warp * ROWS + row) * MERGE_LD + j * 8 + 2 * t] = o_acc[j][2 * r] * factor;
-            merge_o[(warp * ROWS + row) * MERGE_LD + j * 8 + 2 * t + 1] = o_acc[j][2 * r + 1] * factor;
-        }
-    }
-    __syncthreads();
-    // One thread per (row, 4 columns): sum the warps, normalise, store.
-    const bool split_output = p.num_splits > 1;
-    for (int idx = threadIdx.x; idx < ROWS * (D_TILE / 4); idx += 32 * NUM_WARPS) {
-        const int row = idx / (D_TILE / 4), c = (idx % (D_TILE / 4)) * 4;
-        if (row >= row_count) continue;
-        const float2 best = merged_max(row);
-        const float best_scaled = best.y;
         float total = 0.f;
 #pragma unroll
         for (int w = 0; w < NUM_WARPS; ++w)
             if (merge_sum[w][row] > 0.f) total += merge_sum[w][row] * exp2f(merge_max_scaled[w][row] - best_scaled);
+        // One split: the sink joins here; several: in the combine, once.
+        const float2 lse_inv = split_output ? finish_row<FEATURES & ~FEATURE_SINK>(p, row_head[r], best, best_scaled, total)
+                                            : finish_row<FEATURES>(p, row_head[r], best, best_scaled, total);
+        const float scale = merge_sum[warp][row] > 0.f ? exp2f(row_max_scaled[r] - best_scaled) * lse_inv.y : 0.f;
+#pragma unroll
+        for (int j = 0; j < O_TILES; ++j)
+            *reinterpret_cast<float2*>(&merge_o[(warp * ROWS + row) * MERGE_LD + j * 8 + 2 * t]) =
+                make_float2(o_acc[j][2 * r] * scale, o_acc[j][2 * r + 1] * scale);
+        if (warp == 0 && t == 0 && row < row_count) {
+            if (split_output)
+                p.lse_partial[(((long long)split * p.batch + b) * p.heads + row_head[r]) * p.seqlen_q + row_token[r]] = lse_inv.x;
+            else
+                p.lse[b * p.lse_batch_stride + row_head[r] * p.lse_head_stride + row_token[r]] = lse_inv.x;
+        }
+    }
+    __syncthreads();
+    // One thread per (row, D_TILE / 8 columns): 16-byte chunks 32 columns apart (conflict-free
+    // shared loads), summed over the warps and stored.
+    static_assert(ROWS * 8 == 32 * NUM_WARPS && D_TILE % 32 == 0, "epilogue: 8 threads per row, chunks of 32 columns");
+    const int row = threadIdx.x / 8;
+    if (row < row_count) {
         const int q_row = row0 + row;
         const long long token = q_row / group, head = kv_head * group + q_row % group;
-        // One split: the sink joins here; several: in the combine, once.
-        const float2 lse_inv = split_output ? finish_row<FEATURES & ~FEATURE_SINK>(p, head, best.x, best_scaled, total)
-                                            : finish_row<FEATURES>(p, head, best.x, best_scaled, total);
-        float out[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            float acc = 0.f;
+        for (int chunk = 0; chunk < D_TILE / 32; ++chunk) {
+            const int c = 4 * (threadIdx.x % 8) + 32 * chunk;
+            float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-            for (int w = 0; w < NUM_WARPS; ++w) acc += merge_o[(w * ROWS + row) * MERGE_LD + c + e];
-            out[e] = acc * lse_inv.y;
-        }
-        if (c < head_dim) {
+            for (int w = 0; w < NUM_WARPS; ++w) {
+                const float4 more = *reinterpret_cast<const float4*>(&merge_o[(w * ROWS + row) * MERGE_LD + c]);
+                sum.x += more.x; sum.y += more.y; sum.z += more.z; sum.w += more.w;
+            }
+            if (c >= head_dim) continue;
             if (split_output) {
                 float* dst = static_cast<float*>(p.o_partial) +
                              ((((long long)split * p.batch + b) * p.seqlen_q + token) * p.heads + head) * p.head_dim + c;
-                *reinterpret_cast<float4*>(dst) = make_float4(out[0], out[1], out[2], out[3]);
+                *reinterpret_cast<float4*>(dst) = sum;
             } else {
                 T* dst = static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, token, head) + c;
-                *reinterpret_cast<uint2*>(dst) = make_uint2(Mma<T>::pack(out[0], out[1]), Mma<T>::pack(out[2], out[3]));
+                *reinterpret_cast<uint2*>(dst) = make_uint2(Mma<T>::pack(sum.x, sum.y), Mma<T>::pack(sum.z, sum.w));
             }
-        }
-        if (c == 0) {
-            if (split_output)
-                p.lse_partial[(((long long)split * p.batch + b) * p.heads + head) * p.seqlen_q + token] = lse_inv.x;
-            else
-                p.lse[b * p.lse_batch_stride + head * p.lse_head_stride + token] = lse_inv.x;
         }
     }
 }
@@ -360,15 +394,16 @@ __device__ __forceinline__ float4 load_four(const T_IN* row, int c, int head_dim
 }
 
 // One block per (batch, token, head) row, its blockDim.x / 32 warps (1 to 8, chosen by the launch
-// from the number of splits) taking interleaved splits. One pass: each warp loads COMBINE_BATCH
-// splits' lse and O together and keeps a running max, weight sum and weighted O (rescaled when
-// the max rises), and the warps are merged through shared memory. A split that saw no key (lse
-// -inf) weighs exactly 0 whatever its O holds; a row no split saw gets lse -inf and O = 0. Each
-// lane holds four columns (two passes above 128). The order of the loads matters more than the
-// arithmetic: one warp per row walking the splits one by one waited on memory once per split (57
-// us for 86 splits, 8 query heads per K/V head at 32k keys, against 34 us for the decode kernel).
-// One pass instead of the lse's logsumexp first: 0-1.5% a call (H100, graphs: 1:1 batch 1 at 4k
-// keys 29.9 -> 29.5 us, GQA 8:1 batch 8 at 4k 31.2 -> 30.9; GQA 8:1 batch 1 unchanged).
+// from the number of splits) taking interleaved splits, COMBINE_BATCH at a time. Each lane holds four
+// columns (two passes above 128). Latency is what counts (a few KB a row, every call waits on it), so
+// a warp issues its first batch's lse and O loads and, one per lane, the first 32 splits' lse
+// together; from those lanes every warp has the row's max and total by shuffles (no barrier), so
+// its share of O is sum_s exp(lse_s - max) O_s and the warps' shares simply add up. A split that saw
+// no key (lse -inf) weighs exactly 0 whatever its O holds; a row no split saw gets lse -inf and O = 0.
+// Before this form (each warp a running max, merged by warp 0 in loops over the warps), the combine
+// took 3.4 us of a 4k-key call from its start to its end (globaltimer stamps, H100). And earlier,
+// one warp per row walking the splits one by one waited on memory once per split (57 us for 86
+// splits, 8 query heads per K/V head at 32k keys, against 34 us for the decode kernel).
 // Partials are T_IN, contiguous (splits, batch, seqlen_q, heads, head_dim); lse_partial (splits,
 // batch, heads, seqlen_q). With p.sink the sink's logit joins the merged row (FEATURE_SINK).
 template <typename T_IN, typename T_OUT>
@@ -377,9 +412,9 @@ __global__ void __launch_bounds__(256) flash_combine_kernel(const FlashParams p)
     constexpr int COMBINE_BATCH = 4;
     constexpr int MAX_WARPS = 8;
     __shared__ float4 warp_sums[MAX_WARPS][PASSES][32];
-    __shared__ float warp_max[MAX_WARPS], warp_weight[MAX_WARPS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int head_dim = (int)p.head_dim;
+    const int passes = head_dim > 128 ? 2 : 1;
     const bool vectors = (head_dim & 3) == 0;
     const long long rows = p.batch * p.seqlen_q * p.heads;
     const long long row_elems = rows * p.head_dim;
@@ -388,45 +423,64 @@ __global__ void __launch_bounds__(256) flash_combine_kernel(const FlashParams p)
     wait_for_predecessor();   // launched early behind the decode kernel (_launch.py)
     allow_dependents();
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {   // uniform over the block
-        const RowIndex at = row_index(p, r);
+        // 32-bit divisions where they fit: a 64-bit one is a long dependent sequence before the loads.
+        RowIndex at;
+        if (rows <= 0xffffffffLL) {
+            const unsigned int ri = (unsigned int)r, heads = (unsigned int)p.heads, seqlen_q = (unsigned int)p.seqlen_q;
+            at = {(long long)(ri / (heads * seqlen_q)), (long long)((ri / heads) % seqlen_q), (long long)(ri % heads)};
+        } else {
+            at = row_index(p, r);
+        }
         const float* lse_row = p.lse_partial + (at.b * p.heads + at.h) * p.seqlen_q + at.row;
         const T_IN* o_row = static_cast<const T_IN*>(p.o_partial) + r * p.head_dim;
-        // This warp's splits: the running max (uniform over the warp), the sum of exp(lse_s - max)
-        // and the O weighted alike.
-        float best = FLASH_NEG_INF, weight_sum = 0.f;
-        float4 acc[PASSES];
-#pragma unroll
-        for (int i = 0; i < PASSES; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int s0 = warp; s0 < splits; s0 += COMBINE_BATCH * warps) {
-            float lse_s[COMBINE_BATCH];
-            float4 part[COMBINE_BATCH][PASSES];
+        float lse_s[COMBINE_BATCH];
+        float4 part[COMBINE_BATCH][PASSES];
+        auto load_batch = [&](int s0) {   // this warp's splits s0, s0 + warps, ...: lse and O
 #pragma unroll
             for (int i = 0; i < COMBINE_BATCH; ++i) {
                 const int s = s0 + i * warps;
                 lse_s[i] = s < splits ? lse_row[s * lse_split_stride] : FLASH_NEG_INF;
 #pragma unroll
                 for (int pass = 0; pass < PASSES; ++pass)
-                    part[i][pass] = load_four(o_row + (s < splits ? s : 0) * row_elems, 128 * pass + 4 * lane,
-                                              head_dim, vectors);
+                    part[i][pass] = pass < passes ? load_four(o_row + (s < splits ? s : 0) * row_elems, 128 * pass + 4 * lane,
+                                                              head_dim, vectors)
+                                                  : make_float4(0.f, 0.f, 0.f, 0.f);
             }
-            float batch_max = FLASH_NEG_INF;
-#pragma unroll
-            for (int i = 0; i < COMBINE_BATCH; ++i) batch_max = fmaxf(batch_max, lse_s[i]);
-            if (batch_max == FLASH_NEG_INF) continue;
-            if (batch_max > best) {
-                const float rescale = best == FLASH_NEG_INF ? 0.f : expf(best - batch_max);
-                weight_sum *= rescale;
-#pragma unroll
-                for (int pass = 0; pass < PASSES; ++pass) {
-                    acc[pass].x *= rescale; acc[pass].y *= rescale; acc[pass].z *= rescale; acc[pass].w *= rescale;
-                }
-                best = batch_max;
+        };
+        load_batch(warp);
+        // The row's max and sum of exp(lse_s - max): online per lane over splits lane, lane + 32, ...,
+        // then across the lanes. -inf (no key) adds nothing; a max of -inf means no split saw a key.
+        float row_max = lane < splits ? lse_row[lane * lse_split_stride] : FLASH_NEG_INF;
+        float total = row_max == FLASH_NEG_INF ? 0.f : 1.f;
+        for (int s = lane + 32; s < splits; s += 32) {
+            const float x = lse_row[s * lse_split_stride];
+            if (x == FLASH_NEG_INF) continue;
+            if (x > row_max) {
+                total = (row_max == FLASH_NEG_INF ? 0.f : total * expf(row_max - x)) + 1.f;
+                row_max = x;
+            } else {
+                total += expf(x - row_max);
             }
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            const float other_max = __shfl_xor_sync(0xffffffffu, row_max, offset);
+            const float other_total = __shfl_xor_sync(0xffffffffu, total, offset);
+            const float joined = fmaxf(row_max, other_max);
+            if (joined != FLASH_NEG_INF)
+                total = (row_max == FLASH_NEG_INF ? 0.f : total * expf(row_max - joined)) +
+                        (other_max == FLASH_NEG_INF ? 0.f : other_total * expf(other_max - joined));
+            row_max = joined;
+        }
+        // This warp's share of O (unnormalised: weights exp(lse_s - max) <= 1).
+        float4 acc[PASSES];
+#pragma unroll
+        for (int pass = 0; pass < PASSES; ++pass) acc[pass] = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int s0 = warp;;) {
 #pragma unroll
             for (int i = 0; i < COMBINE_BATCH; ++i) {
                 if (lse_s[i] == FLASH_NEG_INF) continue;
-                const float weight = expf(lse_s[i] - best);
-                weight_sum += weight;
+                const float weight = expf(lse_s[i] - row_max);
 #pragma unroll
                 for (int pass = 0; pass < PASSES; ++pass) {
                     acc[pass].x += weight * part[i][pass].x;
@@ -435,18 +489,14 @@ __global__ void __launch_bounds__(256) flash_combine_kernel(const FlashParams p)
                     acc[pass].w += weight * part[i][pass].w;
                 }
             }
+            s0 += COMBINE_BATCH * warps;
+            if (s0 >= splits) break;
+            load_batch(s0);
         }
 #pragma unroll
         for (int pass = 0; pass < PASSES; ++pass) warp_sums[warp][pass][lane] = acc[pass];
-        if (lane == 0) { warp_max[warp] = best; warp_weight[warp] = weight_sum; }
         __syncthreads();
         if (warp == 0) {
-            // The row's max over the warps that saw a split with keys, each warp's share rescaled to it.
-            float row_max = FLASH_NEG_INF;
-            for (int w = 0; w < warps; ++w) row_max = fmaxf(row_max, warp_max[w]);
-            float total = 0.f;
-            for (int w = 0; w < warps; ++w)
-                if (warp_max[w] != FLASH_NEG_INF) total += warp_weight[w] * expf(warp_max[w] - row_max);
             float lse = row_max == FLASH_NEG_INF ? FLASH_NEG_INF : row_max + logf(total);
             float shrink = 1.f;   // exp(lse - lse with the sink)
             if (p.sink != nullptr) {
@@ -458,14 +508,15 @@ __global__ void __launch_bounds__(256) flash_combine_kernel(const FlashParams p)
             T_OUT* out = static_cast<T_OUT*>(p.o) + tensor_offset(p.o_strides, at.b, at.row, at.h);
 #pragma unroll
             for (int pass = 0; pass < PASSES; ++pass) {
+                if (pass >= passes) break;
                 float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-                for (int w = 0; w < warps; ++w) {
-                    if (warp_max[w] == FLASH_NEG_INF) continue;
-                    const float factor = expf(warp_max[w] - row_max) * scale;
+#pragma unroll
+                for (int w = 0; w < MAX_WARPS; ++w) {
+                    if (w >= warps) break;
                     const float4 more = warp_sums[w][pass][lane];
-                    sum.x += factor * more.x; sum.y += factor * more.y; sum.z += factor * more.z; sum.w += factor * more.w;
+                    sum.x += more.x; sum.y += more.y; sum.z += more.z; sum.w += more.w;
                 }
-                const float f[4] = {sum.x, sum.y, sum.z, sum.w};
+                const float f[4] = {sum.x * scale, sum.y * scale, sum.z * scale, sum.w * scale};
                 const int c = 128 * pass + 4 * lane;
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
