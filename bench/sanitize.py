@@ -54,12 +54,18 @@ for dtype in (numpy.float16, ml_dtypes.bfloat16, numpy.float32):
             print("decode", dtype.__name__ if hasattr(dtype, "__name__") else dtype, "paged" if paged else "contiguous",
                   splits, "ok", flush=True)
     # Calls back to back without a sync: on sm_90 each call's kernels are launched early
-    # (_launch.py), so a decode kernel may be resident while the previous call's combine runs.
+    # (_launch.py), so a decode kernel may be resident, prefetching its keys (contiguous or paged),
+    # while the previous call's combine runs.
     k_cache = cupy.asarray(rng.standard_normal((1, 2048, 4, 128), dtype=numpy.float32).astype(dtype))
     lengths = cupy.asarray([2000], dtype=cupy.int32)
-    for _ in range(3):
+    table = cupy.asarray(rng.permutation(128).astype(numpy.int32).reshape(1, 128))
+    for i in range(4):
         q = cupy.asarray(rng.standard_normal((1, 1, 32, 128), dtype=numpy.float32).astype(dtype))
-        cupy_flash.flash_decode(q, k_cache, k_cache, cache_seqlens=lengths)
+        if i % 2:
+            pages = k_cache.reshape(128, 16, 4, 128)
+            cupy_flash.flash_decode(q, pages, pages, cache_seqlens=lengths, block_table=table)
+        else:
+            cupy_flash.flash_decode(q, k_cache, k_cache, cache_seqlens=lengths)
     cupy.cuda.Device().synchronize()
     print("back-to-back decode ok", flush=True)
     q = cupy.asarray(rng.standard_normal((2, 1, 8, 64), dtype=numpy.float32).astype(dtype))
