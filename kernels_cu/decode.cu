@@ -41,6 +41,11 @@ __device__ __forceinline__ int decode_seqlen_k(const FlashParams& p, long long b
 // One warp per (batch, new token, K/V head): 16-byte copies of its K and V rows into the cache.
 template <typename T>
 __global__ void flash_append_kernel(const FlashParams p) {
+    // Launched early (_launch.py): k_new, v_new and cache_seqlens may come from the kernel ahead.
+    // The decode kernel behind it may start at once, prefetching while the rows land; it reads
+    // them only once this kernel has finished.
+    wait_for_predecessor();
+    allow_dependents();
     const int lane = threadIdx.x & 31;
     const long long heads_kv = p.heads / p.group;
     const long long rows = p.batch * p.seqlen_new * heads_kv;

@@ -378,27 +378,41 @@ def test_merge_rows_no_partial_saw():
 
 @requires_gpu
 def test_chained_calls_with_early_launches(monkeypatch):
-    """Each call's queries are the previous call's output, and the calls run back to back (queued
-    behind a long matmul, and captured in a graph): on sm_90 a call's decode kernel is launched
-    early (_launch.py) and becomes resident while the previous call's combine is still writing
-    the o it reads (and reading partials whose memory the pool hands the new call). The chain
-    equals one of ordinary launches bit for bit."""
+    """Each call's queries are the previous call's output; every other call also appends a row made
+    from them (k_new, v_new), after a kernel has advanced cache_seqlens. The calls run back to back
+    (queued behind a long matmul, and captured in a graph). On sm_90 the append, decode and combine
+    kernels are launched early (_launch.py): a call's decode kernel becomes resident, and prefetches
+    its keys into L2, while the previous call's combine still writes the o it reads, or while the
+    append still writes the rows it reads (and the pool hands it the previous call's partials'
+    memory). The chain equals one of ordinary launches bit for bit, and the rows appended matter."""
     import cupy
 
     from cupy_flash import _launch
 
     rng = numpy.random.default_rng(3)
     batch, heads, heads_kv, head_dim, capacity, calls = 1, 32, 4, 128, 4096, 12
-    k_cache = random_array(rng, (batch, capacity, heads_kv, head_dim), "bfloat16")
-    v_cache = random_array(rng, (batch, capacity, heads_kv, head_dim), "bfloat16", magnitude=4.0)
-    lengths = cupy.asarray(numpy.array([capacity - 5], numpy.int32))
+    k_start = random_array(rng, (batch, capacity, heads_kv, head_dim), "bfloat16")
+    v_start = random_array(rng, (batch, capacity, heads_kv, head_dim), "bfloat16", magnitude=4.0)
+    length_start = capacity - 5 - calls
     first = random_array(rng, (batch, 1, heads, head_dim), "bfloat16", magnitude=3.0)
+    k_cache, v_cache = cupy.empty_like(k_start), cupy.empty_like(v_start)
+    lengths = cupy.empty((batch,), dtype=cupy.int32)
     busy = cupy.ones((8192, 8192), dtype=cupy.float32)
 
-    def chain(q):
+    def reset():
+        k_cache.view(cupy.uint16)[...] = k_start.view(cupy.uint16)
+        v_cache.view(cupy.uint16)[...] = v_start.view(cupy.uint16)
+        lengths.fill(length_start)
+
+    def chain(q, append=True):
         outputs = []
-        for _ in range(calls):
-            q, lse = cupy_flash.flash_decode(q, k_cache, v_cache, cache_seqlens=lengths)
+        for i in range(calls):
+            new = {}
+            if append and i % 2:
+                lengths[...] += 1   # the row appended by the call before is now in the cache
+                row = cupy.ascontiguousarray(q[:, :, :heads_kv])
+                new = dict(k_new=row, v_new=row)
+            q, lse = cupy_flash.flash_decode(q, k_cache, v_cache, cache_seqlens=lengths, **new)
             outputs += [q, lse]
         return outputs
 
@@ -407,21 +421,28 @@ def test_chained_calls_with_early_launches(monkeypatch):
     monkeypatch.setattr(_launch, "_launch_early", lambda *args: early.append(launch_early(*args)) or early[-1])
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
+        reset()
         chain(first)   # compile, warm the pool
+        reset()
         busy @ busy    # keeps the GPU busy while the chain is queued behind it
         queued = chain(first)
         stream.begin_capture()
         captured = chain(first)
         graph = stream.end_capture()
+        reset()
         graph.launch()
         stream.synchronize()
     if int(cupy.cuda.Device().compute_capability) >= 90:
         assert early and all(result == 0 for result in early), f"early launches refused: {early}"
     monkeypatch.setenv("CUPY_FLASH_PDL", "0")
     count = len(early)
+    reset()
     ordinary = chain(first)
+    reset()
+    unappended = chain(first, append=False)
     cupy.cuda.Device().synchronize()
     assert len(early) == count
+    assert not bool((bitwise(unappended[-2]) == bitwise(ordinary[-2])).all()), "the appended rows did not matter"
     for i, expected in enumerate(ordinary):
         assert bool((bitwise(queued[i]) == bitwise(expected)).all()), f"queued call {i // 2}: {('o', 'lse')[i % 2]}"
         assert bool((bitwise(captured[i]) == bitwise(expected)).all()), f"graph call {i // 2}: {('o', 'lse')[i % 2]}"
