@@ -28,7 +28,7 @@ PARAMS_DTYPE = numpy.dtype(
                                         "group", "window_right", "window_left", "alibi_batch_stride",
                                         "lse_batch_stride", "lse_head_stride", "delta_batch_stride",
                                         "dbias_atomic", "packed_sequences", "block_table_stride", "page_shift",
-                                        "cache_capacity", "seqlen_new", "num_splits", "keys_per_split", "page_count")]
+                                        "cache_capacity", "seqlen_new", "num_splits", "keys_per_split")]
     + [(name, numpy.float32) for name in ("softmax_scale", "scale_log2", "softcap", "softcap_inv")]
 )
 

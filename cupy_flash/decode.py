@@ -137,7 +137,6 @@ def launch_decode(q, k, v, shape, scale, variant, num_splits=None, *, cache=None
         if cache.get("block_table") is not None:
             params["block_table_stride"] = cache["block_table"].shape[1]
             params["page_shift"] = cache["page_shift"]
-            params["page_count"] = k.shape[0]
     argument = as_argument(params)
     rows_spec = ModuleSpec("decode", shape.dtype)
     if cache is not None and cache.get("k_new") is not None:

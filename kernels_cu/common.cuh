@@ -109,7 +109,6 @@ struct FlashParams {
     long long seqlen_new;           //   rows of k_new / v_new (0 without them)
     long long num_splits;           // split-KV: key ranges per (batch, K/V head, row block)
     long long keys_per_split;
-    long long page_count;           // flash_decode, paged cache: pages the cache holds (bounds a prefetch)
     float softmax_scale;
     float scale_log2;         // softmax_scale * log2(e): scores go straight into exp2
     float softcap;            // FEATURE_SOFTCAP: logits become softcap * tanh(logit / softcap)

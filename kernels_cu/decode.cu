@@ -74,13 +74,17 @@ __global__ void flash_append_kernel(const FlashParams p) {
 // batch 1 at 32k -1.3%. Prefetching inside the key loop too (each warp 4, 8 or 16 steps ahead)
 // was slower everywhere, up to 1.6x (1:1 batch 8 at 4k keys: 190 -> 308 us).
 // Safe before the wait: L2 is where every SM's writes land, so a line fetched early is never stale;
-// only L1 could be, and cache_seqlens and block_table are read past it (ld.cg). What they say may
-// still be changed by the kernel ahead, so it only steers the prefetch: a page number outside the
-// cache (a stale or unset entry) is skipped, never turned into an address.
+// only L1 could be, and cache_seqlens is read past it (ld.cg). The length, which the kernel ahead
+// may still be advancing, only bounds the prefetch. Contiguous caches only: for a paged cache each
+// prefetched row first needs its block_table entry (a stale or unset one skipped, bounded by the
+// page count), and with those reads in series before the wait it measured slower at 32k keys
+// (31.35 against 30.42 us, GQA 8:1 batch 1, pages of 256) and 1:1 at 4k (31.28 against 29.55),
+// faster only at GQA 4k (9.83 against 10.05).
 constexpr int PREFETCH_BYTES = 128 * 1024;
 template <typename T, int FEATURES>
 __device__ __forceinline__ void prefetch_split_to_l2(const FlashParams& p, long long b, long long kv_head, int split) {
-    if (FEATURES & FEATURE_WINDOW) return;   // the window may start far past the split's first keys
+    // A window may start far past the split's first keys.
+    if (p.block_table != nullptr || (FEATURES & FEATURE_WINDOW)) return;
     long long known = p.seqlen_k;
     if (p.cache_seqlens != nullptr) known = max(0LL, min((long long)__ldcg(p.cache_seqlens + b) + p.seqlen_new, p.cache_capacity));
     const int row_bytes = (int)p.head_dim * (int)sizeof(T);
@@ -94,14 +98,7 @@ __device__ __forceinline__ void prefetch_split_to_l2(const FlashParams& p, long 
         const int key = (int)first + i / (2 * lines), line = i % lines;
         const bool is_v = (i / lines) & 1;
         const long long* strides = is_v ? p.v_strides : p.k_strides;
-        long long row;
-        if (p.block_table != nullptr) {
-            const long long page = __ldcg(p.block_table + b * p.block_table_stride + (key >> p.page_shift));
-            if (page < 0 || page >= p.page_count) continue;
-            row = page * strides[0] + (long long)(key & ((1 << p.page_shift) - 1)) * strides[1] + kv_head * strides[2];
-        } else {
-            row = b * strides[0] + (long long)key * strides[1] + kv_head * strides[2];
-        }
+        const long long row = b * strides[0] + (long long)key * strides[1] + kv_head * strides[2];
         const char* at = reinterpret_cast<const char*>(static_cast<const T*>(is_v ? p.v : p.k) + row);
         asm volatile("prefetch.global.L2 [%0];" :: "l"(at + min(128 * line, row_bytes - 1)));
     }
