@@ -33,9 +33,11 @@ __device__ __forceinline__ long long cache_offset(const FlashParams& p, const lo
 // drops rows that do not fit, and the caller is told to leave room). Without cache_seqlens (the
 // split-KV path of flash_forward) every sequence has p.seqlen_k keys.
 // A negative length (never valid; it cannot be checked on the host without a sync) reads as 0.
+// Read through L2 (ld.cg): the prefetch reads it before the kernel ahead has finished, and a line
+// it left in L1 must not serve the read after the wait.
 __device__ __forceinline__ int decode_seqlen_k(const FlashParams& p, long long b) {
     if (p.cache_seqlens == nullptr) return (int)p.seqlen_k;
-    return (int)max(0LL, min((long long)p.cache_seqlens[b] + p.seqlen_new, p.cache_capacity));
+    return (int)max(0LL, min((long long)__ldcg(p.cache_seqlens + b) + p.seqlen_new, p.cache_capacity));
 }
 
 // One warp per (batch, new token, K/V head): 16-byte copies of its K and V rows into the cache.
@@ -74,8 +76,8 @@ __global__ void flash_append_kernel(const FlashParams p) {
 // batch 1 at 32k -1.3%. Prefetching inside the key loop too (each warp 4, 8 or 16 steps ahead)
 // was slower everywhere, up to 1.6x (1:1 batch 8 at 4k keys: 190 -> 308 us).
 // Safe before the wait: L2 is where every SM's writes land, so a line fetched early is never stale;
-// only L1 could be, and cache_seqlens is read past it (ld.cg). The length, which the kernel ahead
-// may still be advancing, only bounds the prefetch. Contiguous caches only: for a paged cache each
+// only L1 could be, and cache_seqlens is read past it (decode_seqlen_k). The length, which the
+// kernel ahead may still be advancing, only bounds the prefetch. Contiguous caches only: for a paged cache each
 // prefetched row first needs its block_table entry (a stale or unset one skipped, bounded by the
 // page count), and with those reads in series before the wait it measured slower at 32k keys
 // (31.35 against 30.42 us, GQA 8:1 batch 1, pages of 256) and 1:1 at 4k (31.28 against 29.55),
@@ -85,8 +87,7 @@ template <typename T, int FEATURES>
 __device__ __forceinline__ void prefetch_split_to_l2(const FlashParams& p, long long b, long long kv_head, int split) {
     // A window may start far past the split's first keys.
     if (p.block_table != nullptr || (FEATURES & FEATURE_WINDOW)) return;
-    long long known = p.seqlen_k;
-    if (p.cache_seqlens != nullptr) known = max(0LL, min((long long)__ldcg(p.cache_seqlens + b) + p.seqlen_new, p.cache_capacity));
+    const long long known = decode_seqlen_k(p, b);
     const int row_bytes = (int)p.head_dim * (int)sizeof(T);
     const long long first = min((long long)split * p.keys_per_split, known);
     const long long last = min(min(first + p.keys_per_split, known), first + PREFETCH_BYTES / (2 * row_bytes));
