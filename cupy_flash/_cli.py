@@ -19,7 +19,7 @@ import time
 
 import numpy
 
-from . import __version__, _compile, _features, _traits
+from . import __version__, _compile, _families, _features, _traits
 
 DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
                "fp32": "float32", "float32": "float32"}
@@ -63,6 +63,9 @@ def command_info(args) -> int:
             props = runtime.getDeviceProperties(device)
             print(f"GPU {device}: {props['name'].decode()}, sm_{props['major']}{props['minor']}, "
                   f"{props['multiProcessorCount']} SMs, {props['totalGlobalMem'] / 2**30:.0f} GiB")
+            with cupy.cuda.Device(device):
+                for line in _families.describe_forward(_families.current_device()):
+                    print(f"  forward, {line}")
     else:
         print(f"GPU: none ({reason})")
     index = _compile.read_index()
@@ -91,11 +94,17 @@ def _safe_digest(family):
 # ---------------------------------------------------------------------------------------------
 # warmup
 
-def warmup_specs(dtypes, head_dims, features, families, target) -> list:
-    """The ModuleSpecs that calls with these dtypes, head dims and feature names run."""
+def warmup_specs(dtypes, head_dims, features, families, device) -> list:
+    """The ModuleSpecs that calls with these dtypes, head dims and feature names run on ``device``
+    (a _families.DeviceInfo): the forward's family as the dispatch rule picks it."""
+    import types
+
+    from ._checks import AttentionShape
+
     flags = 0
     for name in features:
         flags |= FEATURE_BY_NAME[name]
+    target = device.tensor_core_target
     specs = []
     for dtype in dtypes:
         tensor_core = dtype in _compile.TENSOR_CORE_DTYPES
@@ -106,8 +115,11 @@ def warmup_specs(dtypes, head_dims, features, families, target) -> list:
         for head_dim in head_dims:
             tile = _traits.head_dim_tile(head_dim)
             if "forward" in families:
-                specs.append(_compile.ModuleSpec("forward_tc", dtype, tile, target, flags) if tensor_core
-                             else _compile.ModuleSpec("forward", dtype, tile, features=flags))
+                shape = AttentionShape(1, 1024, 1024, 1, head_dim, dtype)
+                family = _families.forward_family(device, shape, types.SimpleNamespace(flags=flags))
+                specs.append(_compile.ModuleSpec(family, dtype, _traits.forward_sm90_tile(head_dim), "sm90a", flags)
+                             if family == "forward_sm90" else
+                             _compile.ModuleSpec(family, dtype, tile, target if tensor_core else None, flags))
             if "backward" in families:
                 specs.append(_compile.ModuleSpec("backward_tc", dtype, tile, target, flags) if tensor_core
                              else _compile.ModuleSpec("backward", dtype, tile, features=flags))
@@ -128,12 +140,12 @@ def command_warmup(args) -> int:
     if not ok:
         print(f"warmup needs a CUDA GPU (CuPy loads each module it compiles): {reason}", file=sys.stderr)
         return 1
-    target = _compile.tensor_core_target()
-    specs = warmup_specs([DTYPE_NAMES[d] for d in args.dtypes], args.head_dims, args.features, args.families, target)
+    specs = warmup_specs([DTYPE_NAMES[d] for d in args.dtypes], args.head_dims, args.features, args.families,
+                         _families.current_device())
     started = time.time()
     for i, spec in enumerate(specs):
         _progress(i, len(specs), spec.describe(), started)
-        for name in spec.name_expressions:
+        for name in spec.kernel_expressions:
             _compile.get_kernel(spec, name)
         _compile.record_in_index(spec)   # also when this process had already loaded it
     _progress(len(specs), len(specs), "done", started)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 import os
 import re
@@ -44,17 +45,27 @@ def _kernel_dir() -> Path:
     raise FileNotFoundError(f"cupy_flash kernel sources not found next to {here}")
 
 
-# Headers each family's source is prefixed with (NVRTC gets one string: no include path needed).
-TENSOR_CORE_FAMILIES = ("forward_tc", "backward_tc", "decode")
+# The headers each family's .cu file is prefixed with (NVRTC gets one string: no include path
+# needed). The feature bits come first, written from _features (their one definition).
+FAMILY_HEADERS = {
+    "forward": ("common.cuh",),
+    "backward": ("common.cuh",),
+    "preprocess": ("common.cuh",),
+    "forward_tc": ("common.cuh", "tensor_core.cuh"),
+    "backward_tc": ("common.cuh", "tensor_core.cuh"),
+    "decode": ("common.cuh", "tensor_core.cuh"),
+    "forward_sm90": ("common.cuh", "tensor_core.cuh", "sm90_mma.cuh", "sm90_wgmma_ops.cuh", "sm90_tma.cuh"),
+}
+TENSOR_CORE_FAMILIES = tuple(f for f, headers in FAMILY_HEADERS.items() if "tensor_core.cuh" in headers)
 
 
 @functools.lru_cache(maxsize=None)
 def family_source(family: str) -> str:
-    """common.cuh (and tensor_core.cuh for the tensor-core families) followed by the family's .cu
-    file: the exact text that is compiled (and hashed by CuPy's cache, so any edit recompiles)."""
+    """The feature bits, the family's headers and its .cu file: the exact text that is compiled (and
+    hashed by the kernel caches, so any edit recompiles)."""
     directory = _kernel_dir()
-    headers = ("common.cuh", "tensor_core.cuh") if family in TENSOR_CORE_FAMILIES else ("common.cuh",)
-    parts = [f"// ---- {name} ----\n{(directory / name).read_text()}" for name in headers + (f"{family}.cu",)]
+    parts = [f"// ---- feature bits (cupy_flash/_features.py) ----\n{_features.cuda_defines()}"]
+    parts += [f"// ---- {name} ----\n{(directory / name).read_text()}" for name in FAMILY_HEADERS[family] + (f"{family}.cu",)]
     return "\n".join(parts)
 
 
@@ -65,24 +76,36 @@ def _flag(value: bool) -> str:
 @dataclasses.dataclass(frozen=True)
 class ModuleSpec:
     """One compiled module: a kernel family for one dtype and (except preprocess) one head-dim tile;
-    the tensor-core families also for one target (a tile table of _traits: sm8x, sm80, sm90)."""
+    the tensor-core families also for one target (a tile table of _traits: sm8x, sm80, sm90, and
+    sm90a for the Hopper family)."""
 
     family: str
     dtype: str
     tile: int | None = None
     target: str | None = None
     features: int = 0   # _features.FEATURE_* bits: the variant instantiations of the module
+    # Tile arguments of the families that take them whole (forward_sm90: block_m, head-dim tile,
+    # block_n, stages), part of the module's identity; by default the tile table's entry.
+    config: tuple = ()
 
     def __post_init__(self):
+        if self.family == "forward_sm90" and not self.config:
+            object.__setattr__(self, "config", _traits.forward_sm90_config(self.tile, self.features))
         if self.family in ("backward", "backward_tc"):   # the backward kernels never see the sink
             object.__setattr__(self, "features", self.features & ~_features.FORWARD_ONLY_FEATURES)
         if self.family == "decode":
             object.__setattr__(self, "features", self.features & _features.DECODE_FEATURES)
 
     @property
-    def archs(self) -> tuple[int, ...]:
-        """The architectures this module is built for (offline checks compile it for each)."""
-        return (_traits.TARGET_ARCH[self.target],) if self.target else (80, 90)
+    def archs(self) -> tuple[str, ...]:
+        """The architectures this module is built for (offline checks compile it for each): "sm_80",
+        "sm_90", or "sm_90a" (Hopper's wgmma and setmaxnreg, which run on compute capability 9.0 only)."""
+        return (_traits.TARGET_ARCH[self.target],) if self.target else ("sm_80", "sm_90")
+
+    @property
+    def arch_specific(self) -> bool:
+        """Built for one architecture only (sm_90a): compiled here to a cubin for it, not by CuPy."""
+        return any(arch.endswith("a") for arch in self.archs)
 
     @property
     def ctype(self) -> str:
@@ -97,6 +120,14 @@ class ModuleSpec:
         block_n, num_warps, m_tiles = _traits.forward_tc_config(self.tile, self.target)
         return (f"flash_forward_tc_kernel<{self.ctype}, {self.tile}, {block_n}, {num_warps}, {m_tiles}, "
                 f"{_flag(causal)}, {self.features}>")
+
+    def forward_sm90_kernel(self, causal: bool) -> str:
+        config = ", ".join(str(x) for x in self.config)
+        return f"flash_forward_sm90_kernel<{self.ctype}, {config}, {_flag(causal)}, {self.features}>"
+
+    def forward_sm90_smem(self) -> str:
+        """The device variable holding the kernel's dynamic shared memory (sizeof its storage)."""
+        return f"&forward_sm90_smem_bytes<{self.ctype}, {', '.join(str(x) for x in self.config)}>"
 
     def backward_tc_kernel(self, causal: bool) -> str:
         config = ", ".join(str(x) for x in _traits.backward_tc_config(self.tile, self.target))
@@ -133,6 +164,15 @@ class ModuleSpec:
 
     @property
     def name_expressions(self) -> tuple[str, ...]:
+        """The kernels, then the device variables the launcher reads (kernel_expressions: kernels only)."""
+        if self.family == "forward_sm90":
+            return self.kernel_expressions + (self.forward_sm90_smem(),)
+        return self.kernel_expressions
+
+    @property
+    def kernel_expressions(self) -> tuple[str, ...]:
+        if self.family == "forward_sm90":
+            return tuple(self.forward_sm90_kernel(c) for c in (False, True))
         if self.family == "forward":
             return tuple(self.forward_kernel(c) for c in (False, True))
         if self.family == "forward_tc":
@@ -157,6 +197,7 @@ class ModuleSpec:
     def describe(self) -> str:
         tile = f", head_dim tile {self.tile}" if self.tile is not None else ""
         target = f", {self.target} tiles" if self.target else ""
+        target += f" {'x'.join(str(x) for x in self.config)}" if self.config else ""
         features = f", {_features.describe(self.features)}" if self.features else ""
         return f"{self.family} kernels ({self.dtype}{tile}{target}{features})"
 
@@ -180,12 +221,16 @@ def all_module_specs(features=(0,) + LARGEST_FEATURE_SETS) -> list[ModuleSpec]:
             for flags in features:
                 specs.append(ModuleSpec("forward", dtype, tile, features=flags))
                 if dtype in TENSOR_CORE_DTYPES:
-                    for target in _traits.TARGET_ARCH:
+                    for target in _traits.TENSOR_CORE_TARGETS:
                         specs.append(ModuleSpec("forward_tc", dtype, tile, target, flags))
                         specs.append(ModuleSpec("backward_tc", dtype, tile, target, flags))
                     specs.append(ModuleSpec("decode", dtype, tile, features=flags))
                 else:   # the CUDA-core backward runs float32 only
                     specs.append(ModuleSpec("backward", dtype, tile, features=flags))
+        if dtype in TENSOR_CORE_DTYPES:
+            for tile, feature_sets in _traits.FORWARD_SM90_FEATURE_SETS.items():
+                for flags in (0,) + feature_sets if features != (0,) else (0,):
+                    specs.append(ModuleSpec("forward_sm90", dtype, tile, "sm90a", flags))
     return list(dict.fromkeys(specs))   # the decode family keeps fewer flags: equal specs once
 
 
@@ -208,21 +253,115 @@ def get_kernel(spec: ModuleSpec, name: str, smem_bytes: int = 0):
     if function is not None:
         return function
     with _lock:
-        module = _modules.get((spec, device))
-        new_module = module is None
-        if new_module:
-            log.info("preparing %s on device %d: compiled on first use, then cached on disk",
-                     spec.describe(), device)
-            module = cupy.RawModule(code=family_source(spec.family), options=OPTIONS,
-                                    name_expressions=spec.name_expressions)
-            _modules[(spec, device)] = module
+        module = _module(spec, device)
         function = module.get_function(name)   # compiles the module (or loads CuPy's cached cubin)
-        if new_module:
-            record_in_index(spec)
         if smem_bytes > 48 * 1024:
             function.max_dynamic_shared_size_bytes = smem_bytes
         _functions[key] = function
     return function
+
+
+def _module(spec: ModuleSpec, device: int):
+    """The loaded module of ``spec`` on ``device`` (call with _lock held)."""
+    import cupy
+
+    module = _modules.get((spec, device))
+    if module is None:
+        log.info("preparing %s on device %d: compiled on first use, then cached on disk", spec.describe(), device)
+        if spec.arch_specific:
+            module = ArchSpecificModule(spec)
+        else:
+            module = cupy.RawModule(code=family_source(spec.family), options=OPTIONS,
+                                    name_expressions=spec.name_expressions)
+        _modules[(spec, device)] = module
+        record_in_index(spec)
+    return module
+
+
+def device_value(spec: ModuleSpec, expression: str) -> int:
+    """The unsigned 32-bit value of a device variable of the module (a kernel's shared memory size,
+    stated once, in CUDA: forward_sm90_smem_bytes)."""
+    import cupy
+
+    key = (spec, cupy.cuda.Device().id, expression)
+    value = _values.get(key)
+    if value is None:
+        with _lock:
+            value = _module(spec, key[1]).read_u32(expression)
+            _values[key] = value
+    return value
+
+
+_values: dict = {}
+
+
+class _Function:
+    """A kernel of an ArchSpecificModule, callable as CuPy's RawKernel is, with its settable
+    max_dynamic_shared_size_bytes (CuPy's plain Function has none)."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        self.function(grid, block, args, shared_mem=shared_mem)
+
+    @property
+    def kernel(self):   # _launch's driver launch reads kernel.kernel.ptr, as of a RawKernel
+        return self.function
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        from cupy.cuda import driver
+
+        return driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.function.ptr)
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value: int) -> None:
+        from cupy.cuda import driver
+
+        driver.funcSetAttribute(self.function.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, value)
+
+
+class ArchSpecificModule:
+    """A module for one architecture (sm_90a, which CuPy's compiler cannot name: it passes -arch as
+    a number): compiled by NVRTC to a cubin with the offline check's options, cached beside CuPy's
+    kernel cache under the hash of everything that enters it, and loaded with CuPy's Module."""
+
+    def __init__(self, spec: ModuleSpec):
+        import json
+
+        from cupy.cuda import function
+
+        (arch,) = spec.archs
+        options = compile_options(arch, report=False)
+        key = hashlib.sha1("\0".join((family_source(spec.family), " ".join(options), _nvrtc_version(),
+                                       *sorted(spec.name_expressions))).encode()).hexdigest()
+        directory = cache_dir()
+        cubin_path, names_path = directory / f"cupy_flash_{key}.cubin", directory / f"cupy_flash_{key}.json"
+        try:
+            cubin, self.lowered = cubin_path.read_bytes(), json.loads(names_path.read_text())
+        except (OSError, ValueError):
+            cubin, self.lowered, _ = _nvrtc_compile(spec, options)
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                for path, data in ((cubin_path, cubin), (names_path, json.dumps(self.lowered).encode())):
+                    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+                    temporary.write_bytes(data)
+                    temporary.replace(path)
+            except OSError as error:   # a read-only cache: compile again next process
+                log.debug("cubin not cached: %s", error)
+        self.module = function.Module()
+        self.module.load(cubin)
+
+    def get_function(self, name: str):
+        return _Function(self.module.get_function(self.lowered[name]))
+
+    def read_u32(self, expression: str) -> int:
+        import cupy
+
+        pointer = self.module.get_global_var(self.lowered[expression])
+        memory = cupy.cuda.UnownedMemory(int(pointer), 4, self.module)
+        return int(cupy.ndarray((1,), cupy.uint32, cupy.cuda.MemoryPointer(memory, 0)).get()[0])
 
 
 # An index of the modules compiled on this machine, beside CuPy's kernel cache (whose files are
@@ -238,8 +377,6 @@ def cache_dir() -> Path:
 
 
 def source_digest(family: str) -> str:
-    import hashlib
-
     return hashlib.sha1((family_source(family) + " ".join(OPTIONS)).encode()).hexdigest()[:12]
 
 
@@ -253,8 +390,8 @@ def read_index() -> dict:
 
 
 def record_in_index(spec: ModuleSpec, arch: int | None = None) -> None:
-    """Note ``spec`` as compiled for ``arch`` (default: the current device's). Best effort: a
-    read-only or shared cache directory only loses the listing."""
+    """Note ``spec`` as compiled for the device of compute capability ``arch`` (default: the current
+    device's). Best effort: a read-only or shared cache directory only loses the listing."""
     import json
     import time
 
@@ -275,22 +412,6 @@ def record_in_index(spec: ModuleSpec, arch: int | None = None) -> None:
         log.debug("kernel index not written: %s", error)
 
 
-def tensor_core_target() -> str:
-    """The tensor-core kernels' tile table for the current device (_traits.tensor_core_target)."""
-    import cupy
-
-    return _tensor_core_target(cupy.cuda.Device().id)
-
-
-@functools.lru_cache(maxsize=None)
-def _tensor_core_target(device: int) -> str:
-    import cupy
-
-    runtime = cupy.cuda.runtime
-    smem = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device)
-    return _traits.tensor_core_target(int(cupy.cuda.Device(device).compute_capability), smem)
-
-
 # ---------------------------------------------------------------------------------------------
 # Offline: NVRTC without a GPU.
 
@@ -306,28 +427,48 @@ class KernelReport:
 @dataclasses.dataclass
 class CompileReport:
     spec: ModuleSpec
-    arch: int
+    arch: str
     cubin_bytes: int
     kernels: list[KernelReport]
     log: str
+
+    @property
+    def speed_warnings(self) -> list[str]:
+        """ptxas warnings that cost speed silently: C7508 (setmaxnreg ignored), C7510-C7515 (wgmma
+        serialised: register shortage, or other instructions touching its registers in flight)."""
+        return [line.strip() for line in self.log.splitlines() if _SPEED_WARNING.search(line)]
 
 
 _ENTRY = re.compile(r"Compiling entry function '(\S+)' for 'sm_\d+a?'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
+_SPEED_WARNING = re.compile(r"C75(0[89]|1\d)")
 
 
-def offline_options(arch: int) -> tuple[str, ...]:
+def compile_options(arch: str, report: bool = True) -> tuple[str, ...]:
     """The options RawModule would use (CuPy's own include/standard flags plus ours, and the
-    -ftz=true CuPy adds), targeting real hardware sm_<arch>, with ptxas's resource report."""
+    -ftz=true CuPy adds), targeting real hardware ``arch`` ("sm_80", "sm_90a"), with ptxas's
+    resource report when ``report``."""
     from cupy._core import core
 
     return tuple(core.assemble_cupy_compiler_options(OPTIONS)) + (
-        "-ftz=true", f"-arch=sm_{arch}", "-Xptxas=-v")
+        "-ftz=true", f"-arch={arch}") + (("-Xptxas=-v",) if report else ())
 
 
-def compile_offline(spec: ModuleSpec, arch: int) -> CompileReport:
-    """Compile every instantiation of ``spec`` to a cubin for sm_<arch> with NVRTC (no GPU needed)."""
+def offline_options(arch: str) -> tuple[str, ...]:
+    return compile_options(arch)
+
+
+def _nvrtc_version() -> str:
+    from cupy_backends.cuda.libs import nvrtc
+
+    return ".".join(str(n) for n in nvrtc.getVersion())
+
+
+def _nvrtc_compile(spec: ModuleSpec, options) -> tuple[bytes, dict, str]:
+    """(cubin, {name expression: lowered name}, log) of ``spec`` compiled by NVRTC (no GPU needed)."""
+    import struct
+
     from cupy_backends.cuda.libs import nvrtc
 
     program = nvrtc.createProgram(family_source(spec.family), f"{spec.family}.cu", [], [])
@@ -335,16 +476,28 @@ def compile_offline(spec: ModuleSpec, arch: int) -> CompileReport:
         for expression in spec.name_expressions:
             nvrtc.addNameExpression(program, expression)
         try:
-            nvrtc.compileProgram(program, list(offline_options(arch)))
+            nvrtc.compileProgram(program, list(options))
         except nvrtc.NVRTCError as error:
-            raise RuntimeError(f"NVRTC failed on {spec.describe()} for sm_{arch}:\n"
+            raise RuntimeError(f"NVRTC failed on {spec.describe()} with {' '.join(options)}:\n"
                                f"{nvrtc.getProgramLog(program)}") from error
         text = nvrtc.getProgramLog(program)
-        lowered = {nvrtc.getLoweredName(program, e): e for e in spec.name_expressions}
+        lowered = {e: nvrtc.getLoweredName(program, e) for e in spec.name_expressions}
         cubin = nvrtc.getCUBIN(program)
     finally:
         nvrtc.destroyProgram(program)
+    # CuPy's getCUBIN drops the image's last byte; the ELF header says how long it is (the program
+    # headers end the file).
+    program_headers, (entry_size, entries) = struct.unpack_from("<Q", cubin, 0x20)[0], struct.unpack_from("<HH", cubin, 0x36)
+    end = program_headers + entry_size * entries
+    if end > len(cubin):
+        cubin += b"\0" * (end - len(cubin))
+    return cubin, lowered, text
 
+
+def compile_offline(spec: ModuleSpec, arch: str) -> CompileReport:
+    """Compile every instantiation of ``spec`` to a cubin for ``arch`` with NVRTC (no GPU needed)."""
+    cubin, lowered_names, text = _nvrtc_compile(spec, offline_options(arch))
+    lowered = {name: expression for expression, name in lowered_names.items()}
     kernels = []
     for block in text.split("Compiling entry function")[1:]:
         block = "Compiling entry function" + block
@@ -371,7 +524,10 @@ def _compile_case(case):
         return case, error
 
 
-def compile_all_offline(archs=(80, 90), specs=None, workers=None) -> dict:
+ALL_ARCHS = ("sm_80", "sm_90", "sm_90a")
+
+
+def compile_all_offline(archs=ALL_ARCHS, specs=None, workers=None) -> dict:
     """Compile ``specs`` (default: every module) for each of its archs among ``archs``, in parallel
     worker processes.
     Returns {(spec, arch): CompileReport or the exception raised}. Workers are spawned, not
@@ -380,6 +536,8 @@ def compile_all_offline(archs=(80, 90), specs=None, workers=None) -> dict:
     import multiprocessing
 
     cases = [(spec, arch) for spec in (specs or all_module_specs()) for arch in archs if arch in spec.archs]
+    # The slowest first (the Hopper modules take longest): fewer workers idle at the end.
+    cases.sort(key=lambda case: not case[0].arch_specific)
     workers = max(1, min(len(cases), workers or os.cpu_count() or 1))
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:

@@ -30,6 +30,12 @@ ALL_FEATURES = FEATURE_WINDOW | FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK |
 FEATURE_NAMES = {FEATURE_WINDOW: "window", FEATURE_SOFTCAP: "softcap", FEATURE_ALIBI: "alibi",
                  FEATURE_SINK: "sink", FEATURE_BIAS: "bias", FEATURE_VARLEN: "varlen"}
 
+
+def cuda_defines() -> str:
+    """The FEATURE_* bits as the kernels see them: _compile prepends these lines to every family's
+    source, so this module is their one definition."""
+    return "".join(f"#define FEATURE_{name.upper()} {bit}\n" for bit, name in FEATURE_NAMES.items())
+
 # Window sizes are clamped below 2^30 (past any sequence length): the kernels add them to the
 # diagonal shift in int32.
 UNBOUNDED = 2**30 - 1

@@ -12,6 +12,8 @@ smallest sm_80+ parts (sm_86/sm_89), so one table serves A100, RTX 30/40 and H10
 
 from __future__ import annotations
 
+from ._features import FEATURE_ALIBI, FEATURE_SINK, FEATURE_SOFTCAP, FEATURE_VARLEN, FEATURE_WINDOW
+
 THREADS = 128
 HEAD_DIM_TILES = (32, 64, 96, 128, 160, 192, 224, 256)
 MAX_HEAD_DIM = HEAD_DIM_TILES[-1]
@@ -40,9 +42,58 @@ FORWARD_TC_TARGETS = {
     "sm90": {**FORWARD_TC, 128: (64, 4, 2), 192: (64, 8, 1), 224: (64, 8, 1), 256: (64, 8, 1)},
 }
 # The architecture each target's kernels are compiled and checked for (CI compiles offline), and
-# the shared memory a block of that target may use.
-TARGET_ARCH = {"sm8x": 80, "sm80": 80, "sm90": 90}
-TARGET_SMEM_BYTES = {"sm8x": 99 * 1024, "sm80": 163 * 1024, "sm90": 227 * 1024}
+# the shared memory a block of that target may use. sm90a is the Hopper family's (wgmma and
+# setmaxnreg exist only in sm_90a code, which runs on compute capability 9.0 alone).
+TARGET_ARCH = {"sm8x": "sm_80", "sm80": "sm_80", "sm90": "sm_90", "sm90a": "sm_90a"}
+TARGET_SMEM_BYTES = {"sm8x": 99 * 1024, "sm80": 163 * 1024, "sm90": 227 * 1024, "sm90a": 227 * 1024}
+TENSOR_CORE_TARGETS = ("sm8x", "sm80", "sm90")   # the mma.sync families' tables
+
+# Hopper forward (kernels_cu/forward_sm90.cu, sm_90a): head-dim tile -> (block_m, block_n, stages).
+# block_m = 64 x consumer warpgroups (one producer warpgroup more: 128 * (1 + block_m / 64)
+# threads); the K and V tiles of `stages` key blocks are in flight. Head dims are padded to the
+# next tile (TMA reads zeros past head_dim). Shared memory is the kernel's (its storage struct);
+# the kernel checks at compile time that it fits 227 KB.
+# FlashAttention-3's bf16 tiles for reference: d<=64 192x192 (3 consumers), d<=128 128x176
+# (causal 128x128), d<=256 128x80, two stages. Measured (bench/tile_sweep.py --sm90, H100, bf16,
+# docs/performance.md): d=64 192x128 was +10% at 16k but -30% causal at 4k, and its plain kernel
+# spills 44 bytes (3 consumers get 160 registers); d=128 128x176 +3% at 16k and 1k, -2% at 4k, and
+# spills 44 bytes with variants; d=256 128x80 +7-8% over 128x64 from 4k.
+FORWARD_SM90 = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 80, 2)}
+# Variants with score modifiers or masks beyond causal hold more per score (the logit's terms, the
+# band): their own table, where the plain one would spill.
+FORWARD_SM90_VARIANTS = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 80, 2)}
+# The variant flags each tile's kernels are built with (the largest sets; a variant runs here when
+# its flags are a subset of one). The bias stays on the portable kernels (a float32 tile per key
+# block would not fit beside the K/V ring).
+_SM90_ALL = FEATURE_WINDOW | FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK | FEATURE_VARLEN
+FORWARD_SM90_FEATURE_SETS = {64: (_SM90_ALL,), 128: (_SM90_ALL,), 256: (_SM90_ALL,)}
+
+
+# Causal calls over at most this many keys stay on the mma.sync kernels: at head_dim <= 64 and 512
+# keys (bf16, H100) the Hopper kernel measured 0.89 and 0.92 of their speed in two runs (its tiles
+# of 128 x 128 mostly straddle the diagonal there); from 1k keys, and at larger head dims, it is faster.
+FORWARD_SM90_CAUSAL_MIN_KEYS = {64: 513, 128: 0, 256: 0}
+
+
+def forward_sm90_supports_features(tile: int, flags: int) -> bool:
+    return any(flags & ~allowed == 0 for allowed in FORWARD_SM90_FEATURE_SETS[tile])
+
+
+def forward_sm90_tile(head_dim: int) -> int:
+    """The Hopper forward's head-dim tile for ``head_dim`` (<= 256)."""
+    return next(tile for tile in FORWARD_SM90 if head_dim <= tile)
+
+
+def forward_sm90_config(tile: int, flags: int = 0) -> tuple[int, int, int, int]:
+    """(block_m, head-dim tile, block_n, stages): the Hopper forward's template tile arguments for
+    a variant of these flags (packed batches alone keep the plain table's tiles)."""
+    block_m, block_n, stages = (FORWARD_SM90 if flags & ~FEATURE_VARLEN == 0 else FORWARD_SM90_VARIANTS)[tile]
+    return block_m, tile, block_n, stages
+
+
+def forward_sm90_threads(config: tuple) -> int:
+    """Threads of a Hopper forward block: a producer warpgroup and one per 64 query rows."""
+    return 128 * (1 + config[0] // 64)
 
 
 def tensor_core_target(compute_capability: int, smem_per_block: int) -> str:

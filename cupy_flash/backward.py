@@ -7,7 +7,8 @@ import dataclasses
 import numpy
 
 from . import _checks, _traits
-from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, get_kernel, tensor_core_target
+from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, get_kernel
+from ._families import current_device
 from ._features import broadcast_strides
 from ._params import as_argument, make_params
 from ._streams import on_stream
@@ -126,7 +127,7 @@ def _backward_tensor_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, de
     delta as (batch * heads, padded seqlen_q)."""
     import cupy
 
-    target = tensor_core_target()
+    target = current_device().tensor_core_target
     block_m, block_n, num_warps, *_ = _traits.backward_tc_config(shape.tile, target)
     bh = shape.batch * shape.heads
     padded = -(-shape.seqlen_q // _traits.ROW_STAT_PADDING) * _traits.ROW_STAT_PADDING

@@ -317,12 +317,10 @@ __device__ __forceinline__ KeyBlock key_block_of(const FlashParams& p, bool kv_b
 // diagonal (shift = seqlen_k - seqlen_q): key j is visible from query i iff j < seqlen_k and
 //   IS_CAUSAL:       j - i <= shift + p.window_right   (0 for plain causal; a window's right size)
 //   FEATURE_WINDOW:  j - i >= shift - p.window_left    (a sliding window's left size)
-#define FEATURE_WINDOW 1
-#define FEATURE_SOFTCAP 2
-#define FEATURE_ALIBI 4
-#define FEATURE_SINK 8   // forward only: the sink joins each row's softmax in the epilogue
-#define FEATURE_BIAS 16  // an additive float32 bias, read per (b, h, query, key) with broadcast strides
-#define FEATURE_VARLEN 32   // packed variable-length batch: per-sequence lengths from cu_seqlens
+// The FEATURE_* bits (WINDOW, SOFTCAP, ALIBI, SINK: forward only, joins each row's softmax in the
+// epilogue; BIAS: an additive float32 bias read per (b, h, query, key) with broadcast strides;
+// VARLEN: a packed variable-length batch, lengths from cu_seqlens) are defined once, in
+// cupy_flash/_features.py, which writes them ahead of every family's source.
 
 template <int FEATURES>
 __device__ __forceinline__ Sequence sequence_of(const FlashParams& p, long long b) {
@@ -351,6 +349,22 @@ __device__ __forceinline__ bool key_visible(int key, int query, int seqlen_k, co
     return key < seqlen_k && (!IS_CAUSAL || key - query <= band.right) &&
            (!(FEATURES & FEATURE_WINDOW) || key - query >= band.left);
 }
+
+// key_visible for the elements a thread holds of a tile, at (query0 + row, key0 + col) with row
+// and col compile-time offsets in the accumulator layout: each test compares one constant with one
+// register (int arithmetic, as key_visible).
+struct TileMask {
+    int key_limit;    // col < key_limit: key < seqlen_k
+    int right_limit;  // col - row <= right_limit: the causal (right) edge
+    int left_limit;   // col - row >= left_limit: a window's left edge
+    __device__ __forceinline__ TileMask(int query0, int key0, int seqlen_k, const Band& band)
+        : key_limit(seqlen_k - key0), right_limit(band.right - (key0 - query0)), left_limit(band.left - (key0 - query0)) {}
+    template <bool IS_CAUSAL, int FEATURES>
+    __device__ __forceinline__ bool visible(int row, int col) const {
+        return col < key_limit && (!IS_CAUSAL || col - row <= right_limit) &&
+               (!(FEATURES & FEATURE_WINDOW) || col - row >= left_limit);
+    }
+};
 
 // Whether any (query, key) of a query block x key block tile may be masked: the tile crosses the
 // sequence end or a band edge. Tiles inside the band skip the per-element test.

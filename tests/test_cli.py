@@ -6,7 +6,7 @@ import sys
 import pytest
 from helpers import HAS_GPU, requires_gpu
 
-from cupy_flash import _cli, _compile
+from cupy_flash import _cli, _compile, _families
 
 
 def test_info_runs_anywhere():
@@ -36,15 +36,22 @@ def test_warmup_specs_cover_what_calls_run():
     """The modules warmup compiles for dtypes x head dims x features x families: the tensor-core
     families for 16-bit types (for the given target), the CUDA-core ones for float32, the decode
     family (and its row kernels) with forward or decode, the preprocess module with backward."""
-    specs = _cli.warmup_specs(["bfloat16", "float32"], [64, 100], ["sink", "window"], ["forward", "backward"], "sm90")
+    h100 = _families.DeviceInfo(90, 227 * 1024, 132)
+    specs = _cli.warmup_specs(["bfloat16", "float32"], [64, 100], ["sink", "window"], ["forward", "backward"], h100)
     described = {s.describe() for s in specs}
-    assert "forward_tc kernels (bfloat16, head_dim tile 64, sm90 tiles, window+sink)" in described
+    assert "forward_sm90 kernels (bfloat16, head_dim tile 64, sm90a tiles 128x64x128x2, window+sink)" in described
+    assert "forward_sm90 kernels (bfloat16, head_dim tile 128, sm90a tiles 128x128x128x2, window+sink)" in described
     assert "backward_tc kernels (bfloat16, head_dim tile 128, sm90 tiles, window)" in described   # no sink in backward
     assert "forward kernels (float32, head_dim tile 64, window+sink)" in described
     assert "preprocess kernels (float32)" in described and "decode kernels (bfloat16)" in described
     assert len(specs) == len(set(specs))
     for spec in specs:   # every one is a module CuPy can be asked to build
         assert spec.name_expressions
+    # Elsewhere (an A100), and with a bias on the H100, the forward is the mma.sync family's.
+    a100 = _cli.warmup_specs(["bfloat16"], [64], [], ["forward"], _families.DeviceInfo(80, 163 * 1024, 108))
+    assert "forward_tc kernels (bfloat16, head_dim tile 64, sm80 tiles)" in {s.describe() for s in a100}
+    biased = _cli.warmup_specs(["bfloat16"], [64], ["bias"], ["forward"], h100)
+    assert "forward_tc kernels (bfloat16, head_dim tile 64, sm90 tiles, bias)" in {s.describe() for s in biased}
 
 
 def test_index_records_compiled_modules(tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
-"""CPU: every kernel instantiation compiles with NVRTC for sm_80 and sm_90, without a GPU, with no
-register spills and no stack frame (an indexed register array gone to local memory).
+"""CPU: every kernel instantiation compiles with NVRTC for sm_80 and sm_90 (the Hopper family for
+sm_90a), without a GPU, with no register spills, no stack frame (an indexed register array gone to
+local memory) and none of ptxas's silent slow-downs (setmaxnreg ignored, wgmma serialised).
 
 All modules are compiled once per run, in parallel processes (CI has 2 cores); each (module, arch)
 pair is then its own test case."""
@@ -8,7 +9,7 @@ import pytest
 
 from cupy_flash import _compile, _traits
 
-ARCHS = (80, 90)
+ARCHS = _compile.ALL_ARCHS
 
 # Known and measured: the tensor-core backward for packed (varlen) batches holds each sequence's
 # lengths and row offsets, which are loaded (not kernel parameters ptxas can rematerialise), in a
@@ -23,6 +24,8 @@ def spill_limit(spec) -> int:
     from cupy_flash._features import FEATURE_VARLEN
 
     return VARLEN_BACKWARD_SPILL_LIMIT if spec.family == "backward_tc" and spec.features & FEATURE_VARLEN else 0
+
+
 CASES = [(spec, arch) for spec in _compile.all_module_specs() for arch in ARCHS if arch in spec.archs]
 
 
@@ -31,7 +34,7 @@ def reports():
     return _compile.compile_all_offline(ARCHS)
 
 
-@pytest.mark.parametrize("spec,arch", CASES, ids=[f"{s.family}-{s.dtype}-{s.tile}{'-' + s.target if s.target else ''}-sm{a}" for s, a in CASES])
+@pytest.mark.parametrize("spec,arch", CASES, ids=[f"{s.family}-{s.dtype}-{s.tile}{'-' + s.target if s.target else ''}-f{s.features}-{a}" for s, a in CASES])
 def test_instantiations_compile_without_spills(reports, spec, arch):
     report = reports[(spec, arch)]
     if isinstance(report, Exception):
@@ -46,14 +49,15 @@ def test_instantiations_compile_without_spills(reports, spec, arch):
             # no ptxas resource report, also when compiled alone. NVRTC 12.x (CI) reports every module.
             pytest.skip(f"NVRTC {version} returned no ptxas report for this module; log: {report.log[:300]!r}")
     names = {k.name for k in report.kernels}
-    assert names == set(spec.name_expressions), f"ptxas reported {names}; its log:\n{report.log[-3000:]}"
+    assert names == set(spec.kernel_expressions), f"ptxas reported {names}; its log:\n{report.log[-3000:]}"
     limit = spill_limit(spec)
     for kernel in report.kernels:
         assert kernel.spill_store_bytes <= limit and kernel.spill_load_bytes <= limit, (
-            f"{kernel.name} spills on sm_{arch}: {kernel.spill_store_bytes} B stored, "
+            f"{kernel.name} spills on {arch}: {kernel.spill_store_bytes} B stored, "
             f"{kernel.spill_load_bytes} B loaded (limit {limit})\n{report.log}")
-        assert kernel.stack_bytes <= limit, f"{kernel.name} has a {kernel.stack_bytes} B stack frame on sm_{arch}"
+        assert kernel.stack_bytes <= limit, f"{kernel.name} has a {kernel.stack_bytes} B stack frame on {arch}"
         assert kernel.registers <= 255
+    assert not report.speed_warnings, f"ptxas on {spec.describe()} for {arch}: {report.speed_warnings}"
 
 
 def test_every_head_dim_maps_to_a_compiled_tile():
@@ -68,9 +72,50 @@ def test_shared_memory_fits_every_sm80_plus_part(tile):
                  _traits.backward_smem_bytes(tile), _traits.backward_dq_smem_bytes(tile)):
         assert smem <= _traits.SMEM_LIMIT_BYTES
     # The other tables are only chosen where the device allows them.
-    for target, limit in _traits.TARGET_SMEM_BYTES.items():
+    for target in _traits.TENSOR_CORE_TARGETS:
+        limit = _traits.TARGET_SMEM_BYTES[target]
         assert _traits.forward_tc_smem_bytes(tile, target) <= limit
         assert _traits.backward_tc_smem_bytes(tile, target) <= limit
+
+
+def test_every_hopper_instantiation_is_built_by_ci():
+    """Each Hopper forward module CI builds has its tile table's config, and every feature set the
+    dispatch accepts is among them (a flag set the rule sends to sm_90a is compiled and checked)."""
+    built = {(s.dtype, s.tile, s.features): s.config for s in _compile.all_module_specs() if s.family == "forward_sm90"}
+    for dtype in _compile.TENSOR_CORE_DTYPES:
+        for tile, sets in _traits.FORWARD_SM90_FEATURE_SETS.items():
+            for flags in (0,) + sets:
+                assert built[(dtype, tile, flags)] == _traits.forward_sm90_config(tile, flags)
+
+
+def test_generated_wgmma_operations_are_current_and_cover_the_tiles():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(_compile._kernel_dir()) / "generate_wgmma_ops.py"
+    spec = importlib.util.spec_from_file_location("generate_wgmma_ops", path)
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    assert (path.parent / "sm90_wgmma_ops.cuh").read_text() == generator.source(), (
+        "kernels_cu/sm90_wgmma_ops.cuh is stale: run python kernels_cu/generate_wgmma_ops.py")
+    for table in (_traits.FORWARD_SM90, _traits.FORWARD_SM90_VARIANTS):
+        for tile, (_, block_n, _) in table.items():
+            assert tile in generator.WIDTHS and block_n in generator.WIDTHS, (tile, block_n)
+
+
+def test_feature_bits_are_defined_once():
+    """The FEATURE_* bits come from _features (prepended to every family's source), never from a
+    #define in kernels_cu/, so Python and CUDA cannot disagree."""
+    import re
+    from pathlib import Path
+
+    from cupy_flash import _features
+
+    for path in Path(_compile._kernel_dir()).glob("*.cu*"):
+        assert not re.search(r"#define\s+FEATURE_", path.read_text()), path.name
+    source = _compile.family_source("forward_tc")
+    for bit, name in _features.FEATURE_NAMES.items():
+        assert f"#define FEATURE_{name.upper()} {bit}\n" in source
 
 
 def test_tensor_core_target_follows_the_device():

@@ -1,0 +1,146 @@
+"""Kernel families and the dispatch rule: which compiled kernels a call runs on this GPU.
+
+The forward has three families, tried in this order:
+
+    forward_sm90   Hopper (wgmma, TMA, warp specialisation; kernels_cu/forward_sm90.cu): float16 and
+                   bfloat16 on a GPU of compute capability exactly 9.0 (sm_90a code runs there only),
+                   head_dim <= 256, every variant but ``bias``, inputs TMA can read (16-byte-
+                   aligned base and strides); causal calls at head_dim <= 64 from 513 keys
+                   (below, the mma.sync kernels measured faster)
+    forward_tc     tensor cores through mma.sync (sm_80+): float16 and bfloat16 everywhere else
+    forward        CUDA cores: float32
+
+``CUPY_FLASH_KERNELS=portable`` (or ``use_kernels("portable")``) keeps calls off the Hopper family.
+Each family answers ``supports(device, shape, variant)``; ``forward_family`` is the rule, the one
+place that decides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import os
+
+from . import _tma, _traits
+
+KERNELS_VARIABLE = "CUPY_FLASH_KERNELS"
+SETTINGS = ("auto", "portable")
+_override: contextvars.ContextVar = contextvars.ContextVar("cupy_flash_kernels", default=None)
+
+
+def kernels_setting() -> str:
+    """``use_kernels``'s setting where one is active, else CUPY_FLASH_KERNELS (read on each call),
+    else "auto"."""
+    setting = _override.get() or os.environ.get(KERNELS_VARIABLE, "auto").strip().lower() or "auto"
+    if setting not in SETTINGS:
+        raise ValueError(f"{KERNELS_VARIABLE}={setting!r}; expected one of {', '.join(SETTINGS)}")
+    return setting
+
+
+@contextlib.contextmanager
+def use_kernels(setting: str):
+    """Within the block, calls of this thread (and task) dispatch as with CUPY_FLASH_KERNELS=setting:
+    "portable" runs the mma.sync / CUDA-core kernels on any GPU (tests run both families so)."""
+    if setting not in SETTINGS:
+        raise ValueError(f"kernels setting {setting!r}; expected one of {', '.join(SETTINGS)}")
+    token = _override.set(setting)
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    compute_capability: int   # 10 * major + minor
+    smem_per_block: int       # the largest dynamic shared memory one block may opt in to
+    multiprocessors: int = 1
+
+    @property
+    def tensor_core_target(self) -> str:
+        return _traits.tensor_core_target(self.compute_capability, self.smem_per_block)
+
+
+def current_device() -> DeviceInfo:
+    import cupy
+
+    return _device_info(cupy.cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(device: int) -> DeviceInfo:
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    return DeviceInfo(int(cupy.cuda.Device(device).compute_capability),
+                      runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+                      runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device))
+
+
+# Each family: supports(device, shape, variant, setting, arrays) with arrays the kernel-ready q, k, v
+# (empty to ask about the shapes alone).
+
+class ForwardSm90:
+    name = "forward_sm90"
+
+    @staticmethod
+    def supports(device: DeviceInfo, shape, variant, setting: str, arrays=()) -> bool:
+        if setting == "portable" or device.compute_capability != 90 or shape.dtype not in ("float16", "bfloat16"):
+            return False
+        if shape.head_dim > max(_traits.FORWARD_SM90):
+            return False
+        tile = _traits.forward_sm90_tile(shape.head_dim)
+        short_causal = getattr(variant, "causal", False) and shape.seqlen_k < _traits.FORWARD_SM90_CAUSAL_MIN_KEYS[tile]
+        return (not short_causal and _traits.forward_sm90_supports_features(tile, variant.flags)
+                and all(_tma.maps_supported(x) for x in arrays))
+
+
+class ForwardTensorCore:
+    name = "forward_tc"
+
+    @staticmethod
+    def supports(device: DeviceInfo, shape, variant, setting: str, arrays=()) -> bool:
+        return shape.dtype in ("float16", "bfloat16")
+
+
+class ForwardCudaCore:
+    name = "forward"
+
+    @staticmethod
+    def supports(device: DeviceInfo, shape, variant, setting: str, arrays=()) -> bool:
+        return True
+
+
+FORWARD_FAMILIES = (ForwardSm90, ForwardTensorCore, ForwardCudaCore)
+
+
+def forward_family(device: DeviceInfo, shape, variant, setting: str | None = None, arrays=()) -> str:
+    """The forward kernel family a call runs: the first of FORWARD_FAMILIES that supports it."""
+    setting = kernels_setting() if setting is None else setting
+    return next(family.name for family in FORWARD_FAMILIES if family.supports(device, shape, variant, setting, arrays))
+
+
+FAMILY_DESCRIPTIONS = {"forward_sm90": "Hopper kernels (wgmma, TMA, warp specialisation; sm_90a)",
+                       "forward_tc": "tensor-core kernels (mma.sync; sm_80+)",
+                       "forward": "CUDA-core kernels"}
+
+
+def describe_forward(device: DeviceInfo, setting: str | None = None) -> list[str]:
+    """What ``python -m cupy_flash info`` says of a GPU: the forward family of each kind of call."""
+    from ._checks import AttentionShape
+    from ._features import check_variant
+
+    setting = kernels_setting() if setting is None else setting
+    lines = []
+    for dtype in ("bfloat16", "float16", "float32"):
+        shape = AttentionShape(1, 1024, 1024, 8, 128, dtype)
+        plain = forward_family(device, shape, check_variant(1, 8, False), setting)
+        line = f"{dtype}: {FAMILY_DESCRIPTIONS[plain]}"
+        if plain == "forward_sm90":
+            line += f"; with a bias: {FAMILY_DESCRIPTIONS['forward_tc']}"
+        lines.append(line)
+    if setting == "portable":
+        lines.append(f"({KERNELS_VARIABLE}=portable: the Hopper kernels are off)")
+    return lines

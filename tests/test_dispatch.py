@@ -1,0 +1,68 @@
+"""CPU: the dispatch rule (cupy_flash/_families.py, README "Which kernels run") on made-up devices."""
+
+import types
+
+import pytest
+
+from cupy_flash import _families
+from cupy_flash._checks import AttentionShape
+from cupy_flash._features import FEATURE_BIAS, FEATURE_SOFTCAP, FEATURE_VARLEN, FEATURE_WINDOW
+
+H100 = _families.DeviceInfo(90, 227 * 1024, 132)
+A100 = _families.DeviceInfo(80, 163 * 1024, 108)
+L40 = _families.DeviceInfo(89, 99 * 1024, 142)
+B200 = _families.DeviceInfo(100, 227 * 1024, 148)   # sm_90a code does not run on sm_100
+
+
+def family(device, dtype="bfloat16", head_dim=128, flags=0, setting="auto", causal=False, seqlen=1000):
+    shape = AttentionShape(2, seqlen, seqlen, 8, head_dim, dtype)
+    return _families.forward_family(device, shape, types.SimpleNamespace(flags=flags, causal=causal), setting)
+
+
+@pytest.mark.parametrize("head_dim", [8, 64, 72, 128, 136, 200, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_hopper_takes_16_bit_calls_on_compute_capability_9_0(dtype, head_dim):
+    assert family(H100, dtype, head_dim) == "forward_sm90"
+    for flags in (FEATURE_WINDOW, FEATURE_SOFTCAP | FEATURE_VARLEN, FEATURE_WINDOW | FEATURE_SOFTCAP):
+        assert family(H100, dtype, head_dim, flags) == "forward_sm90"
+
+
+def test_short_causal_calls_at_small_head_dims_stay_portable():
+    # Measured: the Hopper kernel at 0.89-0.92 of the mma.sync one there (_traits.FORWARD_SM90_CAUSAL_MIN_KEYS).
+    assert family(H100, head_dim=64, causal=True, seqlen=512) == "forward_tc"
+    assert family(H100, head_dim=64, causal=True, seqlen=513) == "forward_sm90"
+    assert family(H100, head_dim=64, causal=False, seqlen=512) == "forward_sm90"
+    assert family(H100, head_dim=128, causal=True, seqlen=100) == "forward_sm90"
+
+
+def test_the_rest_runs_the_portable_kernels():
+    assert family(H100, flags=FEATURE_BIAS) == "forward_tc"
+    assert family(H100, flags=FEATURE_BIAS | FEATURE_WINDOW) == "forward_tc"
+    assert family(H100, "float32") == "forward"
+    assert family(H100, setting="portable") == "forward_tc"
+    for device in (A100, L40, B200):
+        assert family(device) == "forward_tc"
+        assert family(device, "float32") == "forward"
+
+
+def test_the_setting_comes_from_the_environment_or_use_kernels(monkeypatch):
+    monkeypatch.setenv(_families.KERNELS_VARIABLE, "portable")
+    assert _families.kernels_setting() == "portable"
+    monkeypatch.setenv(_families.KERNELS_VARIABLE, "auto")
+    with _families.use_kernels("portable"):
+        assert _families.kernels_setting() == "portable"
+    assert _families.kernels_setting() == "auto"
+    monkeypatch.setenv(_families.KERNELS_VARIABLE, "fast")
+    with pytest.raises(ValueError, match="CUPY_FLASH_KERNELS"):
+        _families.kernels_setting()
+    with pytest.raises(ValueError, match="kernels setting"):
+        with _families.use_kernels("hopper"):
+            pass
+
+
+def test_info_names_the_path_of_each_dtype():
+    lines = _families.describe_forward(H100, "auto")
+    assert lines[0].startswith("bfloat16: Hopper kernels") and "with a bias: tensor-core" in lines[0]
+    assert lines[2].startswith("float32: CUDA-core")
+    assert _families.describe_forward(H100, "portable")[0].startswith("bfloat16: tensor-core")
+    assert _families.describe_forward(A100, "auto")[1].startswith("float16: tensor-core")
