@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
-from . import _checks, _traits
-from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, get_kernel, tensor_core_target
+import functools
+
+import numpy
+
+from . import _checks, _families, _tma, _traits
+from ._compile import ModuleSpec, device_value, get_kernel
 from ._params import as_argument, make_params
 from ._streams import on_stream
 from .decode import check_num_splits, launch_decode, uses_split_path
 
+_SM90_MAPS = numpy.dtype((numpy.void, 3 * _tma.MAP_BYTES))   # kernels_cu/forward_sm90.cu: ForwardSm90Maps
+
 
 def launch_forward(q, k, v, shape, scale, variant):
-    """Run the forward kernel on checked, kernel-ready arrays; returns (o, lse). float16 and
-    bfloat16 run on tensor cores (mma.sync), float32 on the CUDA-core kernel. ``variant`` is a
-    checked ``_features.Variant``: its flags select the kernel instantiation."""
+    """Run the forward kernel on checked, kernel-ready arrays; returns (o, lse). The family is
+    _families.forward_family's choice: Hopper (wgmma) or tensor cores (mma.sync) for float16 and
+    bfloat16, CUDA cores for float32. ``variant`` is a checked ``_features.Variant``: its flags
+    select the kernel instantiation."""
     import cupy
 
     variant = variant.on_device()
@@ -20,8 +27,14 @@ def launch_forward(q, k, v, shape, scale, variant):
     o = cupy.empty(q.shape, dtype=q.dtype)
     lse_shape = (shape.batch, shape.heads, shape.seqlen_q) if variant.packed is None else (shape.heads, variant.packed.total_q)
     lse = cupy.empty(lse_shape, dtype=cupy.float32)
-    if shape.dtype in TENSOR_CORE_DTYPES:
-        target = tensor_core_target()
+    device = _families.current_device()
+    family = _families.forward_family(device, shape, variant, arrays=(q, k, v))
+    params = make_params(shape, scale, variant=variant, q=q, k=k, v=v, o=o, lse=lse)
+    if family == "forward_sm90":
+        launch_forward_sm90(q, k, v, shape, variant, params, device.multiprocessors)
+        return o, lse
+    if family == "forward_tc":
+        target = device.tensor_core_target
         spec = ModuleSpec("forward_tc", shape.dtype, shape.tile, target, variant.flags)
         smem = _traits.forward_tc_smem_bytes(shape.tile, target, bias=variant.bias is not None)
         if smem > _traits.TARGET_SMEM_BYTES[target]:
@@ -38,9 +51,53 @@ def launch_forward(q, k, v, shape, scale, variant):
         block_m, _ = _traits.FORWARD_BLOCKS[shape.tile]
         threads = _traits.THREADS
     grid = -(-shape.seqlen_q // block_m) * shape.batch * shape.heads
-    params = make_params(shape, scale, variant=variant, q=q, k=k, v=v, o=o, lse=lse)
     kernel((grid,), (threads,), (as_argument(params),), shared_mem=smem)
     return o, lse
+
+
+def launch_forward_sm90(q, k, v, shape, variant, params, multiprocessors: int, config: tuple = ()) -> None:
+    """The Hopper forward on kernel-ready arrays with a filled params record (o, lse in it);
+    ``config`` (block_m, tile, block_n, stages) overrides the tile table (bench/tile_sweep.py)."""
+    import cupy
+
+    kernel, smem, (block_m, _, block_n, _), threads = _sm90_kernel(cupy.cuda.runtime.getDevice(), shape.dtype,
+                                                                   _traits.forward_sm90_tile(shape.head_dim),
+                                                                   variant.flags, variant.causal, config)
+    maps = _sm90_maps(q, k, v, shape.dtype, block_m, block_n, variant.packed is not None)
+    # A persistent grid where every tile costs the same; else a block per tile, which the hardware
+    # hands out as blocks finish (kernels_cu/forward_sm90.cu, TileScheduler). (The tile count is
+    # below 2^31: _checks bounds the portable kernels' grid, of smaller blocks, by the same count.)
+    tiles = -(-shape.seqlen_q // block_m) * shape.batch * shape.heads
+    uniform = not variant.causal and variant.window_left is None and variant.packed is None
+    grid = min(tiles, multiprocessors) if uniform else tiles
+    kernel((grid,), (threads,), (maps, as_argument(params)), shared_mem=smem)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90_kernel(device: int, dtype: str, tile: int, flags: int, causal: bool, config: tuple):
+    """(kernel, shared memory bytes, tile arguments, threads) of a Hopper forward instantiation on
+    ``device``, looked up once (a call's host time is otherwise spent hashing its ModuleSpec)."""
+    spec = ModuleSpec("forward_sm90", dtype, tile, "sm90a", flags, config=config)
+    smem = device_value(spec, spec.forward_sm90_smem())
+    return get_kernel(spec, spec.forward_sm90_kernel(causal), smem), smem, spec.config, _traits.forward_sm90_threads(spec.config)
+
+
+_maps_cache: dict = {}
+
+
+def _sm90_maps(q, k, v, dtype: str, block_m: int, block_n: int, packed: bool):
+    """The kernel's ForwardSm90Maps argument (q, k, v tensor maps), cached by everything that
+    enters them: repeated calls on the same buffers (a training loop) encode nothing."""
+    key = (q.data.ptr, q.shape, q.strides, k.data.ptr, k.shape, k.strides, v.data.ptr, v.shape, v.strides, dtype,
+           block_m, block_n, packed)
+    maps = _maps_cache.get(key)
+    if maps is None:
+        maps = numpy.frombuffer(_tma.attention_map(q, dtype, block_m, packed) + _tma.attention_map(k, dtype, block_n, packed)
+                                + _tma.attention_map(v, dtype, block_n, packed), dtype=_SM90_MAPS)
+        if len(_maps_cache) >= 256:   # buffers come and go: start again rather than grow
+            _maps_cache.clear()
+        _maps_cache[key] = maps
+    return maps
 
 
 @on_stream

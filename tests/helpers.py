@@ -30,6 +30,59 @@ HAS_GPU, NO_GPU_REASON = _gpu_status()
 requires_gpu = pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON or "GPU present")
 
 
+def _is_hopper() -> bool:
+    if not HAS_GPU:
+        return False
+    import cupy
+
+    return int(cupy.cuda.Device().compute_capability) == 90
+
+
+# Kernel paths the forward tests run: "portable" (mma.sync / CUDA cores, on every GPU) and "hopper"
+# (the sm_90a family, on compute capability 9.0 only). Each test asserts that a call it expects on
+# the Hopper family did run there, so a dispatch change cannot turn the hopper runs into portable ones.
+KERNEL_PATHS = [pytest.param("portable", id="portable"),
+                pytest.param("hopper", id="hopper",
+                             marks=pytest.mark.skipif(not _is_hopper(), reason="the Hopper kernels need compute capability 9.0"))]
+
+
+@contextlib.contextmanager
+def kernel_path(path: str):
+    """Calls inside dispatch as ``path`` asks ("hopper": the default rule on a Hopper GPU)."""
+    from cupy_flash import _families
+
+    with _families.use_kernels("portable" if path == "portable" else "auto"):
+        yield
+
+
+def forward_family_of(path: str, q, k, v, **options) -> str:
+    """The kernels a flash_forward call with these arguments runs under ``path``: "decode" (the
+    split-KV path of few query rows per K/V head) or a forward family of _families."""
+    from cupy_flash import _checks, _families
+    from cupy_flash.decode import uses_split_path
+
+    features = {n: x for n, x in options.items() if n not in ("softmax_scale", "causal")}
+    q, k, v, shape, _, variant = _checks.prepare_qkv(q, k, v, options.get("softmax_scale"), options.get("causal", False),
+                                                   features)
+    if uses_split_path(shape, variant, None):
+        return "decode"
+    with kernel_path(path):
+        return _families.forward_family(_families.current_device(), shape, variant,
+                                        arrays=tuple(_checks.kernel_ready(x) for x in (q, k, v)))
+
+
+def expect_hopper_family(path: str, family: str, dtype: str, head_dim: int, features: dict, seqlen_k: int) -> None:
+    """Under "hopper", every float16/bfloat16 forward without a bias runs the Hopper family (but a
+    causal one at head_dim <= 64 over at most 512 keys), stated here apart from the dispatch code."""
+    count_example(f"forward on {family}")
+    if path != "hopper" or family == "decode":
+        return
+    portable = (dtype == "float32" or features.get("bias") is not None
+                or (features.get("causal") and head_dim <= 64 and seqlen_k <= 512))
+    assert family == ("forward_tc" if dtype != "float32" and portable else "forward" if portable else "forward_sm90"), (
+        family, dtype, head_dim, sorted(features))
+
+
 # ---------------------------------------------------------------------------------------------
 # Figures printed at the end of the run (conftest.pytest_terminal_summary).
 

@@ -10,13 +10,17 @@ import numpy
 import pytest
 from helpers import (
     DTYPES,
+    KERNEL_PATHS,
     NOTES,
     as_float64,
     bitwise,
     check_error_rule,
     count_example,
+    expect_hopper_family,
+    forward_family_of,
     gradient_term_scales,
     input_magnitude,
+    kernel_path,
     low_precision_gradients,
     max_finite_abs,
     poisoned_allocations,
@@ -195,21 +199,25 @@ EDGE_CASES = [
 ]
 
 
-def _check_forward(p):
+def _check_forward(p, path="portable"):
     q, k, v = make_inputs(p)
-    with poisoned_allocations():
-        o, lse = cupy_flash.flash_forward(q, k, v, **options(p))
+    opts = options(p)
+    expect_hopper_family(path, forward_family_of(path, q, k, v, **opts), p["dtype"], p["head_dim"], opts, p["seqlen_k"])
+    with poisoned_allocations(), kernel_path(path):
+        o, lse = cupy_flash.flash_forward(q, k, v, **opts)
     assert o.shape == q.shape and o.dtype == q.dtype
     assert lse.shape == (p["batch"], p["heads"], p["seqlen_q"]) and lse.dtype == numpy.float32
     o_exact, lse_exact = attention_reference(q, k, v, **options(p))
     o_low, lse_low = attention_reference(q, k, v, upcast=False, **options(p))
     context = describe(p)
     lse_magnitude = max_finite_abs(lse_exact)
-    check_error_rule("o", o, o_exact, o_low, context, lse_magnitude)
-    check_error_rule("lse", lse, lse_exact, lse_low, context, lse_magnitude)
-    assert cupy_flash.flash_attention(q, k, v, **options(p)).shape == q.shape
+    check_error_rule("o", o, o_exact, o_low, context + f" kernels={path}", lse_magnitude)
+    check_error_rule("lse", lse, lse_exact, lse_low, context + f" kernels={path}", lse_magnitude)
+    with kernel_path(path):
+        assert cupy_flash.flash_attention(q, k, v, **options(p)).shape == q.shape
 
 
+@pytest.mark.parametrize("path", KERNEL_PATHS)
 @given(problems())
 @example(EDGE_CASES[0])
 @example(EDGE_CASES[1])
@@ -223,9 +231,9 @@ def _check_forward(p):
 @example(EDGE_CASES[11])
 @example(EDGE_CASES[12])
 @example(EDGE_CASES[13])
-def test_forward_matches_reference(p):
+def test_forward_matches_reference(path, p):
     count_example("forward_matches_reference")
-    _check_forward(p)
+    _check_forward(p, path)
 
 
 def _check_backward(p, deterministic):
@@ -356,6 +364,7 @@ def packed_inputs(p):
     return q, k, v, do, opts
 
 
+@pytest.mark.parametrize("path", KERNEL_PATHS)
 @given(packed_problems(), st.booleans())
 @example(dict(dtype="bfloat16", batch=4, heads=4, heads_kv=2, lens_q=[0, 129, 1, 700], lens_k=[5, 64, 300, 700],
               seqlen_q=700, seqlen_k=700, head_dim=128, causal=True, softmax_scale=None, logit_std=1.0, seed=3,
@@ -363,11 +372,12 @@ def packed_inputs(p):
 @example(dict(dtype="float32", batch=3, heads=2, heads_kv=1, lens_q=[17, 0, 260], lens_k=[33, 9, 0],
               seqlen_q=260, seqlen_k=33, head_dim=64, causal=False, softmax_scale=None, logit_std=1.0, seed=4,
               features={"sink": [0.0, 1.0]}, max_slack=5), False)
-def test_packed_batches_match_reference(p, deterministic):
+def test_packed_batches_match_reference(path, p, deterministic):
     count_example("packed_batches_match_reference")
     q, k, v, do, opts = packed_inputs(p)
-    context = describe(p) + f" lens_q={p['lens_q']} lens_k={p['lens_k']} deterministic={deterministic}"
-    with poisoned_allocations():
+    context = describe(p) + f" lens_q={p['lens_q']} lens_k={p['lens_k']} deterministic={deterministic} kernels={path}"
+    expect_hopper_family(path, forward_family_of(path, q, k, v, **opts), p["dtype"], p["head_dim"], opts, p["seqlen_k"])
+    with poisoned_allocations(), kernel_path(path):
         o, lse = cupy_flash.flash_forward(q, k, v, **opts)
     assert o.shape == q.shape and lse.shape == (p["heads"], q.shape[0])
     o_exact, lse_exact = attention_reference(q, k, v, **opts)
@@ -461,20 +471,24 @@ def test_deterministic_backward_is_bitwise_reproducible(dtype, causal, window):
         assert float(abs(as_float64(a) - as_float64(b)).max()) <= 0.02 * float(abs(as_float64(a)).max())
 
 
+@pytest.mark.parametrize("path", KERNEL_PATHS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_thousands_of_batch_heads(causal):
+def test_thousands_of_batch_heads(causal, path):
     p = dict(dtype="bfloat16", batch=48, heads=64, seqlen_q=37, seqlen_k=70, head_dim=64, causal=causal,
              softmax_scale=None, logit_std=1.0, seed=5)
-    _check_forward(p)
+    _check_forward(p, path)
     _check_backward(p, deterministic=False)
 
 
-def test_rows_that_see_no_key():
-    # Bottom-right causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows see nothing.
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_rows_that_see_no_key(path):
+    # Bottom-right causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows see nothing
+    # (whole query blocks of them: the Hopper kernel's blocks with no key block at all).
     p = dict(dtype="float16", batch=1, heads=2, seqlen_q=300, seqlen_k=100, head_dim=64, causal=True,
              softmax_scale=None, logit_std=1.0, seed=6)
     q, k, v, do = make_inputs(p, with_grad=True)
-    o, lse = cupy_flash.flash_forward(q, k, v, causal=True)
+    with poisoned_allocations(), kernel_path(path):
+        o, lse = cupy_flash.flash_forward(q, k, v, causal=True)
     assert bool((o[:, :200] == 0).all()) and bool(numpy.isneginf(lse[:, :, :200].get()).all())
     for deterministic in (False, True):
         dq, dk, dv = cupy_flash.flash_backward(do, q, k, v, o, lse, causal=True, deterministic=deterministic)
@@ -483,7 +497,8 @@ def test_rows_that_see_no_key():
             assert not bool(numpy.isnan(g.get().astype(numpy.float32)).any())
 
 
-def test_strided_and_misaligned_views_are_copied_not_misread():
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_strided_and_misaligned_views_are_copied_not_misread(path):
     import cupy
 
     rng = numpy.random.default_rng(7)
@@ -492,7 +507,8 @@ def test_strided_and_misaligned_views_are_copied_not_misread():
     flat = random_array(rng, (2 * 90 * 3 * 64 + 1,), "float16")
     k = flat[1:].reshape(2, 90, 3, 64)                    # contiguous but 2 bytes off alignment
     v = cupy.ascontiguousarray(base[:, :, 1::2])
-    o, lse = cupy_flash.flash_forward(q, k, v)
+    with kernel_path(path):
+        o, lse = cupy_flash.flash_forward(q, k, v)
     o_ref, _ = attention_reference(q, k, v)
     o_low, _ = attention_reference(q, k, v, upcast=False)
     check_error_rule("o", o, o_ref, o_low, "strided views")

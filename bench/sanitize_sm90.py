@@ -1,0 +1,40 @@
+"""Small Hopper forward calls (kernels_cu/forward_sm90.cu) for compute-sanitizer's memcheck, racecheck
+and synccheck: every head-dim tile, both dtypes, causal and not, a persistent grid whose blocks take
+several tiles (more tiles than SMs), tiles that see no key, GQA, a window, softcap, a sink and a
+packed batch with an empty sequence. Exits with an error on a machine without a compute
+capability 9.0 GPU.
+
+    compute-sanitizer --tool racecheck python bench/sanitize_sm90.py
+"""
+
+import cupy
+import ml_dtypes
+import numpy
+
+import cupy_flash
+from cupy_flash import _families
+
+if _families.current_device().compute_capability != 90:
+    raise SystemExit("the Hopper kernels need a compute capability 9.0 GPU")
+rng = numpy.random.default_rng(0)
+
+
+def array(shape, dtype):
+    return cupy.asarray(rng.standard_normal(shape, dtype=numpy.float32).astype(dtype))
+
+
+for dtype in (numpy.float16, ml_dtypes.bfloat16):
+    for d in (40, 128, 256):
+        for causal in (False, True):
+            # 2 x 40 heads x 2 query blocks = 160 tiles: the persistent grid's blocks take two.
+            q, k, v = array((2, 200, 40, d), dtype), array((2, 150, 8, d), dtype), array((2, 150, 8, d), dtype)
+            cupy_flash.flash_forward(q, k, v, causal=causal)
+    q, k, v = array((1, 300, 4, 64), dtype), array((1, 100, 2, 64), dtype), array((1, 100, 2, 64), dtype)
+    cupy_flash.flash_forward(q, k, v, causal=True)   # the first query block sees no key
+    cupy_flash.flash_forward(q, k, v, window_size=(30, 5), softcap=5.0, sink=cupy.zeros(4, cupy.float32))
+    lens_q, lens_k = [70, 0, 200], [45, 9, 130]
+    q, k = array((sum(lens_q), 4, 64), dtype), array((sum(lens_k), 2, 64), dtype)
+    cupy_flash.flash_forward(q, k, k, causal=True, cu_seqlens_q=cupy.asarray(numpy.cumsum([0] + lens_q), dtype=cupy.int32),
+                             cu_seqlens_k=cupy.asarray(numpy.cumsum([0] + lens_k), dtype=cupy.int32))
+cupy.cuda.Device().synchronize()
+print("sm90 sanitize workload done")

@@ -1,0 +1,94 @@
+"""TMA tensor maps (``CUtensorMap``) for the Hopper kernels, encoded by the CUDA driver.
+
+The driver's ``cuTensorMapEncodeTiled`` is reached through ctypes (libcuda), the way ``_launch``
+reaches ``cuLaunchKernelEx``: it needs no extra dependency (cuda-python would be one), and a map is
+128 opaque bytes the kernels take in a ``__grid_constant__`` parameter. Encoding costs a few
+microseconds, so the launcher caches a call's maps by everything that enters them
+(cupy_flash/forward.py): a training loop that reuses its buffers encodes each map once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+
+MAP_BYTES = 128
+# cuda.h enums
+DATA_TYPES = {"float16": 6, "bfloat16": 9, "float32": 7}
+INTERLEAVE_NONE = 0
+SWIZZLE_128B = 3
+L2_PROMOTION_128B = 2
+OOB_FILL_ZEROS = 0   # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: elements outside the tensor read as zero
+
+SWIZZLE_ELEMENTS = 64   # a 128-byte swizzled row of a 16-bit type (kernels_cu/sm90_mma.cuh)
+
+
+class TensorMapError(RuntimeError):
+    pass
+
+
+@functools.lru_cache(maxsize=None)
+def _encoder():
+    name = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+    try:
+        encode = ctypes.CDLL(name).cuTensorMapEncodeTiled
+    except (OSError, AttributeError):
+        return None
+    u32, u64 = ctypes.c_uint32, ctypes.c_uint64
+    encode.argtypes = [ctypes.c_void_p, ctypes.c_int, u32, ctypes.c_void_p, ctypes.POINTER(u64), ctypes.POINTER(u64),
+                       ctypes.POINTER(u32), ctypes.POINTER(u32), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    encode.restype = ctypes.c_int
+    return encode
+
+
+def available() -> bool:
+    """Whether this process can encode tensor maps (a CUDA 12+ driver)."""
+    return _encoder() is not None
+
+
+def encode_tiled(dtype: str, address: int, dims: tuple, byte_strides: tuple, box: tuple) -> bytes:
+    """A tensor map of a tensor of ``dims`` elements (innermost first) at ``address``, with the byte
+    strides of dims 1.. (``byte_strides``), read in boxes of ``box`` elements, 128-byte swizzled."""
+    encode = _encoder()
+    if encode is None:
+        raise TensorMapError("the CUDA driver library (libcuda) has no cuTensorMapEncodeTiled")
+    rank = len(dims)
+    buffer = ctypes.create_string_buffer(MAP_BYTES + 64)
+    aligned = (ctypes.addressof(buffer) + 63) & ~63   # the driver writes a 64-byte-aligned CUtensorMap
+    u32, u64 = ctypes.c_uint32, ctypes.c_uint64
+    result = encode(aligned, DATA_TYPES[dtype], rank, address, (u64 * rank)(*dims), (u64 * (rank - 1))(*byte_strides),
+                    (u32 * rank)(*box), (u32 * rank)(*([1] * rank)), INTERLEAVE_NONE, SWIZZLE_128B, L2_PROMOTION_128B,
+                    OOB_FILL_ZEROS)
+    if result != 0:
+        raise TensorMapError(f"cuTensorMapEncodeTiled returned {result} for {dtype} dims {dims} strides "
+                             f"{byte_strides} box {box} at {address:#x}")
+    return ctypes.string_at(aligned, MAP_BYTES)
+
+
+def attention_map(x, dtype: str, rows: int, packed: bool) -> bytes:
+    """The map of q, k or v (batch, seqlen, heads, head_dim), or packed (total, heads, head_dim), as a
+    4-D tensor (head_dim, seqlen, heads, batch) read in boxes of 64 head_dim elements x ``rows``
+    rows of one head: what kernels_cu/forward_sm90.cu loads per tile. Past the tensor's edges
+    (head_dim, seqlen, batch) the box reads zeros."""
+    item = x.dtype.itemsize
+    if packed:
+        total, heads, head_dim = x.shape
+        dims = (head_dim, total, heads, 1)
+        strides = (x.strides[0], x.strides[1], x.strides[0] * total)
+    else:
+        batch, seqlen, heads, head_dim = x.shape
+        dims = (head_dim, seqlen, heads, batch)
+        # A batch of one: its stride is never used, but the driver wants a valid one.
+        strides = tuple(x.strides[1:3]) + (x.strides[0] if batch > 1 else x.strides[1] * seqlen,)
+    assert x.strides[-1] == item
+    return encode_tiled(dtype, x.data.ptr, tuple(int(n) for n in dims), tuple(int(s) for s in strides),
+                        (SWIZZLE_ELEMENTS, rows, 1, 1))
+
+
+def maps_supported(x) -> bool:
+    """Whether TMA can read x as attention_map does: a 16-byte-aligned base and strides that are
+    positive multiples of 16 bytes below 2^40 (the driver refuses others)."""
+    strides = x.strides[:-1]
+    return (x.data.ptr % 16 == 0 and min(strides) > 0 and max(strides) < 2**40
+            and not any(s % 16 for s in strides))

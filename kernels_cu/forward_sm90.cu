@@ -1,0 +1,422 @@
+// Hopper forward (sm_90a) for float16 / bfloat16: FlashAttention-3's design, written on the
+// vocabulary of sm90_mma.cuh (wgmma, swizzled tiles) and sm90_tma.cuh (TMA, mbarrier ring).
+//
+// Blocks of 128 * (1 + CONSUMERS) threads walk the work tiles, each BLOCK_M query rows of one
+// (batch, head), in steps of the grid (TileScheduler below):
+//  - warpgroup 0, the producer, gives most of its registers away; one thread loads each tile's Q
+//    and streams its K and V tiles (last key block first) into a ring of STAGES slots by TMA. The
+//    ring runs on across tiles, so the next tile's first K and V load during this one's epilogue;
+//  - warpgroups 1..CONSUMERS each own 64 query rows: S = Q K^T by wgmma from shared memory, the
+//    online softmax on the accumulators, O += P V by wgmma with P straight from registers.
+// Two overlaps hide the softmax behind the tensor cores:
+//  - inside a warpgroup, S_{j+1} = Q K_{j+1}^T and O += P_j V_j are issued before the softmax of
+//    S_{j+1}, which runs while they execute;
+//  - between warpgroups, named barriers pass the right to issue around the ring of consumers
+//    (ping-pong), so one warpgroup's softmax runs under the others' products.
+// The epilogue normalises O, writes lse, stages O (each warpgroup in its own rows of the Q tile)
+// and stores it in 16-byte vectors, rows past the sequence end left out; then the Q tile is free
+// for the next tile's (q_empty).
+//
+// Masks and score modifiers are those of every other kernel (Band, ScoreMod in common.cuh), given
+// each accumulator's (query, key) from wgmma's layout (sm90_mma.cuh). The bias (a tile per key block
+// from global memory) is not supported here: the dispatch (cupy_flash/_families.py) sends it to
+// the portable kernels.
+
+template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES>
+struct ForwardSm90Storage {
+    static constexpr int CHUNKS = D_TILE / SWIZZLE_ROW_ELEMENTS;
+    alignas(SWIZZLE_ATOM_BYTES) T q[CHUNKS][BLOCK_M][SWIZZLE_ROW_ELEMENTS];   // reused for O in the epilogue
+    alignas(SWIZZLE_ATOM_BYTES) T k[STAGES][CHUNKS][BLOCK_N][SWIZZLE_ROW_ELEMENTS];
+    alignas(SWIZZLE_ATOM_BYTES) T v[STAGES][CHUNKS][BLOCK_N][SWIZZLE_ROW_ELEMENTS];
+    unsigned long long q_full, q_empty;
+    unsigned long long k_full[STAGES], k_empty[STAGES];
+    unsigned long long v_full[STAGES], v_empty[STAGES];
+};
+
+// The tensor maps of one call: q, k, v as 4-D tensors (head_dim, seqlen, heads, batch), boxes of
+// 64 x BLOCK_M (q) or 64 x BLOCK_N (k, v) elements with 128-byte swizzle (cupy_flash/_tma.py).
+struct ForwardSm90Maps {
+    TensorMap q, k, v;
+};
+
+// Dynamic shared memory a launch must give (read by the launcher from the compiled module, so the
+// size is stated once): the storage and room to align it to SWIZZLE_ATOM_BYTES.
+template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES>
+__device__ const unsigned int forward_sm90_smem_bytes =
+    sizeof(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>) + SWIZZLE_ATOM_BYTES;
+
+template <int CONSUMERS> struct Sm90Registers;
+template <> struct Sm90Registers<2> { static constexpr int producer = 24, consumer = 240; };
+template <> struct Sm90Registers<3> { static constexpr int producer = 32, consumer = 160; };
+
+// Named barriers: 1..CONSUMERS pass the right to issue products around the consumers; then one per
+// consumer for its epilogue.
+__device__ __forceinline__ int issue_barrier(int consumer) { return 1 + consumer; }
+template <int CONSUMERS>
+__device__ __forceinline__ int epilogue_barrier(int consumer) { return 1 + CONSUMERS + consumer; }
+
+// Where one work tile, BLOCK_M query rows of one (batch, head), reads and writes: coordinates in
+// the tensor maps and the key blocks it visits.
+struct ForwardSm90Work {
+    QueryBlock block;
+    Sequence seq;
+    Band band;
+    int q_start;       // first query row of the block in its sequence
+    int kv_first;      // key blocks [kv_first, kv_end), visited last first
+    int kv_end;
+    int batch_coord;   // the maps' batch coordinate (0 for packed batches: rows carry the offset)
+    int kv_head;
+    bool valid;        // false for the blocks past a packed sequence's end (the tiles cover the longest)
+    __device__ __forceinline__ int blocks() const { return kv_end - kv_first; }
+};
+
+// Tiles in (batch, head)-major order, the query blocks of one head consecutive and the last first
+// (under a causal mask they see the most keys): blocks resident together share their K/V, read
+// from DRAM once and then from L2. With (batch, head) fastest (the mma.sync kernels' order) the
+// 132 resident blocks of a 1k-token, 256-head call streamed 132 heads' K/V (67 MB, past L2):
+// 209 against 328 TFLOP/s (d=128, bf16, H100).
+// Block b takes tiles b, b + grid, b + 2 grid, ... The launcher makes the grid persistent (one
+// block per SM, the next tile's first K and V loading during this one's epilogue) where tiles
+// cost the same; with a causal mask, a window or packed sequences it launches a block per tile
+// and lets the hardware hand them out: tiles b, b + 132, ... of a causal 16k call differed 3x in
+// work (d=128: 386 against 570 TFLOP/s). (A counter taking the next tile dynamically cost the
+// 24-register producer 40 bytes of spills.)
+template <int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, int FEATURES>
+struct TileScheduler {
+    int num_q_blocks;
+    int num_tiles;   // < 2^31: the launcher's grid limit
+    __device__ __forceinline__ explicit TileScheduler(const FlashParams& p)
+        : num_q_blocks((int)((p.seqlen_q + BLOCK_M - 1) / BLOCK_M)), num_tiles(num_q_blocks * (int)(p.batch * p.heads)) {}
+
+    __device__ __forceinline__ ForwardSm90Work work(const FlashParams& p, int tile) const {
+        ForwardSm90Work w;
+        const long long bh = tile / num_q_blocks;
+        w.block = {num_q_blocks - 1 - (int)(tile % num_q_blocks), bh / p.heads, bh % p.heads};
+        w.seq = sequence_of<FEATURES>(p, w.block.b);
+        w.q_start = w.block.q_block * BLOCK_M;
+        w.valid = !(FEATURES & FEATURE_VARLEN) || w.q_start < w.seq.seqlen_q;
+        w.band = band_of(p, w.seq);
+        const int2 kv_range = kv_block_range<IS_CAUSAL, FEATURES>(w.seq, w.q_start, BLOCK_M, BLOCK_N, w.band);
+        w.kv_first = kv_range.x;
+        w.kv_end = w.valid ? kv_range.y : kv_range.x;
+        w.batch_coord = (FEATURES & FEATURE_VARLEN) ? 0 : (int)w.block.b;
+        w.kv_head = (int)kv_head_of(w.block.h, p);
+        return w;
+    }
+};
+
+// The producer thread: for each tile with keys to see, its first K and V, then its Q once the
+// previous tile's epilogue has freed the Q tile, then the rest of its K and V. `ring` counts the
+// K/V blocks loaded so far (the ring's position), `q_round` the Q tiles. The producer runs in 24
+// registers (setmaxnreg): the loop keeps only the key row, the ring position and the count live.
+template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES>
+__device__ __forceinline__ void produce_key_block(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>& smem,
+                                                  const ForwardSm90Maps& maps, int key_row, int kv_head, int batch_coord,
+                                                  int ring) {
+    constexpr int CHUNKS = D_TILE / SWIZZLE_ROW_ELEMENTS;
+    constexpr unsigned int KV_BYTES = BLOCK_N * D_TILE * sizeof(T);
+    const RingSlot slot = ring_slot<STAGES>(ring);
+    barrier_wait(smem_addr(&smem.k_empty[slot.index]), slot.parity ^ 1);
+    const unsigned int k_full = smem_addr(&smem.k_full[slot.index]);
+    barrier_arrive_expect(k_full, KV_BYTES);
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+        tma_load_4d(smem_addr(&smem.k[slot.index][c][0][0]), &maps.k, k_full, c * SWIZZLE_ROW_ELEMENTS, key_row, kv_head,
+                    batch_coord);
+    barrier_wait(smem_addr(&smem.v_empty[slot.index]), slot.parity ^ 1);
+    const unsigned int v_full = smem_addr(&smem.v_full[slot.index]);
+    barrier_arrive_expect(v_full, KV_BYTES);
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+        tma_load_4d(smem_addr(&smem.v[slot.index][c][0][0]), &maps.v, v_full, c * SWIZZLE_ROW_ELEMENTS, key_row, kv_head,
+                    batch_coord);
+}
+
+template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES>
+__device__ __forceinline__ void produce_tile(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>& smem,
+                                             const ForwardSm90Maps& maps, const ForwardSm90Work& w, int& ring, int& q_round) {
+    constexpr int CHUNKS = D_TILE / SWIZZLE_ROW_ELEMENTS;
+    constexpr unsigned int Q_BYTES = BLOCK_M * D_TILE * sizeof(T);
+    if (w.blocks() <= 0) return;
+    int key_row = w.seq.k_row0 + (w.kv_end - 1) * BLOCK_N;
+    produce_key_block(smem, maps, key_row, w.kv_head, w.batch_coord, ring++);
+    barrier_wait(smem_addr(&smem.q_empty), (q_round & 1) ^ 1);
+    const unsigned int q_full = smem_addr(&smem.q_full);
+    barrier_arrive_expect(q_full, Q_BYTES);
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+        tma_load_4d(smem_addr(&smem.q[c][0][0]), &maps.q, q_full, c * SWIZZLE_ROW_ELEMENTS, w.seq.q_row0 + w.q_start,
+                    (int)w.block.h, w.batch_coord);
+    ++q_round;
+#pragma unroll 1
+    for (int left = w.blocks() - 1; left > 0; --left) {
+        key_row -= BLOCK_N;
+        produce_key_block(smem, maps, key_row, w.kv_head, w.batch_coord, ring++);
+    }
+}
+
+// One consumer warpgroup's running state for its 64 rows: each thread holds two rows (g and g + 8
+// of its warp's 16) of O (D_TILE / 2 accumulators) and of the softmax statistics.
+template <int FEATURES>
+struct RowSoftmax {
+    float row_max[2], row_max_scaled[2], row_sum[2];
+
+    __device__ __forceinline__ RowSoftmax() {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            row_max[r] = FLASH_NEG_INF;
+            row_max_scaled[r] = 0.f;
+            row_sum[r] = 0.f;
+        }
+    }
+
+    // s (scores of one key block, score units; masked entries -inf) becomes exp2(s - max) in place;
+    // returns the factors by which each row's O must shrink before this block's P V is added.
+    template <int N>
+    __device__ __forceinline__ float2 step(float (&s)[N], float score_log2) {
+        float rescale[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float block_max = FLASH_NEG_INF;
+#pragma unroll
+            for (int i = 0; i < N / 4; ++i) block_max = fmaxf(block_max, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
+            block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 1));
+            block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 2));
+            rescale[r] = raise_row_max(row_max[r], row_max_scaled[r], block_max, score_log2);
+            float sum = 0.f;
+#pragma unroll
+            for (int i = 0; i < N / 4; ++i)
+#pragma unroll
+                for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                    s[4 * i + e] = exp2f(fmaf(s[4 * i + e], score_log2, -row_max_scaled[r]));
+                    sum += s[4 * i + e];
+                }
+            row_sum[r] = row_sum[r] * rescale[r] + sum;
+        }
+        return make_float2(rescale[0], rescale[1]);
+    }
+};
+
+template <int N>
+__device__ __forceinline__ void rescale_rows(float (&o)[N], float2 rescale) {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+        o[4 * i + 0] *= rescale.x;
+        o[4 * i + 1] *= rescale.x;
+        o[4 * i + 2] *= rescale.y;
+        o[4 * i + 3] *= rescale.y;
+    }
+}
+
+// One consumer warpgroup's part of a tile: its 64 rows' main loop and epilogue. `ring` and
+// `q_round` advance as the producer's do.
+template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, bool IS_CAUSAL, int FEATURES>
+__device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>& smem,
+                                             const FlashParams& p, const ForwardSm90Work& w, int consumer, int& ring,
+                                             int& q_round) {
+    constexpr int CONSUMERS = BLOCK_M / 64;
+    constexpr unsigned int Q_CHUNK_BYTES = BLOCK_M * 128, KV_CHUNK_BYTES = BLOCK_N * 128;
+    const int thread = threadIdx.x % 128, warp = thread / 32, lane = thread % 32;
+    const int row_in_block = 64 * consumer + 16 * warp + lane / 4;   // this thread's rows: +0 and +8
+    const int col_in_chunk = 2 * (lane % 4);                         // and columns 8i + this (+1)
+    const int first_query = w.q_start + row_in_block;
+    const int seqlen_k = w.seq.seqlen_k;
+    const ScoreMod<FEATURES> mod(p, w.block.b, w.block.h, w.seq);
+    const float score_log2 = score_to_log2<FEATURES>(p);
+
+    float o[D_TILE / 2];
+#pragma unroll
+    for (int i = 0; i < D_TILE / 2; ++i) o[i] = 0.f;
+    RowSoftmax<FEATURES> softmax;
+    const int blocks = w.blocks();
+
+    if (blocks > 0) {
+        const unsigned int q_base = smem_addr(&smem.q[0][64 * consumer][0]);
+        // S of key block (kv_end - 1 - i) in slot `slot`: issued, not waited for.
+        auto issue_scores = [&](float (&s)[BLOCK_N / 2], const RingSlot& slot) {
+            barrier_wait(smem_addr(&smem.k_full[slot.index]), slot.parity);
+            const unsigned int k_base = smem_addr(&smem.k[slot.index][0][0][0]);
+            warpgroup_arrive();
+#pragma unroll
+            for (int kk = 0; kk < D_TILE / 16; ++kk) {
+                const unsigned int step = (kk % 4) * 32;   // k16 steps inside a 64-column chunk
+                Wgmma<T, BLOCK_N>::template ss<0>(s, k_major_descriptor(q_base + (kk / 4) * Q_CHUNK_BYTES + step),
+                                                  k_major_descriptor(k_base + (kk / 4) * KV_CHUNK_BYTES + step), kk > 0);
+            }
+            warpgroup_commit();
+        };
+        auto issue_values = [&](unsigned int (&pa)[BLOCK_N / 16][4], const RingSlot& slot) {
+            barrier_wait(smem_addr(&smem.v_full[slot.index]), slot.parity);
+            const unsigned int v_base = smem_addr(&smem.v[slot.index][0][0][0]);
+            warpgroup_arrive();
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+                Wgmma<T, D_TILE>::template rs<1>(o, pa[kk], n_major_descriptor(v_base + kk * 2 * SWIZZLE_ATOM_BYTES, KV_CHUNK_BYTES), 1);
+            warpgroup_commit();
+        };
+        auto release = [&](unsigned long long* bar) {
+            if (lane == 0) barrier_arrive(smem_addr(bar));
+        };
+        // Scores to logits (score modifiers), masks where the block crosses an edge, online softmax.
+        auto softmax_step = [&](float (&s)[BLOCK_N / 2], int i) -> float2 {
+            const int kv_start = (w.kv_end - 1 - i) * BLOCK_N;
+            const int key0 = kv_start + col_in_chunk;
+            if (ScoreMod<FEATURES>::active) {
+#pragma unroll
+                for (int j = 0; j < BLOCK_N / 2; ++j)
+                    s[j] = mod.log2_logit(s[j], first_query + 8 * ((j >> 1) & 1), key0 + 8 * (j >> 2) + (j & 1));
+            }
+            if (tile_needs_mask<IS_CAUSAL, FEATURES>(w.q_start + 64 * consumer, 64, kv_start, BLOCK_N, seqlen_k, w.band)) {
+                const TileMask mask(first_query, key0, seqlen_k, w.band);
+#pragma unroll
+                for (int j = 0; j < BLOCK_N / 2; ++j)
+                    if (!mask.visible<IS_CAUSAL, FEATURES>(8 * ((j >> 1) & 1), 8 * (j >> 2) + (j & 1))) s[j] = FLASH_NEG_INF;
+            }
+            return softmax.template step<BLOCK_N / 2>(s, score_log2);
+        };
+
+        barrier_wait(smem_addr(&smem.q_full), q_round & 1);
+        float s[BLOCK_N / 2];
+        unsigned int pa[BLOCK_N / 16][4];
+        named_barrier_sync(issue_barrier(consumer), 256);
+        RingSlot slot = ring_slot<STAGES>(ring);
+        issue_scores(s, slot);
+        named_barrier_arrive(issue_barrier((consumer + 1) % CONSUMERS), 256);
+        warpgroup_wait<0>();
+        hold_registers(s);
+        release(&smem.k_empty[slot.index]);
+        float2 rescale = softmax_step(s, 0);
+        accumulator_to_a<T, BLOCK_N>(pa, s);
+
+        for (int i = 1; i < blocks; ++i) {
+            const RingSlot previous = slot;
+            slot = ring_slot<STAGES>(ring + i);
+            named_barrier_sync(issue_barrier(consumer), 256);
+            issue_scores(s, slot);
+            rescale_rows(o, rescale);
+            issue_values(pa, previous);
+            named_barrier_arrive(issue_barrier((consumer + 1) % CONSUMERS), 256);
+            warpgroup_wait<1>();   // S of block i
+            hold_registers(s);
+            release(&smem.k_empty[slot.index]);
+            rescale = softmax_step(s, i);
+            warpgroup_wait<0>();   // O += P V of block i - 1: its P registers may now be rewritten
+            hold_registers(o);
+            hold_registers(s);
+            release(&smem.v_empty[previous.index]);
+            accumulator_to_a<T, BLOCK_N>(pa, s);
+        }
+        rescale_rows(o, rescale);
+        issue_values(pa, slot);
+        warpgroup_wait<0>();
+        hold_registers(o);
+        release(&smem.v_empty[slot.index]);
+        ring += blocks;
+    }
+
+    // Epilogue: lse, then O normalised, staged in this warpgroup's rows of the Q tile (its own
+    // products, the only readers of those rows, are complete) and stored row by row. A tile that
+    // sees no key (its Q never loaded) stores zeros without staging: the Q tile may already hold
+    // the next tile's rows.
+    float inv[2];
+    float* lse = p.lse + w.block.b * p.lse_batch_stride + w.block.h * p.lse_head_stride + w.seq.q_row0;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float total = softmax.row_sum[r];
+        total += __shfl_xor_sync(0xffffffffu, total, 1);
+        total += __shfl_xor_sync(0xffffffffu, total, 2);
+        const float2 lse_inv = finish_row<FEATURES>(p, w.block.h, softmax.row_max[r], softmax.row_max_scaled[r], total);
+        inv[r] = lse_inv.y;
+        const int query = first_query + 8 * r;
+        if (lane % 4 == 0 && query < w.seq.seqlen_q) lse[query] = lse_inv.x;
+    }
+    unsigned char* staging = reinterpret_cast<unsigned char*>(&smem.q[0][0][0]);
+    if (blocks > 0) {
+#pragma unroll
+        for (int i = 0; i < D_TILE / 8; ++i) {
+            const int col = 8 * i + col_in_chunk, chunk = col / SWIZZLE_ROW_ELEMENTS;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = row_in_block + 8 * r;
+                *reinterpret_cast<unsigned int*>(staging + chunk * Q_CHUNK_BYTES + swizzled_offset(row, col % SWIZZLE_ROW_ELEMENTS)) =
+                    Mma<T>::pack(o[4 * i + 2 * r] * inv[r], o[4 * i + 2 * r + 1] * inv[r]);
+            }
+        }
+        named_barrier_sync(epilogue_barrier<CONSUMERS>(consumer), 128);
+    }
+    constexpr int UNITS = D_TILE / 8;   // 16-byte units per row
+    const int head_dim = (int)p.head_dim;
+    T* out = static_cast<T*>(p.o) + tensor_offset(p.o_strides, w.block.b, w.seq.q_row0 + w.q_start, w.block.h);
+#pragma unroll 4
+    for (int idx = thread; idx < 64 * UNITS; idx += 128) {
+        const int row = 64 * consumer + idx / UNITS, col = (idx % UNITS) * 8;
+        if (w.q_start + row < w.seq.seqlen_q && col < head_dim)
+            *reinterpret_cast<uint4*>(out + row * p.o_strides[1] + col) = blocks > 0 ? *reinterpret_cast<const uint4*>(
+                staging + (col / SWIZZLE_ROW_ELEMENTS) * Q_CHUNK_BYTES + swizzled_offset(row, col % SWIZZLE_ROW_ELEMENTS))
+                : make_uint4(0, 0, 0, 0);
+    }
+    if (blocks > 0) {
+        // The staging reads (generic proxy) come before the next Q's TMA writes (async proxy).
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncwarp();
+        if (lane == 0) barrier_arrive(smem_addr(&smem.q_empty));
+        ++q_round;
+    }
+}
+
+template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, bool IS_CAUSAL, int FEATURES>
+__global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1)
+flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const FlashParams p) {
+    using Storage = ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>;
+    constexpr int CONSUMERS = BLOCK_M / 64;
+    static_assert(BLOCK_M % 64 == 0 && (CONSUMERS == 2 || CONSUMERS == 3), "64 query rows per consumer warpgroup");
+    static_assert(D_TILE % SWIZZLE_ROW_ELEMENTS == 0 && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
+    static_assert(!(FEATURES & FEATURE_BIAS), "the bias runs on the portable kernels");
+    static_assert(sizeof(Storage) + SWIZZLE_ATOM_BYTES <= 227 * 1024, "shared memory of one sm_90 block");
+    require_dynamic_smem(forward_sm90_smem_bytes<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>);
+    extern __shared__ unsigned char smem_raw[];
+    Storage& smem = *reinterpret_cast<Storage*>(
+        (reinterpret_cast<unsigned long long>(smem_raw) + SWIZZLE_ATOM_BYTES - 1) & ~(unsigned long long)(SWIZZLE_ATOM_BYTES - 1));
+
+    if (threadIdx.x == 0) {
+        prefetch_tensor_map(&maps.q);
+        prefetch_tensor_map(&maps.k);
+        prefetch_tensor_map(&maps.v);
+        barrier_init(smem_addr(&smem.q_full), 1);
+        barrier_init(smem_addr(&smem.q_empty), 4 * CONSUMERS);   // one arrival per consumer warp
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            barrier_init(smem_addr(&smem.k_full[s]), 1);
+            barrier_init(smem_addr(&smem.v_full[s]), 1);
+            barrier_init(smem_addr(&smem.k_empty[s]), 4 * CONSUMERS);
+            barrier_init(smem_addr(&smem.v_empty[s]), 4 * CONSUMERS);
+        }
+        barrier_init_fence();
+    }
+    __syncthreads();
+
+    const TileScheduler<BLOCK_M, BLOCK_N, IS_CAUSAL, FEATURES> scheduler(p);
+    int ring = 0, q_round = 0;
+    const int warpgroup = threadIdx.x / 128;
+    if (warpgroup == 0) {
+        release_registers<Sm90Registers<CONSUMERS>::producer>();
+        if (threadIdx.x == 0) {
+#pragma unroll 1
+            for (int tile = blockIdx.x; tile < scheduler.num_tiles; tile += gridDim.x)
+                produce_tile(smem, maps, scheduler.work(p, tile), ring, q_round);
+        }
+    } else {
+        acquire_registers<Sm90Registers<CONSUMERS>::consumer>();
+        const int consumer = warpgroup - 1;
+        // Issue turns pass around the consumers (issue_barrier): the last one's turn comes before
+        // the first's, so it starts the ring with one arrival; consumer 0 takes the ring's last
+        // arrival at the end, so every named barrier ends balanced whatever the work.
+        if (consumer == CONSUMERS - 1) named_barrier_arrive(issue_barrier(0), 256);
+#pragma unroll 1
+        for (int tile = blockIdx.x; tile < scheduler.num_tiles; tile += gridDim.x) {
+            const ForwardSm90Work w = scheduler.work(p, tile);
+            if (w.valid) consume_tile<T, BLOCK_M, D_TILE, BLOCK_N, STAGES, IS_CAUSAL, FEATURES>(smem, p, w, consumer, ring, q_round);
+        }
+        if (consumer == 0) named_barrier_sync(issue_barrier(0), 256);
+    }
+}

@@ -1,0 +1,83 @@
+// Warpgroup MMA on Hopper (sm_90a): wgmma.mma_async's ordering instructions, the 128-byte-swizzled
+// shared-memory tiles its operands are read from, and their matrix descriptors.
+// The instructions themselves (one per element type and N) are in sm90_wgmma_ops.cuh.
+//
+// A warpgroup (4 consecutive warps, the first a multiple of 4) issues each wgmma together. Its
+// float32 accumulator (m64nN) is laid out per warp as mma.m16n8's C fragment: warp w of the group
+// holds rows 16w + g and 16w + g + 8 (lane = 4g + t), and register 4i + e holds row
+// 16w + g + 8 * (e >> 1), column 8i + 2t + (e & 1). A from registers is mma.m16n8k16's A fragment.
+
+// ---- ordering --------------------------------------------------------------------------------
+// warpgroup_arrive: the registers (accumulators, A fragments) written by ordinary instructions
+// before it are what the following wgmma's read. commit closes a group of issued wgmma's;
+// wait<N> returns once at most N groups are still running.
+__device__ __forceinline__ void warpgroup_arrive() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void warpgroup_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void warpgroup_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
+
+// The compiler sees a wgmma as an asm statement that writes its accumulators at once; the hardware
+// writes them when the group completes. Passing the registers through an empty volatile asm after
+// warpgroup_wait (and before an issue) keeps the compiler from moving their reads and writes
+// across it.
+template <int N>
+__device__ __forceinline__ void hold_registers(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
+}
+template <int N>
+__device__ __forceinline__ void hold_registers(unsigned int (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i]) :: "memory");
+}
+
+// ---- 128-byte-swizzled tiles -----------------------------------------------------------------
+// A tile of 16-bit elements with head_dim (or any 64-element-wide dimension) contiguous is kept
+// as CHUNKS blocks of [rows][64 elements]: each row is 128 bytes, and inside every 1024-byte atom
+// of 8 rows the 16-byte unit u of row r sits at unit u ^ (r % 8). This is what a TMA load with
+// CU_TENSOR_MAP_SWIZZLE_128B writes (a box of 64 elements x rows), and what a descriptor with
+// swizzle mode "128B" reads. Ordinary accesses of 16 bytes by 8 consecutive rows hit 8 distinct
+// bank groups. Blocks start on 1024-byte boundaries.
+constexpr int SWIZZLE_ROW_ELEMENTS = 64;   // 128 bytes of a 16-bit type
+constexpr int SWIZZLE_ATOM_BYTES = 1024;
+
+// Byte offset of element (row, col) of a [rows][64] swizzled block (col < 64, 16-bit elements).
+__device__ __forceinline__ unsigned int swizzled_offset(int row, int col) {
+    const unsigned int unit = (unsigned int)(col >> 3) ^ (unsigned int)(row & 7);
+    return (unsigned int)row * 128u + unit * 16u + (unsigned int)(col & 7) * 2u;
+}
+
+// ---- matrix descriptors (PTX ISA, "Matrix Descriptor Format") ----------------------------------
+// bits 0-13: start address >> 4; 16-29: leading-dimension byte offset >> 4; 32-45: stride-
+// dimension byte offset >> 4; 62-63: swizzle mode (1 = 128B). The start address may step inside
+// a swizzled row (the hardware applies the XOR to the full address, hence the 1024-byte alignment).
+__device__ __forceinline__ unsigned long long smem_descriptor(unsigned int addr, unsigned int leading_bytes,
+                                                              unsigned int stride_bytes) {
+    return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)((leading_bytes >> 4) & 0x3FFFu) << 16) |
+           ((unsigned long long)((stride_bytes >> 4) & 0x3FFFu) << 32) | (1ull << 62);
+}
+// K-major operand (the reduction dimension contiguous: Q and K for S = Q K^T): 8-row atoms
+// SWIZZLE_ATOM_BYTES apart; a k16 step is 32 bytes along the row, the next 64-column chunk the
+// next block. The leading offset is unused with this swizzle (1 by convention).
+__device__ __forceinline__ unsigned long long k_major_descriptor(unsigned int addr) {
+    return smem_descriptor(addr, 16, SWIZZLE_ATOM_BYTES);
+}
+// N-major operand (B read with TRANS_B = 1: V for O += P V, keys x head_dim with head_dim
+// contiguous): along N, 64-element chunks are `chunk_bytes` apart (the leading offset); along K,
+// 8-key atoms are SWIZZLE_ATOM_BYTES apart (the stride offset); a k16 step is 2 atoms.
+__device__ __forceinline__ unsigned long long n_major_descriptor(unsigned int addr, unsigned int chunk_bytes) {
+    return smem_descriptor(addr, chunk_bytes, SWIZZLE_ATOM_BYTES);
+}
+
+// P (float32 accumulator of S, 64 x N) as the A operand of the next wgmma: k16 step kk takes S's
+// n-chunks 2kk and 2kk + 1, i.e. mma.m16n8k16's A fragment.
+template <typename T, int N>
+__device__ __forceinline__ void accumulator_to_a(unsigned int (&a)[N / 16][4], const float (&s)[N / 2]) {
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk) {
+        a[kk][0] = Mma<T>::pack(s[8 * kk + 0], s[8 * kk + 1]);
+        a[kk][1] = Mma<T>::pack(s[8 * kk + 2], s[8 * kk + 3]);
+        a[kk][2] = Mma<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
+        a[kk][3] = Mma<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+}

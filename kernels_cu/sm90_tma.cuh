@@ -1,0 +1,74 @@
+// Hopper data movement and warp specialisation (sm_90; setmaxnreg needs sm_90a): TMA bulk tensor
+// loads completing on mbarriers with transaction counts, a ring of stages with full/empty
+// barriers, register reallocation between warpgroups, named barriers.
+
+// A CUtensorMap (cuda.h: 128 bytes, 64-byte aligned), encoded on the host by
+// cuTensorMapEncodeTiled (cupy_flash/_tma.py) and passed in a __grid_constant__ kernel parameter:
+// TMA reads it from parameter space.
+struct alignas(64) TensorMap { unsigned long long opaque[16]; };
+
+// ---- mbarrier ----------------------------------------------------------------------------------
+__device__ __forceinline__ void barrier_init(unsigned int bar, unsigned int arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(arrivals) : "memory");
+}
+// Makes initialised barriers visible to the async proxy (TMA) and the other threads (with a
+// __syncthreads after it).
+__device__ __forceinline__ void barrier_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+// One arrival that also announces `bytes` of TMA transactions the phase waits for.
+__device__ __forceinline__ void barrier_arrive_expect(unsigned int bar, unsigned int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void barrier_arrive(unsigned int bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+// Returns once the phase of parity `parity` has completed. A fresh barrier is in phase 0, and
+// waiting on parity 1 returns at once (the phase "before" it counts as complete): a producer
+// waits for empty slots with the parity opposite to its consumers'.
+__device__ __forceinline__ void barrier_wait(unsigned int bar, unsigned int parity) {
+    asm volatile("{\n.reg .pred done;\n"
+                 "WAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT_%=;\n}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+
+// ---- TMA -----------------------------------------------------------------------------------------
+__device__ __forceinline__ void prefetch_tensor_map(const TensorMap* map) {
+    asm volatile("prefetch.tensormap [%0];" :: "l"((unsigned long long)map) : "memory");
+}
+// Box at coordinates (c0 innermost .. c3) of a 4-D tensor map into shared memory at dst; the bytes
+// count towards bar's transactions. Elements outside the tensor arrive as zeros (and still count).
+__device__ __forceinline__ void tma_load_4d(unsigned int dst, const TensorMap* map, unsigned int bar, int c0, int c1,
+                                            int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%3, %4, %5, %6}], [%2];"
+                 :: "r"(dst), "l"((unsigned long long)map), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+
+// A ring of STAGES shared-memory slots: slot i % STAGES in its round i / STAGES. Consumers wait
+// for a slot's `full` barrier with the round's parity; the producer waits for its `empty` barrier
+// with the opposite parity (so the first round finds every slot free).
+struct RingSlot {
+    int index;
+    unsigned int parity;
+};
+template <int STAGES>
+__device__ __forceinline__ RingSlot ring_slot(int i) {
+    return {i % STAGES, (unsigned int)((i / STAGES) & 1)};
+}
+
+// ---- warp specialisation -------------------------------------------------------------------------
+// setmaxnreg: every warp of the warpgroup executes it; the kernel needs __launch_bounds__(threads,
+// 1) or ptxas ignores it (C7508). The pool is 64K registers per SM.
+template <int REGISTERS>
+__device__ __forceinline__ void release_registers() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(REGISTERS)); }
+template <int REGISTERS>
+__device__ __forceinline__ void acquire_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(REGISTERS)); }
+
+// Named barriers (0 is __syncthreads): bar.sync waits until `threads` have arrived, counting
+// bar.arrive's, which do not wait.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}
