@@ -2,14 +2,18 @@
 
     python -m bench                       # FlashAttention's standard shapes, bf16 and fp16
     python -m bench --dtypes bf16 --head-dims 128 --seqlens 1024 4096 --causal 1
-    python -m bench --mode fwd            # forward only
+    python -m bench --modes fwd           # forward only
+    python -m bench --portable            # also our portable kernels (CUPY_FLASH_KERNELS=portable)
 
 Shapes as FlashAttention's benchmark: batch * seqlen = 16384 tokens, heads = 2048 / head_dim.
 FLOPs as FlashAttention counts them: forward 4 * batch * heads * seqlen_q * seqlen_k * head_dim,
 halved when causal; backward 2.5 x forward. Timing: CUDA events around each call, warm-up calls
 excluded, median of many calls, several input sets rotated so no call finds its inputs in L2 from
 the call before. The peers run in the same process on the same data (zero-copy through DLPack).
-Results: a table on stdout, JSON and (with matplotlib) a PNG plot under bench/results/.
+With --portable, our calls are also timed with the portable kernels (mma.sync; the Hopper kernels
+off), so a Hopper GPU compares both paths in one run. The bf16 matrix-product rate (8192^3,
+PyTorch) is measured once as the ceiling. Results: a table on stdout, JSON and (with matplotlib)
+a PNG plot under bench/results/.
 """
 
 from __future__ import annotations
@@ -65,7 +69,19 @@ def make_sets(batch, seqlen, heads, head_dim, dtype, count, seed=0):
     return sets
 
 
-def ours(mode, causal):
+def ours(mode, causal, kernels="auto"):
+    """Our call for ``mode``, dispatched as CUPY_FLASH_KERNELS=``kernels`` would."""
+    from cupy_flash._families import use_kernels
+
+    call = _ours(mode, causal)
+
+    def run(s):
+        with use_kernels(kernels):
+            return call(s)
+    return run
+
+
+def _ours(mode, causal):
     if mode == "fwd":
         return lambda s: cupy_flash.flash_forward(s[0], s[1], s[2], causal=causal)
     if mode in ("bwd", "bwd_det"):
@@ -128,6 +144,13 @@ def torch_sets(torch, sets, backend, mode, causal):
     return result
 
 
+def matmul_rate(torch, size=8192) -> float:
+    """bf16 TFLOP/s of a size^3 matrix product (PyTorch, cuBLAS): the tensor cores' ceiling."""
+    a, b = (torch.randn(size, size, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ms = time_calls(lambda _: torch.matmul(a, b), [None])
+    return 2.0 * size**3 / ms / 1e9
+
+
 def run(args):
     try:
         import torch
@@ -136,6 +159,9 @@ def run(args):
     except Exception as error:   # benchmark ours alone
         print(f"PyTorch not available ({error}); timing cupy_flash only", file=sys.stderr)
         torch, peers = None, {}
+    matmul = matmul_rate(torch) if torch is not None else None
+    if matmul:
+        print(f"bf16 matrix product 8192^3: {matmul:.0f} TFLOP/s", flush=True)
 
     rows = []
     device = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
@@ -152,6 +178,9 @@ def run(args):
                 our_sets = [s + list(cupy_flash.flash_forward(s[0], s[1], s[2], causal=bool(causal))) for s in sets]
             ms = time_calls(ours(mode, bool(causal)), our_sets)
             row[f"ours_{mode}"] = work / ms / 1e9
+            if args.portable:
+                ms = time_calls(ours(mode, bool(causal), "portable"), our_sets)
+                row[f"portable_{mode}"] = work / ms / 1e9
             for name, backend in peers.items():
                 try:
                     peer_sets = torch_sets(torch, sets, backend, mode, bool(causal))
@@ -162,12 +191,13 @@ def run(args):
                     row[f"{name}_{mode}_error"] = f"{type(error).__name__}: {str(error)[:80]}"
             del our_sets
         rows.append(row)
-        print(f"[{index}/{len(shapes)}] {format_row(row, args.modes, peers)}", flush=True)
+        print(f"[{index}/{len(shapes)}] {format_row(row, args.modes, (['portable'] if args.portable else []) + list(peers))}",
+              flush=True)
         del sets
         cupy.get_default_memory_pool().free_all_blocks()
     return dict(device=device, tokens=args.tokens, features=args.features, rows=rows,
-                modes=args.modes, peers=list(peers), torch=getattr(torch, "__version__", None),
-                cupy=cupy.__version__)
+                modes=args.modes, peers=(["portable"] if args.portable else []) + list(peers),
+                torch=getattr(torch, "__version__", None), cupy=cupy.__version__, matmul_tflops=matmul)
 
 
 def format_row(row, modes, peers):
@@ -198,7 +228,8 @@ def print_table(result):
             cells += [f"{ours_tf / row[f'{p}_{mode}']:.2f}" if row.get(f"{p}_{mode}") else "n/a" for p in peers]
         print("| " + " | ".join(cells) + " |")
     print(f"\nTFLOP/s on {result['device']} (cupy {result['cupy']}, torch {result['torch']}); "
-          "ratios are ours / peer, measured in this run.")
+          "ratios are ours / peer, measured in this run" + ("; portable: our mma.sync kernels" if "portable" in peers else "")
+          + (f"; bf16 matrix product {result['matmul_tflops']:.0f}" if result.get("matmul_tflops") else "") + ".")
 
 
 def plot(result, path):
@@ -243,6 +274,8 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
     parser.add_argument("--features", type=int, default=2048, help="heads * head_dim")
     parser.add_argument("--sets", type=int, default=3, help="input sets rotated between calls")
+    parser.add_argument("--portable", action="store_true",
+                        help="also time our portable kernels (CUPY_FLASH_KERNELS=portable) in the same run")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
 

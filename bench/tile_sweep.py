@@ -1,12 +1,16 @@
-"""Choose the tensor-core forward's tile shapes by measurement.
+"""Choose the forward's tile shapes by measurement.
 
-For each head-dim tile and each candidate (block_n, num_warps, m_tiles), patch the traits, recompile,
-check the output against the float64 reference, and time bf16 forward beside PyTorch's flash backend
-in the same process (same data, same timing as python -m bench). Losers are worth recording in
-docs/performance.md.
+For each head-dim tile and each candidate, compile, check the output against the float64
+reference, and time bf16 forward beside a PyTorch SDPA backend in the same process (same data, same
+timing as python -m bench). Losers are worth recording in docs/performance.md.
 
-    python bench/tile_sweep.py                     # the built-in candidates
+    python bench/tile_sweep.py                     # the mma.sync forward's built-in candidates
     python bench/tile_sweep.py 128:32,4,2 128:64,4,2   # tile:block_n,num_warps,m_tiles
+    python bench/tile_sweep.py --sm90              # the Hopper forward's (beside cuDNN)
+    python bench/tile_sweep.py --sm90 128:128,176,2    # tile:block_m,block_n,stages
+
+The mma.sync candidates patch the tile tables; the Hopper ones are launched with their tile
+arguments (ModuleSpec.config), the tables untouched.
 """
 
 from __future__ import annotations
@@ -23,6 +27,12 @@ CANDIDATES = {
     64: [(64, 4, 2), (64, 8, 1), (128, 8, 1)],
     128: [(32, 4, 2), (64, 8, 1), (32, 8, 1)],
 }
+# (block_m, block_n, stages); the plain kernels of each compile without spills (NVRTC 12.9).
+SM90_CANDIDATES = {
+    64: [(128, 128, 2), (128, 192, 2), (192, 128, 2)],
+    128: [(128, 128, 2), (128, 176, 2)],
+    256: [(128, 64, 2), (128, 80, 2)],
+}
 SEQLENS = (1024, 4096, 16384)
 
 
@@ -34,12 +44,29 @@ def use(tile, config):
     _compile._functions.clear()
 
 
-def error_ok(tile):
+def sm90_forward(config):
+    """flash_forward(q, k, v, causal=...) on the Hopper kernel with tile arguments ``config``."""
+    from cupy_flash import _checks, _families
+    from cupy_flash._params import make_params
+    from cupy_flash.forward import launch_forward_sm90
+
+    def forward(q, k, v, causal=False):
+        q, k, v, shape, scale, variant = _checks.prepare_qkv(q, k, v, None, causal)
+        o = cupy.empty_like(q)
+        lse = cupy.empty((shape.batch, shape.heads, shape.seqlen_q), cupy.float32)
+        params = make_params(shape, scale, variant=variant, q=q, k=k, v=v, o=o, lse=lse)
+        launch_forward_sm90(q, k, v, shape, variant, params, _families.current_device().multiprocessors,
+                            (config[0], shape.tile, config[1], config[2]))
+        return o, lse
+    return forward
+
+
+def error_ok(tile, forward=cupy_flash.flash_forward):
     rng = numpy.random.default_rng(0)
     q, k, v = (cupy.asarray(rng.standard_normal((2, 333, 3, tile), dtype=numpy.float32).astype(ml_dtypes.bfloat16))
                for _ in range(3))
     for causal in (False, True):
-        o, _ = cupy_flash.flash_forward(q, k, v, causal=causal)
+        o, _ = forward(q, k, v, causal=causal)
         exact, _ = cupy_flash.attention_reference(q, k, v, causal=causal)
         low, _ = cupy_flash.attention_reference(q, k, v, causal=causal, upcast=False)
         ours = cupy.asarray(o.get().astype(numpy.float64))
@@ -56,15 +83,47 @@ def parse_candidates(args):
     return candidates
 
 
+def sweep_sm90(candidates):
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    print("| d | block_m, block_n, stages | correct | " + " | ".join(f"N={n} c={c}" for n in SEQLENS for c in (0, 1)) + " |")
+    print("|---|---|---|" + "---|" * (2 * len(SEQLENS)))
+    for tile, configs in candidates.items():
+        heads = 2048 // tile
+        shapes = {}
+        for n in SEQLENS:
+            sets = make_sets(16384 // n, n, heads, tile, ml_dtypes.bfloat16, 3)
+            for c in (0, 1):
+                ms = time_calls(torch_peer(torch, SDPBackend.CUDNN_ATTENTION, "fwd", bool(c)),
+                                torch_sets(torch, sets, SDPBackend.CUDNN_ATTENTION, "fwd", bool(c)))
+                shapes[(n, c)] = (sets, flops(16384 // n, heads, n, tile, c, "fwd") / ms / 1e9)
+        for config in configs:
+            forward = sm90_forward(config)
+            ok = error_ok(tile, forward)
+            cells = []
+            for (n, c), (sets, peer_tf) in shapes.items():
+                ms = time_calls(lambda s: forward(s[0], s[1], s[2], causal=bool(c)), sets)
+                ours_tf = flops(16384 // n, heads, n, tile, c, "fwd") / ms / 1e9
+                cells.append(f"{ours_tf:.0f} ({ours_tf / peer_tf:.2f})")
+            print(f"| {tile} | {config} | {ok} | " + " | ".join(cells) + " |", flush=True)
+        del shapes
+        cupy.get_default_memory_pool().free_all_blocks()
+    print("TFLOP/s, bf16 forward (ratio to cuDNN, PyTorch SDPA's CUDNN_ATTENTION, in the same run)")
+
+
 def main(argv=None):
     import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--sm90":
+        return sweep_sm90(parse_candidates(argv[1:]) or SM90_CANDIDATES)
 
     import torch
     from torch.nn.attention import SDPBackend
 
     print("| d | block_n, warps, m_tiles | correct | " + " | ".join(f"N={n} c={c}" for n in SEQLENS for c in (0, 1)) + " |")
     print("|---|---|---|" + "---|" * (2 * len(SEQLENS)))
-    argv = sys.argv[1:] if argv is None else argv
     for tile, configs in (parse_candidates(argv) or CANDIDATES).items():
         heads = 2048 // tile
         shapes = {}
