@@ -1,10 +1,13 @@
-"""Compile a module offline and count its SASS instructions with cuobjdump: are the mma (HMMA),
-ldmatrix (LDSM) and cp.async (LDGSTS) instructions there, any local memory (LDL/STL)?
+"""Compile a module offline and count its SASS instructions with cuobjdump: are the mma (HMMA,
+HGMMA), ldmatrix (LDSM), cp.async (LDGSTS) and TMA (UTMALDG) instructions there, any local memory
+(LDL/STL)?
 
     python bench/sass_report.py forward_tc bfloat16 128 90 [features]
+    python bench/sass_report.py forward_sm90 bfloat16 128 90a
 
-The tensor-core families use the tile table of the architecture's target (sm90 for 90, sm80 for 80);
-``features`` is the FEATURE_* bitmask of the instantiations (default 0, the plain kernels).
+The tensor-core families use the tile table of the architecture's target (sm90 for 90, sm80 for 80,
+sm90a for the Hopper family); ``features`` is the FEATURE_* bitmask of the instantiations (default
+0, the plain kernels).
 """
 
 import collections
@@ -13,20 +16,18 @@ import subprocess
 import sys
 import tempfile
 
-from cupy_backends.cuda.libs import nvrtc
-
 from cupy_flash import _compile
 
 
 def main(family, dtype, tile, arch, features="0"):
-    target = ("sm90" if int(arch) >= 90 else "sm80") if family in _compile.TENSOR_CORE_FAMILIES else None
+    if family == "forward_sm90":
+        target = "sm90a"
+    elif family in _compile.TENSOR_CORE_FAMILIES:
+        target = "sm90" if int(arch.rstrip("a")) >= 90 else "sm80"
+    else:
+        target = None
     spec = _compile.ModuleSpec(family, dtype, int(tile) if tile != "None" else None, target, int(features))
-    program = nvrtc.createProgram(_compile.family_source(family), f"{family}.cu", [], [])
-    for expression in spec.name_expressions:
-        nvrtc.addNameExpression(program, expression)
-    nvrtc.compileProgram(program, list(_compile.offline_options(int(arch))))
-    cubin = nvrtc.getCUBIN(program)
-    log = nvrtc.getProgramLog(program)
+    cubin, _, log = _compile._nvrtc_compile(spec, _compile.offline_options(f"sm_{arch}"))
     print(f"cubin {len(cubin)} bytes, starts {cubin[:4]!r}; ptxas log {len(log)} chars")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)

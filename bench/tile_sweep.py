@@ -83,6 +83,18 @@ def parse_candidates(args):
     return candidates
 
 
+def peer_shapes(torch, backend, tile):
+    """{(seqlen, causal): (input sets, the peer's TFLOP/s)} for the sweep's shapes at head dim ``tile``."""
+    heads = 2048 // tile
+    shapes = {}
+    for n in SEQLENS:
+        sets = make_sets(16384 // n, n, heads, tile, ml_dtypes.bfloat16, 3)
+        for c in (0, 1):
+            ms = time_calls(torch_peer(torch, backend, "fwd", bool(c)), torch_sets(torch, sets, backend, "fwd", bool(c)))
+            shapes[(n, c)] = (sets, flops(16384 // n, heads, n, tile, c, "fwd") / ms / 1e9)
+    return shapes
+
+
 def sweep_sm90(candidates):
     import torch
     from torch.nn.attention import SDPBackend
@@ -91,13 +103,7 @@ def sweep_sm90(candidates):
     print("|---|---|---|" + "---|" * (2 * len(SEQLENS)))
     for tile, configs in candidates.items():
         heads = 2048 // tile
-        shapes = {}
-        for n in SEQLENS:
-            sets = make_sets(16384 // n, n, heads, tile, ml_dtypes.bfloat16, 3)
-            for c in (0, 1):
-                ms = time_calls(torch_peer(torch, SDPBackend.CUDNN_ATTENTION, "fwd", bool(c)),
-                                torch_sets(torch, sets, SDPBackend.CUDNN_ATTENTION, "fwd", bool(c)))
-                shapes[(n, c)] = (sets, flops(16384 // n, heads, n, tile, c, "fwd") / ms / 1e9)
+        shapes = peer_shapes(torch, SDPBackend.CUDNN_ATTENTION, tile)
         for config in configs:
             forward = sm90_forward(config)
             ok = error_ok(tile, forward)
@@ -126,13 +132,7 @@ def main(argv=None):
     print("|---|---|---|" + "---|" * (2 * len(SEQLENS)))
     for tile, configs in (parse_candidates(argv) or CANDIDATES).items():
         heads = 2048 // tile
-        shapes = {}
-        for n in SEQLENS:
-            sets = make_sets(16384 // n, n, heads, tile, ml_dtypes.bfloat16, 3)
-            for c in (0, 1):
-                ms = time_calls(torch_peer(torch, SDPBackend.FLASH_ATTENTION, "fwd", bool(c)),
-                                torch_sets(torch, sets, SDPBackend.FLASH_ATTENTION, "fwd", bool(c)))
-                shapes[(n, c)] = (sets, flops(16384 // n, heads, n, tile, c, "fwd") / ms / 1e9)
+        shapes = peer_shapes(torch, SDPBackend.FLASH_ATTENTION, tile)
         original = {name: table[tile] for name, table in _traits.FORWARD_TC_TARGETS.items()}
         for config in configs:
             use(tile, config)

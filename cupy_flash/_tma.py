@@ -42,11 +42,6 @@ def _encoder():
     return encode
 
 
-def available() -> bool:
-    """Whether this process can encode tensor maps (a CUDA 12+ driver)."""
-    return _encoder() is not None
-
-
 def encode_tiled(dtype: str, address: int, dims: tuple, byte_strides: tuple, box: tuple) -> bytes:
     """A tensor map of a tensor of ``dims`` elements (innermost first) at ``address``, with the byte
     strides of dims 1.. (``byte_strides``), read in boxes of ``box`` elements, 128-byte swizzled."""

@@ -109,27 +109,28 @@ struct TileScheduler {
 // previous tile's epilogue has freed the Q tile, then the rest of its K and V. `ring` counts the
 // K/V blocks loaded so far (the ring's position), `q_round` the Q tiles. The producer runs in 24
 // registers (setmaxnreg): the loop keeps only the key row, the ring position and the count live.
+// One ring slot's K or V tile: wait until the consumers freed the slot (the parity opposite to
+// theirs), announce its bytes, load its 64-column chunks.
+template <int D_TILE, int ROWS, typename T>
+__device__ __forceinline__ void load_into_slot(T* tile, const TensorMap* map, unsigned long long* empty, unsigned long long* full,
+                                               unsigned int parity, int row, int head, int batch_coord) {
+    barrier_wait(smem_addr(empty), parity ^ 1);
+    const unsigned int full_bar = smem_addr(full);
+    barrier_arrive_expect(full_bar, ROWS * D_TILE * sizeof(T));
+#pragma unroll
+    for (int c = 0; c < D_TILE / SWIZZLE_ROW_ELEMENTS; ++c)
+        tma_load_4d(smem_addr(tile + c * ROWS * SWIZZLE_ROW_ELEMENTS), map, full_bar, c * SWIZZLE_ROW_ELEMENTS, row, head, batch_coord);
+}
+
 template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES>
 __device__ __forceinline__ void produce_key_block(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>& smem,
                                                   const ForwardSm90Maps& maps, int key_row, int kv_head, int batch_coord,
                                                   int ring) {
-    constexpr int CHUNKS = D_TILE / SWIZZLE_ROW_ELEMENTS;
-    constexpr unsigned int KV_BYTES = BLOCK_N * D_TILE * sizeof(T);
     const RingSlot slot = ring_slot<STAGES>(ring);
-    barrier_wait(smem_addr(&smem.k_empty[slot.index]), slot.parity ^ 1);
-    const unsigned int k_full = smem_addr(&smem.k_full[slot.index]);
-    barrier_arrive_expect(k_full, KV_BYTES);
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c)
-        tma_load_4d(smem_addr(&smem.k[slot.index][c][0][0]), &maps.k, k_full, c * SWIZZLE_ROW_ELEMENTS, key_row, kv_head,
-                    batch_coord);
-    barrier_wait(smem_addr(&smem.v_empty[slot.index]), slot.parity ^ 1);
-    const unsigned int v_full = smem_addr(&smem.v_full[slot.index]);
-    barrier_arrive_expect(v_full, KV_BYTES);
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c)
-        tma_load_4d(smem_addr(&smem.v[slot.index][c][0][0]), &maps.v, v_full, c * SWIZZLE_ROW_ELEMENTS, key_row, kv_head,
-                    batch_coord);
+    load_into_slot<D_TILE, BLOCK_N>(&smem.k[slot.index][0][0][0], &maps.k, &smem.k_empty[slot.index], &smem.k_full[slot.index],
+                                    slot.parity, key_row, kv_head, batch_coord);
+    load_into_slot<D_TILE, BLOCK_N>(&smem.v[slot.index][0][0][0], &maps.v, &smem.v_empty[slot.index], &smem.v_full[slot.index],
+                                    slot.parity, key_row, kv_head, batch_coord);
 }
 
 template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES>
