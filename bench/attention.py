@@ -264,7 +264,8 @@ def plot(result, path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=sorted(DTYPES))
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256])
     parser.add_argument("--seqlens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192, 16384])
@@ -278,7 +279,9 @@ def main(argv=None):
                         help="also time our portable kernels (CUPY_FLASH_KERNELS=portable) in the same run")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
+    from cupy_flash._device import require_gpu
 
+    require_gpu("python -m bench")   # one line, exit status 1, where there is none
     result = run(args)
     print_table(result)
     os.makedirs(args.out, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Command line: ``python -m cupy_flash <command>``.
+"""Command line: python -m cupy_flash <command>
 
     info     versions (cupy_flash, CuPy, CUDA runtime, driver, NVRTC), the GPUs, and which kernel
              modules are compiled and cached on this machine for this source
@@ -19,7 +19,7 @@ import time
 
 import numpy
 
-from . import __version__, _compile, _families, _features, _traits
+from . import __version__, _compile, _device, _families, _features, _traits
 
 DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
                "fp32": "float32", "float32": "float32"}
@@ -27,14 +27,9 @@ FEATURE_BY_NAME = {name: flag for flag, name in _features.FEATURE_NAMES.items()}
 
 
 def _gpu_or_reason():
-    """(True, '') with a usable GPU, else (False, why)."""
-    try:
-        import cupy
-
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as error:   # no CuPy build, no driver, no device
-        return False, f"{type(error).__name__}: {str(error)[:160]}"
-    return (count > 0, "" if count > 0 else "0 CUDA devices")
+    """(True, '') with a usable GPU, else (False, why): no driver, an old one, no GPU (_device)."""
+    problem = _device.gpu_problem()
+    return problem is None, problem or ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,7 +62,7 @@ def command_info(args) -> int:
                 for line in _families.describe_forward(_families.current_device()):
                     print(f"  forward, {line}")
     else:
-        print(f"GPU: none ({reason})")
+        print(f"GPU: none: {reason}")
     index = _compile.read_index()
     digests = {family: _safe_digest(family) for family in {entry.get("family") for entry in index.values()}}
     current = {key: entry for key, entry in index.items() if entry.get("digest") == digests[entry.get("family")]}
@@ -76,7 +71,8 @@ def command_info(args) -> int:
     for key in sorted(current):
         print(f"  {key}  ({current[key]['when']})")
     if not current:
-        print("  none yet: modules compile on first use (or run `python -m cupy_flash warmup`)")
+        print("  none yet: modules compile on first use" + (" (or run `python -m cupy_flash warmup`)" if ok
+                                                             else ", on a machine with an NVIDIA GPU"))
     return 0
 
 
@@ -138,7 +134,7 @@ def _progress(done, total, label, started, stream=sys.stderr):
 def command_warmup(args) -> int:
     ok, reason = _gpu_or_reason()
     if not ok:
-        print(f"warmup needs a CUDA GPU (CuPy loads each module it compiles): {reason}", file=sys.stderr)
+        print(f"warmup needs an NVIDIA GPU: {reason} (CuPy loads each module it compiles)", file=sys.stderr)
         return 1
     specs = warmup_specs([DTYPE_NAMES[d] for d in args.dtypes], args.head_dims, args.features, args.families,
                          _families.current_device())
@@ -182,7 +178,7 @@ def _error_rule(ours, exact, low) -> tuple[bool, float]:
 def command_check(args) -> int:
     ok, reason = _gpu_or_reason()
     if not ok:
-        print(f"check needs a CUDA GPU: {reason}", file=sys.stderr)
+        print(f"check needs an NVIDIA GPU: {reason}", file=sys.stderr)
         return 1
     import cupy
 
@@ -259,7 +255,7 @@ def _random(rng, shape, dtype):
 def command_bench(args) -> int:
     ok, reason = _gpu_or_reason()
     if not ok:
-        print(f"bench needs a CUDA GPU: {reason}", file=sys.stderr)
+        print(f"bench needs an NVIDIA GPU: {reason}", file=sys.stderr)
         return 1
     import cupy
 

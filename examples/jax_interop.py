@@ -4,18 +4,28 @@
 
 JAX owns the arrays; cupy_flash reads them through __dlpack__ and returns CuPy arrays, which
 jax.dlpack.from_dlpack takes back. The gradient is checked against jax.grad of a dense attention
-written in jax.numpy. Needs a CUDA GPU, CuPy and JAX with CUDA.
+written in jax.numpy. Needs an NVIDIA GPU, CuPy and JAX with CUDA (pip install 'cupy-flash[jax]').
 """
 
 import os
+import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # leave GPU memory to CuPy too
 
-import cupy
-import jax
-import jax.numpy as jnp
+from cupy_flash._device import require_gpu
 
-import cupy_flash
+try:
+    import jax
+    import jax.numpy as jnp
+except ImportError as error:
+    sys.exit(f"jax_interop needs JAX with CUDA: pip install 'cupy-flash[jax]' ({error})")
+require_gpu("jax_interop")
+if not any(device.platform == "gpu" for device in jax.devices()):
+    sys.exit("jax_interop needs JAX with CUDA (jax[cuda12] or jax[cuda13]): this JAX sees no GPU")
+
+import cupy  # noqa: E402
+
+import cupy_flash  # noqa: E402
 
 
 def dense_attention(q, k, v):

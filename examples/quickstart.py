@@ -7,14 +7,13 @@ import sys
 import ml_dtypes
 import numpy
 
-try:
-    import cupy
+from cupy_flash._device import require_gpu
 
-    cupy.cuda.runtime.getDeviceCount()
-except Exception as error:
-    sys.exit(f"quickstart needs an NVIDIA GPU with a working driver: {error}")
+require_gpu("quickstart")   # one line and exit status 1 where there is none (no driver, an old one, no GPU)
 
-import cupy_flash
+import cupy  # noqa: E402
+
+import cupy_flash  # noqa: E402
 
 batch, seqlen, heads, head_dim = 2, 1000, 8, 128
 rng = numpy.random.default_rng(0)

@@ -8,7 +8,7 @@ Character-level, on examples/data/tiny_corpus.txt: token + position embeddings, 
 projection; cross-entropy loss; every gradient written by hand; Adam. The run is repeated with the
 dense float64 reference attention (cupy_flash.attention_reference and its backward) from the same
 initial weights and batches: the two loss curves should lie on each other. Writes loss_curves.json
-and loss_curves.png (with matplotlib, if installed) under --out. Needs a CUDA GPU and CuPy.
+and loss_curves.png (with matplotlib, if installed) under --out. Needs an NVIDIA GPU and CuPy.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import cupy
 import numpy
 
 import cupy_flash
+from cupy_flash._device import require_gpu
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -167,6 +168,7 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.path.join(HERE, "out"))
     args = parser.parse_args()
+    require_gpu("train_tiny_lm")   # one line and exit status 1 where there is none
     with open(os.path.join(HERE, "data", "tiny_corpus.txt")) as f:
         text = f.read()
     curves = {}

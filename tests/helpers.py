@@ -15,15 +15,10 @@ DTYPES = {"float16": numpy.dtype(numpy.float16), "bfloat16": numpy.dtype(ml_dtyp
 
 
 def _gpu_status():
-    try:
-        import cupy
+    from cupy_flash._device import gpu_problem
 
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as error:  # no driver, no device, no CuPy build for it
-        return False, f"no CUDA GPU available ({type(error).__name__}: {str(error)[:120]})"
-    if count < 1:
-        return False, "no CUDA GPU available (0 devices)"
-    return True, ""
+    problem = gpu_problem()   # no driver, an old one, no GPU: said as such (not CuPy's "insufficient driver")
+    return problem is None, problem or ""
 
 
 HAS_GPU, NO_GPU_REASON = _gpu_status()

@@ -28,8 +28,12 @@ def test_unknown_command_is_a_usage_error(capsys):
 @pytest.mark.skipif(HAS_GPU, reason="the no-GPU answer (a GPU is present)")
 @pytest.mark.parametrize("command", [["check"], ["warmup"], ["bench", "--runs", "1"]])
 def test_gpu_commands_say_why_without_a_gpu(command, capsys):
+    from cupy_flash._device import gpu_problem
+
     assert _cli.main(command) == 1
-    assert "needs a CUDA GPU" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "needs an NVIDIA GPU: " + gpu_problem() in err
+    assert "insufficient" not in err   # CuPy's words for "no driver at all"
 
 
 def test_warmup_specs_cover_what_calls_run():

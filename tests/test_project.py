@@ -4,7 +4,7 @@ import pathlib
 import re
 
 import pytest
-from helpers import requires_gpu
+from helpers import HAS_GPU, requires_gpu
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -84,3 +84,15 @@ def test_jax_example_runs():
     assert done.returncode == 0, done.stdout + done.stderr
     errors = [float(line.rsplit("=", 1)[1]) for line in done.stdout.splitlines() if "max |cupy_flash" in line]
     assert len(errors) == 2 and max(errors) < 2e-2, done.stdout
+
+
+@pytest.mark.skipif(HAS_GPU, reason="the no-GPU answer (a GPU is present)")
+@pytest.mark.parametrize("command", [["examples/quickstart.py"], ["examples/train_tiny_lm.py", "--steps", "1"],
+                                     ["examples/jax_interop.py"], ["-m", "bench"], ["-m", "cupy_flash", "check"]])
+def test_without_a_gpu_every_entry_point_says_why_in_one_line(command):
+    """No traceback, no "insufficient driver": one line naming what is missing, exit status 1."""
+    done = _run_example([str(ROOT / part) if part.endswith(".py") else part for part in command], timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert len(lines) == 1 and "Traceback" not in done.stderr and "insufficient" not in done.stderr, done.stderr
+    assert "needs an NVIDIA GPU: " in lines[0] or "needs JAX" in lines[0], lines
