@@ -10,6 +10,7 @@ outputs allocated on that stream, so work queued there before the call is ordere
 from __future__ import annotations
 
 import functools
+import inspect
 import numbers
 import threading
 import weakref
@@ -122,4 +123,14 @@ def on_stream(function):
             return _run_collecting(function, args, kwargs)
 
     wrapper.__doc__ = (function.__doc__ or "").rstrip() + "\n" + STREAM_DOC
+    wrapper.__signature__ = _with_stream(inspect.signature(function))
     return wrapper
+
+
+def _with_stream(signature: inspect.Signature) -> inspect.Signature:
+    """``signature`` with the keyword-only ``stream=None`` the wrapper takes (before any **kwargs),
+    so help() and inspect.signature show what a call accepts."""
+    parameters = list(signature.parameters.values())
+    at = len(parameters) - (parameters and parameters[-1].kind is inspect.Parameter.VAR_KEYWORD)
+    parameters.insert(at, inspect.Parameter("stream", inspect.Parameter.KEYWORD_ONLY, default=None))
+    return signature.replace(parameters=parameters)

@@ -164,10 +164,82 @@ def _host(x):
         return numpy.asarray(x)
 
 
+# ---------------------------------------------------------------------------------------------
+# Arguments: the public functions check them as the kernel calls do (TypeError / ValueError naming
+# the argument), but more widely: any floating dtype (float64 too) and any head_dim, NumPy or CuPy.
+
+def _check_array(name: str, x, ranks: tuple) -> None:
+    if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
+        raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(x).__name__}")
+    if numpy.dtype(x.dtype).kind != "f" and not _is_bfloat16(x.dtype):
+        raise TypeError(f"{name} has dtype {x.dtype}; expected a floating dtype")
+    if x.ndim not in ranks:
+        layout = "(batch, seqlen, heads, head_dim)" if 4 in ranks else "(total_tokens, heads, head_dim) with cu_seqlens"
+        raise ValueError(f"{name} must have {ranks[0]} dimensions {layout}, got shape {tuple(x.shape)}")
+
+
+def _check_call(function: str, q, k, v, softmax_scale, causal, upcast, features, **same_as_q) -> None:
+    """Everything ``function`` takes beside the arrays' values; ``same_as_q``: arrays of q's shape
+    (do)."""
+    _checks.check_no_extra_options(function, features)
+    packed = features.get("cu_seqlens_q") is not None or features.get("cu_seqlens_k") is not None
+    ranks = (3,) if packed else (4,)
+    for name, x in (("q", q), ("k", k), ("v", v), *same_as_q.items()):
+        _check_array(name, x, ranks)
+    for name, x in same_as_q.items():
+        if tuple(x.shape) != tuple(q.shape):
+            raise ValueError(f"{name} has shape {tuple(x.shape)} but q has shape {tuple(q.shape)}; they must match")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v has shape {tuple(v.shape)} but k has shape {tuple(k.shape)}; they must match")
+    if k.shape[-1] != q.shape[-1] or (not packed and k.shape[0] != q.shape[0]):
+        raise ValueError(f"k has shape {tuple(k.shape)}, which does not match q's {tuple(q.shape)} in batch and head_dim")
+    heads, heads_kv = int(q.shape[-2]), int(k.shape[-2])
+    if heads_kv < 1 or heads % heads_kv:
+        raise ValueError(f"k has {heads_kv} heads but q has {heads}; the query heads must be a multiple of the K/V heads")
+    _checks.check_softmax_scale(softmax_scale, int(q.shape[-1]))
+    _checks.check_flag("causal", causal)
+    _checks.check_flag("upcast", upcast)
+    if packed:
+        for name in ("cu_seqlens_q", "cu_seqlens_k"):
+            if features.get(name) is None:
+                raise ValueError(f"{name} is missing: packed batches need both cu_seqlens_q and cu_seqlens_k")
+        batch, seqlen_q, seqlen_k = len(features["cu_seqlens_q"]) - 1, 0, 0
+    else:
+        batch, seqlen_q, seqlen_k = int(q.shape[0]), int(q.shape[1]), int(k.shape[1])
+    from ._features import check_variant
+
+    variant = {n: x for n, x in features.items() if n not in _checks.PACKED_KEYWORDS}
+    check_variant(batch, heads, bool(causal), seqlen_q=seqlen_q, seqlen_k=seqlen_k, **variant)
+
+
+def _on_stream(function):
+    """``stream=`` as the kernel calls take it: CuPy work of the call runs on that stream (NumPy
+    inputs ignore it); CuPy is imported only when a stream is given."""
+    import functools
+    import inspect
+
+    @functools.wraps(function)
+    def wrapper(*args, stream=None, **kwargs):
+        if stream is None:
+            return function(*args, **kwargs)
+        from ._streams import as_cupy_stream
+
+        with as_cupy_stream(stream):
+            return function(*args, **kwargs)
+
+    from ._streams import STREAM_DOC, _with_stream
+
+    wrapper.__doc__ = (function.__doc__ or "").rstrip() + "\n" + STREAM_DOC
+    wrapper.__signature__ = _with_stream(inspect.signature(function))
+    return wrapper
+
+
+@_on_stream
 def attention_reference(q, k, v, *, softmax_scale=None, causal=False, upcast=True, **features):
     """Dense attention; see ``_attention_reference_dense``. With ``cu_seqlens_q/k`` (a packed
     batch: q (total_q, heads, d)), each sequence separately: o (total_q, heads, d), lse (heads,
     total_q)."""
+    _check_call("attention_reference", q, k, v, softmax_scale, causal, upcast, features)
     sequences = _packed_sequences(features)
     if sequences is None:
         return _attention_reference_dense(q, k, v, softmax_scale=softmax_scale, causal=causal, upcast=upcast, **features)
@@ -181,10 +253,16 @@ def attention_reference(q, k, v, *, softmax_scale=None, causal=False, upcast=Tru
     return xp.concatenate(outs, axis=0), xp.concatenate(lses, axis=1)
 
 
+@_on_stream
 def attention_reference_backward(do, q, k, v, *, softmax_scale=None, causal=False, upcast=True, rounding="dense",
                                  **features):
     """Gradients of ``attention_reference``; see ``_attention_reference_backward_dense``. Packed
     batches (``cu_seqlens_q/k``): each sequence separately, dsink summed over them."""
+    options = {n: x for n, x in features.items() if n != "return_dbias"}
+    _check_call("attention_reference_backward", q, k, v, softmax_scale, causal, upcast, options, do=do)
+    if rounding not in ("dense", "flash"):
+        raise ValueError(f"rounding must be 'dense' or 'flash', got {rounding!r}")
+    _checks.check_flag("return_dbias", features.get("return_dbias", False))
     sequences = _packed_sequences(features)
     if sequences is None:
         return _attention_reference_backward_dense(do, q, k, v, softmax_scale=softmax_scale, causal=causal,
@@ -209,11 +287,29 @@ def low_precision_backward_forms(do, q, k, v, **options) -> list:
     return list(zip(*(attention_reference_backward(do, q, k, v, upcast=False, rounding=form, **options)
                       for form in ("dense", "flash"))))
 
+@_on_stream
 def decode_reference(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
                      softmax_scale=None, causal=False, upcast=True, **features):
     """What ``flash_decode`` returns, computed densely per sequence: its keys are the cache's first
     cache_seqlens[b] rows (gathered through block_table for a paged cache) followed by k_new[b]. The
     cache arrays are read, never written. Returns (o, lse) as ``attention_reference``."""
+    unknown = sorted(set(features) - set(_checks.FEATURE_KEYWORDS) | set(features) & set(_checks.PACKED_KEYWORDS + ("bias",)))
+    if unknown:
+        raise TypeError(f"decode_reference() got unsupported keyword argument(s): {', '.join(unknown)}")
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_array(name, x, (4,))
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+        if x is not None:
+            _check_array(name, x, (4,))
+    if getattr(cache_seqlens, "ndim", None) != 1 or cache_seqlens.shape[0] != q.shape[0]:
+        raise ValueError(f"cache_seqlens must be a 1-D array of batch = {q.shape[0]} lengths, got "
+                         f"{type(cache_seqlens).__name__} of shape {tuple(getattr(cache_seqlens, 'shape', ()))}")
+    _checks.check_softmax_scale(softmax_scale, int(q.shape[-1]))
+    _checks.check_flag("causal", causal)
+    _checks.check_flag("upcast", upcast)
+    from ._features import check_variant
+
+    check_variant(int(q.shape[0]), int(q.shape[2]), bool(causal), **features)
     xp = _xp(q)
     lengths = numpy.asarray(_host(cache_seqlens)).astype(numpy.int64)
     table = None if block_table is None else numpy.asarray(_host(block_table)).astype(numpy.int64)
