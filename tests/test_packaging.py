@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_wheel_contains_every_kernel_source(tmp_path):
-    pytest.importorskip("setuptools", minversion="70.1")
+    pytest.importorskip("setuptools", minversion="77")
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
                            "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -24,6 +24,10 @@ def test_wheel_contains_every_kernel_source(tmp_path):
     modules = sorted(p.name for p in (ROOT / "cupy_flash").glob("*.py"))
     assert all(f"cupy_flash/{name}" in names for name in modules)
     assert "cupy_flash/py.typed" in names
+    licenses = [name for name in names if name.endswith(".dist-info/licenses/LICENSE")]
+    assert licenses, "the wheel carries no LICENSE"
+    metadata = zipfile.ZipFile(wheels[0]).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "License-Expression: BSD-3-Clause" in metadata
     assert not any(name.startswith(("tests/", "bench/", "examples/")) for name in names)
 
 
