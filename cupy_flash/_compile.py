@@ -527,9 +527,9 @@ def _compile_case(case):
 ALL_ARCHS = ("sm_80", "sm_90", "sm_90a")
 
 
-def compile_all_offline(archs=ALL_ARCHS, specs=None, workers=None) -> dict:
+def compile_all_offline(archs=ALL_ARCHS, specs=None, workers=None, progress=None) -> dict:
     """Compile ``specs`` (default: every module) for each of its archs among ``archs``, in parallel
-    worker processes.
+    worker processes; ``progress(done, total, case)`` is called as each finishes.
     Returns {(spec, arch): CompileReport or the exception raised}. Workers are spawned, not
     forked: the caller may already run CUDA or JAX threads, which a fork can deadlock."""
     import concurrent.futures
@@ -540,8 +540,13 @@ def compile_all_offline(archs=ALL_ARCHS, specs=None, workers=None) -> dict:
     cases.sort(key=lambda case: not case[0].arch_specific)
     workers = max(1, min(len(cases), workers or os.cpu_count() or 1))
     context = multiprocessing.get_context("spawn")
+    reports = {}
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        reports = dict(pool.map(_compile_case, cases))
+        for done, future in enumerate(concurrent.futures.as_completed([pool.submit(_compile_case, c) for c in cases]), 1):
+            case, report = future.result()
+            reports[case] = report
+            if progress is not None:
+                progress(done, len(cases), case)
     # Seen with NVRTC 13 on the device (not 12.9): a module compiled in a parallel worker came back
     # with its cubin but an empty ptxas log. Compile such modules again here, one at a time.
     for case, report in reports.items():

@@ -5,6 +5,8 @@ local memory) and none of ptxas's silent slow-downs (setmaxnreg ignored, wgmma s
 All modules are compiled once per run, in parallel processes (CI has 2 cores); each (module, arch)
 pair is then its own test case."""
 
+import time
+
 import pytest
 
 from cupy_flash import _compile, _traits
@@ -30,10 +32,22 @@ CASES = [(spec, arch) for spec in _compile.all_module_specs() for arch in ARCHS 
 
 
 @pytest.fixture(scope="module")
-def reports():
-    return _compile.compile_all_offline(ARCHS)
+def reports(request):
+    # Several minutes on two cores: a line every 25 modules (and the first) on the terminal, past
+    # pytest's capture, so a long run shows where it is.
+    terminal = request.config.pluginmanager.get_plugin("terminalreporter")
+    started = time.time()
+
+    def progress(done, total, case):
+        if terminal is not None and (done == 1 or done % 25 == 0 or done == total):
+            spec, arch = case
+            terminal.write_line(f"compile check: {done}/{total} modules built ({time.time() - started:.0f} s; "
+                                f"last {spec.describe()} for {arch})")
+
+    return _compile.compile_all_offline(ARCHS, progress=progress)
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("spec,arch", CASES, ids=[f"{s.family}-{s.dtype}-{s.tile}{'-' + s.target if s.target else ''}-f{s.features}-{a}" for s, a in CASES])
 def test_instantiations_compile_without_spills(reports, spec, arch):
     report = reports[(spec, arch)]
