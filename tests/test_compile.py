@@ -36,13 +36,15 @@ def reports(request):
     # Several minutes on two cores: a line every 25 modules (and the first) on the terminal, past
     # pytest's capture, so a long run shows where it is.
     terminal = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
     started = time.time()
 
     def progress(done, total, case):
-        if terminal is not None and (done == 1 or done % 25 == 0 or done == total):
+        if terminal is not None and capture is not None and (done == 1 or done % 25 == 0 or done == total):
             spec, arch = case
-            terminal.write_line(f"compile check: {done}/{total} modules built ({time.time() - started:.0f} s; "
-                                f"last {spec.describe()} for {arch})")
+            with capture.global_and_fixture_disabled():   # fd capture would swallow it during setup
+                terminal.write_line(f"compile check: {done}/{total} modules built ({time.time() - started:.0f} s; "
+                                    f"last {spec.describe()} for {arch})")
 
     return _compile.compile_all_offline(ARCHS, progress=progress)
 
