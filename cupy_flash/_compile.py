@@ -90,7 +90,7 @@ class ModuleSpec:
 
     def __post_init__(self):
         if self.family == "forward_sm90" and not self.config:
-            object.__setattr__(self, "config", _traits.forward_sm90_config(self.tile, self.features))
+            object.__setattr__(self, "config", _traits.forward_sm90_config(self.tile))
         if self.family in ("backward", "backward_tc"):   # the backward kernels never see the sink
             object.__setattr__(self, "features", self.features & ~_features.FORWARD_ONLY_FEATURES)
         if self.family == "decode":
@@ -455,10 +455,6 @@ def compile_options(arch: str, report: bool = True) -> tuple[str, ...]:
         "-ftz=true", f"-arch={arch}") + (("-Xptxas=-v",) if report else ())
 
 
-def offline_options(arch: str) -> tuple[str, ...]:
-    return compile_options(arch)
-
-
 def _nvrtc_version() -> str:
     from cupy_backends.cuda.libs import nvrtc
 
@@ -496,7 +492,7 @@ def _nvrtc_compile(spec: ModuleSpec, options) -> tuple[bytes, dict, str]:
 
 def compile_offline(spec: ModuleSpec, arch: str) -> CompileReport:
     """Compile every instantiation of ``spec`` to a cubin for ``arch`` with NVRTC (no GPU needed)."""
-    cubin, lowered_names, text = _nvrtc_compile(spec, offline_options(arch))
+    cubin, lowered_names, text = _nvrtc_compile(spec, compile_options(arch))
     lowered = {name: expression for expression, name in lowered_names.items()}
     kernels = []
     for block in text.split("Compiling entry function")[1:]:

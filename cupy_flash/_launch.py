@@ -46,13 +46,26 @@ def enabled() -> bool:
     return os.environ.get("CUPY_FLASH_PDL", "1") != "0"
 
 
+def driver_function(name: str):
+    """The CUDA driver library's function ``name`` through ctypes (argument types still to set),
+    or None where the library or the function is missing (no driver, an old one)."""
+    library = _driver_library()
+    return getattr(library, name, None) if library is not None else None
+
+
+@functools.lru_cache(maxsize=None)
+def _driver_library():
+    try:
+        return ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+    except OSError:
+        return None
+
+
 @functools.lru_cache(maxsize=None)
 def _driver_entry():
     """libcuda's cuLaunchKernelEx (CUDA 12.0+ drivers), or None."""
-    name = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
-    try:
-        entry = ctypes.CDLL(name).cuLaunchKernelEx
-    except (OSError, AttributeError):
+    entry = driver_function("cuLaunchKernelEx")
+    if entry is None:
         return None
     entry.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
                       ctypes.POINTER(ctypes.c_void_p)]

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import sys
+
+from ._launch import driver_function
 
 MAP_BYTES = 128
 # cuda.h enums
@@ -30,10 +31,8 @@ class TensorMapError(RuntimeError):
 
 @functools.lru_cache(maxsize=None)
 def _encoder():
-    name = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
-    try:
-        encode = ctypes.CDLL(name).cuTensorMapEncodeTiled
-    except (OSError, AttributeError):
+    encode = driver_function("cuTensorMapEncodeTiled")
+    if encode is None:
         return None
     u32, u64 = ctypes.c_uint32, ctypes.c_uint64
     encode.argtypes = [ctypes.c_void_p, ctypes.c_int, u32, ctypes.c_void_p, ctypes.POINTER(u64), ctypes.POINTER(u64),

@@ -58,10 +58,8 @@ TENSOR_CORE_TARGETS = ("sm8x", "sm80", "sm90")   # the mma.sync families' tables
 # docs/performance.md): d=64 192x128 was +10% at 16k but -30% causal at 4k, and its plain kernel
 # spills 44 bytes (3 consumers get 160 registers); d=128 128x176 +3% at 16k and 1k, -2% at 4k, and
 # spills 44 bytes with variants; d=256 128x80 +7-8% over 128x64 from 4k.
+# Variant instantiations (score modifiers, windows) take the same tiles: all compile spill-free.
 FORWARD_SM90 = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 80, 2)}
-# Variants with score modifiers or masks beyond causal hold more per score (the logit's terms, the
-# band): their own table, where the plain one would spill.
-FORWARD_SM90_VARIANTS = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 80, 2)}
 # The variant flags each tile's kernels are built with (the largest sets; a variant runs here when
 # its flags are a subset of one). The bias stays on the portable kernels (a float32 tile per key
 # block would not fit beside the K/V ring).
@@ -84,10 +82,9 @@ def forward_sm90_tile(head_dim: int) -> int:
     return next(tile for tile in FORWARD_SM90 if head_dim <= tile)
 
 
-def forward_sm90_config(tile: int, flags: int = 0) -> tuple[int, int, int, int]:
-    """(block_m, head-dim tile, block_n, stages): the Hopper forward's template tile arguments for
-    a variant of these flags (packed batches alone keep the plain table's tiles)."""
-    block_m, block_n, stages = (FORWARD_SM90 if flags & ~FEATURE_VARLEN == 0 else FORWARD_SM90_VARIANTS)[tile]
+def forward_sm90_config(tile: int) -> tuple[int, int, int, int]:
+    """(block_m, head-dim tile, block_n, stages): the Hopper forward's template tile arguments."""
+    block_m, block_n, stages = FORWARD_SM90[tile]
     return block_m, tile, block_n, stages
 
 

@@ -158,7 +158,6 @@ __device__ __forceinline__ void produce_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
 
 // One consumer warpgroup's running state for its 64 rows: each thread holds two rows (g and g + 8
 // of its warp's 16) of O (D_TILE / 2 accumulators) and of the softmax statistics.
-template <int FEATURES>
 struct RowSoftmax {
     float row_max[2], row_max_scaled[2], row_sum[2];
 
@@ -228,7 +227,7 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
     float o[D_TILE / 2];
 #pragma unroll
     for (int i = 0; i < D_TILE / 2; ++i) o[i] = 0.f;
-    RowSoftmax<FEATURES> softmax;
+    RowSoftmax softmax;
     const int blocks = w.blocks();
 
     if (blocks > 0) {

@@ -25,11 +25,6 @@ __device__ __forceinline__ void hold_registers(float (&r)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
 }
-template <int N>
-__device__ __forceinline__ void hold_registers(unsigned int (&r)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i]) :: "memory");
-}
 
 // ---- 128-byte-swizzled tiles -----------------------------------------------------------------
 // A tile of 16-bit elements with head_dim (or any 64-element-wide dimension) contiguous is kept

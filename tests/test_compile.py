@@ -101,7 +101,7 @@ def test_every_hopper_instantiation_is_built_by_ci():
     for dtype in _compile.TENSOR_CORE_DTYPES:
         for tile, sets in _traits.FORWARD_SM90_FEATURE_SETS.items():
             for flags in (0,) + sets:
-                assert built[(dtype, tile, flags)] == _traits.forward_sm90_config(tile, flags)
+                assert built[(dtype, tile, flags)] == _traits.forward_sm90_config(tile)
 
 
 def test_generated_wgmma_operations_are_current_and_cover_the_tiles():
@@ -114,9 +114,8 @@ def test_generated_wgmma_operations_are_current_and_cover_the_tiles():
     spec.loader.exec_module(generator)
     assert (path.parent / "sm90_wgmma_ops.cuh").read_text() == generator.source(), (
         "kernels_cu/sm90_wgmma_ops.cuh is stale: run python kernels_cu/generate_wgmma_ops.py")
-    for table in (_traits.FORWARD_SM90, _traits.FORWARD_SM90_VARIANTS):
-        for tile, (_, block_n, _) in table.items():
-            assert tile in generator.WIDTHS and block_n in generator.WIDTHS, (tile, block_n)
+    for tile, (_, block_n, _) in _traits.FORWARD_SM90.items():
+        assert tile in generator.WIDTHS and block_n in generator.WIDTHS, (tile, block_n)
 
 
 def test_feature_bits_are_defined_once():
