@@ -5,8 +5,8 @@ The forward has three families, tried in this order:
     forward_sm90   Hopper (wgmma, TMA, warp specialisation; kernels_cu/forward_sm90.cu): float16 and
                    bfloat16 on a GPU of compute capability exactly 9.0 (sm_90a code runs there only),
                    head_dim <= 256, every variant but ``bias``, inputs TMA can read (16-byte-
-                   aligned base and strides); causal calls at head_dim <= 64 from 513 keys
-                   (below, the mma.sync kernels measured faster)
+                   aligned base and strides); causal calls (and windows bounded on the right)
+                   at head_dim <= 64 from 513 keys (below, the mma.sync kernels measured faster)
     forward_tc     tensor cores through mma.sync (sm_80+): float16 and bfloat16 everywhere else
     forward        CUDA cores: float32
 

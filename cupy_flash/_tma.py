@@ -23,6 +23,7 @@ L2_PROMOTION_128B = 2
 OOB_FILL_ZEROS = 0   # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: elements outside the tensor read as zero
 
 SWIZZLE_ELEMENTS = 64   # a 128-byte swizzled row of a 16-bit type (kernels_cu/sm90_mma.cuh)
+STORE_ROWS = 64         # rows of an O store box: one consumer warpgroup's (kernels_cu/forward_sm90.cu)
 
 
 class TensorMapError(RuntimeError):
@@ -60,29 +61,39 @@ def encode_tiled(dtype: str, address: int, dims: tuple, byte_strides: tuple, box
     return ctypes.string_at(aligned, MAP_BYTES)
 
 
+def map_strides(x, packed: bool) -> tuple:
+    """The byte strides of dims 1.. of attention_map's 4-D view of x: (seqlen, heads, batch). An axis
+    of size one is never stepped along, so whatever stride it has (0 after ``x[None]``, anything
+    from a framework's view) is replaced by a valid one: the driver wants positive multiples of 16."""
+    if packed:
+        total, heads, head_dim = x.shape
+        sizes, strides = (total, heads, 1), (x.strides[0], x.strides[1], x.strides[0] * total)
+    else:
+        _, seqlen, heads, head_dim = x.shape
+        sizes, strides = (seqlen, heads, x.shape[0]), (x.strides[1], x.strides[2], x.strides[0])
+    row_bytes = -(-head_dim * x.dtype.itemsize // 16) * 16
+    return tuple(int(s) if n > 1 else row_bytes for n, s in zip(sizes, strides))
+
+
 def attention_map(x, dtype: str, rows: int, packed: bool) -> bytes:
-    """The map of q, k or v (batch, seqlen, heads, head_dim), or packed (total, heads, head_dim), as a
-    4-D tensor (head_dim, seqlen, heads, batch) read in boxes of 64 head_dim elements x ``rows``
-    rows of one head: what kernels_cu/forward_sm90.cu loads per tile. Past the tensor's edges
-    (head_dim, seqlen, batch) the box reads zeros."""
-    item = x.dtype.itemsize
+    """The map of q, k, v or o (batch, seqlen, heads, head_dim), or packed (total, heads, head_dim), as
+    a 4-D tensor (head_dim, seqlen, heads, batch) in boxes of 64 head_dim elements x ``rows`` rows of
+    one head: what kernels_cu/forward_sm90.cu loads (or stores) at once. Past the tensor's edges
+    (head_dim, seqlen, batch) a load reads zeros and a store writes nothing."""
     if packed:
         total, heads, head_dim = x.shape
         dims = (head_dim, total, heads, 1)
-        strides = (x.strides[0], x.strides[1], x.strides[0] * total)
     else:
         batch, seqlen, heads, head_dim = x.shape
         dims = (head_dim, seqlen, heads, batch)
-        # A batch of one: its stride is never used, but the driver wants a valid one.
-        strides = tuple(x.strides[1:3]) + (x.strides[0] if batch > 1 else x.strides[1] * seqlen,)
-    assert x.strides[-1] == item
-    return encode_tiled(dtype, x.data.ptr, tuple(int(n) for n in dims), tuple(int(s) for s in strides),
+    assert x.strides[-1] == x.dtype.itemsize
+    return encode_tiled(dtype, x.data.ptr, tuple(int(n) for n in dims), map_strides(x, packed),
                         (SWIZZLE_ELEMENTS, rows, 1, 1))
 
 
 def maps_supported(x) -> bool:
     """Whether TMA can read x as attention_map does: a 16-byte-aligned base and strides that are
     positive multiples of 16 bytes below 2^40 (the driver refuses others)."""
-    strides = x.strides[:-1]
+    strides = map_strides(x, packed=x.ndim == 3)
     return (x.data.ptr % 16 == 0 and min(strides) > 0 and max(strides) < 2**40
             and not any(s % 16 for s in strides))
