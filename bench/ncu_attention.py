@@ -1,9 +1,12 @@
-"""One backward of ours and one of PyTorch SDPA's FlashAttention-2 on the same data, for Nsight
-Compute to profile side by side (each runs twice first, untraced by the filter below, to compile):
+"""One call of ours and one of a PyTorch SDPA peer on the same data, for Nsight Compute to profile
+side by side (each runs three times: the profiler's --launch-skip passes the warm-up calls):
 
-    ncu --kernel-name regex:"flash_backward_tc|flash_bwd_dq_dk_dv" --launch-skip 2 --launch-count 2 \\
+    ncu --clock-control none --kernel-name regex:"flash_|fmha|sdpa|cudnn" --launch-skip 4 --launch-count 2 \\
         --section SpeedOfLight --section WarpStateStats --section InstructionStats \\
-        python bench/ncu_backward.py --head-dim 128 --seqlen 8192
+        python bench/ncu_attention.py --mode fwd --peer cudnn --head-dim 128 --seqlen 8192
+
+--mode fwd: flash_forward against the peer's forward; --mode bwd: flash_backward against the
+peer's backward. --peer flash (FlashAttention-2 in PyTorch) or cudnn.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from bench.attention import DTYPES, make_sets, to_torch
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", default="bwd", choices=["fwd", "bwd"])
+    parser.add_argument("--peer", default="flash", choices=["flash", "cudnn"])
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--seqlen", type=int, default=8192)
@@ -29,17 +34,23 @@ def main():
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[args.peer]
     batch, heads = max(1, args.tokens // args.seqlen), args.features // args.head_dim
     q, k, v, do = make_sets(batch, args.seqlen, heads, args.head_dim, DTYPES[args.dtype], 1)[0]
     causal = bool(args.causal)
     o, lse = cupy_flash.flash_forward(q, k, v, causal=causal)
     tq, tk, tv, tdo = (to_torch(torch, x).transpose(1, 2) for x in (q, k, v, do))
     tq, tk, tv = (x.detach().requires_grad_() for x in (tq, tk, tv))
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    with sdpa_kernel(backend):
         out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
-    for _ in range(3):   # the first two compile and warm up; the profiler skips them
-        cupy_flash.flash_backward(do, q, k, v, o, lse, causal=causal)
-        torch.autograd.grad(out, (tq, tk, tv), tdo, retain_graph=True)
+    for _ in range(3):
+        if args.mode == "fwd":
+            cupy_flash.flash_forward(q, k, v, causal=causal)
+            with torch.no_grad(), sdpa_kernel(backend):
+                torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+        else:
+            cupy_flash.flash_backward(do, q, k, v, o, lse, causal=causal)
+            torch.autograd.grad(out, (tq, tk, tv), tdo, retain_graph=True)
     cupy.cuda.Device().synchronize()
     torch.cuda.synchronize()
 

@@ -45,19 +45,14 @@ def use(tile, config):
 
 
 def sm90_forward(config):
-    """flash_forward(q, k, v, causal=...) on the Hopper kernel with tile arguments ``config``."""
-    from cupy_flash import _checks, _families
-    from cupy_flash._params import make_params
-    from cupy_flash.forward import launch_forward_sm90
+    """flash_forward(q, k, v, causal=...) with the Hopper kernel's tile arguments ``config`` (on calls
+    the dispatch gives to the Hopper family; others run as usual)."""
+    from cupy_flash import _checks
+    from cupy_flash.forward import forward_plan
 
     def forward(q, k, v, causal=False):
         q, k, v, shape, scale, variant = _checks.prepare_qkv(q, k, v, None, causal)
-        o = cupy.empty_like(q)
-        lse = cupy.empty((shape.batch, shape.heads, shape.seqlen_q), cupy.float32)
-        params = make_params(shape, scale, variant=variant, q=q, k=k, v=v, o=o, lse=lse)
-        launch_forward_sm90(q, k, v, shape, variant, params, _families.current_device().multiprocessors,
-                            (config[0], shape.tile, config[1], config[2]))
-        return o, lse
+        return forward_plan(q, k, v, shape, scale, variant, (config[0], shape.tile, config[1], config[2])).run(q, k, v)
     return forward
 
 

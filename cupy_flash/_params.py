@@ -72,6 +72,19 @@ def make_params(shape, softmax_scale: float, delta_stride: int | None = None, va
     return record
 
 
+_LEADING_POINTERS = ("q", "k", "v", "o", "lse")
+assert POINTER_FIELDS[:len(_LEADING_POINTERS)] == _LEADING_POINTERS
+
+
+def with_addresses(record: numpy.ndarray, q, k, v, o, lse) -> numpy.ndarray:
+    """A copy of a filled record with the addresses of q, k, v, o and lse written in: the arrays
+    of a call whose shapes, strides and options the record was filled for (a cached launch plan;
+    the addresses are the record's first five fields)."""
+    record = record.copy()
+    record.view(numpy.uint64)[:len(_LEADING_POINTERS)] = (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr)
+    return record
+
+
 def as_argument(record: numpy.ndarray) -> numpy.ndarray:
     """The record as a kernel argument: the same bytes as one unstructured void element. CuPy takes
     a NumPy argument's address from ``__array_interface__``, which for the record's structured dtype

@@ -8,11 +8,11 @@ import numpy
 
 from . import _checks, _families, _tma, _traits
 from ._compile import ModuleSpec, device_value, get_kernel
-from ._params import as_argument, make_params
-from ._streams import on_stream
+from ._params import as_argument, make_params, with_addresses
+from ._streams import on_stream, record_kernel_arrays
 from .decode import check_num_splits, launch_decode, uses_split_path
 
-_SM90_MAPS = numpy.dtype((numpy.void, 3 * _tma.MAP_BYTES))   # kernels_cu/forward_sm90.cu: ForwardSm90Maps
+_SM90_MAPS = numpy.dtype((numpy.void, 4 * _tma.MAP_BYTES))   # kernels_cu/forward_sm90.cu: ForwardSm90Maps
 
 
 def launch_forward(q, k, v, shape, scale, variant):
@@ -20,19 +20,67 @@ def launch_forward(q, k, v, shape, scale, variant):
     _families.forward_family's choice: Hopper (wgmma) or tensor cores (mma.sync) for float16 and
     bfloat16, CUDA cores for float32. ``variant`` is a checked ``_features.Variant``: its flags
     select the kernel instantiation."""
+    return forward_plan(q, k, v, shape, scale, variant).run(q, k, v)
+
+
+class ForwardPlan:
+    """Everything a forward launch needs but the arrays' addresses: the kernel, its grid, block and
+    shared memory, and the params record filled but for the q, k, v, o, lse pointers. A plan is a
+    function of the checked call (shapes, strides, dtype, options, device), so calls that repeat one
+    (a training loop) reuse it: see flash_forward's plan cache."""
+
+    def __init__(self, kernel, grid: int, threads: int, smem: int, params, lse_shape: tuple, variant,
+                 maps: tuple = ()):
+        self.kernel, self.grid, self.threads, self.smem = kernel, (grid,), (threads,), smem
+        self.params, self.lse_shape = params, lse_shape
+        # The variant's device arrays (slopes, sink, bias as float32, cu_seqlens) that params points
+        # at: held as long as the plan, so they outlive the launch. Plain plans hold none.
+        self.variant_arrays = tuple(x for x in variant.device_arrays() if x is not None)
+        self.maps = maps   # Hopper: _sm90_maps's (dtype, q box rows, k/v box rows, packed); else ()
+        self.device = _current_device()   # the kernel handle's
+
+    def run(self, q, k, v):
+        """Launch on kernel-ready q, k, v of the planned shapes, strides and device; returns (o, lse)."""
+        import cupy
+
+        o = cupy.empty(q.shape, dtype=q.dtype)
+        lse = cupy.empty(self.lse_shape, dtype=cupy.float32)
+        record = with_addresses(self.params, q, k, v, o, lse)
+        record_kernel_arrays((q, k, v, o, lse) + self.variant_arrays)
+        if self.maps:
+            arguments = (_sm90_maps(q, k, v, o, *self.maps), as_argument(record))
+        else:
+            arguments = (as_argument(record),)
+        self.kernel(self.grid, self.threads, arguments, shared_mem=self.smem)
+        return o, lse
+
+
+def forward_plan(q, k, v, shape, scale, variant, config: tuple = ()) -> ForwardPlan:
+    """The plan of a checked call on kernel-ready arrays; ``config`` (block_m, tile, block_n, stages)
+    overrides the Hopper tile table (bench/tile_sweep.py)."""
     import cupy
 
     variant = variant.on_device()
-    causal = variant.causal
-    o = cupy.empty(q.shape, dtype=q.dtype)
     lse_shape = (shape.batch, shape.heads, shape.seqlen_q) if variant.packed is None else (shape.heads, variant.packed.total_q)
-    lse = cupy.empty(lse_shape, dtype=cupy.float32)
+    # The record is filled from stand-ins of o and lse (make_params reads their strides and
+    # addresses); run() writes the real addresses.
+    o = cupy.ndarray(q.shape, dtype=q.dtype, memptr=q.data)
+    lse = cupy.ndarray(lse_shape, dtype=cupy.float32, memptr=q.data)
+    params = make_params(shape, scale, variant=variant, q=q, k=k, v=v, o=o, lse=lse)
     device = _families.current_device()
     family = _families.forward_family(device, shape, variant, arrays=(q, k, v))
-    params = make_params(shape, scale, variant=variant, q=q, k=k, v=v, o=o, lse=lse)
     if family == "forward_sm90":
-        launch_forward_sm90(q, k, v, shape, variant, params, device.multiprocessors)
-        return o, lse
+        kernel, smem, (block_m, _, block_n, _), threads = _sm90_kernel(cupy.cuda.runtime.getDevice(), shape.dtype,
+                                                                       _traits.forward_sm90_tile(shape.head_dim),
+                                                                       variant.flags, variant.causal, config)
+        # A persistent grid where every tile costs the same; else a block per tile, which the
+        # hardware hands out as blocks finish (kernels_cu/forward_sm90.cu, TileScheduler). (The tile
+        # count is below 2^31: _checks bounds the portable kernels' grid, of smaller blocks, by it.)
+        tiles = -(-shape.seqlen_q // block_m) * shape.batch * shape.heads
+        uniform = not variant.causal and variant.window_left is None and variant.packed is None
+        grid = min(tiles, device.multiprocessors) if uniform else tiles
+        return ForwardPlan(kernel, grid, threads, smem, params, lse_shape, variant,
+                           (shape.dtype, block_m, block_n, variant.packed is not None))
     if family == "forward_tc":
         target = device.tensor_core_target
         spec = ModuleSpec("forward_tc", shape.dtype, shape.tile, target, variant.flags)
@@ -41,36 +89,17 @@ def launch_forward(q, k, v, shape, scale, variant):
             raise ValueError(f"bias with head_dim {shape.head_dim} needs {smem} bytes of shared memory per block; "
                              f"this GPU allows {_traits.TARGET_SMEM_BYTES[target]} (use head_dim <= 128, or an "
                              "sm_80/sm_90-class GPU)")
-        kernel = get_kernel(spec, spec.forward_tc_kernel(causal), smem)
+        kernel = get_kernel(spec, spec.forward_tc_kernel(variant.causal), smem)
         block_m = _traits.forward_tc_block_m(shape.tile, target)
         threads = 32 * _traits.forward_tc_config(shape.tile, target)[1]   # 32 x num_warps
     else:
         spec = ModuleSpec("forward", shape.dtype, shape.tile, features=variant.flags)
         smem = _traits.forward_smem_bytes(shape.tile)
-        kernel = get_kernel(spec, spec.forward_kernel(causal), smem)
+        kernel = get_kernel(spec, spec.forward_kernel(variant.causal), smem)
         block_m, _ = _traits.FORWARD_BLOCKS[shape.tile]
         threads = _traits.THREADS
     grid = -(-shape.seqlen_q // block_m) * shape.batch * shape.heads
-    kernel((grid,), (threads,), (as_argument(params),), shared_mem=smem)
-    return o, lse
-
-
-def launch_forward_sm90(q, k, v, shape, variant, params, multiprocessors: int, config: tuple = ()) -> None:
-    """The Hopper forward on kernel-ready arrays with a filled params record (o, lse in it);
-    ``config`` (block_m, tile, block_n, stages) overrides the tile table (bench/tile_sweep.py)."""
-    import cupy
-
-    kernel, smem, (block_m, _, block_n, _), threads = _sm90_kernel(cupy.cuda.runtime.getDevice(), shape.dtype,
-                                                                   _traits.forward_sm90_tile(shape.head_dim),
-                                                                   variant.flags, variant.causal, config)
-    maps = _sm90_maps(q, k, v, shape.dtype, block_m, block_n, variant.packed is not None)
-    # A persistent grid where every tile costs the same; else a block per tile, which the hardware
-    # hands out as blocks finish (kernels_cu/forward_sm90.cu, TileScheduler). (The tile count is
-    # below 2^31: _checks bounds the portable kernels' grid, of smaller blocks, by the same count.)
-    tiles = -(-shape.seqlen_q // block_m) * shape.batch * shape.heads
-    uniform = not variant.causal and variant.window_left is None and variant.packed is None
-    grid = min(tiles, multiprocessors) if uniform else tiles
-    kernel((grid,), (threads,), (maps, as_argument(params)), shared_mem=smem)
+    return ForwardPlan(kernel, grid, threads, smem, params, lse_shape, variant)
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,21 +112,30 @@ def _sm90_kernel(device: int, dtype: str, tile: int, flags: int, causal: bool, c
 
 
 _maps_cache: dict = {}
+_output_maps: dict = {}
 
 
-def _sm90_maps(q, k, v, dtype: str, block_m: int, block_n: int, packed: bool):
-    """The kernel's ForwardSm90Maps argument (q, k, v tensor maps), cached by everything that
-    enters them: repeated calls on the same buffers (a training loop) encode nothing."""
+def _sm90_maps(q, k, v, o, dtype: str, block_m: int, block_n: int, packed: bool):
+    """The kernel's ForwardSm90Maps argument (q, k, v, o tensor maps), each cached by everything that
+    enters it: repeated calls on the same buffers (a training loop) encode nothing, and an output
+    whose memory the pool hands out again (the last call's o, freed) finds its map."""
     key = (q.data.ptr, q.shape, q.strides, k.data.ptr, k.shape, k.strides, v.data.ptr, v.shape, v.strides, dtype,
            block_m, block_n, packed)
-    maps = _maps_cache.get(key)
-    if maps is None:
-        maps = numpy.frombuffer(_tma.attention_map(q, dtype, block_m, packed) + _tma.attention_map(k, dtype, block_n, packed)
-                                + _tma.attention_map(v, dtype, block_n, packed), dtype=_SM90_MAPS)
-        if len(_maps_cache) >= 256:   # buffers come and go: start again rather than grow
-            _maps_cache.clear()
-        _maps_cache[key] = maps
-    return maps
+    inputs = _cached(_maps_cache, key, lambda: (_tma.attention_map(q, dtype, block_m, packed)
+                                                + _tma.attention_map(k, dtype, block_n, packed)
+                                                + _tma.attention_map(v, dtype, block_n, packed)))
+    output = _cached(_output_maps, (o.data.ptr, o.shape, o.strides, dtype, packed),
+                     lambda: _tma.attention_map(o, dtype, _tma.STORE_ROWS, packed))
+    return numpy.frombuffer(inputs + output, dtype=_SM90_MAPS)
+
+
+def _cached(cache: dict, key, encode):
+    value = cache.get(key)
+    if value is None:
+        if len(cache) >= 256:   # buffers come and go: start again rather than grow
+            cache.clear()
+        value = cache[key] = encode()
+    return value
 
 
 @on_stream
@@ -134,15 +172,58 @@ def flash_forward(q, k, v, *, softmax_scale=None, causal=False, num_splits=None,
     total_q)), the natural-log logsumexp of the logits (the sink included), -inf (with o = 0) for
     a row that sees no key.
     """
+    key = _plan_key(q, k, v, softmax_scale, causal) if not features and num_splits is None else None
+    if key is not None:
+        plan = _plans.get(key)
+        if plan is not None and plan.device == _current_device():
+            return plan.run(q, k, v)
     _checks.check_no_extra_options("flash_forward", features)
     num_splits = check_num_splits(num_splits)
+    given = (q, k, v)
     q, k, v, shape, scale, variant = _checks.prepare_qkv(q, k, v, softmax_scale, causal, features)
     with q.device:
         _checks.same_device(q=q, k=k, v=v)
         q, k, v = (_checks.kernel_ready(x) for x in (q, k, v))
         if uses_split_path(shape, variant, num_splits):
             return launch_decode(q, k, v, shape, scale, variant, num_splits)
-        return launch_forward(q, k, v, shape, scale, variant)
+        plan = forward_plan(q, k, v, shape, scale, variant)
+        if key is not None and all(x is y for x, y in zip((q, k, v), given)):   # checked, and no copy made
+            if len(_plans) >= 256:   # shapes come and go: start again rather than grow
+                _plans.clear()
+            _plans[key] = plan
+        return plan.run(q, k, v)
+
+
+# Plans of plain calls (no feature keywords) that passed the checks with q, k, v readable as they
+# are, by everything the checks and the plan read: a repeated call skips both (~100 us of Python
+# on the H100's host; bench/host_overhead.py). A key holds no array: only shapes, strides, dtypes,
+# address alignments and device ids, the scale and causal (with their types: True == 1.0 in a
+# dict), and the kernels setting.
+_plans: dict = {}
+
+
+def _plan_key(q, k, v, softmax_scale, causal):
+    ndarray = _cupy_ndarray()
+    if type(q) is not ndarray or type(k) is not ndarray or type(v) is not ndarray:
+        return None
+    q_data, k_data, v_data = q.data, k.data, v.data
+    return (q.shape, q.strides, q.dtype, q_data.ptr % 16, q_data.device_id,
+            k.shape, k.strides, k.dtype, k_data.ptr % 16, k_data.device_id,
+            v.shape, v.strides, v.dtype, v_data.ptr % 16, v_data.device_id,
+            type(softmax_scale), softmax_scale, type(causal), causal, _families.kernels_setting())
+
+
+@functools.lru_cache(maxsize=None)
+def _cupy_ndarray():
+    import cupy
+
+    return cupy.ndarray
+
+
+def _current_device() -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDevice()
 
 
 @on_stream

@@ -13,9 +13,11 @@
 //    S_{j+1}, which runs while they execute;
 //  - between warpgroups, named barriers pass the right to issue around the ring of consumers
 //    (ping-pong), so one warpgroup's softmax runs under the others' products.
-// The epilogue normalises O, writes lse, stages O (each warpgroup in its own rows of the Q tile)
-// and stores it in 16-byte vectors, rows past the sequence end left out; then the Q tile is free
-// for the next tile's (q_empty).
+// The epilogue normalises O, writes lse, stages O in shared memory (each warpgroup its own 64 rows)
+// and stores it by TMA (rows past the sequence end are clipped by the map; packed sequences, whose
+// next rows belong to the next sequence, store 16-byte vectors instead). O has a staging tile of
+// its own where it fits (d <= 128): Q is then free once the tile's last S = Q K^T is done, and the
+// next tile's Q loads under this one's last P V and epilogue; at d = 256 O is staged in Q's rows.
 //
 // Masks and score modifiers are those of every other kernel (Band, ScoreMod in common.cuh), given
 // each accumulator's (query, key) from wgmma's layout (sm90_mma.cuh). The bias (a tile per key block
@@ -25,18 +27,21 @@
 template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES>
 struct ForwardSm90Storage {
     static constexpr int CHUNKS = D_TILE / SWIZZLE_ROW_ELEMENTS;
-    alignas(SWIZZLE_ATOM_BYTES) T q[CHUNKS][BLOCK_M][SWIZZLE_ROW_ELEMENTS];   // reused for O in the epilogue
+    static constexpr bool OWN_O = (2 * BLOCK_M + 2 * STAGES * BLOCK_N) * D_TILE * sizeof(T) + 2 * SWIZZLE_ATOM_BYTES <= 227 * 1024;
+    alignas(SWIZZLE_ATOM_BYTES) T q[CHUNKS][BLOCK_M][SWIZZLE_ROW_ELEMENTS];   // O's staging too where !OWN_O
     alignas(SWIZZLE_ATOM_BYTES) T k[STAGES][CHUNKS][BLOCK_N][SWIZZLE_ROW_ELEMENTS];
     alignas(SWIZZLE_ATOM_BYTES) T v[STAGES][CHUNKS][BLOCK_N][SWIZZLE_ROW_ELEMENTS];
+    alignas(OWN_O ? SWIZZLE_ATOM_BYTES : 16) T o[OWN_O ? CHUNKS : 1][OWN_O ? BLOCK_M : 1][SWIZZLE_ROW_ELEMENTS];
     unsigned long long q_full, q_empty;
     unsigned long long k_full[STAGES], k_empty[STAGES];
     unsigned long long v_full[STAGES], v_empty[STAGES];
 };
 
-// The tensor maps of one call: q, k, v as 4-D tensors (head_dim, seqlen, heads, batch), boxes of
-// 64 x BLOCK_M (q) or 64 x BLOCK_N (k, v) elements with 128-byte swizzle (cupy_flash/_tma.py).
+// The tensor maps of one call: q, k, v, o as 4-D tensors (head_dim, seqlen, heads, batch), boxes of
+// 64 x BLOCK_M (q), 64 x BLOCK_N (k, v) or 64 x 64 (o: a warpgroup's rows) elements with 128-byte
+// swizzle (cupy_flash/_tma.py).
 struct ForwardSm90Maps {
-    TensorMap q, k, v;
+    TensorMap q, k, v, o;
 };
 
 // Dynamic shared memory a launch must give (read by the launcher from the compiled module, so the
@@ -212,9 +217,11 @@ __device__ __forceinline__ void rescale_rows(float (&o)[N], float2 rescale) {
 // `q_round` advance as the producer's do.
 template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, bool IS_CAUSAL, int FEATURES>
 __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>& smem,
-                                             const FlashParams& p, const ForwardSm90Work& w, int consumer, int& ring,
-                                             int& q_round) {
+                                             const ForwardSm90Maps& maps, const FlashParams& p, const ForwardSm90Work& w,
+                                             int consumer, int& ring, int& q_round) {
     constexpr int CONSUMERS = BLOCK_M / 64;
+    constexpr bool OWN_O = ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>::OWN_O;
+    constexpr bool TMA_STORE = !(FEATURES & FEATURE_VARLEN);
     constexpr unsigned int Q_CHUNK_BYTES = BLOCK_M * 128, KV_CHUNK_BYTES = BLOCK_N * 128;
     const int thread = threadIdx.x % 128, warp = thread / 32, lane = thread % 32;
     const int row_in_block = 64 * consumer + 16 * warp + lane / 4;   // this thread's rows: +0 and +8
@@ -285,6 +292,7 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
         warpgroup_wait<0>();
         hold_registers(s);
         release(&smem.k_empty[slot.index]);
+        if (OWN_O && blocks == 1) release(&smem.q_empty);   // the tile's last read of Q is done
         float2 rescale = softmax_step(s, 0);
         accumulator_to_a<T, BLOCK_N>(pa, s);
 
@@ -299,6 +307,7 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
             warpgroup_wait<1>();   // S of block i
             hold_registers(s);
             release(&smem.k_empty[slot.index]);
+            if (OWN_O && i == blocks - 1) release(&smem.q_empty);
             rescale = softmax_step(s, i);
             warpgroup_wait<0>();   // O += P V of block i - 1: its P registers may now be rewritten
             hold_registers(o);
@@ -314,10 +323,9 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
         ring += blocks;
     }
 
-    // Epilogue: lse, then O normalised, staged in this warpgroup's rows of the Q tile (its own
-    // products, the only readers of those rows, are complete) and stored row by row. A tile that
-    // sees no key (its Q never loaded) stores zeros without staging: the Q tile may already hold
-    // the next tile's rows.
+    // Epilogue: lse, then O normalised, staged in this warpgroup's 64 rows of the staging tile and
+    // stored. A tile that sees no key (its Q never loaded) stores zeros without staging: where O is
+    // staged in the Q tile, that may already hold the next tile's rows.
     float inv[2];
     float* lse = p.lse + w.block.b * p.lse_batch_stride + w.block.h * p.lse_head_stride + w.seq.q_row0;
 #pragma unroll
@@ -330,8 +338,11 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
         const int query = first_query + 8 * r;
         if (lane % 4 == 0 && query < w.seq.seqlen_q) lse[query] = lse_inv.x;
     }
-    unsigned char* staging = reinterpret_cast<unsigned char*>(&smem.q[0][0][0]);
+    unsigned char* staging = reinterpret_cast<unsigned char*>(OWN_O ? &smem.o[0][0][0] : &smem.q[0][0][0]);
     if (blocks > 0) {
+        // The staging rows are free: with OWN_O the previous tile's store had read them before its
+        // issuing thread (warp 0 of this warpgroup) joined this tile's first issue barrier, which
+        // every thread here passed; else they are this tile's Q rows, whose products are complete.
 #pragma unroll
         for (int i = 0; i < D_TILE / 8; ++i) {
             const int col = 8 * i + col_in_chunk, chunk = col / SWIZZLE_ROW_ELEMENTS;
@@ -342,7 +353,21 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
                     Mma<T>::pack(o[4 * i + 2 * r] * inv[r], o[4 * i + 2 * r + 1] * inv[r]);
             }
         }
+        if (TMA_STORE) fence_async_shared();   // the staging writes, before the TMA store reads them
         named_barrier_sync(epilogue_barrier<CONSUMERS>(consumer), 128);
+        if (TMA_STORE) {
+            if (thread == 0) {
+#pragma unroll
+                for (int c = 0; c < D_TILE / SWIZZLE_ROW_ELEMENTS; ++c)
+                    tma_store_4d(&maps.o, smem_addr(staging + c * Q_CHUNK_BYTES + 64 * consumer * 128), c * SWIZZLE_ROW_ELEMENTS,
+                                 w.seq.q_row0 + w.q_start + 64 * consumer, (int)w.block.h, w.batch_coord);
+                tma_store_commit();
+                tma_store_wait_read();
+                if (!OWN_O) barrier_arrive(smem_addr(&smem.q_empty), 4);   // for the warpgroup's 4 warps
+            }
+            ++q_round;
+            return;
+        }
     }
     constexpr int UNITS = D_TILE / 8;   // 16-byte units per row
     const int head_dim = (int)p.head_dim;
@@ -356,10 +381,12 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
                 : make_uint4(0, 0, 0, 0);
     }
     if (blocks > 0) {
-        // The staging reads (generic proxy) come before the next Q's TMA writes (async proxy).
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        __syncwarp();
-        if (lane == 0) barrier_arrive(smem_addr(&smem.q_empty));
+        if (!OWN_O) {
+            // The staging reads (generic proxy) come before the next Q's TMA writes (async proxy).
+            fence_async_shared();
+            __syncwarp();
+            if (lane == 0) barrier_arrive(smem_addr(&smem.q_empty));
+        }
         ++q_round;
     }
 }
@@ -382,6 +409,7 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
         prefetch_tensor_map(&maps.q);
         prefetch_tensor_map(&maps.k);
         prefetch_tensor_map(&maps.v);
+        if (!(FEATURES & FEATURE_VARLEN)) prefetch_tensor_map(&maps.o);
         barrier_init(smem_addr(&smem.q_full), 1);
         barrier_init(smem_addr(&smem.q_empty), 4 * CONSUMERS);   // one arrival per consumer warp
 #pragma unroll
@@ -415,7 +443,7 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
 #pragma unroll 1
         for (int tile = blockIdx.x; tile < scheduler.num_tiles; tile += gridDim.x) {
             const ForwardSm90Work w = scheduler.work(p, tile);
-            if (w.valid) consume_tile<T, BLOCK_M, D_TILE, BLOCK_N, STAGES, IS_CAUSAL, FEATURES>(smem, p, w, consumer, ring, q_round);
+            if (w.valid) consume_tile<T, BLOCK_M, D_TILE, BLOCK_N, STAGES, IS_CAUSAL, FEATURES>(smem, maps, p, w, consumer, ring, q_round);
         }
         if (consumer == 0) named_barrier_sync(issue_barrier(0), 256);
     }

@@ -21,6 +21,10 @@ __device__ __forceinline__ void barrier_arrive_expect(unsigned int bar, unsigned
 __device__ __forceinline__ void barrier_arrive(unsigned int bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
 }
+// `count` arrivals at once (one thread speaking for several warps it has synchronised with).
+__device__ __forceinline__ void barrier_arrive(unsigned int bar, unsigned int count) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
 // Returns once the phase of parity `parity` has completed. A fresh barrier is in phase 0, and
 // waiting on parity 1 returns at once (the phase "before" it counts as complete): a producer
 // waits for empty slots with the parity opposite to its consumers'.
@@ -43,6 +47,20 @@ __device__ __forceinline__ void tma_load_4d(unsigned int dst, const TensorMap* m
                  " [%0], [%1, {%3, %4, %5, %6}], [%2];"
                  :: "r"(dst), "l"((unsigned long long)map), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
+
+// Box of shared memory at src to coordinates (c0 .. c3) of a 4-D tensor map; elements outside the
+// tensor are not written. The writes to src must be made visible to the async proxy first (each
+// writing thread: fence_async_shared, then a barrier with the issuing thread). Completion is
+// tracked in bulk groups: commit, then wait until the group has read its sources (the shared
+// memory may then be rewritten; the global writes complete before the kernel does).
+__device__ __forceinline__ void tma_store_4d(const TensorMap* map, unsigned int src, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];"
+                 :: "l"((unsigned long long)map), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void tma_store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// Orders this thread's generic-proxy shared-memory accesses before later async-proxy (TMA) ones.
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // A ring of STAGES shared-memory slots: slot i % STAGES in its round i / STAGES. Consumers wait
 // for a slot's `full` barrier with the round's parity; the producer waits for its `empty` barrier

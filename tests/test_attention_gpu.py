@@ -574,3 +574,49 @@ def test_memory_is_linear_in_seqlen():
                      f"= {extra / q.nbytes:.2f} x one input ({q.nbytes / 2**20:.1f} MiB)")
         assert extra <= 8 * q.nbytes, (seqlen, extra, q.nbytes)
         del o, lse, grads, q, k, v, do
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_repeated_calls_reuse_a_checked_plan_only_where_the_checks_would_pass(path):
+    """A repeated plain call skips the checks through forward._plans: its results must be those of a
+    first call on the new data, and whatever the plan's key does not hold must still be checked:
+    arguments equal but of another type (True == 1.0), another alignment, other strides, another
+    kernels setting."""
+    from cupy_flash import _families, forward
+
+    rng = numpy.random.default_rng(17)
+    shape = (2, 700, 4, 128)
+    calls = []
+    with kernel_path(path):
+        for _ in range(3):   # same shapes, new data: the second and third calls use the plan
+            q, k, v = (random_array(rng, shape, "bfloat16") for _ in range(3))
+            with poisoned_allocations():
+                o, lse = cupy_flash.flash_forward(q, k, v, softmax_scale=1.0, causal=True)
+            calls.append((q, k, v, o, lse))
+        assert len(forward._plans) >= 1
+        for q, k, v, o, lse in calls:
+            exact = attention_reference(q, k, v, softmax_scale=1.0, causal=True)
+            low = attention_reference(q, k, v, softmax_scale=1.0, causal=True, upcast=False)
+            check_error_rule("o", o, exact[0], low[0], f"repeated call kernels={path}", max_finite_abs(exact[1]))
+            check_error_rule("lse", lse, exact[1], low[1], f"repeated call kernels={path}", max_finite_abs(exact[1]))
+        q, k, v = calls[0][:3]
+        with pytest.raises(TypeError, match="softmax_scale"):
+            cupy_flash.flash_forward(q, k, v, softmax_scale=True, causal=True)
+        with pytest.raises(TypeError, match="causal"):
+            cupy_flash.flash_forward(q, k, v, softmax_scale=1.0, causal=1)
+        # Misaligned and strided views of the same shape are copied, not misread.
+        flat = random_array(rng, (q.size + 1,), "bfloat16")
+        k_off = flat[1:].reshape(shape)
+        k_off[...] = k
+        wide = random_array(rng, (2, 700, 8, 128), "bfloat16")
+        v_strided = wide[:, :, ::2]
+        v_strided[...] = v
+        again, _ = cupy_flash.flash_forward(q, k_off, v_strided, softmax_scale=1.0, causal=True)
+        assert bool((bitwise(again) == bitwise(calls[0][3])).all())
+        # Another kernels setting: the other family on a Hopper GPU, and the same function.
+        other = "portable" if path == "hopper" else "auto"
+        with _families.use_kernels(other):
+            o_other, lse_other = cupy_flash.flash_forward(q, k, v, softmax_scale=1.0, causal=True)
+        exact = attention_reference(q, k, v, softmax_scale=1.0, causal=True)
+        low = attention_reference(q, k, v, softmax_scale=1.0, causal=True, upcast=False)
+        check_error_rule("o", o_other, exact[0], low[0], f"kernels={other} after {path}", max_finite_abs(exact[1]))
