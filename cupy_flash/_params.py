@@ -77,12 +77,14 @@ assert POINTER_FIELDS[:len(_LEADING_POINTERS)] == _LEADING_POINTERS
 
 
 def with_addresses(record: numpy.ndarray, q, k, v, o, lse) -> numpy.ndarray:
-    """A copy of a filled record with the addresses of q, k, v, o and lse written in: the arrays
-    of a call whose shapes, strides and options the record was filled for (a cached launch plan;
-    the addresses are the record's first five fields)."""
-    record = record.copy()
-    record.view(numpy.uint64)[:len(_LEADING_POINTERS)] = (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr)
-    return record
+    """The kernel argument (``as_argument``) of a filled record with the addresses of q, k, v, o and
+    lse written in: the arrays of a call whose shapes, strides and options the record was filled
+    for (a cached launch plan; the addresses are the record's first five fields). The copy is of
+    the opaque bytes: NumPy copies a structured record field by field (20 us a call on the H100's
+    host, a quarter of a cached forward's host time)."""
+    argument = as_argument(record).copy()
+    argument.view(numpy.uint64)[:len(_LEADING_POINTERS)] = (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr)
+    return argument
 
 
 def as_argument(record: numpy.ndarray) -> numpy.ndarray:

@@ -8,7 +8,7 @@ import numpy
 
 from . import _checks, _families, _tma, _traits
 from ._compile import ModuleSpec, device_value, get_kernel
-from ._params import as_argument, make_params, with_addresses
+from ._params import make_params, with_addresses
 from ._streams import on_stream, record_kernel_arrays
 from .decode import check_num_splits, launch_decode, uses_split_path
 
@@ -45,12 +45,9 @@ class ForwardPlan:
 
         o = cupy.empty(q.shape, dtype=q.dtype)
         lse = cupy.empty(self.lse_shape, dtype=cupy.float32)
-        record = with_addresses(self.params, q, k, v, o, lse)
+        argument = with_addresses(self.params, q, k, v, o, lse)
         record_kernel_arrays((q, k, v, o, lse) + self.variant_arrays)
-        if self.maps:
-            arguments = (_sm90_maps(q, k, v, o, *self.maps), as_argument(record))
-        else:
-            arguments = (as_argument(record),)
+        arguments = (_sm90_maps(q, k, v, o, *self.maps), argument) if self.maps else (argument,)
         self.kernel(self.grid, self.threads, arguments, shared_mem=self.smem)
         return o, lse
 

@@ -50,9 +50,19 @@ template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES>
 __device__ const unsigned int forward_sm90_smem_bytes =
     sizeof(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>) + SWIZZLE_ATOM_BYTES;
 
+// Registers a thread after setmaxnreg. A block is launched with the launch bounds' share of the
+// 64K-register file (rounded down to 8: 168 a thread for 3 warpgroups), and setmaxnreg only moves
+// registers within that allocation: the consumers' increase waits until the producer's decrease
+// has freed enough, so the split must fit the launch's registers or the block hangs (seen on the
+// H100: a producer at 32 with two consumers at 240, 32 + 480 > 3 x 168).
 template <int CONSUMERS> struct Sm90Registers;
 template <> struct Sm90Registers<2> { static constexpr int producer = 24, consumer = 240; };
 template <> struct Sm90Registers<3> { static constexpr int producer = 32, consumer = 160; };
+template <int CONSUMERS>
+__host__ __device__ constexpr bool registers_fit_launch() {
+    return Sm90Registers<CONSUMERS>::producer + CONSUMERS * Sm90Registers<CONSUMERS>::consumer
+           <= (1 + CONSUMERS) * (65536 / (128 * (1 + CONSUMERS)) / 8 * 8);
+}
 
 // Named barriers: 1..CONSUMERS pass the right to issue products around the consumers; then one per
 // consumer for its epilogue.
@@ -399,6 +409,7 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
     static_assert(BLOCK_M % 64 == 0 && (CONSUMERS == 2 || CONSUMERS == 3), "64 query rows per consumer warpgroup");
     static_assert(D_TILE % SWIZZLE_ROW_ELEMENTS == 0 && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
     static_assert(!(FEATURES & FEATURE_BIAS), "the bias runs on the portable kernels");
+    static_assert(registers_fit_launch<CONSUMERS>(), "setmaxnreg split beyond the launch's registers: the block would hang");
     static_assert(sizeof(Storage) + SWIZZLE_ATOM_BYTES <= 227 * 1024, "shared memory of one sm_90 block");
     require_dynamic_smem(forward_sm90_smem_bytes<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>);
     extern __shared__ unsigned char smem_raw[];
