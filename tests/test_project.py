@@ -78,6 +78,13 @@ def test_tiny_lm_learns_and_matches_dense_attention(tmp_path):
 
 
 @requires_gpu
+def test_ring_attention_example_runs_on_virtual_ranks():
+    done = _run_example([str(ROOT / "examples" / "ring_attention.py"), "--tokens", "6144", "--virtual-ranks", "3"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("max |ring - one GPU|") == 4, done.stdout
+
+
+@requires_gpu
 def test_jax_example_runs():
     pytest.importorskip("jax")
     done = _run_example([str(ROOT / "examples" / "jax_interop.py")])
@@ -88,7 +95,8 @@ def test_jax_example_runs():
 
 @pytest.mark.skipif(HAS_GPU, reason="the no-GPU answer (a GPU is present)")
 @pytest.mark.parametrize("command", [["examples/quickstart.py"], ["examples/train_tiny_lm.py", "--steps", "1"],
-                                     ["examples/jax_interop.py"], ["-m", "bench"], ["-m", "cupy_flash", "check"]])
+                                     ["examples/jax_interop.py"], ["examples/ring_attention.py"], ["-m", "bench"],
+                                     ["-m", "cupy_flash", "check"]])
 def test_without_a_gpu_every_entry_point_says_why_in_one_line(command):
     """No traceback, no "insufficient driver": one line naming what is missing, exit status 1."""
     done = _run_example([str(ROOT / part) if part.endswith(".py") else part for part in command], timeout=120)

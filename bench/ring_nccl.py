@@ -1,0 +1,180 @@
+"""The NCCL ring on several GPUs of one host: exactness, overlap and scaling in one run.
+
+    NCCL_NVLS_ENABLE=0 mpirun -n 2 python bench/ring_nccl.py [--seqlens 131072 524288] [--out DIR]
+
+One process per GPU (rank r on GPU r). Every rank draws the same full sequence (one seed), keeps
+its zigzag shard and runs ``ring_attention_forward`` / ``ring_attention_backward``:
+  - exactness (total 2048 tokens, causal and not, bf16 and fp16): the gathered outputs and gradients
+    against the float64 reference, beside a dense low-precision reference and one flash call over
+    the whole sequence (err / low-precision err: the 2x / 3x rule);
+  - per total length (causal, d = 128, bf16, 16 heads, batch 1): forward + backward time of the
+    ring, of the same kernel calls with the transport removed (each rank keeps its own K/V:
+    compute only), and of one GPU over the whole sequence (rank 0); the overlap ratio (ring /
+    compute only), the speed-up over one GPU, each rank's compute time (imbalance) and its peak
+    pool memory (O(local tokens)).
+Rank 0 prints the table last and writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import cupy
+import ml_dtypes
+import numpy
+
+import cupy_flash
+from cupy_flash import distributed
+
+DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": numpy.float16}
+
+
+class _SelfRing(distributed.NcclRing):
+    """The same schedule with the transport removed: a shift hands each rank its own payload."""
+
+    def __init__(self, rank, world):   # noqa: D107 - no communicator, no stream
+        self.rank, self.world, self.ranks = rank, world, (rank,)
+
+    def start_shift(self, payloads):
+        return payloads
+
+    def finish_shift(self, handle):
+        return handle
+
+
+def full(shape, dtype, seed):
+    return cupy.random.default_rng(seed).standard_normal(shape, dtype=cupy.float32).astype(dtype)
+
+
+def gather(mpi, x):
+    """Every rank's array on rank 0 (host), in rank order; None elsewhere."""
+    parts = mpi.gather(cupy.asnumpy(x), root=0)
+    return parts
+
+
+def exactness(mpi, ring, rank, world, dtype_name, causal):
+    dtype = DTYPES[dtype_name]
+    batch, seqlen, heads, heads_kv, d = 1, 2048, 8, 2, 128
+    q, do = full((batch, seqlen, heads, d), dtype, 1), full((batch, seqlen, heads, d), dtype, 4)
+    k, v = full((batch, seqlen, heads_kv, d), dtype, 2), full((batch, seqlen, heads_kv, d), dtype, 3)
+    mine = [distributed.zigzag_shard(x, rank, world) for x in (q, k, v, do)]
+    o, lse = distributed.ring_attention_forward(*mine[:3], ring=ring, causal=causal)
+    grads = distributed.ring_attention_backward(mine[3], *mine[:3], o, lse, ring=ring, causal=causal)
+    gathered = [gather(mpi, x) for x in (o, *grads)]
+    if rank != 0:
+        return None
+    ours = [distributed.zigzag_unshard([cupy.asarray(p) for p in parts]) for parts in gathered]
+    exact_o, _ = cupy_flash.attention_reference(q, k, v, causal=causal)
+    low_o, _ = cupy_flash.attention_reference(q, k, v, causal=causal, upcast=False)
+    one_o, one_lse = cupy_flash.flash_forward(q, k, v, causal=causal)
+    exact_g = cupy_flash.attention_reference_backward(do, q, k, v, causal=causal)
+    low_g = cupy_flash.attention_reference_backward(do, q, k, v, causal=causal, upcast=False)
+    one_g = cupy_flash.flash_backward(do, q, k, v, one_o, one_lse, causal=causal)
+
+    def err(x, ref):
+        return float(abs(x.astype(cupy.float64) - ref).max())
+
+    row = {"dtype": dtype_name, "causal": causal}
+    for name, x, e, lo, one, bound in (("o", ours[0], exact_o, low_o, one_o, 2),
+                                       *[(n, ours[i + 1], exact_g[i], low_g[i], one_g[i], 3)
+                                         for i, n in enumerate(("dq", "dk", "dv"))]):
+        reference_err = max(err(lo, e), err(one, e), 1e-5)
+        row[name] = err(x, e) / reference_err
+        row[name + "_ok"] = row[name] <= bound
+    return row
+
+
+def timed(fn, repeats=5):
+    fn()
+    cupy.cuda.Device().synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return statistics.median(times)
+
+
+def scaling(mpi, ring, rank, world, total):
+    batch, heads, d, dtype = 1, 16, 128, ml_dtypes.bfloat16
+    local = total // world
+    mine = [distributed.zigzag_shard(full((batch, total, heads, d), dtype, s), rank, world) for s in range(4)]
+    cupy.get_default_memory_pool().free_all_blocks()
+
+    def train_step(r):
+        o, lse = distributed.ring_attention_forward(*mine[:3], ring=r, causal=True)
+        distributed.ring_attention_backward(mine[3], *mine[:3], o, lse, ring=r, causal=True)
+
+    mpi.Barrier()
+    ring_ms = timed(lambda: train_step(ring))
+    peak = cupy.get_default_memory_pool().total_bytes()
+    compute_ms = timed(lambda: train_step(_SelfRing(rank, world)))
+    one_ms = None
+    if rank == 0:
+        try:
+            whole = [full((batch, total, heads, d), dtype, s) for s in range(4)]
+
+            def one():
+                o, lse = cupy_flash.flash_forward(*whole[:3], causal=True)
+                cupy_flash.flash_backward(whole[3], *whole[:3], o, lse, causal=True)
+            one_ms = timed(one)
+            del whole
+        except cupy.cuda.memory.OutOfMemoryError:
+            one_ms = None
+    computes = mpi.gather(compute_ms, root=0)
+    rings = mpi.gather(ring_ms, root=0)
+    peaks = mpi.gather(peak, root=0)
+    if rank != 0:
+        return None
+    ring_time = max(rings)
+    return {"total": total, "local": local, "ring_ms": ring_time, "compute_ms": max(computes),
+            "overlap": ring_time / max(computes), "one_gpu_ms": one_ms,
+            "speedup": one_ms / ring_time if one_ms else None,
+            "imbalance": max(computes) / min(computes) - 1, "peak_bytes_per_rank": peaks,
+            "qkv_do_bytes_per_rank": 4 * batch * local * heads * d * 2}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqlens", nargs="+", type=int, default=[131072, 524288])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    from mpi4py import MPI
+
+    mpi = MPI.COMM_WORLD
+    rank, world = mpi.Get_rank(), mpi.Get_size()
+    cupy.cuda.Device(rank % cupy.cuda.runtime.getDeviceCount()).use()
+    ring = distributed.NcclRing.create(rank, world, broadcast=lambda x: mpi.bcast(x, root=0))
+    started = time.time()
+    exact = [exactness(mpi, ring, rank, world, dtype, causal) for dtype in DTYPES for causal in (False, True)]
+    scale = [scaling(mpi, ring, rank, world, total) for total in args.seqlens]
+    if rank != 0:
+        return
+    result = {"world": world, "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+              "exactness": exact, "scaling": scale, "seconds": time.time() - started}
+    path = os.path.join(args.out, f"ring_nccl_{world}gpu.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print("exactness (err / reference err; the rule: o <= 2, gradients <= 3)")
+    for row in exact:
+        print(f"  {row['dtype']} causal={int(row['causal'])}: o {row['o']:.2f} dq {row['dq']:.2f} "
+              f"dk {row['dk']:.2f} dv {row['dv']:.2f} {'ok' if all(row[n + '_ok'] for n in ('o', 'dq', 'dk', 'dv')) else 'FAIL'}")
+    print("| tokens | GPUs | ring ms | compute-only ms | overlap | one GPU ms | speed-up | imbalance | peak GB/rank |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in scale:
+        one = f"{row['one_gpu_ms']:.1f}" if row["one_gpu_ms"] else "n/a"
+        speed = f"{row['speedup']:.2f}" if row["speedup"] else "n/a"
+        print(f"| {row['total']} | {world} | {row['ring_ms']:.1f} | {row['compute_ms']:.1f} | {row['overlap']:.3f} | "
+              f"{one} | {speed} | {100 * row['imbalance']:.1f}% | {max(row['peak_bytes_per_rank']) / 1e9:.2f} |")
+    print(f"JSON: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,405 @@
+"""Context parallelism: exact attention over a sequence split across ranks (ring attention).
+
+Each of P ranks holds a shard of the sequence: q, k, v (batch, local_seqlen, heads, head_dim), in
+zigzag order for causal balance (``zigzag_shard``: the sequence cut into 2P chunks, rank r holding
+chunks r and 2P - 1 - r). The K/V shards travel around the ring (rank r sends to r + 1 and receives
+from r - 1) while each rank attends its queries to the shard in hand; the partial outputs merge
+exactly through their logsumexp (o = sum_s exp(lse_s - lse) o_s in float32). The backward sends
+K/V around again with float32 dK/dV accumulators, which arrive home summed after P shifts; dQ
+stays local.
+
+Chunk-level causality makes each step one dense call (``ring_blocks``):
+    step 0 (own K/V):              causal over the local shards (the concatenation of two chunks
+                                   keeps the global order of every pair it does not skip);
+    K/V from a rank before this one: all local queries against the K/V's first chunk, no mask;
+    K/V from a rank after this one:  the local second chunk of queries against all of it, no mask;
+so every rank does the same work at every step, and skipped blocks are never launched. Without a
+mask every step is one unmasked call over the whole shards.
+
+Transports: ``LoopbackRing`` runs P virtual ranks in one process (the same schedule; a shift is a
+rotation of the ranks' payloads), so exactness is tested on one GPU, or on the CPU with a dense
+backend; ``NcclRing`` is one process per GPU over NCCL (CuPy's ``cupy.cuda.nccl``), the shifts on a
+stream of their own so the next K/V travels while this one is attended.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import numpy
+
+__all__ = ["zigzag_shard", "zigzag_unshard", "ring_blocks", "RingBlock", "LoopbackRing", "NcclRing",
+           "ring_attention_forward", "ring_attention_backward", "simulate_ring_forward", "simulate_ring_backward"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout.
+
+def _check_world(rank, world) -> None:
+    for name, value in (("world", world), ("rank", rank)):
+        if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if world < 1:
+        raise ValueError(f"world is {world}; at least 1 rank")
+    if not 0 <= rank < world:
+        raise ValueError(f"rank is {rank}; expected 0 <= rank < world = {world}")
+
+
+def _xp(x):
+    if isinstance(x, numpy.ndarray):
+        return numpy
+    import cupy
+
+    return cupy.get_array_module(x)
+
+
+def zigzag_shard(x, rank: int, world: int, axis: int = 1):
+    """Rank ``rank``'s shard of a full sequence ``x``: of the 2 * world equal chunks along ``axis``,
+    chunk rank then chunk 2 * world - 1 - rank (a new array). The length along ``axis`` must be a
+    multiple of 2 * world."""
+    _check_world(rank, world)
+    length = x.shape[axis]
+    if length % (2 * world):
+        raise ValueError(f"x has {length} rows along axis {axis}; zigzag shards need a multiple of 2 * world = {2 * world}")
+    chunk = length // (2 * world)
+    index = [slice(None)] * x.ndim
+    parts = []
+    for c in (rank, 2 * world - 1 - rank):
+        index[axis] = slice(c * chunk, (c + 1) * chunk)
+        parts.append(x[tuple(index)])
+    return _xp(x).concatenate(parts, axis=axis)
+
+
+def zigzag_unshard(shards, axis: int = 1):
+    """The full sequence from the ranks' zigzag shards (``shards[r]`` of rank r), along ``axis``."""
+    world = len(shards)
+    if world < 1:
+        raise ValueError("shards is empty; expected one shard per rank")
+    length = shards[0].shape[axis]
+    if length % 2 or any(s.shape != shards[0].shape for s in shards):
+        raise ValueError(f"shards must have one shape with an even length along axis {axis}, got "
+                         f"{[tuple(s.shape) for s in shards]}")
+    half = length // 2
+    index = [slice(None)] * shards[0].ndim
+    chunks = [None] * (2 * world)
+    for rank, shard in enumerate(shards):
+        for position, c in enumerate((rank, 2 * world - 1 - rank)):
+            index[axis] = slice(position * half, (position + 1) * half)
+            chunks[c] = shard[tuple(index)]
+    return _xp(shards[0]).concatenate(chunks, axis=axis)
+
+
+# ---------------------------------------------------------------------------------------------
+# The schedule.
+
+@dataclasses.dataclass(frozen=True)
+class RingBlock:
+    """One dense call of a ring step, in the rank's local rows: queries [q_start, q_stop) of its
+    shard against keys [k_start, k_stop) of the K/V shard in hand, with or without the causal mask
+    (aligned as flash_forward aligns it: bottom-right, here on a square block)."""
+    q_start: int
+    q_stop: int
+    k_start: int
+    k_stop: int
+    causal: bool
+
+
+def source_rank(rank: int, world: int, step: int) -> int:
+    """The rank whose K/V shard rank ``rank`` holds at ``step`` (shifts go r -> r + 1)."""
+    return (rank - step) % world
+
+
+def ring_blocks(rank: int, world: int, step: int, causal: bool, local_seqlen: int) -> list[RingBlock]:
+    """The dense calls rank ``rank`` makes at ``step`` on shards of ``local_seqlen`` rows (zigzag:
+    two chunks of local_seqlen / 2), from the chunk-level mask; an empty list skips the step."""
+    _check_world(rank, world)
+    if not 0 <= step < world:
+        raise ValueError(f"step is {step}; expected 0 <= step < world = {world}")
+    if not causal:
+        return [RingBlock(0, local_seqlen, 0, local_seqlen, False)]
+    if local_seqlen % 2:
+        raise ValueError(f"local_seqlen is {local_seqlen}; zigzag shards hold two equal chunks")
+    half = local_seqlen // 2
+    source = source_rank(rank, world, step)
+    if source == rank:
+        return [RingBlock(0, local_seqlen, 0, local_seqlen, True)]
+    if source < rank:   # its first chunk precedes both of ours; its second follows both
+        return [RingBlock(0, local_seqlen, 0, half, False)]
+    return [RingBlock(half, local_seqlen, 0, local_seqlen, False)]   # both of its chunks precede our second
+
+
+def chunk_visibility(rank: int, world: int, step: int, causal: bool) -> numpy.ndarray:
+    """(2, 2) of 'full' / 'diag' / 'skip': how query chunk i of ``rank`` sees key chunk j of the shard
+    it holds at ``step``, from the global chunk order (the definition ring_blocks must cover)."""
+    source = source_rank(rank, world, step)
+    mine = (rank, 2 * world - 1 - rank)
+    theirs = (source, 2 * world - 1 - source)
+    out = numpy.empty((2, 2), dtype=object)
+    for i, qc in enumerate(mine):
+        for j, kc in enumerate(theirs):
+            out[i, j] = "full" if not causal or kc < qc else ("diag" if kc == qc else "skip")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-rank state: the merge of partial outputs, and the gradient pieces of each step.
+
+def _flash_backend():
+    from .backward import flash_backward
+    from .forward import flash_forward
+
+    def forward(q, k, v, causal, scale):
+        return flash_forward(q, k, v, causal=causal, softmax_scale=scale)
+
+    def backward(do, q, k, v, o, lse, causal, scale):
+        return flash_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale)
+    return forward, backward
+
+
+def _rows(x, start, stop):
+    return x[:, start:stop]
+
+
+class _ForwardRank:
+    """One rank's running (o, lse) over the K/V shards attended so far (float32)."""
+
+    def __init__(self, q, rank, world, causal, scale, backend):
+        xp = _xp(q)
+        self.q, self.rank, self.world, self.causal, self.scale, self.backend = q, rank, world, causal, scale, backend
+        batch, seqlen, heads, head_dim = q.shape
+        self.o = xp.zeros((batch, seqlen, heads, head_dim), dtype=xp.float32)
+        self.lse = xp.full((batch, heads, seqlen), -numpy.inf, dtype=xp.float32)
+
+    def attend(self, step, k, v):
+        for block in ring_blocks(self.rank, self.world, step, self.causal, self.q.shape[1]):
+            o, lse = self.backend[0](_rows(self.q, block.q_start, block.q_stop), _rows(k, block.k_start, block.k_stop),
+                                     _rows(v, block.k_start, block.k_stop), block.causal, self.scale)
+            _merge_rows(self.o, self.lse, o, lse, block.q_start, block.q_stop)
+
+    def result(self):
+        return self.o.astype(self.q.dtype), self.lse
+
+
+def _merge_rows(o_acc, lse_acc, o, lse, start, stop):
+    """(o_acc, lse_acc)[rows] <- the exact merge with the partial (o, lse) over other keys. A side
+    whose lse is -inf (no key) weighs 0; a row no side saw stays o = 0, lse = -inf."""
+    xp = _xp(o_acc)
+    old = lse_acc[:, :, start:stop]
+    lse = lse.astype(xp.float32)
+    new = xp.logaddexp(old, lse)
+    seen = xp.isfinite(new)
+    safe = xp.where(seen, new, 0)
+    w_old = xp.where(seen, xp.exp(old - safe), 0).transpose(0, 2, 1)[..., None]
+    w_new = xp.where(seen, xp.exp(lse - safe), 0).transpose(0, 2, 1)[..., None]
+    o_acc[:, start:stop] = o_acc[:, start:stop] * w_old + o.astype(xp.float32) * w_new
+    lse_acc[:, :, start:stop] = new
+
+
+class _BackwardRank:
+    """One rank's dQ (float32) and the dK/dV pieces of the K/V shard in hand at each step."""
+
+    def __init__(self, do, q, o, lse, rank, world, causal, scale, backend):
+        xp = _xp(q)
+        self.do, self.q, self.o, self.lse = do, q, o, lse
+        self.rank, self.world, self.causal, self.scale, self.backend = rank, world, causal, scale, backend
+        self.dq = xp.zeros(q.shape, dtype=xp.float32)
+
+    def gradients(self, step, k, v):
+        """Adds this step's dQ rows into dq; returns its dK/dV pieces [(k_start, k_stop, dk, dv)], to
+        be added into the travelling accumulators once they arrive (their shift overlaps this)."""
+        xp = _xp(self.q)
+        pieces = []
+        for b in ring_blocks(self.rank, self.world, step, self.causal, self.q.shape[1]):
+            dq, dk, dv = self.backend[1](_rows(self.do, b.q_start, b.q_stop), _rows(self.q, b.q_start, b.q_stop),
+                                         _rows(k, b.k_start, b.k_stop), _rows(v, b.k_start, b.k_stop),
+                                         _rows(self.o, b.q_start, b.q_stop), self.lse[:, :, b.q_start:b.q_stop],
+                                         b.causal, self.scale)
+            self.dq[:, b.q_start:b.q_stop] += dq.astype(xp.float32)
+            pieces.append((b.k_start, b.k_stop, dk, dv))
+        return pieces
+
+
+def _add_pieces(dk_acc, dv_acc, pieces):
+    xp = _xp(dk_acc)
+    for start, stop, dk, dv in pieces:
+        dk_acc[:, start:stop] += dk.astype(xp.float32)
+        dv_acc[:, start:stop] += dv.astype(xp.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Transports: shift(payloads) moves each local rank's payload (a tuple of arrays) to the next rank.
+
+class LoopbackRing:
+    """P virtual ranks in one process: a shift is a rotation (rank r receives rank r - 1's payload,
+    the same arrays, no copy). The schedule is the NCCL ring's; only the transport differs."""
+
+    def __init__(self, world: int):
+        _check_world(0, world)
+        self.world = world
+        self.ranks = tuple(range(world))
+
+    def start_shift(self, payloads):
+        return [payloads[(r - 1) % self.world] for r in range(self.world)]
+
+    def finish_shift(self, handle):
+        return handle
+
+
+class NcclRing:
+    """This process's rank of a ring of ``world`` GPUs over NCCL (``cupy.cuda.nccl``; one process per
+    GPU). Shifts run on a stream of their own: ``start_shift`` waits for the work queued so far on
+    the current stream, sends this rank's payload to rank + 1 and receives rank - 1's into new
+    arrays; ``finish_shift`` makes the current stream wait for them. ``communicator`` is a
+    ``cupy.cuda.nccl.NcclCommunicator`` (``NcclRing.create`` makes one from an id shared by the
+    launcher, e.g. through mpi4py)."""
+
+    def __init__(self, communicator, rank: int, world: int):
+        _check_world(rank, world)
+        import cupy
+
+        self.communicator, self.rank, self.world = communicator, rank, world
+        self.ranks = (rank,)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+
+    @classmethod
+    def create(cls, rank: int, world: int, unique_id=None, broadcast=None):
+        """A ring over all ``world`` ranks: rank 0 makes the NCCL id and ``broadcast(id)`` (e.g.
+        ``mpi4py.MPI.COMM_WORLD.bcast``) hands it to every rank; or give ``unique_id``."""
+        from cupy.cuda import nccl
+
+        if unique_id is None:
+            unique_id = nccl.get_unique_id() if rank == 0 else None
+            if broadcast is None:
+                raise ValueError("broadcast is missing: the ranks must share rank 0's NCCL id (or pass unique_id)")
+            unique_id = broadcast(unique_id)
+        return cls(nccl.NcclCommunicator(world, unique_id, rank), rank, world)
+
+    def start_shift(self, payloads):
+        import cupy
+        from cupy.cuda import nccl
+
+        (payload,) = payloads
+        ready = cupy.cuda.get_current_stream().record()
+        self.stream.wait_event(ready)
+        received = tuple(cupy.empty_like(x) for x in payload)
+        following, preceding = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        nccl.groupStart()
+        for sent, into in zip(payload, received):
+            # Bytes: NCCL has no bfloat16 for every CuPy build; the arrays are contiguous.
+            self.communicator.send(sent.data.ptr, sent.nbytes, nccl.NCCL_UINT8, following, self.stream.ptr)
+            self.communicator.recv(into.data.ptr, into.nbytes, nccl.NCCL_UINT8, preceding, self.stream.ptr)
+        nccl.groupEnd()
+        # The sent arrays stay referenced until finish_shift, after which the current stream has
+        # waited for the shift: their memory is reused only behind it.
+        return received, payload, self.stream.record()
+
+    def finish_shift(self, handle):
+        import cupy
+
+        received, _sent, done = handle
+        cupy.cuda.get_current_stream().wait_event(done)
+        return [received]
+
+
+# ---------------------------------------------------------------------------------------------
+# The ring.
+
+def _scale(softmax_scale, head_dim):
+    from ._checks import check_softmax_scale
+
+    return check_softmax_scale(softmax_scale, head_dim)
+
+
+def _check_shards(name, shards, world, like=None):
+    if len(shards) != world:
+        raise ValueError(f"{name} has {len(shards)} shards; the ring has {world} ranks")
+    for r, x in enumerate(shards):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"{name}[{r}] must have 4 dimensions (batch, local_seqlen, heads, head_dim), "
+                             f"got shape {tuple(getattr(x, 'shape', ()))}")
+        if like is not None and x.shape[:2] != like[r].shape[:2]:
+            raise ValueError(f"{name}[{r}] has shape {tuple(x.shape)}; its batch and local_seqlen must match "
+                             f"q[{r}]'s {tuple(like[r].shape)}")
+        if x.shape != shards[0].shape:
+            raise ValueError(f"{name}[{r}] has shape {tuple(x.shape)} but {name}[0] has {tuple(shards[0].shape)}; "
+                             "every rank holds an equal shard")
+
+
+def _run_forward(ring, qs, ks, vs, causal, softmax_scale, backend):
+    world = ring.world
+    _check_shards("q", qs, len(ring.ranks))
+    _check_shards("k", ks, len(ring.ranks), like=qs)
+    _check_shards("v", vs, len(ring.ranks), like=qs)
+    if causal and qs[0].shape[1] % 2:
+        raise ValueError(f"q has local_seqlen {qs[0].shape[1]}; causal zigzag shards hold two equal chunks")
+    scale = _scale(softmax_scale, qs[0].shape[3])
+    ranks = [_ForwardRank(q, r, world, causal, scale, backend) for q, r in zip(qs, ring.ranks)]
+    payloads = [(k, v) for k, v in zip(ks, vs)]
+    for step in range(world):
+        handle = ring.start_shift(payloads) if step < world - 1 else None
+        for rank, (k, v) in zip(ranks, payloads):
+            rank.attend(step, k, v)
+        if handle is not None:
+            payloads = ring.finish_shift(handle)
+    return [rank.result() for rank in ranks]
+
+
+def _run_backward(ring, dos, qs, ks, vs, os_, lses, causal, softmax_scale, backend):
+    world = ring.world
+    for name, shards in (("do", dos), ("q", qs), ("k", ks), ("v", vs), ("o", os_)):
+        _check_shards(name, shards, len(ring.ranks), like=qs)
+    for r, (q, lse) in enumerate(zip(qs, lses)):
+        want = (q.shape[0], q.shape[2], q.shape[1])
+        if tuple(lse.shape) != want:
+            raise ValueError(f"lse[{r}] has shape {tuple(lse.shape)}; expected (batch, heads, local_seqlen) = {want}")
+    scale = _scale(softmax_scale, qs[0].shape[3])
+    ranks = [_BackwardRank(do, q, o, lse, r, world, causal, scale, backend)
+             for do, q, o, lse, r in zip(dos, qs, os_, lses, ring.ranks)]
+    xp = _xp(qs[0])
+    payloads = [(k, v) for k, v in zip(ks, vs)]
+    handle = None
+    for step in range(world):
+        kv_handle = ring.start_shift(payloads) if step < world - 1 else None
+        pieces = [rank.gradients(step, k, v) for rank, (k, v) in zip(ranks, payloads)]
+        if handle is None:   # step 0: each rank starts the accumulators of its own K/V
+            accumulators = [(xp.zeros(k.shape, xp.float32), xp.zeros(v.shape, xp.float32)) for k, v in payloads]
+        else:                # those of the K/V in hand, from the rank before, who added its part
+            accumulators = ring.finish_shift(handle)   # (their shift ran under this step's products)
+        for (dk, dv), own in zip(accumulators, pieces):
+            _add_pieces(dk, dv, own)
+        handle = ring.start_shift(accumulators)   # P shifts in all: the last brings them home
+        if kv_handle is not None:
+            payloads = ring.finish_shift(kv_handle)
+    accumulators = ring.finish_shift(handle)
+    return [(rank.dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+            for rank, q, k, v, (dk, dv) in zip(ranks, qs, ks, vs, accumulators)]
+
+
+def simulate_ring_forward(qs, ks, vs, *, causal=False, softmax_scale=None, _backend=None):
+    """The ring forward over ``len(qs)`` virtual ranks in this process (``LoopbackRing``): qs[r],
+    ks[r], vs[r] are rank r's zigzag shards (``zigzag_shard``); returns [(o_r, lse_r)], each rank's
+    output shard (dtype of q) and float32 lse (batch, heads, local_seqlen)."""
+    ring = LoopbackRing(len(qs))
+    return _run_forward(ring, list(qs), list(ks), list(vs), causal, softmax_scale, _backend or _flash_backend())
+
+
+def simulate_ring_backward(dos, qs, ks, vs, os_, lses, *, causal=False, softmax_scale=None, _backend=None):
+    """The ring backward over virtual ranks (see ``simulate_ring_forward``): os_ and lses are the
+    forward's per-rank results; returns [(dq_r, dk_r, dv_r)] in the rank's shards."""
+    ring = LoopbackRing(len(qs))
+    return _run_backward(ring, list(dos), list(qs), list(ks), list(vs), list(os_), list(lses), causal, softmax_scale,
+                         _backend or _flash_backend())
+
+
+def ring_attention_forward(q, k, v, *, ring, causal=False, softmax_scale=None):
+    """This rank's (o, lse) of attention over the whole sequence, q, k, v being its zigzag shards
+    and ``ring`` its ``NcclRing``. Every rank calls it at once."""
+    ((o, lse),) = _run_forward(ring, [q], [k], [v], causal, softmax_scale, _flash_backend())
+    return o, lse
+
+
+def ring_attention_backward(do, q, k, v, o, lse, *, ring, causal=False, softmax_scale=None):
+    """This rank's (dq, dk, dv) shards, given its shards of do, q, k, v and the forward's o, lse."""
+    ((dq, dk, dv),) = _run_backward(ring, [do], [q], [k], [v], [o], [lse], causal, softmax_scale, _flash_backend())
+    return dq, dk, dv

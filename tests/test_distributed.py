@@ -1,0 +1,152 @@
+"""CPU: context parallelism's layout and schedule (cupy_flash/distributed.py) against dense NumPy
+computations with simulated ranks, and the whole ring (forward and backward, LoopbackRing) on a
+float64 dense backend against attention over the unsplit sequence."""
+
+import numpy
+import pytest
+
+from cupy_flash import attention_reference, distributed
+
+
+def test_zigzag_shards_hold_chunks_r_and_2p_minus_1_minus_r_and_unshard_back():
+    x = numpy.arange(2 * 24 * 3).reshape(2, 24, 3)
+    for world in (1, 2, 3, 4, 6):
+        chunk = 24 // (2 * world)
+        shards = [distributed.zigzag_shard(x, r, world) for r in range(world)]
+        for r, shard in enumerate(shards):
+            assert shard.shape == (2, 2 * chunk, 3)
+            assert (shard[:, :chunk] == x[:, r * chunk:(r + 1) * chunk]).all()
+            assert (shard[:, chunk:] == x[:, (2 * world - 1 - r) * chunk:(2 * world - r) * chunk]).all()
+        assert (distributed.zigzag_unshard(shards) == x).all()
+    with pytest.raises(ValueError, match="multiple of 2 \\* world"):
+        distributed.zigzag_shard(x, 0, 5)
+    with pytest.raises(ValueError, match="rank"):
+        distributed.zigzag_shard(x, 2, 2)
+    with pytest.raises(TypeError, match="world"):
+        distributed.zigzag_shard(x, 0, 2.0)
+
+
+def _global_rows(rank, world, local):
+    """Global positions of a rank's zigzag rows."""
+    half = local // 2
+    return numpy.concatenate([numpy.arange(c * half, (c + 1) * half) for c in (rank, 2 * world - 1 - rank)])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_blocks_compute_exactly_the_visible_pairs_and_balance_the_ranks(world, causal):
+    local = 6
+    work = []
+    for rank in range(world):
+        done = numpy.zeros((local * world, local * world), dtype=int)   # (query, key) pairs, global
+        pairs = 0
+        for step in range(world):
+            source = distributed.source_rank(rank, world, step)
+            rows, keys = _global_rows(rank, world, local), _global_rows(source, world, local)
+            for b in distributed.ring_blocks(rank, world, step, causal, local):
+                mask = numpy.ones((b.q_stop - b.q_start, b.k_stop - b.k_start), dtype=bool)
+                if b.causal:   # bottom-right, as the kernels align it
+                    mask = numpy.tril(mask, k=(b.k_stop - b.k_start) - (b.q_stop - b.q_start))
+                qi, ki = numpy.nonzero(mask)
+                numpy.add.at(done, (rows[b.q_start + qi], keys[b.k_start + ki]), 1)
+                pairs += mask.size   # a dense call's work, masked entries included
+        mine = _global_rows(rank, world, local)
+        dense = numpy.ones((local * world, local * world), dtype=bool)
+        if causal:
+            dense = numpy.tril(dense)
+        want = numpy.zeros_like(done)
+        want[mine] = dense[mine]
+        assert (done == want).all(), (rank, world)   # every visible pair once, nothing else
+        work.append(pairs)
+    assert max(work) == min(work)   # zigzag: every rank the same work
+
+
+def test_chunk_visibility_agrees_with_ring_blocks():
+    for world in (2, 3, 4):
+        for rank in range(world):
+            for step in range(world):
+                seen = distributed.chunk_visibility(rank, world, step, True)
+                blocks = distributed.ring_blocks(rank, world, step, True, 4)
+                covered = numpy.full((2, 2), "skip", dtype=object)
+                for b in blocks:
+                    for i in range(b.q_start // 2, b.q_stop // 2):
+                        for j in range(b.k_start // 2, b.k_stop // 2):
+                            # a causal block over both chunks masks its upper-right chunk
+                            covered[i, j] = "full" if not b.causal or j < i else ("diag" if i == j else "skip")
+                assert (covered == seen).all(), (world, rank, step, seen, blocks)
+
+
+# A float64 dense backend with flash_forward's and flash_backward's contracts (o, lse; gradients
+# from the given o and lse, GQA group sums), that also checks no call sees more than one shard.
+class DenseBackend:
+    def __init__(self, local):
+        self.local = local
+
+    def _shape_check(self, q, k):
+        assert q.shape[1] <= self.local and k.shape[1] <= self.local, "a call saw more than a shard"
+
+    def forward(self, q, k, v, causal, scale):
+        self._shape_check(q, k)
+        return attention_reference(q, k, v, causal=causal, softmax_scale=scale)
+
+    def backward(self, do, q, k, v, o, lse, causal, scale):
+        self._shape_check(q, k)
+        group = q.shape[2] // k.shape[2]
+        kk, vv = numpy.repeat(k, group, axis=2), numpy.repeat(v, group, axis=2)
+        s = scale * numpy.einsum("bqhd,bkhd->bhqk", q, kk)
+        if causal:
+            nq, nk = q.shape[1], k.shape[1]
+            visible = numpy.arange(nk)[None, :] <= numpy.arange(nq)[:, None] + (nk - nq)
+            s = numpy.where(visible, s, -numpy.inf)
+        p = numpy.exp(s - lse[..., None])
+        dv = numpy.einsum("bhqk,bqhd->bkhd", p, do)
+        dp = numpy.einsum("bqhd,bkhd->bhqk", do, vv)
+        delta = numpy.einsum("bqhd,bqhd->bhq", do, o)
+        ds = p * (dp - delta[..., None])
+        dq = scale * numpy.einsum("bhqk,bkhd->bqhd", ds, kk)
+        dk = scale * numpy.einsum("bhqk,bqhd->bkhd", ds, q)
+        batch, nk, heads_kv, d = k.shape
+        return dq, dk.reshape(batch, nk, heads_kv, group, d).sum(3), dv.reshape(batch, nk, heads_kv, group, d).sum(3)
+
+    def pair(self):
+        return self.forward, self.backward
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads_kv", [4, 2, 1])
+def test_simulated_ring_equals_attention_over_the_whole_sequence(world, causal, heads_kv):
+    rng = numpy.random.default_rng(world * 10 + heads_kv + causal)
+    batch, seqlen, heads, d = 2, 8 * world, 4, 16
+    q = rng.standard_normal((batch, seqlen, heads, d))
+    k, v = (rng.standard_normal((batch, seqlen, heads_kv, d)) for _ in range(2))
+    do = rng.standard_normal((batch, seqlen, heads, d))
+    backend = DenseBackend(seqlen // world).pair()
+    shard = lambda x: [distributed.zigzag_shard(x, r, world) for r in range(world)]   # noqa: E731
+    outs = distributed.simulate_ring_forward(shard(q), shard(k), shard(v), causal=causal, softmax_scale=0.3,
+                                             _backend=backend)
+    o = distributed.zigzag_unshard([o for o, _ in outs])
+    lse = distributed.zigzag_unshard([lse for _, lse in outs], axis=2)
+    o_ref, lse_ref = attention_reference(q, k, v, causal=causal, softmax_scale=0.3)
+    assert numpy.abs(o - o_ref).max() < 1e-6 and numpy.abs(lse - lse_ref).max() < 1e-5   # merged in float32
+    grads = distributed.simulate_ring_backward(shard(do), shard(q), shard(k), shard(v),
+                                               shard(o_ref), [distributed.zigzag_shard(lse_ref, r, world, axis=2)
+                                                              for r in range(world)],
+                                               causal=causal, softmax_scale=0.3, _backend=backend)
+    refs = DenseBackend(seqlen).backward(do, q, k, v, o_ref, lse_ref, causal, 0.3)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        ours = distributed.zigzag_unshard([g[i] for g in grads])
+        scale = numpy.abs(refs[i]).max()
+        assert numpy.abs(ours - refs[i]).max() <= 1e-6 * scale, name   # summed in float32
+
+
+def test_ring_arguments_are_checked():
+    backend = DenseBackend(8).pair()
+    q = [numpy.zeros((1, 8, 2, 16))] * 2
+    with pytest.raises(ValueError, match="k has 1 shards"):
+        distributed.simulate_ring_forward(q, q[:1], q, _backend=backend)
+    with pytest.raises(ValueError, match="local_seqlen"):
+        distributed.simulate_ring_forward([numpy.zeros((1, 7, 2, 16))] * 2, [numpy.zeros((1, 7, 2, 16))] * 2,
+                                          [numpy.zeros((1, 7, 2, 16))] * 2, causal=True, _backend=backend)
+    with pytest.raises(ValueError, match=r"k\[0\]"):
+        distributed.simulate_ring_forward(q, [numpy.zeros((1, 6, 2, 16))] * 2, q, _backend=backend)

@@ -1,0 +1,58 @@
+"""GPU: the ring over virtual ranks on one GPU (LoopbackRing) with the flash kernels, against the
+float64 reference of the whole sequence (the 2x / 3x error rule) and against one flash call over
+it. The two-GPU NCCL ring: bench/ring_nccl.py (mpirun -n 2)."""
+
+import numpy
+import pytest
+from helpers import (
+    check_error_rule,
+    gradient_term_scales,
+    low_precision_gradients,
+    max_finite_abs,
+    poisoned_allocations,
+    random_array,
+    requires_gpu,
+)
+
+import cupy_flash
+from cupy_flash import attention_reference, attention_reference_backward, distributed
+
+pytestmark = requires_gpu
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads_kv,dtype,chunk", [(4, "bfloat16", 77), (1, "float16", 128), (2, "bfloat16", 300)])
+def test_loopback_ring_holds_the_error_rule_over_the_whole_sequence(world, causal, heads_kv, dtype, chunk):
+    rng = numpy.random.default_rng(world * 100 + chunk + causal)
+    batch, heads, d = 2, 4, 128
+    seqlen = 2 * world * chunk   # chunks off every tile: 77, and 300 = 2 x 128 + 44
+    q, do = (random_array(rng, (batch, seqlen, heads, d), dtype) for _ in range(2))
+    k, v = (random_array(rng, (batch, seqlen, heads_kv, d), dtype) for _ in range(2))
+
+    def shard(x, axis=1):
+        return [distributed.zigzag_shard(x, r, world, axis=axis) for r in range(world)]
+
+    with poisoned_allocations():
+        outs = distributed.simulate_ring_forward(shard(q), shard(k), shard(v), causal=causal)
+    o = distributed.zigzag_unshard([o for o, _ in outs])
+    lse = distributed.zigzag_unshard([lse for _, lse in outs], axis=2)
+    exact = attention_reference(q, k, v, causal=causal)
+    low = attention_reference(q, k, v, causal=causal, upcast=False)
+    context = f"ring world={world} causal={causal} heads_kv={heads_kv} {dtype} chunk={chunk}"
+    check_error_rule("o", o, exact[0], low[0], context, max_finite_abs(exact[1]))
+    check_error_rule("lse", lse, exact[1], low[1], context, max_finite_abs(exact[1]))
+    one_o, _ = cupy_flash.flash_forward(q, k, v, causal=causal)   # and one flash call over it all
+    check_error_rule("o", o, exact[0], (low[0], one_o), context + " vs one call", max_finite_abs(exact[1]))
+
+    with poisoned_allocations():
+        grads = distributed.simulate_ring_backward(shard(do), shard(q), shard(k), shard(v), shard(o), shard(lse, 2),
+                                                   causal=causal)
+    exact_grads = attention_reference_backward(do, q, k, v, causal=causal)
+    low_grads = low_precision_gradients(do, q, k, v, causal=causal)
+    scales = gradient_term_scales(do, q, k, v, causal=causal)
+    for i, (name, x) in enumerate((("dq", q), ("dk", k), ("dv", v))):
+        ours = distributed.zigzag_unshard([g[i] for g in grads])
+        assert ours.shape == x.shape and ours.dtype == x.dtype
+        check_error_rule(name, ours, exact_grads[i], low_grads[i], context, max_finite_abs(exact[1]), scales[name],
+                         scales.get("delta:" + name, 0.0))
