@@ -29,6 +29,9 @@ import numbers
 
 import numpy
 
+from ._checks import check_softmax_scale
+from .reference import _xp
+
 __all__ = ["zigzag_shard", "zigzag_unshard", "ring_blocks", "RingBlock", "LoopbackRing", "NcclRing",
            "ring_attention_forward", "ring_attention_backward", "simulate_ring_forward", "simulate_ring_backward"]
 
@@ -44,14 +47,6 @@ def _check_world(rank, world) -> None:
         raise ValueError(f"world is {world}; at least 1 rank")
     if not 0 <= rank < world:
         raise ValueError(f"rank is {rank}; expected 0 <= rank < world = {world}")
-
-
-def _xp(x):
-    if isinstance(x, numpy.ndarray):
-        return numpy
-    import cupy
-
-    return cupy.get_array_module(x)
 
 
 def zigzag_shard(x, rank: int, world: int, axis: int = 1):
@@ -305,12 +300,6 @@ class NcclRing:
 # ---------------------------------------------------------------------------------------------
 # The ring.
 
-def _scale(softmax_scale, head_dim):
-    from ._checks import check_softmax_scale
-
-    return check_softmax_scale(softmax_scale, head_dim)
-
-
 def _check_shards(name, shards, world, like=None):
     if len(shards) != world:
         raise ValueError(f"{name} has {len(shards)} shards; the ring has {world} ranks")
@@ -333,7 +322,7 @@ def _run_forward(ring, qs, ks, vs, causal, softmax_scale, backend):
     _check_shards("v", vs, len(ring.ranks), like=qs)
     if causal and qs[0].shape[1] % 2:
         raise ValueError(f"q has local_seqlen {qs[0].shape[1]}; causal zigzag shards hold two equal chunks")
-    scale = _scale(softmax_scale, qs[0].shape[3])
+    scale = check_softmax_scale(softmax_scale, qs[0].shape[3])
     ranks = [_ForwardRank(q, r, world, causal, scale, backend) for q, r in zip(qs, ring.ranks)]
     payloads = [(k, v) for k, v in zip(ks, vs)]
     for step in range(world):
@@ -353,7 +342,7 @@ def _run_backward(ring, dos, qs, ks, vs, os_, lses, causal, softmax_scale, backe
         want = (q.shape[0], q.shape[2], q.shape[1])
         if tuple(lse.shape) != want:
             raise ValueError(f"lse[{r}] has shape {tuple(lse.shape)}; expected (batch, heads, local_seqlen) = {want}")
-    scale = _scale(softmax_scale, qs[0].shape[3])
+    scale = check_softmax_scale(softmax_scale, qs[0].shape[3])
     ranks = [_BackwardRank(do, q, o, lse, r, world, causal, scale, backend)
              for do, q, o, lse, r in zip(dos, qs, os_, lses, ring.ranks)]
     xp = _xp(qs[0])

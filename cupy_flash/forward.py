@@ -15,14 +15,6 @@ from .decode import check_num_splits, launch_decode, uses_split_path
 _SM90_MAPS = numpy.dtype((numpy.void, 4 * _tma.MAP_BYTES))   # kernels_cu/forward_sm90.cu: ForwardSm90Maps
 
 
-def launch_forward(q, k, v, shape, scale, variant):
-    """Run the forward kernel on checked, kernel-ready arrays; returns (o, lse). The family is
-    _families.forward_family's choice: Hopper (wgmma) or tensor cores (mma.sync) for float16 and
-    bfloat16, CUDA cores for float32. ``variant`` is a checked ``_features.Variant``: its flags
-    select the kernel instantiation."""
-    return forward_plan(q, k, v, shape, scale, variant).run(q, k, v)
-
-
 class ForwardPlan:
     """Everything a forward launch needs but the arrays' addresses: the kernel, its grid, block and
     shared memory, and the params record filled but for the q, k, v, o, lse pointers. A plan is a
@@ -53,8 +45,10 @@ class ForwardPlan:
 
 
 def forward_plan(q, k, v, shape, scale, variant, config: tuple = ()) -> ForwardPlan:
-    """The plan of a checked call on kernel-ready arrays; ``config`` (block_m, tile, block_n, stages)
-    overrides the Hopper tile table (bench/tile_sweep.py)."""
+    """The plan of a checked call on kernel-ready arrays. The family is _families.forward_family's
+    choice: Hopper (wgmma) or tensor cores (mma.sync) for float16 and bfloat16, CUDA cores for
+    float32; ``variant`` (a checked ``_features.Variant``) selects the instantiation by its flags.
+    ``config`` (block_m, tile, block_n, stages) overrides the Hopper tile table (bench/tile_sweep.py)."""
     import cupy
 
     variant = variant.on_device()

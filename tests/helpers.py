@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import types
 
 import ml_dtypes
 import numpy
@@ -96,6 +97,18 @@ def count_example(prop: str) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Inputs.
+
+class FakeGpuArray:
+    """What the launch code reads of a kernel-ready GPU array, on the CPU: shape, ndim, strides in
+    bytes (C-contiguous unless given), dtype.itemsize and data.ptr."""
+
+    def __init__(self, shape, strides=None, ptr=1 << 20, itemsize=2):
+        if strides is None:
+            strides = tuple(itemsize * int(numpy.prod(shape[i + 1:], dtype=numpy.int64)) for i in range(len(shape)))
+        self.shape, self.strides, self.ndim = tuple(shape), tuple(strides), len(shape)
+        self.dtype = types.SimpleNamespace(itemsize=itemsize)
+        self.data = types.SimpleNamespace(ptr=ptr)
+
 
 def random_array(rng, shape, dtype, magnitude=1.0, xp=None):
     """Normal(0, magnitude^2) values rounded to ``dtype``; on the GPU unless xp is numpy."""

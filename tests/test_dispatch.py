@@ -3,6 +3,7 @@
 import types
 
 import pytest
+from helpers import FakeGpuArray
 
 from cupy_flash import _families
 from cupy_flash._checks import AttentionShape
@@ -68,31 +69,22 @@ def test_info_names_the_path_of_each_dtype():
     assert _families.describe_forward(A100, "auto")[1].startswith("float16: tensor-core")
 
 
-class _FakeGpuArray:
-    """What the TMA check reads of a kernel-ready array: shape, strides (bytes), dtype, base address."""
-
-    def __init__(self, shape, strides, ptr=1 << 20, itemsize=2):
-        self.shape, self.strides, self.ndim = tuple(shape), tuple(strides), len(shape)
-        self.dtype = types.SimpleNamespace(itemsize=itemsize)
-        self.data = types.SimpleNamespace(ptr=ptr)
-
-
 def test_tma_takes_any_stride_on_axes_of_size_one():
     """x[None] gives its new axis stride 0 (seen on the H100: a batch of one fell back to the
     portable kernels); a size-one axis is never stepped along, so any stride there is fine."""
     from cupy_flash import _tma
 
-    dense = _FakeGpuArray((2, 640, 4, 64), (640 * 4 * 128, 4 * 128, 128, 2))
+    dense = FakeGpuArray((2, 640, 4, 64), (640 * 4 * 128, 4 * 128, 128, 2))
     assert _tma.maps_supported(dense)
     for shape, strides in (((1, 640, 4, 64), (0, 512, 128, 2)),        # x[None]
                            ((3, 1, 4, 64), (512, 0, 128, 2)),          # one query row
                            ((3, 640, 1, 64), (640 * 128, 128, 7, 2)),  # one head, odd stride
                            ((5, 1, 3, 64), (16 * 3 * 128, 99, 128, 2))):
-        array = _FakeGpuArray(shape, strides)
+        array = FakeGpuArray(shape, strides)
         assert _tma.maps_supported(array), shape
         assert all(s > 0 and s % 16 == 0 for s in _tma.map_strides(array, packed=False))
-    assert _tma.map_strides(_FakeGpuArray((1, 640, 4, 64), (0, 512, 128, 2)), packed=False) == (512, 128, 128)
-    assert not _tma.maps_supported(_FakeGpuArray((2, 640, 4, 64), (640 * 4 * 128, 4 * 136, 136, 2)))  # 136 % 16
-    assert not _tma.maps_supported(_FakeGpuArray((2, 640, 4, 64), (640 * 4 * 128, 4 * 128, 128, 2), ptr=(1 << 20) + 8))
-    packed = _FakeGpuArray((1, 3, 64), (0, 128, 2))
+    assert _tma.map_strides(FakeGpuArray((1, 640, 4, 64), (0, 512, 128, 2)), packed=False) == (512, 128, 128)
+    assert not _tma.maps_supported(FakeGpuArray((2, 640, 4, 64), (640 * 4 * 128, 4 * 136, 136, 2)))  # 136 % 16
+    assert not _tma.maps_supported(FakeGpuArray((2, 640, 4, 64), (640 * 4 * 128, 4 * 128, 128, 2), ptr=(1 << 20) + 8))
+    packed = FakeGpuArray((1, 3, 64), (0, 128, 2))
     assert _tma.maps_supported(packed) and _tma.map_strides(packed, packed=True) == (128, 128, 128)

@@ -1,28 +1,17 @@
 """CPU: the kernels' params record, and a cached launch plan's copy of it with new addresses."""
 
-import types
-
 import numpy
+from helpers import FakeGpuArray
 
 from cupy_flash._checks import AttentionShape
 from cupy_flash._features import check_variant
 from cupy_flash._params import PARAMS_DTYPE, as_argument, make_params, with_addresses
 
 
-def _array(shape, itemsize, ptr):
-    strides, step = [], itemsize
-    for n in reversed(shape):
-        strides.insert(0, step)
-        step *= n
-    return types.SimpleNamespace(shape=shape, ndim=len(shape), strides=tuple(strides),
-                                 dtype=types.SimpleNamespace(itemsize=itemsize), data=types.SimpleNamespace(ptr=ptr))
-
-
 def _call(base):
     """q, k, v, o, lse of one call at addresses from ``base``."""
-    return (_array((2, 300, 8, 128), 2, base), _array((2, 500, 2, 128), 2, base + (1 << 24)),
-            _array((2, 500, 2, 128), 2, base + (2 << 24)), _array((2, 300, 8, 128), 2, base + (3 << 24)),
-            _array((2, 8, 300), 4, base + (4 << 24)))
+    shapes = ((2, 300, 8, 128), (2, 500, 2, 128), (2, 500, 2, 128), (2, 300, 8, 128), (2, 8, 300))
+    return tuple(FakeGpuArray(shape, itemsize=4 if i == 4 else 2, ptr=base + (i << 24)) for i, shape in enumerate(shapes))
 
 
 def test_a_plan_record_with_new_addresses_is_the_record_of_the_new_call():
