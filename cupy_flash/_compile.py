@@ -129,6 +129,11 @@ class ModuleSpec:
         """The device variable holding the kernel's dynamic shared memory (sizeof its storage)."""
         return f"&forward_sm90_smem_bytes<{self.ctype}, {', '.join(str(x) for x in self.config)}>"
 
+    def forward_sm90_dynamic_tiles(self, causal: bool) -> str:
+        """The device variable saying whether the kernel takes its tiles from a counter (1) or by
+        the grid's stride (0)."""
+        return f"&forward_sm90_dynamic_tiles<{self.tile}, {_flag(causal)}, {self.features}>"
+
     def backward_tc_kernel(self, causal: bool) -> str:
         config = ", ".join(str(x) for x in _traits.backward_tc_config(self.tile, self.target))
         return f"flash_backward_tc_kernel<{self.ctype}, {self.tile}, {config}, {_flag(causal)}, {self.features}>"
@@ -166,7 +171,8 @@ class ModuleSpec:
     def name_expressions(self) -> tuple[str, ...]:
         """The kernels, then the device variables the launcher reads (kernel_expressions: kernels only)."""
         if self.family == "forward_sm90":
-            return self.kernel_expressions + (self.forward_sm90_smem(),)
+            return (self.kernel_expressions + (self.forward_sm90_smem(),)
+                    + tuple(self.forward_sm90_dynamic_tiles(c) for c in (False, True)))
         return self.kernel_expressions
 
     @property

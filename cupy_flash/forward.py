@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
-
-import numpy
 
 from . import _checks, _families, _tma, _traits
 from ._compile import ModuleSpec, device_value, get_kernel
+from ._launch import launch_buffers
 from ._params import make_params, with_addresses
 from ._streams import on_stream, record_kernel_arrays
 from .decode import check_num_splits, launch_decode, uses_split_path
 
-_SM90_MAPS = numpy.dtype((numpy.void, 4 * _tma.MAP_BYTES))   # kernels_cu/forward_sm90.cu: ForwardSm90Maps
+_SM90_MAPS_BYTES = 4 * _tma.MAP_BYTES   # kernels_cu/forward_sm90.cu: ForwardSm90Maps
 
 
 class ForwardPlan:
@@ -22,13 +22,14 @@ class ForwardPlan:
     (a training loop) reuse it: see flash_forward's plan cache."""
 
     def __init__(self, kernel, grid: int, threads: int, smem: int, params, lse_shape: tuple, variant,
-                 maps: tuple = ()):
-        self.kernel, self.grid, self.threads, self.smem = kernel, (grid,), (threads,), smem
-        self.params, self.lse_shape = params, lse_shape
+                 maps: tuple = (), tile_counter: bool = False):
+        self.kernel, self.grid, self.threads, self.smem = kernel, grid, threads, smem
+        self.params, self.lse_shape = params.tobytes(), lse_shape
         # The variant's device arrays (slopes, sink, bias as float32, cu_seqlens) that params points
         # at: held as long as the plan, so they outlive the launch. Plain plans hold none.
         self.variant_arrays = tuple(x for x in variant.device_arrays() if x is not None)
         self.maps = maps   # Hopper: _sm90_maps's (dtype, q box rows, k/v box rows, packed); else ()
+        self.tile_counter = tile_counter   # Hopper: blocks take tiles from a counter, zeroed per call
         self.device = _current_device()   # the kernel handle's
 
     def run(self, q, k, v):
@@ -37,10 +38,19 @@ class ForwardPlan:
 
         o = cupy.empty(q.shape, dtype=q.dtype)
         lse = cupy.empty(self.lse_shape, dtype=cupy.float32)
-        argument = with_addresses(self.params, q, k, v, o, lse)
+        record = with_addresses(self.params, q, k, v, o, lse)
         record_kernel_arrays((q, k, v, o, lse) + self.variant_arrays)
-        arguments = (_sm90_maps(q, k, v, o, *self.maps), argument) if self.maps else (argument,)
-        self.kernel(self.grid, self.threads, arguments, shared_mem=self.smem)
+        if not self.maps:
+            arguments = (record,)
+        else:
+            counter = 0
+            if self.tile_counter:
+                counter = cupy.empty((1,), dtype=cupy.int32)
+                cupy.cuda.runtime.memsetAsync(counter.data.ptr, 0, 4, cupy.cuda.get_current_stream().ptr)
+                record_kernel_arrays((counter,))
+                counter = counter.data.ptr
+            arguments = (_sm90_maps(q, k, v, o, *self.maps), record, ctypes.c_uint64(counter))
+        launch_buffers(self.kernel, self.grid, self.threads, self.smem, arguments)
         return o, lse
 
 
@@ -61,17 +71,18 @@ def forward_plan(q, k, v, shape, scale, variant, config: tuple = ()) -> ForwardP
     device = _families.current_device()
     family = _families.forward_family(device, shape, variant, arrays=(q, k, v))
     if family == "forward_sm90":
-        kernel, smem, (block_m, _, block_n, _), threads = _sm90_kernel(cupy.cuda.runtime.getDevice(), shape.dtype,
-                                                                       _traits.forward_sm90_tile(shape.head_dim),
-                                                                       variant.flags, variant.causal, config)
-        # A persistent grid where every tile costs the same; else a block per tile, which the
-        # hardware hands out as blocks finish (kernels_cu/forward_sm90.cu, TileScheduler). (The tile
-        # count is below 2^31: _checks bounds the portable kernels' grid, of smaller blocks, by it.)
+        kernel, smem, (block_m, _, block_n, _), threads, counter = _sm90_kernel(
+            cupy.cuda.runtime.getDevice(), shape.dtype, _traits.forward_sm90_tile(shape.head_dim), variant.flags,
+            variant.causal, config)
+        # A persistent grid where tiles cost the same, or where blocks take them from a counter;
+        # else a block per tile (kernels_cu/forward_sm90.cu, TileScheduler, which states which).
+        # (The tile count is below 2^31: _checks bounds the portable kernels' grid, of smaller
+        # blocks, by it.)
         tiles = -(-shape.seqlen_q // block_m) * shape.batch * shape.heads
         uniform = not variant.causal and variant.window_left is None and variant.packed is None
-        grid = min(tiles, device.multiprocessors) if uniform else tiles
+        grid = min(tiles, device.multiprocessors) if uniform or counter else tiles
         return ForwardPlan(kernel, grid, threads, smem, params, lse_shape, variant,
-                           (shape.dtype, block_m, block_n, variant.packed is not None))
+                           (shape.dtype, block_m, block_n, variant.packed is not None), tile_counter=counter)
     if family == "forward_tc":
         target = device.tensor_core_target
         spec = ModuleSpec("forward_tc", shape.dtype, shape.tile, target, variant.flags)
@@ -95,11 +106,13 @@ def forward_plan(q, k, v, shape, scale, variant, config: tuple = ()) -> ForwardP
 
 @functools.lru_cache(maxsize=None)
 def _sm90_kernel(device: int, dtype: str, tile: int, flags: int, causal: bool, config: tuple):
-    """(kernel, shared memory bytes, tile arguments, threads) of a Hopper forward instantiation on
-    ``device``, looked up once (a call's host time is otherwise spent hashing its ModuleSpec)."""
+    """(kernel, shared memory bytes, tile arguments, threads, whether it takes tiles from a counter)
+    of a Hopper forward instantiation on ``device``, looked up once."""
     spec = ModuleSpec("forward_sm90", dtype, tile, "sm90a", flags, config=config)
     smem = device_value(spec, spec.forward_sm90_smem())
-    return get_kernel(spec, spec.forward_sm90_kernel(causal), smem), smem, spec.config, _traits.forward_sm90_threads(spec.config)
+    counter = bool(device_value(spec, spec.forward_sm90_dynamic_tiles(causal)))
+    return (get_kernel(spec, spec.forward_sm90_kernel(causal), smem), smem, spec.config,
+            _traits.forward_sm90_threads(spec.config), counter)
 
 
 _maps_cache: dict = {}
@@ -117,7 +130,7 @@ def _sm90_maps(q, k, v, o, dtype: str, block_m: int, block_n: int, packed: bool)
                                                 + _tma.attention_map(v, dtype, block_n, packed)))
     output = _cached(_output_maps, (o.data.ptr, o.shape, o.strides, dtype, packed),
                      lambda: _tma.attention_map(o, dtype, _tma.STORE_ROWS, packed))
-    return numpy.frombuffer(inputs + output, dtype=_SM90_MAPS)
+    return ctypes.create_string_buffer(inputs + output, _SM90_MAPS_BYTES)
 
 
 def _cached(cache: dict, key, encode):

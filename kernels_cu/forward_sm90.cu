@@ -1,8 +1,8 @@
 // Hopper forward (sm_90a) for float16 / bfloat16: FlashAttention-3's design, written on the
 // vocabulary of sm90_mma.cuh (wgmma, swizzled tiles) and sm90_tma.cuh (TMA, mbarrier ring).
 //
-// Blocks of 128 * (1 + CONSUMERS) threads walk the work tiles, each BLOCK_M query rows of one
-// (batch, head), in steps of the grid (TileScheduler below):
+// Blocks of 128 * (1 + CONSUMERS) threads, one per SM, walk the work tiles, each BLOCK_M query rows
+// of one (batch, head), in the order TileScheduler (below) gives them:
 //  - warpgroup 0, the producer, gives most of its registers away; one thread loads each tile's Q
 //    and streams its K and V tiles (last key block first) into a ring of STAGES slots by TMA. The
 //    ring runs on across tiles, so the next tile's first K and V load during this one's epilogue;
@@ -34,6 +34,9 @@ struct ForwardSm90Storage {
     alignas(OWN_O ? SWIZZLE_ATOM_BYTES : 16) T o[OWN_O ? CHUNKS : 1][OWN_O ? BLOCK_M : 1][SWIZZLE_ROW_ELEMENTS];
     unsigned long long q_full, q_empty;
     unsigned long long k_full[STAGES], k_empty[STAGES];
+    // The dynamic tile order's hand-over: the producer's next tile, for the consumers (TileScheduler).
+    int next_tile[2];
+    unsigned long long tile_full[2], tile_empty[2];
     unsigned long long v_full[STAGES], v_empty[STAGES];
 };
 
@@ -54,13 +57,16 @@ __device__ const unsigned int forward_sm90_smem_bytes =
 // 64K-register file (rounded down to 8: 168 a thread for 3 warpgroups), and setmaxnreg only moves
 // registers within that allocation: the consumers' increase waits until the producer's decrease
 // has freed enough, so the split must fit the launch's registers or the block hangs (seen on the
-// H100: a producer at 32 with two consumers at 240, 32 + 480 > 3 x 168).
-template <int CONSUMERS> struct Sm90Registers;
-template <> struct Sm90Registers<2> { static constexpr int producer = 24, consumer = 240; };
-template <> struct Sm90Registers<3> { static constexpr int producer = 32, consumer = 160; };
-template <int CONSUMERS>
+// H100: a producer at 32 with two consumers at 240, 32 + 480 > 3 x 168). The producer's tile
+// counter (DYNAMIC) spilled 8-64 bytes at 24 registers: it gets 40, the consumers 232 (clean at
+// d <= 128; d = 256 spilled at 232 and keeps the static order).
+template <int CONSUMERS, bool DYNAMIC> struct Sm90Registers;
+template <> struct Sm90Registers<2, false> { static constexpr int producer = 24, consumer = 240; };
+template <> struct Sm90Registers<2, true> { static constexpr int producer = 40, consumer = 232; };
+template <bool DYNAMIC> struct Sm90Registers<3, DYNAMIC> { static constexpr int producer = 32, consumer = 160; };
+template <int CONSUMERS, bool DYNAMIC>
 __host__ __device__ constexpr bool registers_fit_launch() {
-    return Sm90Registers<CONSUMERS>::producer + CONSUMERS * Sm90Registers<CONSUMERS>::consumer
+    return Sm90Registers<CONSUMERS, DYNAMIC>::producer + CONSUMERS * Sm90Registers<CONSUMERS, DYNAMIC>::consumer
            <= (1 + CONSUMERS) * (65536 / (128 * (1 + CONSUMERS)) / 8 * 8);
 }
 
@@ -90,18 +96,57 @@ struct ForwardSm90Work {
 // from DRAM once and then from L2. With (batch, head) fastest (the mma.sync kernels' order) the
 // 132 resident blocks of a 1k-token, 256-head call streamed 132 heads' K/V (67 MB, past L2):
 // 209 against 328 TFLOP/s (d=128, bf16, H100).
-// Block b takes tiles b, b + grid, b + 2 grid, ... The launcher makes the grid persistent (one
-// block per SM, the next tile's first K and V loading during this one's epilogue) where tiles
-// cost the same; with a causal mask, a window or packed sequences it launches a block per tile
-// and lets the hardware hand them out: tiles b, b + 132, ... of a causal 16k call differed 3x in
-// work (d=128: 386 against 570 TFLOP/s). (A counter taking the next tile dynamically cost the
-// 24-register producer 40 bytes of spills.)
-template <int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, int FEATURES>
+// Block b starts with tile b. Where tiles cost the same the grid is persistent (one block per SM;
+// the next tile's first K and V load during this one's epilogue) and block b then takes b + grid,
+// b + 2 grid, ...; with a causal mask, a window or packed sequences (DYNAMIC) the grid is
+// persistent too and the producer takes the next tile from a counter in global memory as it
+// finishes loading one, handing it to the consumers through shared memory, so blocks that drew
+// short tiles take more.
+// Striding there gave tiles b, b + 132, ... of a causal 16k call 3x unequal work (d=128: 386
+// against 570 TFLOP/s), and a block per tile paid each block's start (barriers, the first Q, K
+// and V) once per tile: 0.80-0.89 of cuDNN at 2k causal. (The counter's atomic in the producer
+// spilled at 24 registers; it has 32.)
+// Whether blocks take their tiles from the counter: where masks or packed sequences make tiles'
+// work unequal, but not at d = 256, whose consumers then spilled 76-232 bytes (the loop's counter
+// and round held across the tile): those calls get a block per tile, handed out by the hardware.
+template <int D_TILE, bool IS_CAUSAL, int FEATURES>
+struct DynamicTiles {
+    static constexpr bool value = (IS_CAUSAL || (FEATURES & (FEATURE_WINDOW | FEATURE_VARLEN))) && D_TILE <= 128;
+};
+// Read by the launcher, which gives a counter (zeroed) and a grid of one block per SM where this is
+// 1, else no counter and a grid of one block per SM (uniform tiles) or per tile.
+template <int D_TILE, bool IS_CAUSAL, int FEATURES>
+__device__ const unsigned int forward_sm90_dynamic_tiles = DynamicTiles<D_TILE, IS_CAUSAL, FEATURES>::value;
+
+template <int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, int FEATURES, bool DYNAMIC>
 struct TileScheduler {
     int num_q_blocks;
     int num_tiles;   // < 2^31: the launcher's grid limit
     __device__ __forceinline__ explicit TileScheduler(const FlashParams& p)
         : num_q_blocks((int)((p.seqlen_q + BLOCK_M - 1) / BLOCK_M)), num_tiles(num_q_blocks * (int)(p.batch * p.heads)) {}
+
+    // The tile after `tile` for the producer (round: how many it has handed over before).
+    template <typename Storage>
+    __device__ __forceinline__ int producer_next(int tile, int* tile_counter, Storage& smem, int round) const {
+        if (!DYNAMIC) return tile + gridDim.x;
+        const int next = gridDim.x + atomicAdd(tile_counter, 1);
+        const RingSlot slot = ring_slot<2>(round);
+        barrier_wait(smem_addr(&smem.tile_empty[slot.index]), slot.parity ^ 1);
+        smem.next_tile[slot.index] = next;
+        barrier_arrive(smem_addr(&smem.tile_full[slot.index]));   // releases the write to the waiters
+        return next;
+    }
+    // The same tile, for a consumer warp.
+    template <typename Storage>
+    __device__ __forceinline__ int consumer_next(int tile, const int* tile_counter, Storage& smem, int round) const {
+        if (!DYNAMIC) return tile + gridDim.x;
+        const RingSlot slot = ring_slot<2>(round);
+        barrier_wait(smem_addr(&smem.tile_full[slot.index]), slot.parity);
+        const int next = *static_cast<volatile int*>(&smem.next_tile[slot.index]);
+        __syncwarp();
+        if (threadIdx.x % 32 == 0) barrier_arrive(smem_addr(&smem.tile_empty[slot.index]));
+        return next;
+    }
 
     __device__ __forceinline__ ForwardSm90Work work(const FlashParams& p, int tile) const {
         ForwardSm90Work w;
@@ -403,13 +448,13 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
 
 template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, bool IS_CAUSAL, int FEATURES>
 __global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1)
-flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const FlashParams p) {
+flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const FlashParams p, int* tile_counter) {
     using Storage = ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>;
     constexpr int CONSUMERS = BLOCK_M / 64;
     static_assert(BLOCK_M % 64 == 0 && (CONSUMERS == 2 || CONSUMERS == 3), "64 query rows per consumer warpgroup");
     static_assert(D_TILE % SWIZZLE_ROW_ELEMENTS == 0 && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
     static_assert(!(FEATURES & FEATURE_BIAS), "the bias runs on the portable kernels");
-    static_assert(registers_fit_launch<CONSUMERS>(), "setmaxnreg split beyond the launch's registers: the block would hang");
+    static_assert(registers_fit_launch<CONSUMERS, DynamicTiles<D_TILE, IS_CAUSAL, FEATURES>::value>(), "setmaxnreg split beyond the launch's registers: the block would hang");
     static_assert(sizeof(Storage) + SWIZZLE_ATOM_BYTES <= 227 * 1024, "shared memory of one sm_90 block");
     require_dynamic_smem(forward_sm90_smem_bytes<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>);
     extern __shared__ unsigned char smem_raw[];
@@ -430,31 +475,39 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
             barrier_init(smem_addr(&smem.k_empty[s]), 4 * CONSUMERS);
             barrier_init(smem_addr(&smem.v_empty[s]), 4 * CONSUMERS);
         }
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            barrier_init(smem_addr(&smem.tile_full[s]), 1);
+            barrier_init(smem_addr(&smem.tile_empty[s]), 4 * CONSUMERS);
+        }
         barrier_init_fence();
     }
     __syncthreads();
 
-    const TileScheduler<BLOCK_M, BLOCK_N, IS_CAUSAL, FEATURES> scheduler(p);
+    const TileScheduler<BLOCK_M, BLOCK_N, IS_CAUSAL, FEATURES, DynamicTiles<D_TILE, IS_CAUSAL, FEATURES>::value> scheduler(p);
     int ring = 0, q_round = 0;
     const int warpgroup = threadIdx.x / 128;
     if (warpgroup == 0) {
-        release_registers<Sm90Registers<CONSUMERS>::producer>();
+        release_registers<Sm90Registers<CONSUMERS, DynamicTiles<D_TILE, IS_CAUSAL, FEATURES>::value>::producer>();
         if (threadIdx.x == 0) {
 #pragma unroll 1
-            for (int tile = blockIdx.x; tile < scheduler.num_tiles; tile += gridDim.x)
+            for (int tile = blockIdx.x, round = 0; tile < scheduler.num_tiles; ++round) {
                 produce_tile(smem, maps, scheduler.work(p, tile), ring, q_round);
+                tile = scheduler.producer_next(tile, tile_counter, smem, round);
+            }
         }
     } else {
-        acquire_registers<Sm90Registers<CONSUMERS>::consumer>();
+        acquire_registers<Sm90Registers<CONSUMERS, DynamicTiles<D_TILE, IS_CAUSAL, FEATURES>::value>::consumer>();
         const int consumer = warpgroup - 1;
         // Issue turns pass around the consumers (issue_barrier): the last one's turn comes before
         // the first's, so it starts the ring with one arrival; consumer 0 takes the ring's last
         // arrival at the end, so every named barrier ends balanced whatever the work.
         if (consumer == CONSUMERS - 1) named_barrier_arrive(issue_barrier(0), 256);
 #pragma unroll 1
-        for (int tile = blockIdx.x; tile < scheduler.num_tiles; tile += gridDim.x) {
+        for (int tile = blockIdx.x, round = 0; tile < scheduler.num_tiles; ++round) {
             const ForwardSm90Work w = scheduler.work(p, tile);
             if (w.valid) consume_tile<T, BLOCK_M, D_TILE, BLOCK_N, STAGES, IS_CAUSAL, FEATURES>(smem, maps, p, w, consumer, ring, q_round);
+            tile = scheduler.consumer_next(tile, tile_counter, smem, round);
         }
         if (consumer == 0) named_barrier_sync(issue_barrier(0), 256);
     }
