@@ -105,7 +105,7 @@ struct ForwardSm90Work {
 // Striding there gave tiles b, b + 132, ... of a causal 16k call 3x unequal work (d=128: 386
 // against 570 TFLOP/s), and a block per tile paid each block's start (barriers, the first Q, K
 // and V) once per tile: 0.80-0.89 of cuDNN at 2k causal. (The counter's atomic in the producer
-// spilled at 24 registers; it has 32.)
+// spilled at 24 registers; it has 40.)
 // Whether blocks take their tiles from the counter: where masks or packed sequences make tiles'
 // work unequal, but not at d = 256, whose consumers then spilled 76-232 bytes (the loop's counter
 // and round held across the tile): those calls get a block per tile, handed out by the hardware.
