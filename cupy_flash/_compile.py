@@ -55,6 +55,7 @@ FAMILY_HEADERS = {
     "backward_tc": ("common.cuh", "tensor_core.cuh"),
     "decode": ("common.cuh", "tensor_core.cuh"),
     "forward_sm90": ("common.cuh", "tensor_core.cuh", "sm90_mma.cuh", "sm90_wgmma_ops.cuh", "sm90_tma.cuh"),
+    "backward_sm90": ("common.cuh", "tensor_core.cuh", "sm90_mma.cuh", "sm90_wgmma_ops.cuh", "sm90_tma.cuh"),
 }
 TENSOR_CORE_FAMILIES = tuple(f for f, headers in FAMILY_HEADERS.items() if "tensor_core.cuh" in headers)
 
@@ -91,7 +92,9 @@ class ModuleSpec:
     def __post_init__(self):
         if self.family == "forward_sm90" and not self.config:
             object.__setattr__(self, "config", _traits.forward_sm90_config(self.tile))
-        if self.family in ("backward", "backward_tc"):   # the backward kernels never see the sink
+        if self.family == "backward_sm90" and not self.config:
+            object.__setattr__(self, "config", _traits.backward_sm90_config(self.tile))
+        if self.family in ("backward", "backward_tc", "backward_sm90"):   # the backward kernels never see the sink
             object.__setattr__(self, "features", self.features & ~_features.FORWARD_ONLY_FEATURES)
         if self.family == "decode":
             object.__setattr__(self, "features", self.features & _features.DECODE_FEATURES)
@@ -124,6 +127,13 @@ class ModuleSpec:
     def forward_sm90_kernel(self, causal: bool) -> str:
         config = ", ".join(str(x) for x in self.config)
         return f"flash_forward_sm90_kernel<{self.ctype}, {config}, {_flag(causal)}, {self.features}>"
+
+    def backward_sm90_kernel(self, causal: bool) -> str:
+        config = ", ".join(str(x) for x in self.config)
+        return f"flash_backward_sm90_kernel<{self.ctype}, {config}, {_flag(causal)}, {self.features}>"
+
+    def backward_sm90_smem(self) -> str:
+        return f"&backward_sm90_smem_bytes<{self.ctype}, {', '.join(str(x) for x in self.config)}>"
 
     def forward_sm90_smem(self) -> str:
         """The device variable holding the kernel's dynamic shared memory (sizeof its storage)."""
@@ -173,12 +183,16 @@ class ModuleSpec:
         if self.family == "forward_sm90":
             return (self.kernel_expressions + (self.forward_sm90_smem(),)
                     + tuple(self.forward_sm90_dynamic_tiles(c) for c in (False, True)))
+        if self.family == "backward_sm90":
+            return self.kernel_expressions + (self.backward_sm90_smem(),)
         return self.kernel_expressions
 
     @property
     def kernel_expressions(self) -> tuple[str, ...]:
         if self.family == "forward_sm90":
             return tuple(self.forward_sm90_kernel(c) for c in (False, True))
+        if self.family == "backward_sm90":
+            return tuple(self.backward_sm90_kernel(c) for c in (False, True))
         if self.family == "forward":
             return tuple(self.forward_kernel(c) for c in (False, True))
         if self.family == "forward_tc":
@@ -237,6 +251,9 @@ def all_module_specs(features=(0,) + LARGEST_FEATURE_SETS) -> list[ModuleSpec]:
             for tile, feature_sets in _traits.FORWARD_SM90_FEATURE_SETS.items():
                 for flags in (0,) + feature_sets if features != (0,) else (0,):
                     specs.append(ModuleSpec("forward_sm90", dtype, tile, "sm90a", flags))
+            for tile, feature_sets in _traits.BACKWARD_SM90_FEATURE_SETS.items():
+                for flags in (0,) + feature_sets if features != (0,) else (0,):
+                    specs.append(ModuleSpec("backward_sm90", dtype, tile, "sm90a", flags))
     return list(dict.fromkeys(specs))   # the decode family keeps fewer flags: equal specs once
 
 

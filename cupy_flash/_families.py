@@ -26,7 +26,7 @@ import os
 from . import _tma, _traits
 
 KERNELS_VARIABLE = "CUPY_FLASH_KERNELS"
-SETTINGS = ("auto", "portable")
+SETTINGS = ("auto", "portable", "experimental")   # experimental: auto, plus draft kernels not yet run
 _override: contextvars.ContextVar = contextvars.ContextVar("cupy_flash_kernels", default=None)
 
 
@@ -120,6 +120,19 @@ def forward_family(device: DeviceInfo, shape, variant, setting: str | None = Non
     """The forward kernel family a call runs: the first of FORWARD_FAMILIES that supports it."""
     setting = kernels_setting() if setting is None else setting
     return next(family.name for family in FORWARD_FAMILIES if family.supports(device, shape, variant, setting, arrays))
+
+
+def backward_family(device: DeviceInfo, shape, variant, deterministic: bool, arrays=(), setting: str | None = None) -> str:
+    """The float16/bfloat16 backward's main kernel: "backward_sm90" (Hopper; DRAFT, opted into with
+    CUPY_FLASH_KERNELS=experimental until it has run on a GPU) or "backward_tc"."""
+    setting = kernels_setting() if setting is None else setting
+    if (setting != "experimental" or device.compute_capability != 90 or deterministic
+            or shape.head_dim > max(_traits.BACKWARD_SM90)):
+        return "backward_tc"
+    tile = _traits.forward_sm90_tile(shape.head_dim)
+    flags = variant.backward_flags
+    supported = any(flags & ~allowed == 0 for allowed in _traits.BACKWARD_SM90_FEATURE_SETS[tile])
+    return "backward_sm90" if supported and all(_tma.maps_supported(x) for x in arrays) else "backward_tc"
 
 
 FAMILY_DESCRIPTIONS = {"forward_sm90": "Hopper kernels (wgmma, TMA, warp specialisation; sm_90a)",

@@ -6,8 +6,8 @@ import dataclasses
 
 import numpy
 
-from . import _checks, _traits
-from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, get_kernel
+from . import _checks, _families, _tma, _traits
+from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, device_value, get_kernel
 from ._families import current_device
 from ._features import broadcast_strides
 from ._params import as_argument, make_params
@@ -149,12 +149,31 @@ def _backward_tensor_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, de
     row_params = params if row_shape is shape else _packed_row_params(row_shape, shape, scale, padded, variant, arrays)
     launch_preprocess(row_params, row_shape)
 
-    spec = ModuleSpec("backward_tc", shape.dtype, shape.tile, target, variant.backward_flags)
-    smem = _traits.backward_tc_smem_bytes(shape.tile, target)
-    kernel = get_kernel(spec, spec.backward_tc_kernel(variant.causal), smem)
-    kernel((-(-shape.seqlen_k // block_n) * bh,), (32 * num_warps,), (as_argument(params),), shared_mem=smem)
+    if _families.backward_family(current_device(), shape, variant, deterministic, (q, k, v, do)) == "backward_sm90":
+        _launch_backward_sm90(q, k, v, do, shape, variant, params)
+    else:
+        spec = ModuleSpec("backward_tc", shape.dtype, shape.tile, target, variant.backward_flags)
+        smem = _traits.backward_tc_smem_bytes(shape.tile, target)
+        kernel = get_kernel(spec, spec.backward_tc_kernel(variant.causal), smem)
+        kernel((-(-shape.seqlen_k // block_n) * bh,), (32 * num_warps,), (as_argument(params),), shared_mem=smem)
     launch_dq_convert(row_params, row_shape)
     return dq, delta
+
+
+def _launch_backward_sm90(q, k, v, do, shape, variant, params) -> None:
+    """The Hopper backward's main kernel (kernels_cu/backward_sm90.cu) on a filled params record
+    (the preprocess has run; the dQ convert runs after). DRAFT: not yet run on a GPU."""
+    spec = ModuleSpec("backward_sm90", shape.dtype, _traits.forward_sm90_tile(shape.head_dim), "sm90a",
+                      variant.backward_flags)
+    _, block_n, block_m, _ = spec.config
+    smem = device_value(spec, spec.backward_sm90_smem())
+    kernel = get_kernel(spec, spec.backward_sm90_kernel(variant.causal), smem)
+    packed = variant.packed is not None
+    encoded = b"".join(_tma.attention_map(x, shape.dtype, rows, packed)
+                       for x, rows in ((q, block_m), (k, block_n), (v, block_n), (do, block_m)))   # BackwardSm90Maps
+    maps = numpy.frombuffer(encoded, dtype=numpy.dtype((numpy.void, len(encoded))))
+    grid = -(-shape.seqlen_k // block_n) * shape.batch * shape.heads
+    kernel((grid,), (128 * (1 + block_n // 64),), (maps, as_argument(params)), shared_mem=smem)
 
 
 def _backward_cuda_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, deterministic, dbias, dbias_layout):

@@ -27,15 +27,6 @@
 // drained, so the fence costs little. Publishing right after the adds (every thread fencing) made
 // deterministic mode 1.14-1.53x the atomic path; the fence stalled every warp on the reds' latency.
 
-__device__ __forceinline__ void red_add_f32x2(float* address, float x, float y) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(address), "f"(x), "f"(y) : "memory");
-#else
-    atomicAdd(address, x);
-    atomicAdd(address + 1, y);
-#endif
-}
-
 // Called by one thread after a __syncthreads() that follows the block's adds: the barrier orders
 // every thread's reds before this thread's fence, and the fence (cumulative) before the count moves
 // (the pattern of cooperative groups' grid barrier).

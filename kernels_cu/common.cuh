@@ -137,6 +137,16 @@ __device__ __forceinline__ long long kv_head_of(long long h, const FlashParams& 
 }
 __device__ __forceinline__ long long kv_head_of_wide(long long h, const FlashParams& p) { return h / p.group; }
 
+// Two float32 adds to consecutive addresses (dQ accumulators), one instruction on sm_90.
+__device__ __forceinline__ void red_add_f32x2(float* address, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(address), "f"(x), "f"(y) : "memory");
+#else
+    atomicAdd(address, x);
+    atomicAdd(address + 1, y);
+#endif
+}
+
 __device__ __forceinline__ long long tensor_offset(const long long* strides, long long b, long long row, long long h) {
     return b * strides[0] + row * strides[1] + h * strides[2];
 }

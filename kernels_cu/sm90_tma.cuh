@@ -48,6 +48,13 @@ __device__ __forceinline__ void tma_load_4d(unsigned int dst, const TensorMap* m
                  :: "r"(dst), "l"((unsigned long long)map), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
 
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) of contiguous global memory into shared
+// memory at dst, counting towards bar's transactions (row statistics: lse, delta).
+__device__ __forceinline__ void bulk_load(unsigned int dst, const void* src, unsigned int bytes, unsigned int bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"((unsigned long long)src), "r"(bytes), "r"(bar) : "memory");
+}
+
 // Box of shared memory at src to coordinates (c0 .. c3) of a 4-D tensor map; elements outside the
 // tensor are not written. The writes to src must be made visible to the async proxy first (each
 // writing thread: fence_async_shared, then a barrier with the issuing thread). Completion is

@@ -1,0 +1,261 @@
+// Hopper backward (sm_90a) for float16 / bfloat16, on the forward's vocabulary (sm90_mma.cuh,
+// sm90_tma.cuh). DRAFT: compiled clean (0 spills) on the CPU, not yet run on a GPU.
+//
+// One block per (key block of BLOCK_N keys, batch, head), key blocks of one head consecutive in the
+// grid (their Q, dO and dQ rows stay in L2). With the scores transposed (keys as rows):
+//   S^T  = K Q^T                       P^T  = exp2(S^T * scale_log2 - lse_log2[query])
+//   dP^T = V dO^T                      dS^T = P^T * (dP^T - delta[query])
+//   dV  += P^T dO     dK += dS^T Q     dQ  += dS K        (dK and dQ times softmax_scale at the end:
+//                                                          dK here, dQ in the convert kernel)
+//  - warpgroup 0, the producer, gives its registers away; one thread loads K and V once, then
+//    streams each query block's Q and dO tiles (TMA) and its lse_log2 and delta rows (bulk copies)
+//    into a ring of STAGES slots;
+//  - warpgroups 1..2 each own 64 of the block's keys: S^T and dP^T by wgmma from shared memory,
+//    P^T and dS^T in registers, dV += P^T dO and dK += dS^T Q by wgmma with A from registers
+//    (accumulated across the query loop), dS written to shared memory (queries x keys, keys
+//    contiguous) for dQ = dS K, whose float32 result is added to dq_accum with red.global.add.v2
+//    (each warpgroup adds its keys' part: two adds per element).
+// Row statistics are the preprocess kernel's: padded per (batch, head) to a multiple of 128 rows,
+// lse_log2 +inf past the sequence (P = 0) and delta 0, so a query block is always whole; Q and dO
+// rows past the sequence arrive as zeros. Keys past the sequence read zeros from K and V; the mask
+// drops their P, and their dK / dV rows are not stored.
+
+template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES>
+struct BackwardSm90Storage {
+    static constexpr int CHUNKS = D_TILE / SWIZZLE_ROW_ELEMENTS;
+    alignas(SWIZZLE_ATOM_BYTES) T k[CHUNKS][BLOCK_N][SWIZZLE_ROW_ELEMENTS];
+    alignas(SWIZZLE_ATOM_BYTES) T v[CHUNKS][BLOCK_N][SWIZZLE_ROW_ELEMENTS];
+    alignas(SWIZZLE_ATOM_BYTES) T q[STAGES][CHUNKS][BLOCK_M][SWIZZLE_ROW_ELEMENTS];
+    alignas(SWIZZLE_ATOM_BYTES) T dout[STAGES][CHUNKS][BLOCK_M][SWIZZLE_ROW_ELEMENTS];
+    // dS (queries x keys, keys contiguous): chunk c holds consumer c's 64 keys.
+    alignas(SWIZZLE_ATOM_BYTES) T ds[BLOCK_N / 64][BLOCK_M][SWIZZLE_ROW_ELEMENTS];
+    alignas(16) float lse_log2[STAGES][BLOCK_M];
+    alignas(16) float delta[STAGES][BLOCK_M];
+    unsigned long long kv_full;
+    unsigned long long full[STAGES], empty[STAGES];
+};
+
+// q, k, v, dO as 4-D tensors (head_dim, seqlen, heads, batch) in boxes of 64 x BLOCK_M (q, dO) or
+// 64 x BLOCK_N (k, v) elements, 128-byte swizzled (cupy_flash/_tma.py).
+struct BackwardSm90Maps {
+    TensorMap q, k, v, dout;
+};
+
+template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES>
+__device__ const unsigned int backward_sm90_smem_bytes =
+    sizeof(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>) + SWIZZLE_ATOM_BYTES;
+
+// Registers after setmaxnreg: 3 warpgroups launched at 168 a thread (sm_90 launch bounds).
+constexpr int BACKWARD_SM90_PRODUCER_REGISTERS = 24, BACKWARD_SM90_CONSUMER_REGISTERS = 240;
+static_assert(BACKWARD_SM90_PRODUCER_REGISTERS + 2 * BACKWARD_SM90_CONSUMER_REGISTERS <= 3 * 168,
+              "setmaxnreg split beyond the launch's registers: the block would hang");
+
+template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
+__global__ void __launch_bounds__(128 * (1 + BLOCK_N / 64), 1)
+flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const FlashParams p) {
+    using Storage = BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>;
+    constexpr int CHUNKS = Storage::CHUNKS;
+    constexpr unsigned int K_CHUNK_BYTES = BLOCK_N * 128, Q_CHUNK_BYTES = BLOCK_M * 128;
+    static_assert(BLOCK_N == 128 && BLOCK_M == 64 && D_TILE % 64 == 0, "64 keys per consumer, 64 queries (the dQ wgmma's M)");
+    static_assert(!(FEATURES & (FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_BIAS)), "score modifiers run on the portable backward");
+    static_assert(sizeof(Storage) + SWIZZLE_ATOM_BYTES <= 227 * 1024, "shared memory of one sm_90 block");
+    require_dynamic_smem(backward_sm90_smem_bytes<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>);
+    extern __shared__ unsigned char smem_raw[];
+    Storage& smem = *reinterpret_cast<Storage*>(
+        (reinterpret_cast<unsigned long long>(smem_raw) + SWIZZLE_ATOM_BYTES - 1) & ~(unsigned long long)(SWIZZLE_ATOM_BYTES - 1));
+
+    const KeyBlock block = key_block_of(p, true);
+    const long long b = block.b, h = block.h;
+    const int kv_start = block.kv_block * BLOCK_N;
+    const Sequence seq = sequence_of<FEATURES>(p, b);
+    const Band band = band_of(p, seq);
+    // A packed batch's grid covers its longest sequence; key blocks past this one's end do nothing
+    // (the launcher's dK / dV rows past it belong to the next sequence).
+    const bool keys_here = !(FEATURES & FEATURE_VARLEN) || kv_start < seq.seqlen_k;
+    const int2 q_range = keys_here ? q_block_range<IS_CAUSAL, FEATURES>(seq, kv_start, BLOCK_M, BLOCK_N, band) : make_int2(0, 0);
+    const int batch_coord = (FEATURES & FEATURE_VARLEN) ? 0 : (int)b;
+    const long long stats_row0 = b * p.delta_batch_stride + h * p.delta_stride;
+
+    if (threadIdx.x == 0) {
+        prefetch_tensor_map(&maps.q);
+        prefetch_tensor_map(&maps.k);
+        prefetch_tensor_map(&maps.v);
+        prefetch_tensor_map(&maps.dout);
+        barrier_init(smem_addr(&smem.kv_full), 1);
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            barrier_init(smem_addr(&smem.full[s]), 1);
+            barrier_init(smem_addr(&smem.empty[s]), 4 * (BLOCK_N / 64));   // one arrival per consumer warp
+        }
+        barrier_init_fence();
+    }
+    __syncthreads();
+
+    const int warpgroup = threadIdx.x / 128;
+    if (warpgroup == 0) {
+        release_registers<BACKWARD_SM90_PRODUCER_REGISTERS>();
+        if (threadIdx.x == 0) {
+            const int kv_head = (int)kv_head_of_wide(h, p);
+            const unsigned int kv_full = smem_addr(&smem.kv_full);
+            barrier_arrive_expect(kv_full, 2 * BLOCK_N * D_TILE * sizeof(T));
+#pragma unroll
+            for (int c = 0; c < CHUNKS; ++c) {
+                tma_load_4d(smem_addr(&smem.k[c][0][0]), &maps.k, kv_full, c * SWIZZLE_ROW_ELEMENTS, seq.k_row0 + kv_start,
+                            kv_head, batch_coord);
+                tma_load_4d(smem_addr(&smem.v[c][0][0]), &maps.v, kv_full, c * SWIZZLE_ROW_ELEMENTS, seq.k_row0 + kv_start,
+                            kv_head, batch_coord);
+            }
+#pragma unroll 1
+            for (int m = q_range.x, i = 0; m < q_range.y; ++m, ++i) {
+                const RingSlot slot = ring_slot<STAGES>(i);
+                barrier_wait(smem_addr(&smem.empty[slot.index]), slot.parity ^ 1);
+                const unsigned int full = smem_addr(&smem.full[slot.index]);
+                barrier_arrive_expect(full, 2 * BLOCK_M * D_TILE * sizeof(T) + 2 * BLOCK_M * sizeof(float));
+                const int row = seq.q_row0 + m * BLOCK_M;
+#pragma unroll
+                for (int c = 0; c < CHUNKS; ++c) {
+                    tma_load_4d(smem_addr(&smem.q[slot.index][c][0][0]), &maps.q, full, c * SWIZZLE_ROW_ELEMENTS, row, (int)h,
+                                batch_coord);
+                    tma_load_4d(smem_addr(&smem.dout[slot.index][c][0][0]), &maps.dout, full, c * SWIZZLE_ROW_ELEMENTS, row,
+                                (int)h, batch_coord);
+                }
+                bulk_load(smem_addr(&smem.lse_log2[slot.index][0]), p.lse_log2 + stats_row0 + m * BLOCK_M,
+                          BLOCK_M * sizeof(float), full);
+                bulk_load(smem_addr(&smem.delta[slot.index][0]), p.delta + stats_row0 + m * BLOCK_M,
+                          BLOCK_M * sizeof(float), full);
+            }
+        }
+        return;
+    }
+
+    acquire_registers<BACKWARD_SM90_CONSUMER_REGISTERS>();
+    const int consumer = warpgroup - 1;
+    const int thread = threadIdx.x % 128, warp = thread / 32, lane = thread % 32;
+    const int key_row = 16 * warp + lane / 4;       // this thread's keys: + 0 and + 8 (of the consumer's 64)
+    const int query_col = 2 * (lane % 4);           // and queries 8i + this (+1)
+    const int first_key = kv_start + 64 * consumer + key_row;
+    const unsigned int k_rows = smem_addr(&smem.k[0][64 * consumer][0]);
+    const unsigned int v_rows = smem_addr(&smem.v[0][64 * consumer][0]);
+    unsigned char* ds_tile = reinterpret_cast<unsigned char*>(&smem.ds[consumer][0][0]);
+    float* dq_accum = p.dq_accum + tensor_offset(p.dq_accum_strides, b, seq.q_row0, h);
+
+    float dk[D_TILE / 2], dv[D_TILE / 2];
+#pragma unroll
+    for (int i = 0; i < D_TILE / 2; ++i) dk[i] = dv[i] = 0.f;
+    barrier_wait(smem_addr(&smem.kv_full), 0);   // also where no query block sees these keys: the loads must land
+
+#pragma unroll 1
+    for (int m = q_range.x, it = 0; m < q_range.y; ++m, ++it) {
+        const RingSlot slot = ring_slot<STAGES>(it);
+        const int q_start = m * BLOCK_M;
+        barrier_wait(smem_addr(&smem.full[slot.index]), slot.parity);
+        const unsigned int q_base = smem_addr(&smem.q[slot.index][0][0][0]);
+        const unsigned int do_base = smem_addr(&smem.dout[slot.index][0][0][0]);
+
+        // S^T = K Q^T and dP^T = V dO^T (this consumer's 64 keys x BLOCK_M queries).
+        float s[BLOCK_M / 2], dp[BLOCK_M / 2];
+        warpgroup_arrive();
+#pragma unroll
+        for (int kk = 0; kk < D_TILE / 16; ++kk) {
+            const unsigned int step = (kk % 4) * 32;   // k16 steps inside a 64-column chunk
+            Wgmma<T, BLOCK_M>::template ss<0>(s, k_major_descriptor(k_rows + (kk / 4) * K_CHUNK_BYTES + step),
+                                              k_major_descriptor(q_base + (kk / 4) * Q_CHUNK_BYTES + step), kk > 0);
+        }
+#pragma unroll
+        for (int kk = 0; kk < D_TILE / 16; ++kk) {
+            const unsigned int step = (kk % 4) * 32;
+            Wgmma<T, BLOCK_M>::template ss<0>(dp, k_major_descriptor(v_rows + (kk / 4) * K_CHUNK_BYTES + step),
+                                              k_major_descriptor(do_base + (kk / 4) * Q_CHUNK_BYTES + step), kk > 0);
+        }
+        warpgroup_commit();
+        warpgroup_wait<0>();
+        hold_registers(s);
+        hold_registers(dp);
+
+        // P^T and dS^T in place; dS also to shared memory as T (queries x keys) for dQ.
+        const float* lse_tile = smem.lse_log2[slot.index];
+        const float* delta_tile = smem.delta[slot.index];
+        const bool needs_mask = tile_needs_mask<IS_CAUSAL, FEATURES>(q_start, BLOCK_M, kv_start + 64 * consumer, 64,
+                                                                    seq.seqlen_k, band);
+#pragma unroll
+        for (int i = 0; i < BLOCK_M / 8; ++i) {
+            const int col = 8 * i + query_col;
+            const float2 lse = *reinterpret_cast<const float2*>(lse_tile + col);
+            const float2 dsum = *reinterpret_cast<const float2*>(delta_tile + col);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = first_key + 8 * (e >> 1), query = q_start + col + (e & 1);
+                float prob = exp2f(fmaf(s[4 * i + e], p.scale_log2, -((e & 1) ? lse.y : lse.x)));
+                if (needs_mask && !key_visible<IS_CAUSAL, FEATURES>(key, query, seq.seqlen_k, band)) prob = 0.f;
+                const float ds = prob * (dp[4 * i + e] - ((e & 1) ? dsum.y : dsum.x));
+                s[4 * i + e] = prob;
+                dp[4 * i + e] = ds;
+                const unsigned int packed = Mma<T>::pack(ds, 0.f);
+                *reinterpret_cast<unsigned short*>(ds_tile + swizzled_offset(col + (e & 1), key_row + 8 * (e >> 1))) =
+                    (unsigned short)(packed & 0xFFFFu);
+            }
+        }
+        fence_async_shared();   // the dS writes, before the dQ wgmma reads them
+
+        // dV += P^T dO and dK += dS^T Q (A from registers; dO and Q read N-major).
+        unsigned int pa[BLOCK_M / 16][4], dsa[BLOCK_M / 16][4];
+        accumulator_to_a<T, BLOCK_M>(pa, s);
+        accumulator_to_a<T, BLOCK_M>(dsa, dp);
+        warpgroup_arrive();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+            Wgmma<T, D_TILE>::template rs<1>(dv, pa[kk], n_major_descriptor(do_base + kk * 2 * SWIZZLE_ATOM_BYTES, Q_CHUNK_BYTES), 1);
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+            Wgmma<T, D_TILE>::template rs<1>(dk, dsa[kk], n_major_descriptor(q_base + kk * 2 * SWIZZLE_ATOM_BYTES, Q_CHUNK_BYTES), 1);
+        warpgroup_commit();
+
+        // dQ (BLOCK_M queries x 64 head-dim columns a pass) = dS (this consumer's keys) K.
+        named_barrier_sync(1 + consumer, 128);   // every warp's dS rows are written
+#pragma unroll 1
+        for (int c = 0; c < CHUNKS; ++c) {
+            float dq[SWIZZLE_ROW_ELEMENTS / 2];
+            warpgroup_arrive();
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+                Wgmma<T, SWIZZLE_ROW_ELEMENTS>::template ss<1>(dq, k_major_descriptor(smem_addr(ds_tile) + kk * 32),
+                                                  n_major_descriptor(k_rows + c * K_CHUNK_BYTES + kk * 2 * SWIZZLE_ATOM_BYTES,
+                                                                     K_CHUNK_BYTES), kk > 0);
+            warpgroup_commit();
+            warpgroup_wait<0>();
+            hold_registers(dq);
+#pragma unroll
+            for (int i = 0; i < SWIZZLE_ROW_ELEMENTS / 8; ++i)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int query = q_start + 16 * warp + lane / 4 + 8 * r;
+                    if (query < seq.seqlen_q)
+                        red_add_f32x2(dq_accum + (long long)query * p.dq_accum_strides[1] + c * SWIZZLE_ROW_ELEMENTS + 8 * i + query_col,
+                                      dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+                }
+        }
+        hold_registers(dk);
+        hold_registers(dv);
+        // The slot's Q and dO were last read by the dK / dV products (complete: wait<0> above);
+        // the dS rows are rewritten only after the next block's barrier.
+        __syncwarp();
+        if (lane == 0) barrier_arrive(smem_addr(&smem.empty[slot.index]));
+    }
+
+    // Epilogue: dK (times softmax_scale) and dV as T, 4-byte stores from the accumulator layout.
+    const int head_dim = (int)p.head_dim;
+    T* dk_out = static_cast<T*>(p.dk) + tensor_offset(p.dk_strides, b, seq.k_row0, h);
+    T* dv_out = static_cast<T*>(p.dv) + tensor_offset(p.dv_strides, b, seq.k_row0, h);
+#pragma unroll
+    for (int i = 0; i < D_TILE / 8; ++i)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int key = first_key + 8 * r, col = 8 * i + query_col;
+            if (keys_here && key < seq.seqlen_k && col < head_dim) {
+                *reinterpret_cast<unsigned int*>(dk_out + (long long)key * p.dk_strides[1] + col) =
+                    Mma<T>::pack(dk[4 * i + 2 * r] * p.softmax_scale, dk[4 * i + 2 * r + 1] * p.softmax_scale);
+                *reinterpret_cast<unsigned int*>(dv_out + (long long)key * p.dv_strides[1] + col) =
+                    Mma<T>::pack(dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
+            }
+        }
+}
