@@ -177,6 +177,9 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
         const float* delta_tile = smem.delta[slot.index];
         const bool needs_mask = tile_needs_mask<IS_CAUSAL, FEATURES>(q_start, BLOCK_M, kv_start + 64 * consumer, 64,
                                                                     seq.seqlen_k, band);
+        // Every warp writes dS rows of all BLOCK_M queries, which every warp's part of the previous
+        // block's dQ product read: wait for the whole warpgroup (wgmma's .sync is per warp).
+        named_barrier_sync(1 + consumer, 128);
 #pragma unroll
         for (int i = 0; i < BLOCK_M / 8; ++i) {
             const int col = 8 * i + query_col;
