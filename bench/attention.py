@@ -31,6 +31,7 @@ import ml_dtypes
 import numpy
 
 import cupy_flash
+from cupy_flash._families import SETTINGS
 
 DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": numpy.float16}
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -176,7 +177,7 @@ def run(args):
             our_sets = sets
             if mode in ("bwd", "bwd_det"):
                 our_sets = [s + list(cupy_flash.flash_forward(s[0], s[1], s[2], causal=bool(causal))) for s in sets]
-            ms = time_calls(ours(mode, bool(causal)), our_sets)
+            ms = time_calls(ours(mode, bool(causal), args.kernels), our_sets)
             row[f"ours_{mode}"] = work / ms / 1e9
             if args.portable:
                 ms = time_calls(ours(mode, bool(causal), "portable"), our_sets)
@@ -196,7 +197,7 @@ def run(args):
         del sets
         cupy.get_default_memory_pool().free_all_blocks()
     return dict(device=device, tokens=args.tokens, features=args.features, rows=rows,
-                modes=args.modes, peers=(["portable"] if args.portable else []) + list(peers),
+                kernels=args.kernels, modes=args.modes, peers=(["portable"] if args.portable else []) + list(peers),
                 torch=getattr(torch, "__version__", None), cupy=cupy.__version__, matmul_tflops=matmul)
 
 
@@ -277,6 +278,8 @@ def main(argv=None):
     parser.add_argument("--sets", type=int, default=3, help="input sets rotated between calls")
     parser.add_argument("--portable", action="store_true",
                         help="also time our portable kernels (CUPY_FLASH_KERNELS=portable) in the same run")
+    parser.add_argument("--kernels", default="auto", choices=SETTINGS,
+                        help="our calls' dispatch, as CUPY_FLASH_KERNELS (experimental: drafts included)")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
     from cupy_flash._device import require_gpu

@@ -1,7 +1,7 @@
 """Small Hopper forward calls (kernels_cu/forward_sm90.cu) for compute-sanitizer's memcheck, racecheck
 and synccheck: every head-dim tile, both dtypes, causal and not, a persistent grid whose blocks take
 several tiles (more tiles than SMs), tiles that see no key, GQA, a window, softcap, a sink and a
-packed batch with an empty sequence. Exits with an error on a machine without a compute
+packed batch with an empty sequence; then the Hopper backward's. Exits with an error on a machine without a compute
 capability 9.0 GPU.
 
     compute-sanitizer --tool racecheck python bench/sanitize_sm90.py
@@ -36,5 +36,22 @@ for dtype in (numpy.float16, ml_dtypes.bfloat16):
     q, k = array((sum(lens_q), 4, 64), dtype), array((sum(lens_k), 2, 64), dtype)
     cupy_flash.flash_forward(q, k, k, causal=True, cu_seqlens_q=cupy.asarray(numpy.cumsum([0] + lens_q), dtype=cupy.int32),
                              cu_seqlens_k=cupy.asarray(numpy.cumsum([0] + lens_k), dtype=cupy.int32))
+# The Hopper backward (kernels_cu/backward_sm90.cu; opted into with CUPY_FLASH_KERNELS=experimental):
+# both head-dim tiles (96 pads to 128), key blocks past the sequence, GQA, a window, a packed batch.
+with _families.use_kernels("experimental"):
+    for dtype in (numpy.float16, ml_dtypes.bfloat16):
+        for d in (64, 96, 128):
+            for causal in (False, True):
+                q, k, v = array((2, 200, 4, d), dtype), array((2, 150, 2, d), dtype), array((2, 150, 2, d), dtype)
+                o, lse = cupy_flash.flash_forward(q, k, v, causal=causal)
+                cupy_flash.flash_backward(array(q.shape, dtype), q, k, v, o, lse, causal=causal)
+        q, k, v = array((1, 300, 2, 64), dtype), array((1, 260, 2, 64), dtype), array((1, 260, 2, 64), dtype)
+        o, lse = cupy_flash.flash_forward(q, k, v, window_size=(30, 5))
+        cupy_flash.flash_backward(array(q.shape, dtype), q, k, v, o, lse, window_size=(30, 5))
+        lens_q, lens_k = [70, 0, 200], [45, 9, 130]
+        cu_q, cu_k = (cupy.asarray(numpy.cumsum([0] + n), dtype=cupy.int32) for n in (lens_q, lens_k))
+        q, k = array((sum(lens_q), 4, 128), dtype), array((sum(lens_k), 2, 128), dtype)
+        o, lse = cupy_flash.flash_forward(q, k, k, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        cupy_flash.flash_backward(array(q.shape, dtype), q, k, k, o, lse, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
 cupy.cuda.Device().synchronize()
 print("sm90 sanitize workload done")

@@ -85,7 +85,10 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             barrier_init(smem_addr(&smem.full[s]), 1);
-            barrier_init(smem_addr(&smem.empty[s]), 4 * (BLOCK_N / 64));   // one arrival per consumer warp
+            // One arrival per consumer thread: each read the slot's lse and delta rows with its own
+            // loads, and an arrival releases only the arriving thread's reads (racecheck flagged
+            // the bulk copy into the slot against lanes 1-31's reads when only lane 0 arrived).
+            barrier_init(smem_addr(&smem.empty[s]), 128 * (BLOCK_N / 64));
         }
         barrier_init_fence();
     }
@@ -232,8 +235,9 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int query = q_start + 16 * warp + lane / 4 + 8 * r;
-                    if (query < seq.seqlen_q)
-                        red_add_f32x2(dq_accum + (long long)query * p.dq_accum_strides[1] + c * SWIZZLE_ROW_ELEMENTS + 8 * i + query_col,
+                    const int col = c * SWIZZLE_ROW_ELEMENTS + 8 * i + query_col;   // head_dim: a multiple of 8
+                    if (query < seq.seqlen_q && col < (int)p.head_dim)
+                        red_add_f32x2(dq_accum + (long long)query * p.dq_accum_strides[1] + col,
                                       dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
                 }
         }
@@ -241,8 +245,7 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
         hold_registers(dv);
         // The slot's Q and dO were last read by the dK / dV products (complete: wait<0> above);
         // the dS rows are rewritten only after the next block's barrier.
-        __syncwarp();
-        if (lane == 0) barrier_arrive(smem_addr(&smem.empty[slot.index]));
+        barrier_arrive(smem_addr(&smem.empty[slot.index]));
     }
 
     // Epilogue: dK (times softmax_scale) and dV as T, 4-byte stores from the accumulator layout.

@@ -44,10 +44,12 @@ KERNEL_PATHS = [pytest.param("portable", id="portable"),
 
 @contextlib.contextmanager
 def kernel_path(path: str):
-    """Calls inside dispatch as ``path`` asks ("hopper": the default rule on a Hopper GPU)."""
+    """Calls inside dispatch as ``path`` asks. "hopper": every Hopper kernel, those still opted into
+    with CUPY_FLASH_KERNELS=experimental included (the backward; the forward dispatches the same
+    under "auto" and "experimental")."""
     from cupy_flash import _families
 
-    with _families.use_kernels("portable" if path == "portable" else "auto"):
+    with _families.use_kernels("portable" if path == "portable" else "experimental"):
         yield
 
 
@@ -80,6 +82,34 @@ def expect_hopper_family(path: str, family: str, dtype: str, head_dim: int, feat
                 or (right_bounded and head_dim <= 64 and seqlen_k <= 512))
     assert family == ("forward_tc" if dtype != "float32" and portable else "forward" if portable else "forward_sm90"), (
         family, dtype, head_dim, sorted(features))
+
+
+def expect_hopper_backward(path: str, family: str, dtype: str, head_dim: int, features: dict,
+                           deterministic: bool) -> None:
+    """Under "hopper", every float16/bfloat16 backward at head_dim <= 128 that is not deterministic
+    and has no softcap, ALiBi or bias runs the Hopper backward (a sink enters only through lse and
+    dsink, outside the kernel), stated apart from the dispatch code."""
+    count_example(f"backward on {family}")
+    if path != "hopper":
+        return
+    modified = features.get("softcap", 0.0) != 0.0 or any(features.get(n) is not None for n in ("alibi_slopes", "bias"))
+    hopper = dtype != "float32" and head_dim <= 128 and not deterministic and not modified
+    assert family == ("backward_sm90" if hopper else "portable"), (family, dtype, head_dim, sorted(features), deterministic)
+
+
+def backward_family_of(path: str, q, k, v, deterministic: bool, **options) -> str:
+    """"backward_sm90" or "portable": the main kernel a flash_backward call runs under ``path``."""
+    from cupy_flash import _checks, _families
+
+    features = {n: x for n, x in options.items() if n not in ("softmax_scale", "causal")}
+    q, k, v, shape, _, variant = _checks.prepare_qkv(q, k, v, options.get("softmax_scale"), options.get("causal", False),
+                                                   features)
+    if shape.dtype == "float32":
+        return "portable"
+    with kernel_path(path):
+        family = _families.backward_family(_families.current_device(), shape, variant.on_device(), deterministic,
+                                           tuple(_checks.kernel_ready(x) for x in (q, k, v)))
+    return "portable" if family == "backward_tc" else family
 
 
 # ---------------------------------------------------------------------------------------------

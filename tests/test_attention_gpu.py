@@ -13,9 +13,11 @@ from helpers import (
     KERNEL_PATHS,
     NOTES,
     as_float64,
+    backward_family_of,
     bitwise,
     check_error_rule,
     count_example,
+    expect_hopper_backward,
     expect_hopper_family,
     forward_family_of,
     gradient_term_scales,
@@ -236,17 +238,19 @@ def test_forward_matches_reference(path, p):
     _check_forward(p, path)
 
 
-def _check_backward(p, deterministic):
+def _check_backward(p, deterministic, path="portable"):
     q, k, v, do = make_inputs(p, with_grad=True)
     opts = options(p)
     o, lse = cupy_flash.flash_forward(q, k, v, **opts)
     # dbias when there is a bias (with deterministic=True only for one that does not broadcast).
     return_dbias = "bias" in opts and not (deterministic and bias_broadcasts(p))
-    with poisoned_allocations():
+    expect_hopper_backward(path, backward_family_of(path, q, k, v, deterministic, **opts), p["dtype"], p["head_dim"],
+                           opts, deterministic)
+    with poisoned_allocations(), kernel_path(path):
         grads = cupy_flash.flash_backward(do, q, k, v, o, lse, deterministic=deterministic, return_dbias=return_dbias, **opts)
     exact = attention_reference_backward(do, q, k, v, return_dbias=return_dbias, **opts)
     low = low_precision_gradients(do, q, k, v, return_dbias=return_dbias, **opts)
-    context = describe(p) + f" deterministic={deterministic}"
+    context = describe(p) + f" deterministic={deterministic} kernels={path}"
     lse_magnitude = max_finite_abs(lse)
     term_scales = gradient_term_scales(do, q, k, v, **opts)
     has_sink = "sink" in opts
@@ -264,6 +268,7 @@ def _check_backward(p, deterministic):
                          term_scales["delta:dbias"])
 
 
+@pytest.mark.parametrize("path", KERNEL_PATHS)
 @given(problems(), st.booleans())
 @example(EDGE_CASES[0], False)
 @example(EDGE_CASES[1], True)
@@ -281,9 +286,9 @@ def _check_backward(p, deterministic):
 @example(EDGE_CASES[13], False)
 @example(EDGE_CASES[14], False)
 @example(EDGE_CASES[15], True)
-def test_backward_matches_reference(p, deterministic):
+def test_backward_matches_reference(path, p, deterministic):
     count_example("backward_matches_reference")
-    _check_backward(p, deterministic)
+    _check_backward(p, deterministic, path)
 
 
 @st.composite
@@ -385,7 +390,9 @@ def test_packed_batches_match_reference(path, p, deterministic):
     lse_magnitude = max_finite_abs(lse_exact)
     check_error_rule("o", o, o_exact, o_low, context, lse_magnitude)
     check_error_rule("lse", lse, lse_exact, lse_low, context, lse_magnitude)
-    with poisoned_allocations():
+    expect_hopper_backward(path, backward_family_of(path, q, k, v, deterministic, **opts), p["dtype"], p["head_dim"],
+                           opts, deterministic)
+    with poisoned_allocations(), kernel_path(path):
         grads = cupy_flash.flash_backward(do, q, k, v, o, lse, deterministic=deterministic, **opts)
     exact = attention_reference_backward(do, q, k, v, **opts)
     low = low_precision_gradients(do, q, k, v, **opts)
@@ -484,7 +491,7 @@ def test_thousands_of_batch_heads(causal, path):
     p = dict(dtype="bfloat16", batch=48, heads=64, seqlen_q=37, seqlen_k=70, head_dim=64, causal=causal,
              softmax_scale=None, logit_std=1.0, seed=5)
     _check_forward(p, path)
-    _check_backward(p, deterministic=False)
+    _check_backward(p, deterministic=False, path=path)
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)
@@ -498,7 +505,8 @@ def test_rows_that_see_no_key(path):
         o, lse = cupy_flash.flash_forward(q, k, v, causal=True)
     assert bool((o[:, :200] == 0).all()) and bool(numpy.isneginf(lse[:, :, :200].get()).all())
     for deterministic in (False, True):
-        dq, dk, dv = cupy_flash.flash_backward(do, q, k, v, o, lse, causal=True, deterministic=deterministic)
+        with poisoned_allocations(), kernel_path(path):
+            dq, dk, dv = cupy_flash.flash_backward(do, q, k, v, o, lse, causal=True, deterministic=deterministic)
         assert bool((dq[:, :200] == 0).all())
         for g in (dq, dk, dv):
             assert not bool(numpy.isnan(g.get().astype(numpy.float32)).any())
