@@ -309,3 +309,40 @@ def kernel_ready(x):
     call (``ascontiguousarray`` alone would keep a misaligned contiguous view). The input is never
     modified."""
     return x if readable_in_place(x) else x.copy(order="C")
+
+
+TRACED_OPTIONS = ("softmax_scale", "causal", "window_size", "softcap", "deterministic")
+
+
+def check_traced_call(caller: str, q, k, v, options: dict) -> tuple:
+    """flash_forward's checks on arrays known by shape and dtype alone (a JAX tracer: the JAX adapter
+    checks while tracing, before anything runs), raising the errors an eager call would; returns the
+    options as a hashable tuple of (name, value). Only TRACED_OPTIONS are taken."""
+    unknown = sorted(set(options) - set(TRACED_OPTIONS))
+    if unknown:
+        raise TypeError(f"{caller} got unsupported option(s) {unknown}; it takes {list(TRACED_OPTIONS)} "
+                        "(alibi_slopes, sink, bias and packed batches: call cupy_flash on CuPy arrays)")
+    described = []
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array with shape and dtype, got {type(x).__name__}")
+        described.append(_Described(x))
+    shape = check_qkv(*described)
+    scale = check_softmax_scale(options.get("softmax_scale"), shape.head_dim)
+    causal = check_flag("causal", options.get("causal", False))
+    deterministic = check_flag("deterministic", options.get("deterministic", False))
+    window_size, softcap = options.get("window_size"), options.get("softcap", 0.0)
+    from ._features import check_variant
+
+    check_variant(shape.batch, shape.heads, causal, seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k,
+                  window_size=window_size, softcap=softcap)
+    window = None if window_size is None else tuple(int(n) for n in window_size)
+    return (("softmax_scale", float(scale)), ("causal", causal), ("window_size", window),
+            ("softcap", float(softcap)), ("deterministic", deterministic))
+
+
+class _Described:
+    """An array's shape and dtype, as check_qkv reads them."""
+
+    def __init__(self, x):
+        self.shape, self.ndim, self.dtype = tuple(int(n) for n in x.shape), len(x.shape), numpy.dtype(x.dtype)

@@ -38,6 +38,16 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
     atomic adds, so ``deterministic=True`` with ``return_dbias`` needs a bias that broadcasts over
     no axis (every axis of size 1 is one of size 1 in (batch, heads_q, seqlen_q, seqlen_k) too).
     """
+    return backward_into(None, do, q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal,
+                         deterministic=deterministic, return_dbias=return_dbias, **features)
+
+
+@on_stream
+def backward_into(out, do, q, k, v, o, lse, *, softmax_scale=None, causal=False, deterministic=False,
+                  return_dbias=False, **features):
+    """flash_backward writing dq, dk, dv into ``out`` = (dq, dk, dv), C-contiguous GPU arrays like
+    q, k, v on q's device (None: allocated): the adapters hand over their framework's buffers.
+    dsink and dbias, where asked for, are allocated as in flash_backward."""
     _checks.check_no_extra_options("flash_backward", features)
     q, k, v, shape, scale, variant = _checks.prepare_qkv(q, k, v, softmax_scale, causal, features)
     deterministic = _checks.check_flag("deterministic", deterministic)
@@ -60,15 +70,14 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
         lse = cupy.ascontiguousarray(lse)
         bias_dtype = None if variant.bias is None else variant.bias.dtype
         variant = variant.on_device()
+        dq, dk, dv = _check_gradient_outputs(out, q, k, v)
         # MQA/GQA: the kernels write per-query-head dK/dV, summed over each group afterwards.
-        dk = cupy.empty(k.shape, dtype=k.dtype)
-        dv = cupy.empty(v.shape, dtype=v.dtype)
         expanded = k.shape[:-2] + (shape.heads, shape.head_dim)
         dk_heads, dv_heads = (dk, dv) if shape.group == 1 else (cupy.empty(expanded, k.dtype), cupy.empty(expanded, v.dtype))
         dbias = None if dbias_layout is None else cupy.zeros(dbias_layout[0], dtype=cupy.float32)
         backward = _backward_tensor_core if shape.dtype in TENSOR_CORE_DTYPES else _backward_cuda_core
-        dq, delta = backward(do, q, k, v, o, lse, dk_heads, dv_heads, shape, scale, variant, deterministic,
-                             dbias, dbias_layout)
+        delta = backward(do, q, k, v, o, lse, dq, dk_heads, dv_heads, shape, scale, variant, deterministic,
+                         dbias, dbias_layout)
         if shape.group > 1:
             row_shape = _row_shape(shape, variant)
             launch_kv_group_sum(make_params(row_shape, scale, dk=dk, dv=dv, dk_expanded=dk_heads, dv_expanded=dv_heads),
@@ -88,6 +97,22 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
         if dbias is not None:
             grads += (dbias.reshape(variant.bias.shape).astype(bias_dtype, copy=False),)
         return grads
+
+
+def _check_gradient_outputs(out, q, k, v):
+    """(dq, dk, dv): ``out``'s CuPy views, checked to be C-contiguous like q, k, v on their device
+    (ValueError naming the one that is not), or new arrays."""
+    import cupy
+
+    if out is None:
+        return tuple(cupy.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+    views = tuple(_checks.as_gpu_array(name, x) for name, x in zip(("dq", "dk", "dv"), out))
+    for name, g, x in zip(("dq", "dk", "dv"), views, (q, k, v)):
+        if g.shape != x.shape or g.dtype != x.dtype or not g.flags.c_contiguous or g.data.device_id != x.data.device_id:
+            raise ValueError(f"{name} (an output buffer) is {g.dtype} {tuple(g.shape)} on device {g.data.device_id}, "
+                             f"contiguous={g.flags.c_contiguous}; expected C-contiguous {x.dtype} {tuple(x.shape)} "
+                             f"on device {x.data.device_id}")
+    return views
 
 
 def _row_shape(shape, variant):
@@ -121,10 +146,10 @@ def _fill_dbias(params, dbias, dbias_layout):
     params["dbias_atomic"] = int(dbias_layout[1])
 
 
-def _backward_tensor_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, deterministic, dbias, dbias_layout):
+def _backward_tensor_core(do, q, k, v, o, lse, dq, dk, dv, shape, scale, variant, deterministic, dbias, dbias_layout):
     """float16 / bfloat16: backward_tc.cu. dQ is accumulated in float32 (atomically, or in a fixed
-    order when deterministic) and then scaled and cast by the convert kernel. Returns (dq, delta),
-    delta as (batch * heads, padded seqlen_q)."""
+    order when deterministic) and then scaled and cast by the convert kernel. Returns delta as
+    (batch * heads, padded seqlen_q)."""
     import cupy
 
     target = current_device().tensor_core_target
@@ -140,7 +165,6 @@ def _backward_tensor_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, de
     num_q_blocks = -(-shape.seqlen_q // block_m)
     dq_semaphore = cupy.zeros(bh * num_q_blocks, dtype=cupy.int32) if deterministic else None
 
-    dq = cupy.empty(q.shape, dtype=q.dtype)
     arrays = dict(q=q, k=k, v=v, o=o, lse=lse, dout=do, delta=delta, lse_log2=lse_log2, dq_accum=dq_accum,
                   dq_semaphore=dq_semaphore, dq=dq, dk=dk, dv=dv)
     params = make_params(shape, scale, delta_stride=padded, variant=variant, **arrays)
@@ -157,7 +181,7 @@ def _backward_tensor_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, de
         kernel = get_kernel(spec, spec.backward_tc_kernel(variant.causal), smem)
         kernel((-(-shape.seqlen_k // block_n) * bh,), (32 * num_warps,), (as_argument(params),), shared_mem=smem)
     launch_dq_convert(row_params, row_shape)
-    return dq, delta
+    return delta
 
 
 def _launch_backward_sm90(q, k, v, do, shape, variant, params) -> None:
@@ -176,13 +200,12 @@ def _launch_backward_sm90(q, k, v, do, shape, variant, params) -> None:
     kernel((grid,), (128 * (1 + block_n // 64),), (maps, as_argument(params)), shared_mem=smem)
 
 
-def _backward_cuda_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, deterministic, dbias, dbias_layout):
+def _backward_cuda_core(do, q, k, v, o, lse, dq, dk, dv, shape, scale, variant, deterministic, dbias, dbias_layout):
     """float32: backward.cu. dQ with float32 atomics, or when deterministic by a separate pass.
-    Returns (dq, delta)."""
+    Returns delta."""
     import cupy
 
     causal = variant.causal
-    dq = cupy.empty(q.shape, dtype=q.dtype)
     # float32 dQ accumulator for the atomic path: O(batch * seqlen * heads * head_dim).
     dq_accum = None if deterministic else cupy.empty(q.shape, dtype=cupy.float32)
     row_shape = _row_shape(shape, variant)
@@ -206,4 +229,4 @@ def _backward_cuda_core(do, q, k, v, o, lse, dk, dv, shape, scale, variant, dete
         kernel((-(-shape.seqlen_q // block_m) * bh,), (_traits.THREADS,), (as_argument(params),), shared_mem=smem)
     else:
         launch_dq_convert(row_params, row_shape)
-    return dq, delta
+    return delta

@@ -100,15 +100,19 @@ def uses_split_path(shape, variant, num_splits) -> bool:
     return num_splits is not None or shape.group * shape.seqlen_q <= DECODE_MAX_ROWS
 
 
-def launch_decode(q, k, v, shape, scale, variant, num_splits=None, *, cache=None):
+def launch_decode(q, k, v, shape, scale, variant, num_splits=None, *, cache=None, out=None):
     """o, lse of the decode kernel (with its combine when split). ``shape.seqlen_k`` is the cache
-    capacity; ``cache`` (flash_decode) holds cache_seqlens, block_table, page_shift, k_new, v_new."""
+    capacity; ``cache`` (flash_decode) holds cache_seqlens, block_table, page_shift, k_new, v_new;
+    ``out``: (o, lse) to write, checked by forward.check_outputs (else allocated)."""
     import cupy
 
     variant = variant.on_device()
     device = q.device.id
-    o = cupy.empty(q.shape, dtype=q.dtype)
-    lse = cupy.empty((shape.batch, shape.heads, shape.seqlen_q), dtype=cupy.float32)
+    if out is None:
+        o = cupy.empty(q.shape, dtype=q.dtype)
+        lse = cupy.empty((shape.batch, shape.heads, shape.seqlen_q), dtype=cupy.float32)
+    else:
+        o, lse = out
     row_blocks = -(-shape.group * shape.seqlen_q // _traits.DECODE_ROWS)
     work_units = shape.batch * shape.heads_kv * row_blocks
     if num_splits is None:

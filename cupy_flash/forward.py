@@ -32,12 +32,16 @@ class ForwardPlan:
         self.tile_counter = tile_counter   # Hopper: blocks take tiles from a counter, zeroed per call
         self.device = _current_device()   # the kernel handle's
 
-    def run(self, q, k, v):
-        """Launch on kernel-ready q, k, v of the planned shapes, strides and device; returns (o, lse)."""
+    def run(self, q, k, v, out=None):
+        """Launch on kernel-ready q, k, v of the planned shapes, strides and device; returns (o, lse),
+        written into ``out`` = (o, lse) where given (check_outputs' layout), else allocated."""
         import cupy
 
-        o = cupy.empty(q.shape, dtype=q.dtype)
-        lse = cupy.empty(self.lse_shape, dtype=cupy.float32)
+        if out is None:
+            o = cupy.empty(q.shape, dtype=q.dtype)
+            lse = cupy.empty(self.lse_shape, dtype=cupy.float32)
+        else:
+            o, lse = out
         record = with_addresses(self.params, q, k, v, o, lse)
         record_kernel_arrays((q, k, v, o, lse) + self.variant_arrays)
         if not self.maps:
@@ -62,7 +66,7 @@ def forward_plan(q, k, v, shape, scale, variant, config: tuple = ()) -> ForwardP
     import cupy
 
     variant = variant.on_device()
-    lse_shape = (shape.batch, shape.heads, shape.seqlen_q) if variant.packed is None else (shape.heads, variant.packed.total_q)
+    lse_shape = lse_shape_of(shape, variant)
     # The record is filled from stand-ins of o and lse (make_params reads their strides and
     # addresses); run() writes the real addresses.
     o = cupy.ndarray(q.shape, dtype=q.dtype, memptr=q.data)
@@ -176,11 +180,19 @@ def flash_forward(q, k, v, *, softmax_scale=None, causal=False, num_splits=None,
     total_q)), the natural-log logsumexp of the logits (the sink included), -inf (with o = 0) for
     a row that sees no key.
     """
+    return forward_into(None, q, k, v, softmax_scale=softmax_scale, causal=causal, num_splits=num_splits, **features)
+
+
+@on_stream
+def forward_into(out, q, k, v, *, softmax_scale=None, causal=False, num_splits=None, **features):
+    """flash_forward writing into ``out`` = (o, lse), C-contiguous GPU arrays of the output shapes
+    and dtypes on q's device (None: allocated): the adapters hand over their framework's buffers.
+    No checks are skipped; ``out`` is checked after the inputs, before any launch."""
     key = _plan_key(q, k, v, softmax_scale, causal) if not features and num_splits is None else None
     if key is not None:
         plan = _plans.get(key)
         if plan is not None and plan.device == _current_device():
-            return plan.run(q, k, v)
+            return plan.run(q, k, v, check_outputs(out, plan.lse_shape, q))
     _checks.check_no_extra_options("flash_forward", features)
     num_splits = check_num_splits(num_splits)
     given = (q, k, v)
@@ -188,14 +200,37 @@ def flash_forward(q, k, v, *, softmax_scale=None, causal=False, num_splits=None,
     with q.device:
         _checks.same_device(q=q, k=k, v=v)
         q, k, v = (_checks.kernel_ready(x) for x in (q, k, v))
+        out = check_outputs(out, lse_shape_of(shape, variant), q)
         if uses_split_path(shape, variant, num_splits):
-            return launch_decode(q, k, v, shape, scale, variant, num_splits)
+            return launch_decode(q, k, v, shape, scale, variant, num_splits, out=out)
         plan = forward_plan(q, k, v, shape, scale, variant)
         if key is not None and all(x is y for x, y in zip((q, k, v), given)):   # checked, and no copy made
             if len(_plans) >= 256:   # shapes come and go: start again rather than grow
                 _plans.clear()
             _plans[key] = plan
-        return plan.run(q, k, v)
+        return plan.run(q, k, v, out)
+
+
+def lse_shape_of(shape, variant) -> tuple:
+    """(batch, heads_q, seqlen_q), or (heads_q, total_q) for a packed batch."""
+    return (shape.batch, shape.heads, shape.seqlen_q) if variant.packed is None else (shape.heads, variant.packed.total_q)
+
+
+def check_outputs(out, lse_shape: tuple, q):
+    """``out`` = (o, lse) as CuPy views, or ValueError/TypeError naming the one that does not fit:
+    o like q (shape and dtype), lse float32 of ``lse_shape``, both C-contiguous on q's device."""
+    if out is None:
+        return None
+    import cupy
+
+    o, lse = (_checks.as_gpu_array(name, x) for name, x in zip(("o", "lse"), out))
+    for name, x, shape, dtype in (("o", o, tuple(q.shape), q.dtype), ("lse", lse, tuple(lse_shape), cupy.float32)):
+        if tuple(x.shape) != shape or x.dtype != dtype or not x.flags.c_contiguous:
+            raise ValueError(f"{name} (an output buffer) is {x.dtype} {tuple(x.shape)}, contiguous={x.flags.c_contiguous}; "
+                             f"expected C-contiguous {cupy.dtype(dtype)} {shape}")
+        if x.data.device_id != q.data.device_id:
+            raise ValueError(f"{name} (an output buffer) is on device {x.data.device_id} but q on {q.data.device_id}")
+    return o, lse
 
 
 # Plans of plain calls (no feature keywords) that passed the checks with q, k, v readable as they

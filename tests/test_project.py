@@ -93,9 +93,19 @@ def test_jax_example_runs():
     assert len(errors) == 2 and max(errors) < 2e-2, done.stdout
 
 
+@requires_gpu
+@pytest.mark.parametrize("example, framework", [("jax_train_step.py", "jax"), ("torch_compile.py", "torch")])
+def test_compiled_framework_examples_train_like_the_reference(example, framework):
+    pytest.importorskip(framework)
+    done = _run_example([str(ROOT / "examples" / example)], timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "largest relative gap" in done.stdout, done.stdout
+
+
 @pytest.mark.skipif(HAS_GPU, reason="the no-GPU answer (a GPU is present)")
 @pytest.mark.parametrize("command", [["examples/quickstart.py"], ["examples/train_tiny_lm.py", "--steps", "1"],
-                                     ["examples/jax_interop.py"], ["examples/ring_attention.py"], ["-m", "bench"],
+                                     ["examples/jax_interop.py"], ["examples/jax_train_step.py"],
+                                     ["examples/torch_compile.py"], ["examples/ring_attention.py"], ["-m", "bench"],
                                      ["-m", "cupy_flash", "check"]])
 def test_without_a_gpu_every_entry_point_says_why_in_one_line(command):
     """No traceback, no "insufficient driver": one line naming what is missing, exit status 1."""
@@ -103,4 +113,4 @@ def test_without_a_gpu_every_entry_point_says_why_in_one_line(command):
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 1, done.stdout + done.stderr
     assert len(lines) == 1 and "Traceback" not in done.stderr and "insufficient" not in done.stderr, done.stderr
-    assert "needs an NVIDIA GPU: " in lines[0] or "needs JAX" in lines[0], lines
+    assert any(reason in lines[0] for reason in ("needs an NVIDIA GPU: ", "needs JAX", "needs PyTorch")), lines

@@ -1,0 +1,239 @@
+"""JAX adapter (imported only when used): ``flash_attention`` on JAX arrays, under ``jax.jit``,
+``jax.grad`` and ``jax.vmap``.
+
+    import jax
+    from cupy_flash.jax_adapter import flash_attention
+
+    @jax.jit
+    def loss(q, k, v):
+        return flash_attention(q, k, v, causal=True).astype(jax.numpy.float32).sum()
+
+    dq, dk, dv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)   # q (batch, seqlen_q, heads_q, d) on a GPU
+
+The kernels are foreign GPU code inside XLA's program through ``jax.experimental.buffer_callback``:
+at each execution XLA calls back into Python with its own buffers and the CUDA stream it runs on,
+and the kernels launch there, writing o, lse (forward) and dq, dk, dv (backward) straight into the
+buffers XLA allocated for them. No copy, no host synchronisation, no C++ build. (``jax.ffi`` would
+need a compiled handler; buffer_callback is jaxlib's own compiled handler that calls Python.) The
+callback runs on every execution, so the dispatch and launch cost of a call (tens of microseconds
+of Python) is paid each time, as in eager use; XLA's command buffers are not used for it.
+
+The gradient is a ``jax.custom_vjp``: the forward keeps o and lse, the backward runs
+flash_backward. ``jax.vmap`` folds the mapped axes into the batch (one launch; an operand that is not mapped is
+broadcast by XLA first, a copy). Temporaries (the
+backward's float32 dQ accumulator, row statistics) come from CuPy's memory pool on XLA's stream:
+leave the GPU memory XLA does not use to CuPy, e.g. ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.6`` or
+``XLA_PYTHON_CLIENT_PREALLOCATE=false``, since XLA preallocates 75% by default.
+
+Options are flash_forward's: ``softmax_scale``, ``causal``, ``window_size``, ``softcap``, and
+``deterministic`` (the backward's). They are static (Python values); the others (alibi_slopes,
+sink, bias, packed batches) are not offered here, and asking for them is a TypeError naming them.
+Argument errors are flash_forward's own, raised when the call is traced, before anything runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import jax
+import numpy
+from jax.experimental.buffer_callback import buffer_callback
+
+from . import _checks
+from .backward import backward_into
+from .forward import forward_into
+
+
+def flash_attention(q, k, v, **options):
+    """Exact attention ``softmax(softmax_scale * q k^T) v`` on JAX arrays, differentiable in q, k
+    and v; q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim),
+    float16, bfloat16 or float32 on a CUDA GPU. Returns o like q."""
+    return flash_forward(q, k, v, **options)[0]
+
+
+def flash_forward(q, k, v, **options):
+    """(o, lse) as cupy_flash.flash_forward gives them, on JAX arrays; differentiable in q, k, v
+    through o. lse comes under ``jax.lax.stop_gradient``: the backward takes o's cotangent only
+    (as flash_backward does), so a loss that uses lse gets no gradient through it."""
+    o, lse = _attention(_checks.check_traced_call("flash_attention (JAX)", q, k, v, options))(q, k, v)
+    return o, jax.lax.stop_gradient(lse)
+
+
+@functools.lru_cache(maxsize=256)
+def _attention(static: tuple):
+    """The custom_vjp function of q, k, v -> (o, lse) for one set of options."""
+    options = dict(static)
+    deterministic = options.pop("deterministic")
+    # Defaults left out: a call with no feature keywords reuses flash_forward's cached launch plan.
+    for name, default in (("window_size", None), ("softcap", 0.0)):
+        if options[name] == default:
+            del options[name]
+
+    def forward_call(q, k, v):
+        batch, seqlen_q, heads, _ = q.shape[-4:]
+        lead = q.shape[:-4]
+        results = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct(lead + (batch, heads, seqlen_q), numpy.float32))
+        return buffer_callback(functools.partial(_forward_callback, options), results,
+                               vmap_method="broadcast_all")(q, k, v)
+
+    def backward_call(do, q, k, v, o, lse):
+        results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+        return buffer_callback(functools.partial(_backward_callback, options, deterministic), results,
+                               vmap_method="broadcast_all")(do, q, k, v, o, lse)
+
+    @jax.custom_vjp
+    def attention(q, k, v):
+        return forward_call(q, k, v)
+
+    def attention_forward(q, k, v):
+        o, lse = forward_call(q, k, v)
+        return (o, lse), (q, k, v, o, lse)
+
+    def attention_backward(saved, cotangents):
+        q, k, v, o, lse = saved
+        do, _ = cotangents   # lse's is zero: flash_forward stops its gradient
+        return backward_call(do.astype(q.dtype), q, k, v, o, lse)
+
+    attention.defvjp(attention_forward, attention_backward)
+    return attention
+
+
+# -------------------------------------------------------------------------------------------------
+# The callbacks: XLA's buffers as CuPy arrays on XLA's stream.
+
+def _forward_callback(options, context, outputs, q, k, v):
+    o, lse = outputs
+    with _on_xla_stream(context, q):
+        forward_into((_folded(o), _folded(lse, rank=3)), _folded(q), _folded(k), _folded(v), **options)
+
+
+def _backward_callback(options, deterministic, context, outputs, do, q, k, v, o, lse):
+    with _on_xla_stream(context, q):
+        backward_into(tuple(_folded(x) for x in outputs), _folded(do), _folded(q), _folded(k), _folded(v), _folded(o),
+                      _folded(lse, rank=3), deterministic=deterministic, **options)
+
+
+class _on_xla_stream:
+    """The buffers' device and XLA's stream, current for the launches inside."""
+
+    def __init__(self, context, buffer):
+        import cupy
+
+        self.device = cupy.cuda.Device(int(buffer.__dlpack_device__()[1]))
+        self.stream = _stream(int(context.stream))
+
+    def __enter__(self):
+        self.device.__enter__()
+        self.stream.__enter__()
+
+    def __exit__(self, *exc):
+        self.stream.__exit__(*exc)
+        self.device.__exit__(*exc)
+
+
+# The callback's host time is the adapter's whole cost, and a small call (a 4k causal forward,
+# ~130 us of GPU time) is host-bound: with a new stream object and new CuPy views of every buffer
+# per call it ran at 1.10x a direct call (H100). XLA runs a program on one stream and hands out
+# the same addresses from call to call, so both are kept, by stream pointer and by (address,
+# shape, dtype); a view holds no memory of its own (UnownedMemory), so keeping it keeps nothing.
+_streams: dict = {}
+_views: dict = {}
+
+
+def _stream(pointer: int):
+    stream = _streams.get(pointer)
+    if stream is None:
+        from ._streams import as_cupy_stream
+
+        stream = _streams[pointer] = as_cupy_stream(pointer)
+    return stream
+
+
+def _folded(buffer, rank: int = 4):
+    """A CuPy view of an XLA buffer (row-major, no copy) of ``rank`` dimensions, the axes jax.vmap
+    put in front folded into the batch: (..., batch, seqlen, heads, d), or lse's (..., batch, heads,
+    seqlen) with rank 3."""
+    array = _as_cupy(buffer)
+    if array.ndim > rank:
+        array = array.reshape((-1,) + array.shape[array.ndim - rank + 1:])
+    return array
+
+
+def _as_cupy(buffer):
+    """A CuPy array over an XLA buffer's memory (row-major; XLA keeps the memory for the call)."""
+    key = (_device_pointer(buffer), tuple(buffer.shape), buffer.dtype, buffer.__dlpack_device__()[1])
+    view = _views.get(key)
+    if view is None:
+        import cupy
+
+        pointer, shape, dtype, device = key
+        shape, dtype = tuple(int(n) for n in shape), numpy.dtype(dtype)
+        nbytes = int(numpy.prod(shape, dtype=numpy.int64)) * dtype.itemsize
+        memory = cupy.cuda.UnownedMemory(pointer, nbytes, None, int(device))
+        view = cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
+        if len(_views) >= 1024:   # buffers come and go: start again rather than grow
+            _views.clear()
+        _views[key] = view
+    return view
+
+
+def _device_pointer(buffer) -> int:
+    """The buffer's device address: from __cuda_array_interface__, or (a dtype it has no code for,
+    bfloat16) from the DLTensor of its DLPack capsule, whose first field is the data pointer."""
+    try:
+        return int(buffer.__cuda_array_interface__["data"][0])
+    except Exception:   # noqa: BLE001 - jaxlib raises its own error types for unsupported typestrs
+        pass
+    capsule = buffer.__dlpack__()
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    tensor = get_pointer(capsule, b"dltensor")
+    return int(ctypes.c_void_p.from_address(tensor).value or 0)
+
+
+# -------------------------------------------------------------------------------------------------
+# Decoding against a K/V cache updated in place.
+
+DECODE_OPTIONS = ("softmax_scale", "causal", "window_size", "softcap")
+
+
+def flash_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, **options):
+    """cupy_flash.flash_decode on JAX arrays: k_new and v_new (if given) are written into the caches
+    at rows cache_seqlens[b].., then q attends to cache_seqlens[b] + seqlen_new keys. Returns
+    ``(o, k_cache, v_cache)``, the caches with the new rows in. The caches are the call's outputs
+    aliased to its inputs: donate them (``jax.jit(step, donate_argnums=...)``) and XLA hands the
+    same memory through, so only the new rows are written; without donation XLA first copies each
+    cache to keep the input intact. Contiguous caches only (no block_table); not differentiable.
+    o and lse are copied once from the kernels' outputs (a decode step's few query rows)."""
+    unknown = sorted(set(options) - set(DECODE_OPTIONS))
+    if unknown:
+        raise TypeError(f"flash_decode (JAX) got unsupported option(s) {unknown}; it takes {list(DECODE_OPTIONS)}")
+    from .decode import check_decode
+
+    described = [None if x is None else _checks._Described(x) for x in (q, k_cache, v_cache, cache_seqlens, k_new, v_new)]
+    shape, _ = check_decode(*described, None)
+    options = dict(options)
+    if options.get("window_size") is not None:
+        options["window_size"] = tuple(int(n) for n in options["window_size"])
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+               jax.ShapeDtypeStruct((shape.batch, shape.heads, shape.seqlen_q), numpy.float32),
+               jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+    new = () if k_new is None else (k_new, v_new)
+    call = buffer_callback(functools.partial(_decode_callback, tuple(sorted(options.items()))), results,
+                           input_output_aliases={1: 2, 2: 3})
+    o, _, k_cache, v_cache = call(q, k_cache, v_cache, cache_seqlens, *new)
+    return o, k_cache, v_cache
+
+
+def _decode_callback(static, context, outputs, q, k_cache, v_cache, cache_seqlens, *new):
+    from .decode import flash_decode as decode
+
+    o, lse, k_out, v_out = outputs   # k_out, v_out: the caches' memory (aliased to the inputs)
+    with _on_xla_stream(context, q):
+        k_new, v_new = (_as_cupy(x) for x in new) if new else (None, None)
+        result = decode(_as_cupy(q), _as_cupy(k_out), _as_cupy(v_out), cache_seqlens=_as_cupy(cache_seqlens),
+                        k_new=k_new, v_new=v_new, **dict(static))
+        _as_cupy(o)[...] = result[0]
+        _as_cupy(lse)[...] = result[1]

@@ -1,0 +1,225 @@
+"""GPU: the JAX adapter under jax.jit / jax.grad / jax.vmap, and the PyTorch custom ops under
+torch.compile(fullgraph=True) and CUDA-graph capture. Skipped where jax or torch is absent."""
+
+import os
+
+import pytest
+from helpers import bitwise, check_error_rule, requires_gpu
+
+import cupy_flash
+from cupy_flash import attention_reference, attention_reference_backward
+
+pytestmark = requires_gpu
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.4")   # leave the rest to CuPy's pool
+
+
+def _jax():
+    jax = pytest.importorskip("jax")
+    pytest.importorskip("jax.experimental.buffer_callback")
+    if not any(device.platform == "gpu" for device in jax.devices()):
+        pytest.skip("this JAX sees no GPU")
+    return jax
+
+
+def _as_cupy(x):
+    import cupy
+
+    return cupy.from_dlpack(x) if "bfloat16" not in str(x.dtype) else cupy.from_dlpack(x.view("uint16")).view(x.dtype)
+
+
+def _jax_inputs(jax, shape_q, shape_kv, dtype, seed=0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(keys[0], shape_q, dtype)
+    k, v = (jax.random.normal(key, shape_kv, dtype) for key in keys[1:3])
+    do = jax.random.normal(keys[3], shape_q, dtype)
+    return q, k, v, do
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_jax_jit_values_and_grads_hold_the_error_rule(dtype, causal):
+    jax = _jax()
+    import jax.numpy as jnp
+
+    from cupy_flash.jax_adapter import flash_attention
+
+    q, k, v, do = _jax_inputs(jax, (2, 333, 4, 64), (2, 400, 2, 64), getattr(jnp, dtype))
+    options = dict(causal=causal, window_size=(100, -1) if causal else None)
+
+    @jax.jit
+    def value_and_grads(q, k, v, do):
+        o, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, **options), q, k, v)
+        return (o,) + vjp(do)
+
+    results = [_as_cupy(x) for x in value_and_grads(q, k, v, do)]
+    cq, ck, cv, cdo = (_as_cupy(x) for x in (q, k, v, do))
+    features = {n: x for n, x in options.items() if x is not None}
+    exact = (attention_reference(cq, ck, cv, **features)[0],) + attention_reference_backward(cdo, cq, ck, cv, **features)
+    low = ((attention_reference(cq, ck, cv, upcast=False, **features)[0],)
+           + attention_reference_backward(cdo, cq, ck, cv, upcast=False, **features))
+    for name, ours, e, lo in zip(("o", "dq", "dk", "dv"), results, exact, low):
+        check_error_rule(name, ours, e, lo, f"jax jit {dtype} causal={causal}")
+    # Against JAX's own attention in float32 (GQA by repeating K/V heads): the same rule.
+    def dense(q, k, v):
+        k, v = (jnp.repeat(x, 2, axis=2) for x in (k, v))
+        mask = None
+        if causal:
+            rows, cols = jnp.arange(333)[:, None] + (400 - 333), jnp.arange(400)[None, :]
+            mask = ((cols <= rows) & (cols >= rows - 100))[None, None]
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+    o32 = dense(*(x.astype(jnp.float32) for x in (q, k, v)))
+    check_error_rule("o vs jax.nn.dot_product_attention", results[0], _as_cupy(o32).astype("float64"), low[0],
+                     f"jax {dtype} causal={causal}")
+
+
+def test_jax_vmap_folds_into_the_batch():
+    jax = _jax()
+    import jax.numpy as jnp
+
+    from cupy_flash.jax_adapter import flash_attention
+
+    q, k, v, do = _jax_inputs(jax, (3, 2, 130, 2, 64), (3, 2, 77, 2, 64), jnp.bfloat16)
+    mapped = jax.jit(jax.vmap(lambda q, k, v: flash_attention(q, k, v, causal=True)))(q, k, v)
+    for i in range(3):
+        single = flash_attention(q[i], k[i], v[i], causal=True)
+        assert bool((bitwise(_as_cupy(mapped[i])) == bitwise(_as_cupy(single))).all()), f"mapped element {i}"
+    def loss(q, k, v):   # deterministic: mapped and single gradients compared bitwise
+        return flash_attention(q, k, v, deterministic=True).astype(jnp.float32).sum()
+    grads = jax.jit(jax.vmap(jax.grad(loss)))(q, k, v)
+    single = jax.grad(loss)(q[1], k[1], v[1])
+    assert bool((bitwise(_as_cupy(grads[1])) == bitwise(_as_cupy(single))).all())
+
+
+@pytest.mark.parametrize("bad", [
+    dict(q=(1, 16, 2, 64), k=(1, 16, 2, 72)),          # head_dim differs
+    dict(q=(1, 16, 3, 64), k=(1, 16, 2, 64)),          # heads not a multiple
+    dict(q=(1, 16, 2, 60), k=(1, 16, 2, 60)),          # head_dim not a multiple of 8
+    dict(q=(1, 16, 2, 64), k=(1, 16, 2, 64), options=dict(window_size=(-2, 0))),
+    dict(q=(1, 16, 2, 64), k=(1, 16, 2, 64), options=dict(softcap=-1.0)),
+    dict(q=(1, 16, 2, 64), k=(1, 16, 2, 64), options=dict(causal="yes")),
+    dict(q=(1, 16, 2, 64), k=(1, 16, 2, 64), options=dict(softmax_scale=float("nan"))),
+])
+def test_jax_argument_errors_are_the_cupy_apis(bad):
+    jax = _jax()
+    import cupy
+    import jax.numpy as jnp
+
+    from cupy_flash.jax_adapter import flash_attention
+
+    q, k = jnp.zeros(bad["q"], jnp.float16), jnp.zeros(bad["k"], jnp.float16)
+    options = bad.get("options", {})
+    with pytest.raises((TypeError, ValueError)) as expected:
+        cupy_flash.flash_forward(cupy.zeros(bad["q"], cupy.float16), cupy.zeros(bad["k"], cupy.float16),
+                                 cupy.zeros(bad["k"], cupy.float16), **options)
+    with pytest.raises(type(expected.value)) as got:
+        jax.jit(lambda q, k: flash_attention(q, k, k, **options))(q, k)
+    assert str(got.value) == str(expected.value)
+
+
+def test_jax_decode_updates_a_donated_cache_in_place():
+    jax = _jax()
+    import jax.numpy as jnp
+
+    from cupy_flash.jax_adapter import flash_decode
+
+    keys = jax.random.split(jax.random.PRNGKey(3), 5)
+    q = jax.random.normal(keys[0], (2, 1, 8, 128), jnp.bfloat16)
+    k_cache, v_cache = (jax.random.normal(key, (2, 512, 2, 128), jnp.bfloat16) for key in keys[1:3])
+    k_new, v_new = (jax.random.normal(key, (2, 1, 2, 128), jnp.bfloat16) for key in keys[3:5])
+    lengths = jnp.asarray([100, 300], jnp.int32)
+    ck, cv = (_as_cupy(x).copy() for x in (k_cache, v_cache))
+    expected = cupy_flash.flash_decode(_as_cupy(q), ck, cv, cache_seqlens=_as_cupy(lengths), k_new=_as_cupy(k_new),
+                                       v_new=_as_cupy(v_new))[0]
+    pointer = _as_cupy(k_cache).data.ptr
+    step = jax.jit(lambda q, kc, vc, n, kn, vn: flash_decode(q, kc, vc, n, kn, vn), donate_argnums=(1, 2))
+    o, k_cache, v_cache = step(q, k_cache, v_cache, lengths, k_new, v_new)
+    assert bool((bitwise(_as_cupy(o)) == bitwise(expected)).all())
+    assert bool((bitwise(_as_cupy(k_cache)) == bitwise(ck)).all()) and bool((bitwise(_as_cupy(v_cache)) == bitwise(cv)).all())
+    assert _as_cupy(k_cache).data.ptr == pointer, "the donated cache was copied"
+
+
+def _torch():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("this PyTorch sees no GPU")
+    return torch
+
+
+def test_torch_compile_fullgraph_has_no_graph_breaks_and_equals_eager():
+    torch = _torch()
+    from cupy_flash.torch_adapter import flash_attn_func
+
+    torch.manual_seed(0)
+    block = torch.nn.Linear(256, 3 * 256, device="cuda", dtype=torch.bfloat16)
+
+    def attention_block(x):
+        q, k, v = block(x).view(x.shape[0], x.shape[1], 3, 4, 64).unbind(2)
+        return flash_attn_func(q, k, v, causal=True).reshape(x.shape) * 2 + x
+
+    x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    explanation = torch._dynamo.explain(attention_block)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(attention_block, fullgraph=True)
+    outputs = {}
+    for name, fn in (("eager", attention_block), ("compiled", compiled)):
+        x.grad, block.weight.grad = None, None
+        y = fn(x)
+        y.float().square().sum().backward()
+        outputs[name] = (y.detach(), x.grad.clone(), block.weight.grad.clone())
+    for a, b, label in zip(outputs["eager"], outputs["compiled"], ("y", "dx", "dweight")):
+        error = float((a.float() - b.float()).abs().max())
+        assert error <= 0.02 * float(a.float().abs().max()), (label, error)   # compiled matmuls may round differently
+
+
+def test_torch_custom_ops_capture_in_a_cuda_graph():
+    torch = _torch()
+    from cupy_flash.torch_adapter import flash_attn_func
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(2, 200, 4, 64, device="cuda", dtype=torch.float16, generator=gen).requires_grad_()
+               for _ in range(3))
+    do = torch.randn(2, 200, 4, 64, device="cuda", dtype=torch.float16, generator=gen)
+
+    def step():   # deterministic: the replay and a fresh call are compared bitwise
+        q.grad = k.grad = v.grad = None
+        o = flash_attn_func(q, k, v, causal=True, deterministic=True)
+        o.backward(do)
+        return o.detach().clone(), q.grad.clone(), k.grad.clone(), v.grad.clone()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            eager = step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    q.grad = k.grad = v.grad = None
+    with torch.cuda.graph(graph):
+        captured = step()
+    with torch.no_grad():
+        for x in (q, k, v):
+            x.mul_(0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh = step()
+    for a, b, label in zip(captured, fresh, ("o", "dq", "dk", "dv")):
+        assert torch.equal(a, b), label   # the replay read the new inputs and wrote the captured outputs
+    assert not torch.equal(captured[0], eager[0])
+
+
+def test_torch_ops_fake_implementations_give_the_real_shapes():
+    torch = _torch()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import cupy_flash.torch_adapter  # noqa: F401 - registers the ops
+
+    args = [torch.randn(3, 70, 4, 64, device="cuda", dtype=torch.float16), torch.randn(3, 90, 2, 64, device="cuda", dtype=torch.float16)]
+    real = torch.ops.cupy_flash.forward(args[0], args[1], args[1], None, None, None, None, None, None, None, None, True,
+                                        None, 0.0, False)
+    with FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(x) for x in args]
+        fake = torch.ops.cupy_flash.forward(fakes[0], fakes[1], fakes[1], None, None, None, None, None, None, None, None,
+                                            True, None, 0.0, False)
+    assert [tuple(x.shape) for x in fake] == [tuple(x.shape) for x in real]
+    assert [x.dtype for x in fake] == [x.dtype for x in real]
+
