@@ -127,15 +127,17 @@ def test_jax_decode_updates_a_donated_cache_in_place():
     k_cache, v_cache = (jax.random.normal(key, (2, 512, 2, 128), jnp.bfloat16) for key in keys[1:3])
     k_new, v_new = (jax.random.normal(key, (2, 1, 2, 128), jnp.bfloat16) for key in keys[3:5])
     lengths = jnp.asarray([100, 300], jnp.int32)
-    ck, cv = (_as_cupy(x).copy() for x in (k_cache, v_cache))
+    # The expected values from copies: a DLPack export of the donated caches themselves would hold
+    # an external reference to them, and JAX then copies instead of donating.
+    ck, cv = (_as_cupy(jnp.copy(x)).copy() for x in (k_cache, v_cache))
     expected = cupy_flash.flash_decode(_as_cupy(q), ck, cv, cache_seqlens=_as_cupy(lengths), k_new=_as_cupy(k_new),
                                        v_new=_as_cupy(v_new))[0]
-    pointer = _as_cupy(k_cache).data.ptr
+    pointer = k_cache.unsafe_buffer_pointer()
     step = jax.jit(lambda q, kc, vc, n, kn, vn: flash_decode(q, kc, vc, n, kn, vn), donate_argnums=(1, 2))
     o, k_cache, v_cache = step(q, k_cache, v_cache, lengths, k_new, v_new)
+    assert k_cache.unsafe_buffer_pointer() == pointer, "the donated cache was copied"
     assert bool((bitwise(_as_cupy(o)) == bitwise(expected)).all())
     assert bool((bitwise(_as_cupy(k_cache)) == bitwise(ck)).all()) and bool((bitwise(_as_cupy(v_cache)) == bitwise(cv)).all())
-    assert _as_cupy(k_cache).data.ptr == pointer, "the donated cache was copied"
 
 
 def _torch():
