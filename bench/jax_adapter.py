@@ -4,9 +4,9 @@
 
     python -m bench.jax_adapter [--seqlens 4096 16384]
 
-Times are wall-clock per call over a loop of calls ended by one synchronisation (what a jitted
-training step sees: launch costs included), the median of 7 loops after warm-up; the inputs
-rotate over 3 sets. TFLOP/s by FlashAttention's count.
+Times are wall-clock per call over a loop of 20 calls ended by one synchronisation (what a jitted
+training step sees: launch costs included), the median of 7 loops after warm-up, the direct and
+the jitted loops interleaved; the inputs rotate over 3 sets. TFLOP/s by FlashAttention's count.
 """
 
 from __future__ import annotations
@@ -29,18 +29,22 @@ from cupy_flash.jax_adapter import flash_attention  # noqa: E402
 from .attention import flops  # noqa: E402
 
 
-def per_call(run, sets, sync, calls=20, loops=7):
-    for s in sets:
-        run(s)
-    sync()
-    times = []
-    for _ in range(loops):
-        start = time.perf_counter()
-        for i in range(calls):
-            run(sets[i % len(sets)])
+def per_call(*timed, calls=20, loops=7):
+    """Median seconds per call of each (run, sets, sync) in ``timed``, their loops interleaved
+    (A B A B ...) so a drift of the GPU's clocks during the measurement falls on all alike."""
+    for run, sets, sync in timed:
+        for s in sets:
+            run(s)
         sync()
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
+    times = [[] for _ in timed]
+    for _ in range(loops):
+        for (run, sets, sync), samples in zip(timed, times):
+            start = time.perf_counter()
+            for i in range(calls):
+                run(sets[i % len(sets)])
+            sync()
+            samples.append((time.perf_counter() - start) / calls)
+    return [statistics.median(samples) for samples in times]
 
 
 def main(argv=None):
@@ -74,7 +78,6 @@ def main(argv=None):
                     def direct(s):
                         o, lse = cupy_flash.flash_forward(s[0], s[1], s[2], causal=causal)
                         return cupy_flash.flash_backward(s[3], s[0], s[1], s[2], o, lse, causal=causal)
-                t_direct = per_call(direct, csets, cupy.cuda.get_current_stream().synchronize)
                 last = []
 
                 def run_jit(s, fn=ours_jit):
@@ -82,7 +85,8 @@ def main(argv=None):
 
                 def sync_jax():
                     jax.block_until_ready(last)
-                t_jit = per_call(run_jit, jsets, sync_jax)
+                t_direct, t_jit = per_call((direct, csets, cupy.cuda.get_current_stream().synchronize),
+                                           (run_jit, jsets, sync_jax))
                 peers = {}
                 for implementation in ("cudnn", "xla"):
                     if implementation == "xla" and seqlen > 4096:
@@ -97,7 +101,7 @@ def main(argv=None):
                         fn = jax.jit(jax.grad(lambda q, k, v, do, attention=attention: (
                             attention(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)).sum(), argnums=(0, 1, 2)))
                     try:
-                        peers[implementation] = per_call(lambda s, fn=fn: run_jit(s, fn), jsets, sync_jax)
+                        peers[implementation] = per_call((lambda s, fn=fn: run_jit(s, fn), jsets, sync_jax))[0]
                     except Exception as error:   # noqa: BLE001 - a backend may refuse a shape
                         print(f"# {implementation} {seqlen} causal={causal} {mode}: {type(error).__name__}: {str(error)[:100]}")
                         peers[implementation] = None
