@@ -150,3 +150,46 @@ def test_ring_arguments_are_checked():
                                           [numpy.zeros((1, 7, 2, 16))] * 2, causal=True, _backend=backend)
     with pytest.raises(ValueError, match=r"k\[0\]"):
         distributed.simulate_ring_forward(q, [numpy.zeros((1, 6, 2, 16))] * 2, q, _backend=backend)
+
+
+class _OneRankOfMany:
+    """Rank 0's view of a ring of ``world`` ranks: a shift hands back arrays of the payloads' shapes
+    and dtypes (new ones, as a receive would), so the rank runs the whole schedule alone."""
+
+    def __init__(self, world):
+        self.world, self.ranks = world, (0,)
+
+    def start_shift(self, payloads):
+        return [tuple(x.copy() for x in payload) for payload in payloads]
+
+    def finish_shift(self, handle):
+        return handle
+
+
+def _peak_bytes_of_one_rank(world, local, causal):
+    import tracemalloc
+
+    rng = numpy.random.default_rng(world)
+    batch, heads, d = 1, 4, 256   # wide rows: a shard's K/V outweigh the dense stand-in's local^2 scores
+    q, k, v, do = (rng.standard_normal((batch, local, heads, d)).astype(numpy.float32) for _ in range(4))
+    backend = DenseBackend(local).pair()
+    ring = _OneRankOfMany(world)
+    distributed._run_forward(_OneRankOfMany(1), [q], [k], [v], causal, None, backend)   # first-call allocations
+    tracemalloc.start()
+    try:
+        ((o, lse),) = distributed._run_forward(ring, [q], [k], [v], causal, None, backend)
+        distributed._run_backward(ring, [do], [q], [k], [v], [o], [lse], causal, None, backend)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_ranks_memory_is_linear_in_its_shard_and_independent_of_the_ring(causal):
+    """O(local tokens) per rank (NumPy's allocations, traced): at a fixed shard, 8 ranks' sequence
+    costs a rank what 2 ranks' does (a rank that kept every K/V shard it saw fails: checked by
+    hand), and doubling the shard at most triples it (the dense stand-in's scores grow as local^2;
+    the flash kernels store none)."""
+    two, eight = (_peak_bytes_of_one_rank(world, 64, causal) for world in (2, 8))
+    assert eight <= 1.25 * two, (two, eight)   # keeping every shard seen: 2.7x
+    assert _peak_bytes_of_one_rank(2, 128, causal) <= 3 * two
