@@ -279,7 +279,7 @@ def main(argv=None):
     parser.add_argument("--portable", action="store_true",
                         help="also time our portable kernels (CUPY_FLASH_KERNELS=portable) in the same run")
     parser.add_argument("--kernels", default="auto", choices=SETTINGS,
-                        help="our calls' dispatch, as CUPY_FLASH_KERNELS (experimental: drafts included)")
+                        help="our calls' dispatch, as CUPY_FLASH_KERNELS (experimental: the opt-in kernels included)")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
     from cupy_flash._device import require_gpu

@@ -1,4 +1,4 @@
-"""The draft Hopper backward (kernels_cu/backward_sm90.cu) against the float64 reference and the
+"""The experimental Hopper backward (kernels_cu/backward_sm90.cu) against the float64 reference and the
 portable backward, on a few shapes; prints err / low-precision err per gradient (the 3x rule).
 
     CUPY_FLASH_KERNELS=experimental timeout 120 python bench/smoke_sm90_backward.py

@@ -26,7 +26,7 @@ import os
 from . import _tma, _traits
 
 KERNELS_VARIABLE = "CUPY_FLASH_KERNELS"
-SETTINGS = ("auto", "portable", "experimental")   # experimental: auto, plus draft kernels not yet run
+SETTINGS = ("auto", "portable", "experimental")   # experimental: auto, plus kernels whose device checks are incomplete
 _override: contextvars.ContextVar = contextvars.ContextVar("cupy_flash_kernels", default=None)
 
 
@@ -123,8 +123,9 @@ def forward_family(device: DeviceInfo, shape, variant, setting: str | None = Non
 
 
 def backward_family(device: DeviceInfo, shape, variant, deterministic: bool, arrays=(), setting: str | None = None) -> str:
-    """The float16/bfloat16 backward's main kernel: "backward_sm90" (Hopper; DRAFT, opted into with
-    CUPY_FLASH_KERNELS=experimental until it has run on a GPU) or "backward_tc"."""
+    """The float16/bfloat16 backward's main kernel: "backward_sm90" (Hopper; opted into with
+    CUPY_FLASH_KERNELS=experimental until its whole suite and the sanitizers have passed on its
+    latest version and it is measured faster on every standard shape) or "backward_tc"."""
     setting = kernels_setting() if setting is None else setting
     if (setting != "experimental" or device.compute_capability != 90 or deterministic
             or shape.head_dim > max(_traits.BACKWARD_SM90)):

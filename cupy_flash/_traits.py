@@ -73,7 +73,7 @@ FORWARD_SM90_FEATURE_SETS = {64: (_SM90_ALL,), 128: (_SM90_ALL,), 256: (_SM90_AL
 FORWARD_SM90_CAUSAL_MIN_KEYS = {64: 513, 128: 0, 256: 0}
 
 
-# The Hopper backward (kernels_cu/backward_sm90.cu; DRAFT, not yet run): (block_n, block_m, stages)
+# The Hopper backward (kernels_cu/backward_sm90.cu; experimental): (block_n, block_m, stages)
 # per head-dim tile, config order (head-dim tile, block_n, block_m, stages); window and packed
 # batches; d = 256 and score modifiers stay on the portable backward.
 BACKWARD_SM90 = {64: (128, 64, 2), 128: (128, 64, 2)}

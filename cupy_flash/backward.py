@@ -186,7 +186,8 @@ def _backward_tensor_core(do, q, k, v, o, lse, dq, dk, dv, shape, scale, variant
 
 def _launch_backward_sm90(q, k, v, do, shape, variant, params) -> None:
     """The Hopper backward's main kernel (kernels_cu/backward_sm90.cu) on a filled params record
-    (the preprocess has run; the dQ convert runs after). DRAFT: not yet run on a GPU."""
+    (the preprocess has run; the dQ convert runs after). Opted into with
+    CUPY_FLASH_KERNELS=experimental (_families.backward_family)."""
     spec = ModuleSpec("backward_sm90", shape.dtype, _traits.forward_sm90_tile(shape.head_dim), "sm90a",
                       variant.backward_flags)
     _, block_n, block_m, _ = spec.config

@@ -1,5 +1,7 @@
 // Hopper backward (sm_90a) for float16 / bfloat16, on the forward's vocabulary (sm90_mma.cuh,
-// sm90_tma.cuh). DRAFT: compiled clean (0 spills) on the CPU, not yet run on a GPU.
+// sm90_tma.cuh). Experimental (CUPY_FLASH_KERNELS=experimental): correct on the H100 (smoke check,
+// property tests, memcheck/racecheck/synccheck of b1), 1.07-1.35x the portable backward
+// (docs/performance.md, "Hopper backward, first part").
 //
 // One block per (key block of BLOCK_N keys, batch, head), key blocks of one head consecutive in the
 // grid (their Q, dO and dQ rows stay in L2). With the scores transposed (keys as rows):
