@@ -184,6 +184,9 @@ def _backward_tensor_core(do, q, k, v, o, lse, dq, dk, dv, shape, scale, variant
     return delta
 
 
+_sm90_maps: dict = {}   # the Hopper backward's q, k, v, dO tensor maps, by everything that enters them
+
+
 def _launch_backward_sm90(q, k, v, do, shape, variant, params) -> None:
     """The Hopper backward's main kernel (kernels_cu/backward_sm90.cu) on a filled params record
     (the preprocess has run; the dQ convert runs after). Opted into with
@@ -194,8 +197,10 @@ def _launch_backward_sm90(q, k, v, do, shape, variant, params) -> None:
     smem = device_value(spec, spec.backward_sm90_smem())
     kernel = get_kernel(spec, spec.backward_sm90_kernel(variant.causal), smem)
     packed = variant.packed is not None
-    encoded = b"".join(_tma.attention_map(x, shape.dtype, rows, packed)
-                       for x, rows in ((q, block_m), (k, block_n), (v, block_n), (do, block_m)))   # BackwardSm90Maps
+    arrays = ((q, block_m), (k, block_n), (v, block_n), (do, block_m))   # BackwardSm90Maps
+    key = tuple((x.data.ptr, x.shape, x.strides, rows) for x, rows in arrays) + (shape.dtype, packed)
+    encoded = _tma.cached(_sm90_maps, key, lambda: b"".join(_tma.attention_map(x, shape.dtype, rows, packed)
+                                                            for x, rows in arrays))
     maps = numpy.frombuffer(encoded, dtype=numpy.dtype((numpy.void, len(encoded))))
     grid = -(-shape.seqlen_k // block_n) * shape.batch * shape.heads
     kernel((grid,), (128 * (1 + block_n // 64),), (maps, as_argument(params)), shared_mem=smem)

@@ -129,21 +129,12 @@ def _sm90_maps(q, k, v, o, dtype: str, block_m: int, block_n: int, packed: bool)
     whose memory the pool hands out again (the last call's o, freed) finds its map."""
     key = (q.data.ptr, q.shape, q.strides, k.data.ptr, k.shape, k.strides, v.data.ptr, v.shape, v.strides, dtype,
            block_m, block_n, packed)
-    inputs = _cached(_maps_cache, key, lambda: (_tma.attention_map(q, dtype, block_m, packed)
+    inputs = _tma.cached(_maps_cache, key, lambda: (_tma.attention_map(q, dtype, block_m, packed)
                                                 + _tma.attention_map(k, dtype, block_n, packed)
                                                 + _tma.attention_map(v, dtype, block_n, packed)))
-    output = _cached(_output_maps, (o.data.ptr, o.shape, o.strides, dtype, packed),
+    output = _tma.cached(_output_maps, (o.data.ptr, o.shape, o.strides, dtype, packed),
                      lambda: _tma.attention_map(o, dtype, _tma.STORE_ROWS, packed))
     return ctypes.create_string_buffer(inputs + output, _SM90_MAPS_BYTES)
-
-
-def _cached(cache: dict, key, encode):
-    value = cache.get(key)
-    if value is None:
-        if len(cache) >= 256:   # buffers come and go: start again rather than grow
-            cache.clear()
-        value = cache[key] = encode()
-    return value
 
 
 @on_stream

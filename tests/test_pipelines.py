@@ -208,3 +208,34 @@ def test_torch_adapter_matches_sdpa(dtype):
         sdpa_err = (results["sdpa"][i].double() - exact).abs().max().item()
         assert results["ours"][i].dtype == torch_dtype and results["ours"][i].shape == exact.shape
         assert ours_err <= 2 * sdpa_err + 1e-5 * max(1.0, exact.abs().max().item()), (label, ours_err, sdpa_err)
+
+
+@requires_gpu
+def test_forward_into_and_backward_into_write_the_given_buffers_and_check_them():
+    """The adapters' entry points: results land in the caller's buffers (the same memory, bitwise
+    flash_forward's / flash_backward's), and a buffer of the wrong shape, dtype or layout is a
+    ValueError naming it, raised before any launch."""
+    import cupy
+
+    from cupy_flash.backward import backward_into
+    from cupy_flash.forward import forward_into
+
+    rng = numpy.random.default_rng(11)
+    q, do = (random_array(rng, (2, 100, 4, 64), "bfloat16") for _ in range(2))
+    k, v = (random_array(rng, (2, 130, 2, 64), "bfloat16") for _ in range(2))
+    o, lse = cupy.empty_like(q), cupy.empty((2, 4, 100), cupy.float32)
+    got = forward_into((o, lse), q, k, v, causal=True)
+    expected = cupy_flash.flash_forward(q, k, v, causal=True)
+    assert got[0].data.ptr == o.data.ptr and got[1].data.ptr == lse.data.ptr
+    assert all(bool((bitwise(a) == bitwise(b)).all()) for a, b in zip((o, lse), expected))
+    grads = tuple(cupy.empty_like(x) for x in (q, k, v))
+    returned = backward_into(grads, do, q, k, v, o, lse, causal=True, deterministic=True)
+    expected = cupy_flash.flash_backward(do, q, k, v, o, lse, causal=True, deterministic=True)
+    assert all(a.data.ptr == b.data.ptr for a, b in zip(returned, grads))
+    assert all(bool((bitwise(a) == bitwise(b)).all()) for a, b in zip(grads, expected))
+    strided = cupy.empty((2, 4, 100, 64), q.dtype).transpose(0, 2, 1, 3)   # q's shape, not C-contiguous
+    for bad, name in (((o[:, :50], lse), "o"), ((o, lse.astype(cupy.float16)), "lse"), ((strided, lse), "o")):
+        with pytest.raises(ValueError, match=f"^{name} \\(an output buffer\\)"):
+            forward_into(bad, q, k, v, causal=True)
+    with pytest.raises(ValueError, match=r"^dk \(an output buffer\)"):
+        backward_into((grads[0], grads[0], grads[2]), do, q, k, v, o, lse, causal=True)
