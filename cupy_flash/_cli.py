@@ -61,6 +61,7 @@ def command_info(args) -> int:
             with cupy.cuda.Device(device):
                 for line in _families.describe_forward(_families.current_device()):
                     print(f"  forward, {line}")
+                print(f"  backward, {_families.describe_backward(_families.current_device())}")
     else:
         print(f"GPU: none: {reason}")
     index = _compile.read_index()

@@ -158,3 +158,19 @@ def describe_forward(device: DeviceInfo, setting: str | None = None) -> list[str
     if setting == "portable":
         lines.append(f"({KERNELS_VARIABLE}=portable: the Hopper kernels are off)")
     return lines
+
+
+def describe_backward(device: DeviceInfo, setting: str | None = None) -> str:
+    """The float16/bfloat16 backward's kernels on a GPU, as ``python -m cupy_flash info`` says it."""
+    from ._checks import AttentionShape
+    from ._features import check_variant
+
+    setting = kernels_setting() if setting is None else setting
+    shape = AttentionShape(1, 1024, 1024, 8, 128, "bfloat16")
+    if backward_family(device, shape, check_variant(1, 8, False), deterministic=False, setting=setting) == "backward_sm90":
+        return ("float16/bfloat16: Hopper kernels (experimental; head_dim <= 128, no softcap, ALiBi or bias; "
+                "the others: tensor-core kernels)")
+    line = "float16/bfloat16: tensor-core kernels (mma.sync; sm_80+)"
+    if device.compute_capability == 90 and setting == "auto":
+        line += f"; the Hopper backward is opted into with {KERNELS_VARIABLE}=experimental"
+    return line

@@ -67,6 +67,9 @@ def test_info_names_the_path_of_each_dtype():
     assert lines[2].startswith("float32: CUDA-core")
     assert _families.describe_forward(H100, "portable")[0].startswith("bfloat16: tensor-core")
     assert _families.describe_forward(A100, "auto")[1].startswith("float16: tensor-core")
+    assert "CUPY_FLASH_KERNELS=experimental" in _families.describe_backward(H100, "auto")
+    assert _families.describe_backward(H100, "experimental").startswith("float16/bfloat16: Hopper kernels")
+    assert _families.describe_backward(A100, "experimental") == "float16/bfloat16: tensor-core kernels (mma.sync; sm_80+)"
 
 
 def test_tma_takes_any_stride_on_axes_of_size_one():
