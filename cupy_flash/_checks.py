@@ -311,6 +311,20 @@ def kernel_ready(x):
     return x if readable_in_place(x) else x.copy(order="C")
 
 
+def output_buffer(name: str, x, shape: tuple, dtype, device_id: int):
+    """A CuPy view of ``x``, an output buffer a caller hands in (the adapters' framework-allocated
+    outputs), or ValueError naming it unless it is C-contiguous, of ``shape`` and ``dtype``, on
+    device ``device_id``."""
+    import cupy
+
+    view = as_gpu_array(name, x)
+    shape, dtype = tuple(shape), cupy.dtype(dtype)
+    if tuple(view.shape) != shape or view.dtype != dtype or not view.flags.c_contiguous or view.data.device_id != device_id:
+        raise ValueError(f"{name} (an output buffer) is {view.dtype} {tuple(view.shape)} on device {view.data.device_id}, "
+                         f"contiguous={view.flags.c_contiguous}; expected C-contiguous {dtype} {shape} on device {device_id}")
+    return view
+
+
 TRACED_OPTIONS = ("softmax_scale", "causal", "window_size", "softcap", "deterministic")
 
 

@@ -107,6 +107,11 @@ def forward_sm90_threads(config: tuple) -> int:
     return 128 * (1 + config[0] // 64)
 
 
+def backward_sm90_threads(config: tuple) -> int:
+    """Threads of a Hopper backward block: a producer warpgroup and one per 64 keys (config's block_n)."""
+    return 128 * (1 + config[1] // 64)
+
+
 def tensor_core_target(compute_capability: int, smem_per_block: int) -> str:
     """The tile table for a device: compute capability as 10 * major + minor, and the largest
     dynamic shared memory one block may opt in to."""

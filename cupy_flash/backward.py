@@ -106,13 +106,8 @@ def _check_gradient_outputs(out, q, k, v):
 
     if out is None:
         return tuple(cupy.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
-    views = tuple(_checks.as_gpu_array(name, x) for name, x in zip(("dq", "dk", "dv"), out))
-    for name, g, x in zip(("dq", "dk", "dv"), views, (q, k, v)):
-        if g.shape != x.shape or g.dtype != x.dtype or not g.flags.c_contiguous or g.data.device_id != x.data.device_id:
-            raise ValueError(f"{name} (an output buffer) is {g.dtype} {tuple(g.shape)} on device {g.data.device_id}, "
-                             f"contiguous={g.flags.c_contiguous}; expected C-contiguous {x.dtype} {tuple(x.shape)} "
-                             f"on device {x.data.device_id}")
-    return views
+    return tuple(_checks.output_buffer(name, g, x.shape, x.dtype, x.data.device_id)
+                 for name, g, x in zip(("dq", "dk", "dv"), out, (q, k, v)))
 
 
 def _row_shape(shape, variant):
@@ -203,7 +198,7 @@ def _launch_backward_sm90(q, k, v, do, shape, variant, params) -> None:
                                                             for x, rows in arrays))
     maps = numpy.frombuffer(encoded, dtype=numpy.dtype((numpy.void, len(encoded))))
     grid = -(-shape.seqlen_k // block_n) * shape.batch * shape.heads
-    kernel((grid,), (128 * (1 + block_n // 64),), (maps, as_argument(params)), shared_mem=smem)
+    kernel((grid,), (_traits.backward_sm90_threads(spec.config),), (maps, as_argument(params)), shared_mem=smem)
 
 
 def _backward_cuda_core(do, q, k, v, o, lse, dq, dk, dv, shape, scale, variant, deterministic, dbias, dbias_layout):

@@ -208,20 +208,13 @@ def lse_shape_of(shape, variant) -> tuple:
 
 
 def check_outputs(out, lse_shape: tuple, q):
-    """``out`` = (o, lse) as CuPy views, or ValueError/TypeError naming the one that does not fit:
+    """``out`` = (o, lse) as CuPy views (None: None), or ValueError naming the one that does not fit:
     o like q (shape and dtype), lse float32 of ``lse_shape``, both C-contiguous on q's device."""
     if out is None:
         return None
-    import cupy
-
-    o, lse = (_checks.as_gpu_array(name, x) for name, x in zip(("o", "lse"), out))
-    for name, x, shape, dtype in (("o", o, tuple(q.shape), q.dtype), ("lse", lse, tuple(lse_shape), cupy.float32)):
-        if tuple(x.shape) != shape or x.dtype != dtype or not x.flags.c_contiguous:
-            raise ValueError(f"{name} (an output buffer) is {x.dtype} {tuple(x.shape)}, contiguous={x.flags.c_contiguous}; "
-                             f"expected C-contiguous {cupy.dtype(dtype)} {shape}")
-        if x.data.device_id != q.data.device_id:
-            raise ValueError(f"{name} (an output buffer) is on device {x.data.device_id} but q on {q.data.device_id}")
-    return o, lse
+    device = q.data.device_id
+    return (_checks.output_buffer("o", out[0], q.shape, q.dtype, device),
+            _checks.output_buffer("lse", out[1], lse_shape, "float32", device))
 
 
 # Plans of plain calls (no feature keywords) that passed the checks with q, k, v readable as they

@@ -53,15 +53,23 @@ def kernel_path(path: str):
         yield
 
 
+def _prepared(q, k, v, options):
+    """q, k, v, shape and variant of a call with these options, as the entry points check them."""
+    from cupy_flash import _checks
+
+    features = {n: x for n, x in options.items() if n not in ("softmax_scale", "causal")}
+    q, k, v, shape, _, variant = _checks.prepare_qkv(q, k, v, options.get("softmax_scale"), options.get("causal", False),
+                                                   features)
+    return q, k, v, shape, variant
+
+
 def forward_family_of(path: str, q, k, v, **options) -> str:
     """The kernels a flash_forward call with these arguments runs under ``path``: "decode" (the
     split-KV path of few query rows per K/V head) or a forward family of _families."""
     from cupy_flash import _checks, _families
     from cupy_flash.decode import uses_split_path
 
-    features = {n: x for n, x in options.items() if n not in ("softmax_scale", "causal")}
-    q, k, v, shape, _, variant = _checks.prepare_qkv(q, k, v, options.get("softmax_scale"), options.get("causal", False),
-                                                   features)
+    q, k, v, shape, variant = _prepared(q, k, v, options)
     if uses_split_path(shape, variant, None):
         return "decode"
     with kernel_path(path):
@@ -101,9 +109,7 @@ def backward_family_of(path: str, q, k, v, deterministic: bool, **options) -> st
     """"backward_sm90" or "portable": the main kernel a flash_backward call runs under ``path``."""
     from cupy_flash import _checks, _families
 
-    features = {n: x for n, x in options.items() if n not in ("softmax_scale", "causal")}
-    q, k, v, shape, _, variant = _checks.prepare_qkv(q, k, v, options.get("softmax_scale"), options.get("causal", False),
-                                                   features)
+    q, k, v, shape, variant = _prepared(q, k, v, options)
     if shape.dtype == "float32":
         return "portable"
     with kernel_path(path):
