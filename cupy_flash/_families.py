@@ -122,13 +122,12 @@ def forward_family(device: DeviceInfo, shape, variant, setting: str | None = Non
     return next(family.name for family in FORWARD_FAMILIES if family.supports(device, shape, variant, setting, arrays))
 
 
-def backward_family(device: DeviceInfo, shape, variant, deterministic: bool, arrays=(), setting: str | None = None) -> str:
+def backward_family(device: DeviceInfo, shape, variant, arrays=(), setting: str | None = None) -> str:
     """The float16/bfloat16 backward's main kernel: "backward_sm90" (Hopper; opted into with
     CUPY_FLASH_KERNELS=experimental until its whole suite and the sanitizers have passed on its
     latest version and it is measured faster on every standard shape) or "backward_tc"."""
     setting = kernels_setting() if setting is None else setting
-    if (setting != "experimental" or device.compute_capability != 90 or deterministic
-            or shape.head_dim > max(_traits.BACKWARD_SM90)):
+    if setting != "experimental" or device.compute_capability != 90 or shape.head_dim > max(_traits.BACKWARD_SM90):
         return "backward_tc"
     tile = _traits.forward_sm90_tile(shape.head_dim)
     flags = variant.backward_flags
@@ -167,7 +166,7 @@ def describe_backward(device: DeviceInfo, setting: str | None = None) -> str:
 
     setting = kernels_setting() if setting is None else setting
     shape = AttentionShape(1, 1024, 1024, 8, 128, "bfloat16")
-    if backward_family(device, shape, check_variant(1, 8, False), deterministic=False, setting=setting) == "backward_sm90":
+    if backward_family(device, shape, check_variant(1, 8, False), setting=setting) == "backward_sm90":
         return ("float16/bfloat16: Hopper kernels (experimental; head_dim <= 128, no softcap, ALiBi or bias; "
                 "the others: tensor-core kernels)")
     line = "float16/bfloat16: tensor-core kernels (mma.sync; sm_80+)"

@@ -148,7 +148,10 @@ def _backward_tensor_core(do, q, k, v, o, lse, dq, dk, dv, shape, scale, variant
     import cupy
 
     target = current_device().tensor_core_target
+    hopper = _families.backward_family(current_device(), shape, variant, (q, k, v, do)) == "backward_sm90"
     block_m, block_n, num_warps, *_ = _traits.backward_tc_config(shape.tile, target)
+    if hopper:   # the semaphores count the Hopper kernel's query blocks
+        _, _, block_m, _ = _traits.backward_sm90_config(_traits.forward_sm90_tile(shape.head_dim))
     bh = shape.batch * shape.heads
     padded = -(-shape.seqlen_q // _traits.ROW_STAT_PADDING) * _traits.ROW_STAT_PADDING
     # Row statistics padded per (batch, head): padded rows have delta 0 and lse_log2 +inf (P = 0).
@@ -168,7 +171,7 @@ def _backward_tensor_core(do, q, k, v, o, lse, dq, dk, dv, shape, scale, variant
     row_params = params if row_shape is shape else _packed_row_params(row_shape, shape, scale, padded, variant, arrays)
     launch_preprocess(row_params, row_shape)
 
-    if _families.backward_family(current_device(), shape, variant, deterministic, (q, k, v, do)) == "backward_sm90":
+    if hopper:
         _launch_backward_sm90(q, k, v, do, shape, variant, params)
     else:
         spec = ModuleSpec("backward_tc", shape.dtype, shape.tile, target, variant.backward_flags)

@@ -68,7 +68,9 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
     Storage& smem = *reinterpret_cast<Storage*>(
         (reinterpret_cast<unsigned long long>(smem_raw) + SWIZZLE_ATOM_BYTES - 1) & ~(unsigned long long)(SWIZZLE_ATOM_BYTES - 1));
 
-    const KeyBlock block = key_block_of(p, true);
+    // Deterministic mode (p.dq_semaphore) orders the key blocks' dQ adds as backward_tc.cu does, with
+    // (batch, head) fastest in the grid so a waiting chain spreads over the heads.
+    const KeyBlock block = key_block_of(p, p.dq_semaphore == nullptr);
     const long long b = block.b, h = block.h;
     const int kv_start = block.kv_block * BLOCK_N;
     const Sequence seq = sequence_of<FEATURES>(p, b);
@@ -145,6 +147,12 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
     const unsigned int v_rows = smem_addr(&smem.v[0][64 * consumer][0]);
     unsigned char* ds_tile = reinterpret_cast<unsigned char*>(&smem.ds[consumer][0][0]);
     float* dq_accum = p.dq_accum + tensor_offset(p.dq_accum_strides, b, seq.q_row0, h);
+    // Deterministic mode: one counter per (batch, head, query block); the first consumer thread
+    // publishes this block's adds to a query block once both consumers have passed the next
+    // barrier, and waits for this block's turn (the key blocks before it, in order) before any add.
+    int* semaphores = p.dq_semaphore == nullptr ? nullptr
+                                                : p.dq_semaphore + block.bh * ((p.seqlen_q + BLOCK_M - 1) / BLOCK_M);
+    const bool publisher = semaphores != nullptr && consumer == 0 && thread == 0;
 
     float dk[D_TILE / 2], dv[D_TILE / 2];
 #pragma unroll
@@ -187,6 +195,7 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
         // Every warp writes dS rows of all BLOCK_M queries, which both consumers' dQ products of the
         // previous block read: wait for both warpgroups (each waited for its own products).
         named_barrier_sync(DQ_BARRIER, 128 * CONSUMERS);
+        if (publisher && m > q_range.x) publish_dq(semaphores + m - 1);   // the last block's adds are issued
 #pragma unroll
         for (int i = 0; i < BLOCK_M / 8; ++i) {
             const int col = 8 * i + query_col;
@@ -224,7 +233,13 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
         // column chunks shared out between the consumers (d = 64: consumer 0 alone). Each dQ element
         // is added to dq_accum once per key block: with each consumer adding its own keys' part (two
         // adds per element) the kernel was L2-bound (ncu, d = 128, 4k: L2 83.8%, SM 33.8%).
-        named_barrier_sync(DQ_BARRIER, 128 * CONSUMERS);   // both consumers' dS rows are written
+        if (publisher) {   // this key block's turn at query block m: the blocks of m's band before it
+            const int turn = (FEATURES & FEATURE_WINDOW)
+                                 ? block.kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start, BLOCK_M, BLOCK_N, band).x
+                                 : block.kv_block;
+            wait_dq_turn(semaphores + m, turn);
+        }
+        named_barrier_sync(DQ_BARRIER, 128 * CONSUMERS);   // both consumers' dS rows are written (and the turn came)
 #pragma unroll 1
         for (int c = consumer; c < CHUNKS; c += CONSUMERS) {
             float dq[SWIZZLE_ROW_ELEMENTS / 2];
@@ -257,6 +272,10 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
         // The slot's Q and dO were last read by the dK / dV products (complete: wait<0> above);
         // the dS rows are rewritten only after the next block's barrier.
         barrier_arrive(smem_addr(&smem.empty[slot.index]));
+    }
+    if (semaphores != nullptr) {   // publish the last query block's adds
+        named_barrier_sync(DQ_BARRIER, 128 * CONSUMERS);
+        if (publisher && q_range.x < q_range.y) publish_dq(semaphores + q_range.y - 1);
     }
 
     // Epilogue: dK (times softmax_scale) and dV as T, 4-byte stores from the accumulator layout.

@@ -27,14 +27,6 @@
 // drained, so the fence costs little. Publishing right after the adds (every thread fencing) made
 // deterministic mode 1.14-1.53x the atomic path; the fence stalled every warp on the reds' latency.
 
-// Called by one thread after a __syncthreads() that follows the block's adds: the barrier orders
-// every thread's reds before this thread's fence, and the fence (cumulative) before the count moves
-// (the pattern of cooperative groups' grid barrier).
-__device__ __forceinline__ void publish_dq(int* semaphore) {
-    __threadfence();
-    atomicAdd(semaphore, 1);
-}
-
 template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES, int S_KEY_WARPS, int KV_KEY_WARPS, bool IS_CAUSAL, int FEATURES>
 __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(const FlashParams p) {
     constexpr int THREADS = 32 * NUM_WARPS;
@@ -285,10 +277,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
                 const int turn = (FEATURES & FEATURE_WINDOW)
                                      ? kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start, BLOCK_M, BLOCK_N, band).x
                                      : kv_block;
-                int done;
-                do {
-                    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(done) : "l"(semaphores + q_block) : "memory");
-                } while (done < turn);
+                wait_dq_turn(semaphores + q_block, turn);
             }
             __syncthreads();
         }

@@ -321,6 +321,23 @@ __device__ __forceinline__ KeyBlock key_block_of(const FlashParams& p, bool kv_b
     return {kv_block, bh / p.heads, bh % p.heads, bh};
 }
 
+// Deterministic dQ (the backward kernels' p.dq_semaphore): called by one thread after a barrier
+// that follows the block's dQ adds to a query block: the barrier orders every thread's reds before
+// this thread's fence, and the fence (cumulative) before the count moves (the pattern of
+// cooperative groups' grid barrier).
+__device__ __forceinline__ void publish_dq(int* semaphore) {
+    __threadfence();
+    atomicAdd(semaphore, 1);
+}
+
+// ... and the wait for a block's turn at a query block: until `turn` key blocks have published.
+__device__ __forceinline__ void wait_dq_turn(const int* semaphore, int turn) {
+    int done;
+    do {
+        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(done) : "l"(semaphore) : "memory");
+    } while (done < turn);
+}
+
 // ---- Masks and variants ------------------------------------------------------------------------
 // Every attention kernel takes IS_CAUSAL and FEATURES (a bitmask) as template flags, so a plain
 // instantiation compiles none of the variant code. Masks are bands around the bottom-right

@@ -94,14 +94,14 @@ def expect_hopper_family(path: str, family: str, dtype: str, head_dim: int, feat
 
 def expect_hopper_backward(path: str, family: str, dtype: str, head_dim: int, features: dict,
                            deterministic: bool) -> None:
-    """Under "hopper", every float16/bfloat16 backward at head_dim <= 128 that is not deterministic
-    and has no softcap, ALiBi or bias runs the Hopper backward (a sink enters only through lse and
+    """Under "hopper", every float16/bfloat16 backward at head_dim <= 128 with no softcap, ALiBi or
+    bias runs the Hopper backward (deterministic too) (a sink enters only through lse and
     dsink, outside the kernel), stated apart from the dispatch code."""
     count_example(f"backward on {family}")
     if path != "hopper":
         return
     modified = features.get("softcap", 0.0) != 0.0 or any(features.get(n) is not None for n in ("alibi_slopes", "bias"))
-    hopper = dtype != "float32" and head_dim <= 128 and not deterministic and not modified
+    hopper = dtype != "float32" and head_dim <= 128 and not modified
     assert family == ("backward_sm90" if hopper else "portable"), (family, dtype, head_dim, sorted(features), deterministic)
 
 
@@ -113,7 +113,7 @@ def backward_family_of(path: str, q, k, v, deterministic: bool, **options) -> st
     if shape.dtype == "float32":
         return "portable"
     with kernel_path(path):
-        family = _families.backward_family(_families.current_device(), shape, variant.on_device(), deterministic,
+        family = _families.backward_family(_families.current_device(), shape, variant.on_device(),
                                            tuple(_checks.kernel_ready(x) for x in (q, k, v)))
     return "portable" if family == "backward_tc" else family
 
@@ -219,9 +219,10 @@ FLOOR_RELATIVE = 1e-5
 
 
 def check_error_rule(quantity: str, ours, exact, low_precision, context: str = "", lse_magnitude: float = 0.0,
-                     term_scale: float = 0.0, delta_term: float = 0.0) -> float:
+                     term_scale: float = 0.0, delta_term: float = 0.0, factor: float = 2.0) -> float:
     """Assert the rule for one output; returns our error / the low-precision error. low_precision
-    is one dense low-precision result or a tuple of them (two dense forms): the larger error counts."""
+    is one dense low-precision result or a tuple of them (two dense forms): the larger error counts.
+    factor: 2 (our kernels hold outputs and gradients to it); the rule allows gradients 3."""
     xp = _array_module(exact)
     ours = as_float64(ours)
     forms = low_precision if isinstance(low_precision, tuple) else (low_precision,)
@@ -235,12 +236,12 @@ def check_error_rule(quantity: str, ours, exact, low_precision, context: str = "
     low = max(float(xp.where(finite, xp.abs(as_float64(form) - exact), zero).max()) for form in forms) if ours.size else 0.0
     scale = float(xp.where(finite, xp.abs(exact), zero).max()) if ours.size else 0.0
     floor = max(max(FLOOR_RELATIVE, 4 * 2.0**-24 * lse_magnitude) * max(scale, 1.0), 2.0**-24 * term_scale)
-    bound = 2.0 * low + floor + delta_term
+    bound = factor * low + floor + delta_term
     ratio = err / low if low > 0 else (0.0 if err == 0 else float("inf"))
     used = err / bound
     if used > WORST_USED.get(quantity, (-1.0, 0.0, ""))[0]:
         WORST_USED[quantity] = (used, ratio, context)
-    assert err <= bound, (f"{quantity}: max error {err:.3e} exceeds 2 x low-precision error {low:.3e} "
+    assert err <= bound, (f"{quantity}: max error {err:.3e} exceeds {factor:g} x low-precision error {low:.3e} "
                           f"+ floor {floor:.1e} {context}")
     return ratio
 

@@ -51,8 +51,11 @@ def test_loopback_ring_holds_the_error_rule_over_the_whole_sequence(world, causa
     exact_grads = attention_reference_backward(do, q, k, v, causal=causal)
     low_grads = low_precision_gradients(do, q, k, v, causal=causal)
     scales = gradient_term_scales(do, q, k, v, causal=causal)
+    # The rule's 3x for gradients, not the 2x one call holds: each rank's dQ / dK / dV pieces come
+    # out of flash_backward rounded to the input dtype before the float32 sums, up to 2 x world
+    # roundings where one call has one (8 ranks, causal, bf16, chunk 77: dv 2.1x the dense error).
     for i, (name, x) in enumerate((("dq", q), ("dk", k), ("dv", v))):
         ours = distributed.zigzag_unshard([g[i] for g in grads])
         assert ours.shape == x.shape and ours.dtype == x.dtype
         check_error_rule(name, ours, exact_grads[i], low_grads[i], context, max_finite_abs(exact[1]), scales[name],
-                         scales.get("delta:" + name, 0.0))
+                         scales.get("delta:" + name, 0.0), factor=3.0)
