@@ -22,7 +22,7 @@ SWIZZLE_128B = 3
 L2_PROMOTION_128B = 2
 OOB_FILL_ZEROS = 0   # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: elements outside the tensor read as zero
 
-SWIZZLE_ELEMENTS = 64   # a 128-byte swizzled row of a 16-bit type (kernels_cu/sm90_mma.cuh)
+SWIZZLE_BYTES = 128     # a swizzled row: 64 elements of a 16-bit type (kernels_cu/sm90_mma.cuh)
 STORE_ROWS = 64         # rows of an O store box: one consumer warpgroup's (kernels_cu/forward_sm90.cu)
 
 
@@ -77,9 +77,10 @@ def map_strides(x, packed: bool) -> tuple:
 
 def attention_map(x, dtype: str, rows: int, packed: bool) -> bytes:
     """The map of q, k, v or o (batch, seqlen, heads, head_dim), or packed (total, heads, head_dim), as
-    a 4-D tensor (head_dim, seqlen, heads, batch) in boxes of 64 head_dim elements x ``rows`` rows of
-    one head: what kernels_cu/forward_sm90.cu loads (or stores) at once. Past the tensor's edges
-    (head_dim, seqlen, batch) a load reads zeros and a store writes nothing."""
+    a 4-D tensor (head_dim, seqlen, heads, batch) in boxes of 128 bytes of head_dim (64 elements of
+    a 16-bit type, 32 of float32: the backward's dq_accum) x ``rows`` rows of one head: what the
+    Hopper kernels load (or store, or add) at once. Past the tensor's edges (head_dim, seqlen,
+    batch) a load reads zeros and a store or add writes nothing."""
     if packed:
         total, heads, head_dim = x.shape
         dims = (head_dim, total, heads, 1)
@@ -88,7 +89,7 @@ def attention_map(x, dtype: str, rows: int, packed: bool) -> bytes:
         dims = (head_dim, seqlen, heads, batch)
     assert x.strides[-1] == x.dtype.itemsize
     return encode_tiled(dtype, x.data.ptr, tuple(int(n) for n in dims), map_strides(x, packed),
-                        (SWIZZLE_ELEMENTS, rows, 1, 1))
+                        (SWIZZLE_BYTES // x.dtype.itemsize, rows, 1, 1))
 
 
 def maps_supported(x) -> bool:

@@ -172,7 +172,7 @@ def _backward_tensor_core(do, q, k, v, o, lse, dq, dk, dv, shape, scale, variant
     launch_preprocess(row_params, row_shape)
 
     if hopper:
-        _launch_backward_sm90(q, k, v, do, shape, variant, params)
+        _launch_backward_sm90(q, k, v, do, dq_accum, shape, variant, params)
     else:
         spec = ModuleSpec("backward_tc", shape.dtype, shape.tile, target, variant.backward_flags)
         smem = _traits.backward_tc_smem_bytes(shape.tile, target)
@@ -185,7 +185,7 @@ def _backward_tensor_core(do, q, k, v, o, lse, dq, dk, dv, shape, scale, variant
 _sm90_maps: dict = {}   # the Hopper backward's q, k, v, dO tensor maps, by everything that enters them
 
 
-def _launch_backward_sm90(q, k, v, do, shape, variant, params) -> None:
+def _launch_backward_sm90(q, k, v, do, dq_accum, shape, variant, params) -> None:
     """The Hopper backward's main kernel (kernels_cu/backward_sm90.cu) on a filled params record
     (the preprocess has run; the dQ convert runs after). Opted into with
     CUPY_FLASH_KERNELS=experimental (_families.backward_family)."""
@@ -195,10 +195,10 @@ def _launch_backward_sm90(q, k, v, do, shape, variant, params) -> None:
     smem = device_value(spec, spec.backward_sm90_smem())
     kernel = get_kernel(spec, spec.backward_sm90_kernel(variant.causal), smem)
     packed = variant.packed is not None
-    arrays = ((q, block_m), (k, block_n), (v, block_n), (do, block_m))   # BackwardSm90Maps
+    arrays = ((q, block_m), (k, block_n), (v, block_n), (do, block_m), (dq_accum, block_m))   # BackwardSm90Maps
     key = tuple((x.data.ptr, x.shape, x.strides, rows) for x, rows in arrays) + (shape.dtype, packed)
-    encoded = _tma.cached(_sm90_maps, key, lambda: b"".join(_tma.attention_map(x, shape.dtype, rows, packed)
-                                                            for x, rows in arrays))
+    encoded = _tma.cached(_sm90_maps, key, lambda: b"".join(
+        _tma.attention_map(x, "float32" if x is dq_accum else shape.dtype, rows, packed) for x, rows in arrays))
     maps = numpy.frombuffer(encoded, dtype=numpy.dtype((numpy.void, len(encoded))))
     grid = -(-shape.seqlen_k // block_n) * shape.batch * shape.heads
     kernel((grid,), (_traits.backward_sm90_threads(spec.config),), (maps, as_argument(params)), shared_mem=smem)

@@ -31,6 +31,9 @@ struct BackwardSm90Storage {
     alignas(SWIZZLE_ATOM_BYTES) T dout[STAGES][CHUNKS][BLOCK_M][SWIZZLE_ROW_ELEMENTS];
     // dS (queries x keys, keys contiguous): chunk c holds consumer c's 64 keys.
     alignas(SWIZZLE_ATOM_BYTES) T ds[BLOCK_N / 64][BLOCK_M][SWIZZLE_ROW_ELEMENTS];
+    // dQ (float32) of a 64-column chunk per consumer, as two 32-column halves (128-byte rows,
+    // swizzled): the source of the TMA reduce-add into dq_accum.
+    alignas(SWIZZLE_ATOM_BYTES) float dq[BLOCK_N / 64][2][BLOCK_M][32];
     alignas(16) float lse_log2[STAGES][BLOCK_M];
     alignas(16) float delta[STAGES][BLOCK_M];
     unsigned long long kv_full;
@@ -38,9 +41,10 @@ struct BackwardSm90Storage {
 };
 
 // q, k, v, dO as 4-D tensors (head_dim, seqlen, heads, batch) in boxes of 64 x BLOCK_M (q, dO) or
-// 64 x BLOCK_N (k, v) elements, 128-byte swizzled (cupy_flash/_tma.py).
+// 64 x BLOCK_N (k, v) elements, and dq_accum (float32) in boxes of 32 x BLOCK_M, 128-byte
+// swizzled (cupy_flash/_tma.py).
 struct BackwardSm90Maps {
-    TensorMap q, k, v, dout;
+    TensorMap q, k, v, dout, dq_accum;
 };
 
 template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES>
@@ -61,6 +65,7 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
     constexpr int DQ_BARRIER = 1;             // named barrier of the consumers around dS (0: __syncthreads)
     constexpr unsigned int K_CHUNK_BYTES = BLOCK_N * 128, Q_CHUNK_BYTES = BLOCK_M * 128;
     static_assert(BLOCK_N == 128 && BLOCK_M == 64 && D_TILE % 64 == 0, "64 keys per consumer, 64 queries (the dQ wgmma's M)");
+    static_assert(CHUNKS <= CONSUMERS, "one dQ chunk per consumer and block: its shared memory is rewritten each block");
     static_assert(!(FEATURES & (FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_BIAS)), "score modifiers run on the portable backward");
     static_assert(sizeof(Storage) + SWIZZLE_ATOM_BYTES <= 227 * 1024, "shared memory of one sm_90 block");
     require_dynamic_smem(backward_sm90_smem_bytes<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>);
@@ -87,6 +92,7 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
         prefetch_tensor_map(&maps.k);
         prefetch_tensor_map(&maps.v);
         prefetch_tensor_map(&maps.dout);
+        prefetch_tensor_map(&maps.dq_accum);
         barrier_init(smem_addr(&smem.kv_full), 1);
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
@@ -194,8 +200,10 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
                                                                     seq.seqlen_k, band);
         // Every warp writes dS rows of all BLOCK_M queries, which both consumers' dQ products of the
         // previous block read: wait for both warpgroups (each waited for its own products).
+        // Deterministic: each consumer's dQ reduce of the last block has completed in global memory.
+        if (semaphores != nullptr && thread == 0) tma_store_wait_all();
         named_barrier_sync(DQ_BARRIER, 128 * CONSUMERS);
-        if (publisher && m > q_range.x) publish_dq(semaphores + m - 1);   // the last block's adds are issued
+        if (publisher && m > q_range.x) publish_dq(semaphores + m - 1);   // the last block's adds are done
 #pragma unroll
         for (int i = 0; i < BLOCK_M / 8; ++i) {
             const int col = 8 * i + query_col;
@@ -229,10 +237,16 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
             Wgmma<T, D_TILE>::template rs<1>(dk, dsa[kk], n_major_descriptor(q_base + kk * 2 * SWIZZLE_ATOM_BYTES, Q_CHUNK_BYTES), 1);
         warpgroup_commit();
 
-        // dQ (BLOCK_M queries x 64 head-dim columns a pass) = dS K over the block's BLOCK_N keys, the
-        // column chunks shared out between the consumers (d = 64: consumer 0 alone). Each dQ element
-        // is added to dq_accum once per key block: with each consumer adding its own keys' part (two
-        // adds per element) the kernel was L2-bound (ncu, d = 128, 4k: L2 83.8%, SM 33.8%).
+        // dQ (BLOCK_M queries x 64 head-dim columns) = dS K over the block's BLOCK_N keys, the column
+        // chunks shared out between the consumers (d = 64: consumer 0 alone), so each dQ element is
+        // added to dq_accum once per key block (two adds, one per consumer's keys, left the kernel
+        // L2-bound: ncu, d = 128, 4k: L2 83.8%, SM 33.8%). The adds are a TMA reduce-add of the
+        // chunk from shared memory, issued by the consumer's first thread; a packed batch's last,
+        // partial query block of a sequence (a box there would add into the next sequence's rows)
+        // adds from registers with red.global instead.
+        const bool whole_rows = !(FEATURES & FEATURE_VARLEN) || q_start + BLOCK_M <= seq.seqlen_q;
+        // The chunk's shared memory is rewritten below: its last reduce has read it.
+        if (thread == 0) tma_store_wait_read();
         if (publisher) {   // this key block's turn at query block m: the blocks of m's band before it
             const int turn = (FEATURES & FEATURE_WINDOW)
                                  ? block.kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start, BLOCK_M, BLOCK_N, band).x
@@ -255,16 +269,41 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
             warpgroup_commit();
             warpgroup_wait<0>();
             hold_registers(dq);
+            if (whole_rows) {
+                // Element (row, col) of a 32-column half at row * 128 bytes, its 16-byte unit
+                // swizzled by row % 8 (TMA's 128-byte swizzle): a warp's float2 stores then fill
+                // every bank twice, the least 256 bytes take.
 #pragma unroll
-            for (int i = 0; i < SWIZZLE_ROW_ELEMENTS / 8; ++i)
+                for (int i = 0; i < SWIZZLE_ROW_ELEMENTS / 8; ++i)
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int query = q_start + 16 * warp + lane / 4 + 8 * r;
-                    const int col = c * SWIZZLE_ROW_ELEMENTS + 8 * i + query_col;   // head_dim: a multiple of 8
-                    if (query < seq.seqlen_q && col < (int)p.head_dim)
-                        red_add_f32x2(dq_accum + (long long)query * p.dq_accum_strides[1] + col,
-                                      dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+                    for (int r = 0; r < 2; ++r) {
+                        const int row = 16 * warp + lane / 4 + 8 * r;
+                        const unsigned int unit = (unsigned int)(2 * (i % 4) + (lane % 4) / 2) ^ (unsigned int)(row & 7);
+                        float* half = &smem.dq[consumer][i / 4][0][0];
+                        *reinterpret_cast<float2*>(reinterpret_cast<unsigned char*>(half) + row * 128 + unit * 16 + 8 * (lane % 2)) =
+                            make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+                    }
+                fence_async_shared();
+                named_barrier_sync(2 + consumer, 128);   // the chunk is written (ids 2, 3: one per consumer)
+                if (thread == 0) {
+#pragma unroll
+                    for (int half = 0; half < 2; ++half)
+                        tma_reduce_add_4d(&maps.dq_accum, smem_addr(&smem.dq[consumer][half][0][0]),
+                                          c * SWIZZLE_ROW_ELEMENTS + 32 * half, seq.q_row0 + q_start, (int)h, batch_coord);
+                    tma_store_commit();
                 }
+            } else {
+#pragma unroll
+                for (int i = 0; i < SWIZZLE_ROW_ELEMENTS / 8; ++i)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int query = q_start + 16 * warp + lane / 4 + 8 * r;
+                        const int col = c * SWIZZLE_ROW_ELEMENTS + 8 * i + query_col;   // head_dim: a multiple of 8
+                        if (query < seq.seqlen_q && col < (int)p.head_dim)
+                            red_add_f32x2(dq_accum + (long long)query * p.dq_accum_strides[1] + col,
+                                          dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+                    }
+            }
         }
         warpgroup_wait<0>();   // the dK / dV products (where this consumer had no dQ chunk)
         hold_registers(dk);
@@ -273,6 +312,7 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
         // the dS rows are rewritten only after the next block's barrier.
         barrier_arrive(smem_addr(&smem.empty[slot.index]));
     }
+    if (thread == 0) tma_store_wait_all();   // the dQ reduces are done before the block's shared memory goes
     if (semaphores != nullptr) {   // publish the last query block's adds
         named_barrier_sync(DQ_BARRIER, 128 * CONSUMERS);
         if (publisher && q_range.x < q_range.y) publish_dq(semaphores + q_range.y - 1);
