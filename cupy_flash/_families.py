@@ -122,14 +122,21 @@ def forward_family(device: DeviceInfo, shape, variant, setting: str | None = Non
     return next(family.name for family in FORWARD_FAMILIES if family.supports(device, shape, variant, setting, arrays))
 
 
-def backward_family(device: DeviceInfo, shape, variant, arrays=(), setting: str | None = None) -> str:
-    """The float16/bfloat16 backward's main kernel: "backward_sm90" (Hopper; opted into with
-    CUPY_FLASH_KERNELS=experimental until its whole suite and the sanitizers have passed on its
-    latest version and it is measured faster on every standard shape) or "backward_tc"."""
+def backward_family(device: DeviceInfo, shape, variant, deterministic: bool = False, arrays=(),
+                    setting: str | None = None) -> str:
+    """The float16/bfloat16 backward's main kernel: "backward_sm90" (Hopper, head_dim <= 128, no
+    softcap, ALiBi or bias) or "backward_tc". The automatic setting takes the Hopper kernel where it
+    measured faster (_traits.BACKWARD_SM90_MIN_KEYS, BACKWARD_SM90_DETERMINISTIC_MIN_KEYS);
+    CUPY_FLASH_KERNELS=experimental wherever it runs (what the tests' "hopper" path uses)."""
     setting = kernels_setting() if setting is None else setting
-    if setting != "experimental" or device.compute_capability != 90 or shape.head_dim > max(_traits.BACKWARD_SM90):
+    if setting == "portable" or device.compute_capability != 90 or shape.head_dim > max(_traits.BACKWARD_SM90):
         return "backward_tc"
     tile = _traits.forward_sm90_tile(shape.head_dim)
+    if setting == "auto":
+        min_keys = (_traits.BACKWARD_SM90_DETERMINISTIC_MIN_KEYS[tile] if deterministic
+                    else _traits.BACKWARD_SM90_MIN_KEYS)
+        if shape.seqlen_k < min_keys:
+            return "backward_tc"
     flags = variant.backward_flags
     supported = any(flags & ~allowed == 0 for allowed in _traits.BACKWARD_SM90_FEATURE_SETS[tile])
     return "backward_sm90" if supported and all(_tma.maps_supported(x) for x in arrays) else "backward_tc"
@@ -165,11 +172,12 @@ def describe_backward(device: DeviceInfo, setting: str | None = None) -> str:
     from ._features import check_variant
 
     setting = kernels_setting() if setting is None else setting
-    shape = AttentionShape(1, 1024, 1024, 8, 128, "bfloat16")
-    if backward_family(device, shape, check_variant(1, 8, False), setting=setting) == "backward_sm90":
-        return ("float16/bfloat16: Hopper kernels (experimental; head_dim <= 128, no softcap, ALiBi or bias; "
+    shape = AttentionShape(1, 16384, 16384, 8, 128, "bfloat16")
+    if backward_family(device, shape, check_variant(1, 8, False), setting=setting) != "backward_sm90":
+        return "float16/bfloat16: tensor-core kernels (mma.sync; sm_80+)"
+    if setting == "experimental":
+        return ("float16/bfloat16: Hopper kernels (head_dim <= 128, no softcap, ALiBi or bias; "
                 "the others: tensor-core kernels)")
-    line = "float16/bfloat16: tensor-core kernels (mma.sync; sm_80+)"
-    if device.compute_capability == 90 and setting == "auto":
-        line += f"; the Hopper backward is opted into with {KERNELS_VARIABLE}=experimental"
-    return line
+    return (f"float16/bfloat16: Hopper kernels from {_traits.BACKWARD_SM90_MIN_KEYS} keys (deterministic: "
+            + ", ".join(f"from {n} keys at head_dim <= {d}" for d, n in _traits.BACKWARD_SM90_DETERMINISTIC_MIN_KEYS.items())
+            + "; head_dim <= 128, no softcap, ALiBi or bias); the others: tensor-core kernels (mma.sync)")

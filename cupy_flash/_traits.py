@@ -73,12 +73,20 @@ FORWARD_SM90_FEATURE_SETS = {64: (_SM90_ALL,), 128: (_SM90_ALL,), 256: (_SM90_AL
 FORWARD_SM90_CAUSAL_MIN_KEYS = {64: 513, 128: 0, 256: 0}
 
 
-# The Hopper backward (kernels_cu/backward_sm90.cu; experimental): (block_n, block_m, stages)
-# per head-dim tile, config order (head-dim tile, block_n, block_m, stages); window and packed
-# batches; d = 256 and score modifiers stay on the portable backward.
+# The Hopper backward (kernels_cu/backward_sm90.cu): (block_n, block_m, stages) per head-dim
+# tile, config order (head-dim tile, block_n, block_m, stages); window and packed batches; d = 256
+# and score modifiers stay on the portable backward.
 BACKWARD_SM90 = {64: (128, 64, 2), 128: (128, 64, 2)}
 BACKWARD_SM90_FEATURE_SETS = {64: (_SM90_ALL & ~(FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK),),
                               128: (_SM90_ALL & ~(FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK),)}
+# Where the automatic setting runs it (measured, H100, bf16 and fp16, docs/results/
+# h100_sm90_bwd_bf16_fp16_20261123d.json): from 1k keys it was 1.04-1.54x the portable backward on
+# all 40 standard shapes; at 512 keys 0.95-1.21x (within the runs' noise), so those stay portable.
+# Deterministic, its key blocks wait for their turns each query block: 1.35-1.60x the portable
+# deterministic backward at d = 128 from 4k keys and 1.08-1.10x at d = 64 and 16k, but 0.91-0.97x
+# at d = 64 up to 4k and at d = 128 and 1k.
+BACKWARD_SM90_MIN_KEYS = 1024
+BACKWARD_SM90_DETERMINISTIC_MIN_KEYS = {64: 16384, 128: 4096}
 
 
 def backward_sm90_config(tile: int) -> tuple[int, int, int, int]:

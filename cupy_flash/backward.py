@@ -148,7 +148,7 @@ def _backward_tensor_core(do, q, k, v, o, lse, dq, dk, dv, shape, scale, variant
     import cupy
 
     target = current_device().tensor_core_target
-    hopper = _families.backward_family(current_device(), shape, variant, (q, k, v, do)) == "backward_sm90"
+    hopper = _families.backward_family(current_device(), shape, variant, deterministic, (q, k, v, do)) == "backward_sm90"
     block_m, block_n, num_warps, *_ = _traits.backward_tc_config(shape.tile, target)
     if hopper:   # the semaphores count the Hopper kernel's query blocks
         _, _, block_m, _ = _traits.backward_sm90_config(_traits.forward_sm90_tile(shape.head_dim))
@@ -187,8 +187,7 @@ _sm90_maps: dict = {}   # the Hopper backward's q, k, v, dO tensor maps, by ever
 
 def _launch_backward_sm90(q, k, v, do, dq_accum, shape, variant, params) -> None:
     """The Hopper backward's main kernel (kernels_cu/backward_sm90.cu) on a filled params record
-    (the preprocess has run; the dQ convert runs after). Opted into with
-    CUPY_FLASH_KERNELS=experimental (_families.backward_family)."""
+    (the preprocess has run; the dQ convert runs after). Where it runs: _families.backward_family."""
     spec = ModuleSpec("backward_sm90", shape.dtype, _traits.forward_sm90_tile(shape.head_dim), "sm90a",
                       variant.backward_flags)
     _, block_n, block_m, _ = spec.config

@@ -2,6 +2,7 @@
 
     python examples/train_tiny_lm.py                      # 300 steps, then the same run with dense attention
     python examples/train_tiny_lm.py --steps 100 --out /tmp/lm
+    python examples/train_tiny_lm.py --dtype bfloat16     # attention in bfloat16 (tensor-core kernels)
 
 Character-level, on examples/data/tiny_corpus.txt: token + position embeddings, 2 pre-norm blocks
 (RMSNorm, causal multi-head attention through cupy_flash, a ReLU MLP), a final RMSNorm and an output
@@ -28,13 +29,40 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class FlashAttention:
+    """cupy_flash in ``dtype``: float32, or float16 / bfloat16 (the tensor-core kernels; on an H100
+    with CUPY_FLASH_KERNELS=experimental, the Hopper backward), cast back to float32 for the model."""
+
+    def __init__(self, dtype="float32"):
+        self.dtype = dtype
+
     def forward(self, q, k, v):
+        q, k, v = (to_dtype(x, self.dtype) for x in (q, k, v))
         o, lse = cupy_flash.flash_forward(q, k, v, causal=True)
-        return o, (q, k, v, o, lse)
+        return to_float32(o), (q, k, v, o, lse)
 
     def backward(self, do, saved):
         q, k, v, o, lse = saved
-        return cupy_flash.flash_backward(do, q, k, v, o, lse, causal=True)
+        grads = cupy_flash.flash_backward(to_dtype(do, self.dtype), q, k, v, o, lse, causal=True)
+        return [to_float32(g) for g in grads]
+
+
+def to_dtype(x, dtype):
+    """float32 x rounded to dtype; bfloat16 by its bits (CuPy has no bfloat16 arithmetic)."""
+    if dtype != "bfloat16":
+        return x.astype(dtype)
+    import ml_dtypes
+
+    bits = x.view(cupy.uint32)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16   # to nearest even (the model has no NaN)
+    return rounded.astype(cupy.uint16).view(ml_dtypes.bfloat16)
+
+
+def to_float32(x):
+    if x.dtype == cupy.float32:
+        return x
+    if x.dtype == cupy.float16:
+        return x.astype(cupy.float32)
+    return (x.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
 
 
 class DenseAttention:
@@ -166,13 +194,15 @@ def main():
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                        help="attention's input dtype (the model stays float32)")
     parser.add_argument("--out", default=os.path.join(HERE, "out"))
     args = parser.parse_args()
     require_gpu("train_tiny_lm")   # one line and exit status 1 where there is none
     with open(os.path.join(HERE, "data", "tiny_corpus.txt")) as f:
         text = f.read()
     curves = {}
-    for name, attention in (("flash", FlashAttention()), ("dense reference", DenseAttention())):
+    for name, attention in (("flash", FlashAttention(args.dtype)), ("dense reference", DenseAttention())):
         print(f"{name} attention:", flush=True)
         started = time.time()
         curves[name] = train(text, attention, args)

@@ -113,7 +113,7 @@ def backward_family_of(path: str, q, k, v, deterministic: bool, **options) -> st
     if shape.dtype == "float32":
         return "portable"
     with kernel_path(path):
-        family = _families.backward_family(_families.current_device(), shape, variant.on_device(),
+        family = _families.backward_family(_families.current_device(), shape, variant.on_device(), deterministic,
                                            tuple(_checks.kernel_ready(x) for x in (q, k, v)))
     return "portable" if family == "backward_tc" else family
 

@@ -46,6 +46,29 @@ def test_the_rest_runs_the_portable_kernels():
         assert family(device, "float32") == "forward"
 
 
+def backward(device, head_dim=128, seqlen=4096, deterministic=False, flags=0, setting="auto"):
+    shape = AttentionShape(2, seqlen, seqlen, 8, head_dim, "bfloat16")
+    return _families.backward_family(device, shape, types.SimpleNamespace(backward_flags=flags), deterministic,
+                                     setting=setting)
+
+
+def test_the_hopper_backward_runs_where_it_measured_faster():
+    # _traits.BACKWARD_SM90_MIN_KEYS and BACKWARD_SM90_DETERMINISTIC_MIN_KEYS (H100, bf16 and fp16).
+    assert backward(H100, seqlen=1024) == backward(H100, head_dim=64, seqlen=1024) == "backward_sm90"
+    assert backward(H100, seqlen=512) == "backward_tc"
+    assert backward(H100, seqlen=4096, deterministic=True) == "backward_sm90"
+    assert backward(H100, seqlen=2048, deterministic=True) == "backward_tc"
+    assert backward(H100, head_dim=64, seqlen=8192, deterministic=True) == "backward_tc"
+    assert backward(H100, head_dim=64, seqlen=16384, deterministic=True) == "backward_sm90"
+    assert backward(H100, head_dim=96, seqlen=4096, flags=FEATURE_WINDOW | FEATURE_VARLEN) == "backward_sm90"
+    # "experimental" (the tests' hopper path) wherever it runs; never d > 128, score modifiers, or off sm_90.
+    assert backward(H100, seqlen=100, deterministic=True, setting="experimental") == "backward_sm90"
+    assert backward(H100, setting="portable") == backward(H100, head_dim=256) == "backward_tc"
+    assert backward(H100, flags=FEATURE_SOFTCAP) == backward(H100, flags=FEATURE_BIAS) == "backward_tc"
+    for device in (A100, L40, B200):
+        assert backward(device) == backward(device, setting="experimental") == "backward_tc"
+
+
 def test_the_setting_comes_from_the_environment_or_use_kernels(monkeypatch):
     monkeypatch.setenv(_families.KERNELS_VARIABLE, "portable")
     assert _families.kernels_setting() == "portable"
@@ -67,7 +90,8 @@ def test_info_names_the_path_of_each_dtype():
     assert lines[2].startswith("float32: CUDA-core")
     assert _families.describe_forward(H100, "portable")[0].startswith("bfloat16: tensor-core")
     assert _families.describe_forward(A100, "auto")[1].startswith("float16: tensor-core")
-    assert "CUPY_FLASH_KERNELS=experimental" in _families.describe_backward(H100, "auto")
+    assert _families.describe_backward(H100, "auto").startswith("float16/bfloat16: Hopper kernels from 1024 keys")
+    assert _families.describe_backward(H100, "portable").startswith("float16/bfloat16: tensor-core")
     assert _families.describe_backward(H100, "experimental").startswith("float16/bfloat16: Hopper kernels")
     assert _families.describe_backward(A100, "experimental") == "float16/bfloat16: tensor-core kernels (mma.sync; sm_80+)"
 
