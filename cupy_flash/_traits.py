@@ -83,7 +83,7 @@ BACKWARD_SM90_FEATURE_SETS = {64: (_SM90_ALL & ~(FEATURE_SOFTCAP | FEATURE_ALIBI
 # h100_sm90_bwd_bf16_fp16_20261123d.json): from 1k keys it was 1.04-1.54x the portable backward on
 # all 40 standard shapes; at 512 keys 0.95-1.21x (within the runs' noise), so those stay portable.
 # Deterministic, its key blocks wait for their turns each query block: 1.35-1.60x the portable
-# deterministic backward at d = 128 from 4k keys and 1.08-1.10x at d = 64 and 16k, but 0.91-0.97x
+# deterministic backward at d = 128 from 4k keys and 1.08-1.10x at d = 64 and 16k, but 0.91-1.01x
 # at d = 64 up to 4k and at d = 128 and 1k.
 BACKWARD_SM90_MIN_KEYS = 1024
 BACKWARD_SM90_DETERMINISTIC_MIN_KEYS = {64: 16384, 128: 4096}
