@@ -5,10 +5,17 @@
 # Logs and the bench JSON go to $OUT; a summary is printed last.
 # Usage on the device machine, from the repository root:
 #   bash bench/ab_patch.sh docs/wip/<name>.patch [bench arguments]
-# (default bench arguments: --modes bwd bwd_det --dtypes bf16 --head-dims 64 128 --seqlens 1024 4096 16384)
+# (default bench arguments: --modes bwd bwd_det --dtypes bf16 --head-dims 64 128 --seqlens 1024 4096 16384;
+# BENCH="python3 bench/preprocess_rate.py" times that instead, in both trees, without arguments)
 set -u
 patch_file=$(realpath "$1"); shift
-bench_args=${*:-"--modes bwd bwd_det --dtypes bf16 --head-dims 64 128 --seqlens 1024 4096 16384"}
+BENCH=${BENCH:-python3 -m bench}
+if [ "$BENCH" = "python3 -m bench" ]; then
+  bench_args="${*:-"--modes bwd bwd_det --dtypes bf16 --head-dims 64 128 --seqlens 1024 4096 16384"} --kernels experimental"
+  out_arg=--out   # the JSON of each tree's run under $OUT
+else
+  bench_args="$*" out_arg=
+fi
 export PYTHONUNBUFFERED=1 CUPY_FLASH_QUIET=1
 OUT=${OUT:-/tmp/cupy_flash_ab}; mkdir -p "$OUT/patched" "$OUT/base"
 patched=/tmp/cupy_flash_patched; rm -rf "$patched"; mkdir -p "$patched"
@@ -20,10 +27,10 @@ SECONDS=0
 (cd "$patched" && PYTHONPATH=. timeout 150 python3 -m pytest -x -q -p no:cacheprovider tests/test_attention_gpu.py \
    -k "deterministic and hopper" > "$OUT/deterministic.txt" 2>&1); echo "deterministic tests (patched) rc=$? ${SECONDS}s: $(tail -1 "$OUT/deterministic.txt")"
 # shellcheck disable=SC2086
-(cd "$patched" && PYTHONPATH=. timeout 200 python3 -m bench $bench_args --kernels experimental --out "$OUT/patched" \
+(cd "$patched" && PYTHONPATH=. timeout 200 $BENCH $bench_args ${out_arg:+$out_arg "$OUT/patched"} \
    > "$OUT/bench_patched.txt" 2>&1); echo "bench (patched) rc=$? ${SECONDS}s"
 # shellcheck disable=SC2086
-PYTHONPATH=. timeout 200 python3 -m bench $bench_args --kernels experimental --out "$OUT/base" > "$OUT/bench_base.txt" 2>&1
+PYTHONPATH=. timeout 200 $BENCH $bench_args ${out_arg:+$out_arg "$OUT/base"} > "$OUT/bench_base.txt" 2>&1
 echo "bench (working tree) rc=$? ${SECONDS}s"
-echo "== patched =="; grep "^| " "$OUT/bench_patched.txt" | cut -c1-160
-echo "== working tree =="; grep "^| " "$OUT/bench_base.txt" | cut -c1-160
+echo "== patched =="; grep -E "^\| |ratio" "$OUT/bench_patched.txt" | cut -c1-160
+echo "== working tree =="; grep -E "^\| |ratio" "$OUT/bench_base.txt" | cut -c1-160
