@@ -177,18 +177,8 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
         // S^T = K Q^T and dP^T = V dO^T (this consumer's 64 keys x BLOCK_M queries).
         float s[BLOCK_M / 2], dp[BLOCK_M / 2];
         warpgroup_arrive();
-#pragma unroll
-        for (int kk = 0; kk < D_TILE / 16; ++kk) {
-            const unsigned int step = (kk % 4) * 32;   // k16 steps inside a 64-column chunk
-            Wgmma<T, BLOCK_M>::template ss<0>(s, k_major_descriptor(k_rows + (kk / 4) * K_CHUNK_BYTES + step),
-                                              k_major_descriptor(q_base + (kk / 4) * Q_CHUNK_BYTES + step), kk > 0);
-        }
-#pragma unroll
-        for (int kk = 0; kk < D_TILE / 16; ++kk) {
-            const unsigned int step = (kk % 4) * 32;
-            Wgmma<T, BLOCK_M>::template ss<0>(dp, k_major_descriptor(v_rows + (kk / 4) * K_CHUNK_BYTES + step),
-                                              k_major_descriptor(do_base + (kk / 4) * Q_CHUNK_BYTES + step), kk > 0);
-        }
+        mma_k_major<T, BLOCK_M, D_TILE>(s, k_rows, K_CHUNK_BYTES, q_base, Q_CHUNK_BYTES);
+        mma_k_major<T, BLOCK_M, D_TILE>(dp, v_rows, K_CHUNK_BYTES, do_base, Q_CHUNK_BYTES);
         warpgroup_commit();
         warpgroup_wait<0>();
         hold_registers(s);

@@ -299,12 +299,7 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
             barrier_wait(smem_addr(&smem.k_full[slot.index]), slot.parity);
             const unsigned int k_base = smem_addr(&smem.k[slot.index][0][0][0]);
             warpgroup_arrive();
-#pragma unroll
-            for (int kk = 0; kk < D_TILE / 16; ++kk) {
-                const unsigned int step = (kk % 4) * 32;   // k16 steps inside a 64-column chunk
-                Wgmma<T, BLOCK_N>::template ss<0>(s, k_major_descriptor(q_base + (kk / 4) * Q_CHUNK_BYTES + step),
-                                                  k_major_descriptor(k_base + (kk / 4) * KV_CHUNK_BYTES + step), kk > 0);
-            }
+            mma_k_major<T, BLOCK_N, D_TILE>(s, q_base, Q_CHUNK_BYTES, k_base, KV_CHUNK_BYTES);
             warpgroup_commit();
         };
         auto issue_values = [&](unsigned int (&pa)[BLOCK_N / 16][4], const RingSlot& slot) {

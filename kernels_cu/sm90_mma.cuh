@@ -64,6 +64,23 @@ __device__ __forceinline__ unsigned long long n_major_descriptor(unsigned int ad
     return smem_descriptor(addr, chunk_bytes, SWIZZLE_ATOM_BYTES);
 }
 
+template <typename T, int N> struct Wgmma;   // sm90_wgmma_ops.cuh
+
+// d (64 x N) = A B^T with A (64 rows) and B (N rows) both K-major over K = D_TILE, stored as
+// 64-column chunks `a_chunk_bytes` / `b_chunk_bytes` apart (S = Q K^T in the forward, S^T = K Q^T
+// and dP^T = V dO^T in the backward). Issues the products only: between warpgroup_arrive and
+// warpgroup_commit.
+template <typename T, int N, int D_TILE>
+__device__ __forceinline__ void mma_k_major(float (&d)[N / 2], unsigned int a, unsigned int a_chunk_bytes, unsigned int b,
+                                            unsigned int b_chunk_bytes) {
+#pragma unroll
+    for (int kk = 0; kk < D_TILE / 16; ++kk) {
+        const unsigned int step = (kk % 4) * 32;   // k16 steps inside a 64-column chunk
+        Wgmma<T, N>::template ss<0>(d, k_major_descriptor(a + (kk / 4) * a_chunk_bytes + step),
+                                    k_major_descriptor(b + (kk / 4) * b_chunk_bytes + step), kk > 0);
+    }
+}
+
 // P (float32 accumulator of S, 64 x N) as the A operand of the next wgmma: k16 step kk takes S's
 // n-chunks 2kk and 2kk + 1, i.e. mma.m16n8k16's A fragment.
 template <typename T, int N>
