@@ -24,6 +24,7 @@ import numpy
 
 import cupy_flash
 from cupy_flash._device import require_gpu
+from cupy_flash.reference import round_to_dtype
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -52,9 +53,8 @@ def to_dtype(x, dtype):
         return x.astype(dtype)
     import ml_dtypes
 
-    bits = x.view(cupy.uint32)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16   # to nearest even (the model has no NaN)
-    return rounded.astype(cupy.uint16).view(ml_dtypes.bfloat16)
+    rounded = round_to_dtype(x, "bfloat16")   # float32 holding bfloat16 values: keep the high half
+    return (rounded.view(cupy.uint32) >> 16).astype(cupy.uint16).view(ml_dtypes.bfloat16)
 
 
 def to_float32(x):
