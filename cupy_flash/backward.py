@@ -182,7 +182,7 @@ def _backward_tensor_core(do, q, k, v, o, lse, dq, dk, dv, shape, scale, variant
     return delta
 
 
-_sm90_maps: dict = {}   # the Hopper backward's q, k, v, dO tensor maps, by everything that enters them
+_sm90_maps: dict = {}   # the Hopper backward's q, k, v, dO and dq_accum tensor maps, by everything that enters them
 
 
 def _launch_backward_sm90(q, k, v, do, dq_accum, shape, variant, params) -> None:
