@@ -174,51 +174,66 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
         const unsigned int q_base = smem_addr(&smem.q[slot.index][0][0][0]);
         const unsigned int do_base = smem_addr(&smem.dout[slot.index][0][0][0]);
 
-        // S^T = K Q^T and dP^T = V dO^T (this consumer's 64 keys x BLOCK_M queries).
+        // S^T = K Q^T and dP^T = V dO^T (this consumer's 64 keys x BLOCK_M queries), in two groups:
+        // P is computed while dP^T's products run. (Issuing dV += P^T dO before dS too kept P's A
+        // fragments live beside dS's: 20 bytes spilled at d = 128 with a window.)
         float s[BLOCK_M / 2], dp[BLOCK_M / 2];
         warpgroup_arrive();
         mma_k_major<T, BLOCK_M, D_TILE>(s, k_rows, K_CHUNK_BYTES, q_base, Q_CHUNK_BYTES);
+        warpgroup_commit();
         mma_k_major<T, BLOCK_M, D_TILE>(dp, v_rows, K_CHUNK_BYTES, do_base, Q_CHUNK_BYTES);
         warpgroup_commit();
-        warpgroup_wait<0>();
+        warpgroup_wait<1>();   // S^T
         hold_registers(s);
-        hold_registers(dp);
 
-        // P^T and dS^T in place; dS also to shared memory as T (queries x keys) for dQ.
+        // P^T in place.
         const float* lse_tile = smem.lse_log2[slot.index];
         const float* delta_tile = smem.delta[slot.index];
         const bool needs_mask = tile_needs_mask<IS_CAUSAL, FEATURES>(q_start, BLOCK_M, kv_start + 64 * consumer, 64,
                                                                     seq.seqlen_k, band);
+#pragma unroll
+        for (int i = 0; i < BLOCK_M / 8; ++i) {
+            const int col = 8 * i + query_col;
+            const float2 lse = *reinterpret_cast<const float2*>(lse_tile + col);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = first_key + 8 * (e >> 1), query = q_start + col + (e & 1);
+                float prob = exp2f(fmaf(s[4 * i + e], p.scale_log2, -((e & 1) ? lse.y : lse.x)));
+                if (needs_mask && !key_visible<IS_CAUSAL, FEATURES>(key, query, seq.seqlen_k, band)) prob = 0.f;
+                s[4 * i + e] = prob;
+            }
+        }
+        warpgroup_wait<0>();   // dP^T
+        hold_registers(dp);
+
+        // dS^T in place, and dS to shared memory as T (queries x keys) for dQ.
+#pragma unroll
+        for (int i = 0; i < BLOCK_M / 8; ++i) {
+            const float2 dsum = *reinterpret_cast<const float2*>(delta_tile + 8 * i + query_col);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - ((e & 1) ? dsum.y : dsum.x));
+        }
+        unsigned int pa[BLOCK_M / 16][4], dsa[BLOCK_M / 16][4];
+        accumulator_to_a<T, BLOCK_M>(pa, s);
+        accumulator_to_a<T, BLOCK_M>(dsa, dp);
         // Every warp writes dS rows of all BLOCK_M queries, which both consumers' dQ products of the
         // previous block read: wait for both warpgroups (each waited for its own products).
         // Deterministic: each consumer's dQ reduce of the last block has completed in global memory.
         if (semaphores != nullptr && thread == 0) tma_store_wait_all();
         named_barrier_sync(DQ_BARRIER, 128 * CONSUMERS);
         if (publisher && m > q_range.x) publish_dq(semaphores + m - 1);   // the last block's adds are done
+        // dsa[kk] holds four 8 x 8 tiles of dS^T (keys x queries): (query blocks 2kk, 2kk + 1) x (key
+        // rows + 0, + 8); stmatrix .trans writes each as 8 query rows of 8 contiguous keys, lane L
+        // giving the address of row L % 8 of tile L / 8 (one instruction for 16 two-byte stores).
 #pragma unroll
-        for (int i = 0; i < BLOCK_M / 8; ++i) {
-            const int col = 8 * i + query_col;
-            const float2 lse = *reinterpret_cast<const float2*>(lse_tile + col);
-            const float2 dsum = *reinterpret_cast<const float2*>(delta_tile + col);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = first_key + 8 * (e >> 1), query = q_start + col + (e & 1);
-                float prob = exp2f(fmaf(s[4 * i + e], p.scale_log2, -((e & 1) ? lse.y : lse.x)));
-                if (needs_mask && !key_visible<IS_CAUSAL, FEATURES>(key, query, seq.seqlen_k, band)) prob = 0.f;
-                const float ds = prob * (dp[4 * i + e] - ((e & 1) ? dsum.y : dsum.x));
-                s[4 * i + e] = prob;
-                dp[4 * i + e] = ds;
-                const unsigned int packed = Mma<T>::pack(ds, 0.f);
-                *reinterpret_cast<unsigned short*>(ds_tile + swizzled_offset(col + (e & 1), key_row + 8 * (e >> 1))) =
-                    (unsigned short)(packed & 0xFFFFu);
-            }
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+            const int tile = lane / 8;
+            const int query = 16 * kk + 8 * (tile >> 1) + lane % 8, key = 16 * warp + 8 * (tile & 1);
+            stmatrix_x4_trans(smem_addr(ds_tile) + swizzled_offset(query, key), dsa[kk]);
         }
         fence_async_shared();   // the dS writes, before the dQ wgmma reads them
 
         // dV += P^T dO and dK += dS^T Q (A from registers; dO and Q read N-major).
-        unsigned int pa[BLOCK_M / 16][4], dsa[BLOCK_M / 16][4];
-        accumulator_to_a<T, BLOCK_M>(pa, s);
-        accumulator_to_a<T, BLOCK_M>(dsa, dp);
         warpgroup_arrive();
 #pragma unroll
         for (int kk = 0; kk < BLOCK_M / 16; ++kk)
