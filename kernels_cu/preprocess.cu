@@ -8,73 +8,110 @@
 // so P = exp2(s * scale_log2 - lse_log2) is 0 on rows that see no key); the caller pre-fills the
 // padded rows [seqlen_q, delta_stride) of delta (0) and lse_log2 (+inf).
 //
-// One warp per (batch, row, head), visited in memory order of O so consecutive warps read
-// consecutive rows; each lane reads 16-byte vectors of dO and O.
+// Rows (batch, row, head) are visited in memory order of O, several to a warp (row_group below), so
+// consecutive lanes and warps read consecutive rows; each lane reads 16-byte vectors of dO and O.
+
+// A warp's rows: head_dim's 16-byte vectors spread over a power-of-two group of lanes (at most 32),
+// so a warp takes 32 / lanes rows at once and every lane loads (16-bit, d = 128: 16 lanes a row; one
+// row a warp left half the lanes idle, 0.76x the copy rate), and ROW_SETS such sets per pass, their
+// loads issued before any reduction.
+constexpr int ROW_SETS = 2;
+struct RowGroup {
+    int lanes, rows, sub, sublane;   // lanes a row, rows a set, this lane's row in the set and place in it
+};
+__device__ __forceinline__ RowGroup row_group(int head_dim, int vec) {
+    const int vectors = (head_dim + vec - 1) / vec;
+    int lanes = 1;
+    while (lanes < vectors && lanes < 32) lanes *= 2;
+    const int lane = threadIdx.x & 31;
+    return {lanes, 32 / lanes, lane / lanes, lane % lanes};
+}
+__device__ __forceinline__ float group_sum(float x, int lanes) {
+    for (int offset = lanes / 2; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+}
 
 template <typename T>
 __global__ void __launch_bounds__(256) flash_preprocess_kernel(const FlashParams p) {
     constexpr int VEC = Vec<T>::N;
-    const int lane = threadIdx.x & 31;
-    for (long long r = first_row_of_warp(); r < p.batch * p.seqlen_q * p.heads; r += rows_per_grid()) {
-        const auto [b, row, h] = row_index(p, r);
-        const T* o = static_cast<const T*>(p.o) + tensor_offset(p.o_strides, b, row, h);
-        const T* dout = static_cast<const T*>(p.dout) + tensor_offset(p.dout_strides, b, row, h);
-        float dot = 0.f;
-        for (int c = lane * VEC; c < p.head_dim; c += 32 * VEC) {
-            float ov[VEC], dov[VEC];
-            unpack(*reinterpret_cast<const uint4*>(o + c), ov, T{});
-            unpack(*reinterpret_cast<const uint4*>(dout + c), dov, T{});
+    const RowGroup g = row_group((int)p.head_dim, VEC);
+    const long long rows = p.batch * p.seqlen_q * p.heads;
+    for (long long first = first_row_of_warp() * g.rows * ROW_SETS; first < rows; first += rows_per_grid() * g.rows * ROW_SETS) {
+        float dot[ROW_SETS];
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) dot = fmaf(ov[e], dov[e], dot);
+        for (int set = 0; set < ROW_SETS; ++set) {
+            const long long r = first + set * g.rows + g.sub;
+            dot[set] = 0.f;
+            if (r >= rows) continue;
+            const auto [b, row, h] = row_index(p, r);
+            const T* o = static_cast<const T*>(p.o) + tensor_offset(p.o_strides, b, row, h);
+            const T* dout = static_cast<const T*>(p.dout) + tensor_offset(p.dout_strides, b, row, h);
+            for (int c = g.sublane * VEC; c < p.head_dim; c += g.lanes * VEC) {
+                float ov[VEC], dov[VEC];
+                unpack(*reinterpret_cast<const uint4*>(o + c), ov, T{});
+                unpack(*reinterpret_cast<const uint4*>(dout + c), dov, T{});
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) dot[set] = fmaf(ov[e], dov[e], dot[set]);
+            }
         }
 #pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-        if (lane == 0) {
-            // Packed batch (launched as one sequence of all rows): delta and lse_log2 go to the
-            // (batch, heads, delta_stride) layout of the attention kernels, row r of sequence s at
-            // (s, h, r - cu_seqlens_q[s]); the sequence comes from a binary search.
-            long long stats = b * p.delta_batch_stride + h * p.delta_stride + row;
-            if (p.cu_seqlens_q != nullptr) {
-                int lo = 0, hi = (int)p.packed_sequences;   // sequences: find the last s with cu[s] <= row
-                while (hi - lo > 1) {
-                    const int mid = (lo + hi) / 2;
-                    if (p.cu_seqlens_q[mid] <= row) lo = mid; else hi = mid;
+        for (int set = 0; set < ROW_SETS; ++set) {
+            const long long r = first + set * g.rows + g.sub;
+            const float dot_sum = group_sum(dot[set], g.lanes);   // every lane: the warp's shuffles
+            if (r >= rows) continue;
+            const auto [b, row, h] = row_index(p, r);
+            if (g.sublane == 0) {
+                // Packed batch (launched as one sequence of all rows): delta and lse_log2 go to the
+                // (batch, heads, delta_stride) layout of the attention kernels, row r of sequence s at
+                // (s, h, r - cu_seqlens_q[s]); the sequence comes from a binary search.
+                long long stats = b * p.delta_batch_stride + h * p.delta_stride + row;
+                if (p.cu_seqlens_q != nullptr) {
+                    int lo = 0, hi = (int)p.packed_sequences;   // sequences: find the last s with cu[s] <= row
+                    while (hi - lo > 1) {
+                        const int mid = (lo + hi) / 2;
+                        if (p.cu_seqlens_q[mid] <= row) lo = mid; else hi = mid;
+                    }
+                    stats = (lo * p.heads + h) * p.delta_stride + (row - p.cu_seqlens_q[lo]);
                 }
-                stats = (lo * p.heads + h) * p.delta_stride + (row - p.cu_seqlens_q[lo]);
+                p.delta[stats] = dot_sum;
+                if (p.lse_log2 != nullptr) {
+                    const float lse = p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + row];
+                    p.lse_log2[stats] = lse == FLASH_NEG_INF ? -FLASH_NEG_INF : lse * FLASH_LOG2E;
+                }
             }
-            p.delta[stats] = dot;
-            if (p.lse_log2 != nullptr) {
-                const float lse = p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + row];
-                p.lse_log2[stats] = lse == FLASH_NEG_INF ? -FLASH_NEG_INF : lse * FLASH_LOG2E;
-            }
-        }
-        if (p.dq_accum != nullptr) {
-            float* acc = p.dq_accum + tensor_offset(p.dq_accum_strides, b, row, h);
-            for (int c = lane * 4; c < p.head_dim; c += 32 * 4) {
-                *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (p.dq_accum != nullptr) {
+                float* acc = p.dq_accum + tensor_offset(p.dq_accum_strides, b, row, h);
+                for (int c = g.sublane * 4; c < p.head_dim; c += g.lanes * 4)
+                    *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
             }
         }
     }
 }
 
-// dQ = softmax_scale * dq_accum, cast to T. One warp per (batch, row, head), 16-byte vectors.
+// dQ = softmax_scale * dq_accum, cast to T; rows spread over the warp as in the preprocess.
 template <typename T>
 __global__ void __launch_bounds__(256) flash_dq_convert_kernel(const FlashParams p) {
     constexpr int VEC = Vec<T>::N;
-    const int lane = threadIdx.x & 31;
-    for (long long r = first_row_of_warp(); r < p.batch * p.seqlen_q * p.heads; r += rows_per_grid()) {
-        const auto [b, row, h] = row_index(p, r);
-        const float* acc = p.dq_accum + tensor_offset(p.dq_accum_strides, b, row, h);
-        T* dq = static_cast<T*>(p.dq) + tensor_offset(p.dq_strides, b, row, h);
-        for (int c = lane * VEC; c < p.head_dim; c += 32 * VEC) {
-            float vals[VEC];
+    const RowGroup g = row_group((int)p.head_dim, VEC);
+    const long long rows = p.batch * p.seqlen_q * p.heads;
+    for (long long first = first_row_of_warp() * g.rows * ROW_SETS; first < rows; first += rows_per_grid() * g.rows * ROW_SETS) {
 #pragma unroll
-            for (int e = 0; e < VEC; e += 4) {
-                const float4 a = *reinterpret_cast<const float4*>(acc + c + e);
-                vals[e] = a.x * p.softmax_scale; vals[e + 1] = a.y * p.softmax_scale;
-                vals[e + 2] = a.z * p.softmax_scale; vals[e + 3] = a.w * p.softmax_scale;
+        for (int set = 0; set < ROW_SETS; ++set) {
+            const long long r = first + set * g.rows + g.sub;
+            if (r >= rows) continue;
+            const auto [b, row, h] = row_index(p, r);
+            const float* acc = p.dq_accum + tensor_offset(p.dq_accum_strides, b, row, h);
+            T* dq = static_cast<T*>(p.dq) + tensor_offset(p.dq_strides, b, row, h);
+            for (int c = g.sublane * VEC; c < p.head_dim; c += g.lanes * VEC) {
+                float vals[VEC];
+#pragma unroll
+                for (int e = 0; e < VEC; e += 4) {
+                    const float4 a = *reinterpret_cast<const float4*>(acc + c + e);
+                    vals[e] = a.x * p.softmax_scale; vals[e + 1] = a.y * p.softmax_scale;
+                    vals[e + 2] = a.z * p.softmax_scale; vals[e + 3] = a.w * p.softmax_scale;
+                }
+                *reinterpret_cast<uint4*>(dq + c) = pack(vals, T{});
             }
-            *reinterpret_cast<uint4*>(dq + c) = pack(vals, T{});
         }
     }
 }

@@ -1,0 +1,74 @@
+"""A GPU test file in parallel shards, for a fresh device machine: most of a cold run is NVRTC
+compiling the modules the property tests draw (one CPU core each), so N pytest processes share
+the GPU and the cores, each taking every N-th test id. Logs per shard under --logs; a summary
+(passed / failed / skipped per shard, the FAILED lines) is printed last; exit status 1 on any
+failure or timeout.
+
+    python bench/gpu_suite.py tests/test_attention_gpu.py --shards 8 --timeout 420 --logs $OUT/suite
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def collect(path: str) -> list[str]:
+    listing = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", path],
+                             capture_output=True, text=True, check=False).stdout
+    return [line.strip() for line in listing.splitlines() if "::" in line]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path")
+    parser.add_argument("--shards", type=int, default=8)
+    parser.add_argument("--timeout", type=float, default=420.0, help="seconds for all shards together")
+    parser.add_argument("--logs", default="/tmp/gpu_suite")
+    parser.add_argument("-k", default=None, help="pytest -k expression, applied in each shard")
+    args = parser.parse_args()
+    ids = collect(args.path)
+    if not ids:
+        print(f"no tests collected from {args.path}")
+        return 1
+    logs = Path(args.logs)
+    logs.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    shards = []
+    for n in range(min(args.shards, len(ids))):
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ids[n::args.shards]]
+        if args.k:
+            command += ["-k", args.k]
+        log = open(logs / f"shard{n}.log", "w")
+        shards.append((n, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()), log))
+    timed_out = []
+    for n, process, log in shards:
+        try:
+            process.wait(timeout=max(1.0, args.timeout - (time.time() - started)))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            timed_out.append(n)
+        log.close()
+    totals, failed_lines = {}, []
+    for n, process, _ in shards:
+        text = (logs / f"shard{n}.log").read_text(errors="replace")
+        tail = text.strip().splitlines()[-1] if text.strip() else ""
+        for count, word in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)", tail):
+            totals[word] = totals.get(word, 0) + int(count)
+        failed_lines += [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        print(f"shard {n}: rc={process.returncode}{' (timed out)' if n in timed_out else ''}  {tail[:160]}")
+    print(f"{len(ids)} tests in {len(shards)} shards, {time.time() - started:.0f} s: "
+          + ", ".join(f"{v} {k}" for k, v in sorted(totals.items())))
+    for line in failed_lines[:30]:
+        print(line[:300])
+    return 1 if timed_out or failed_lines or any(p.returncode not in (0, 5) for _, p, _ in shards) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
