@@ -30,8 +30,10 @@ struct BackwardSm90Storage {
     alignas(SWIZZLE_ATOM_BYTES) T v[CHUNKS][BLOCK_N][SWIZZLE_ROW_ELEMENTS];
     alignas(SWIZZLE_ATOM_BYTES) T q[STAGES][CHUNKS][BLOCK_M][SWIZZLE_ROW_ELEMENTS];
     alignas(SWIZZLE_ATOM_BYTES) T dout[STAGES][CHUNKS][BLOCK_M][SWIZZLE_ROW_ELEMENTS];
-    // dS (queries x keys, keys contiguous): chunk c holds consumer c's 64 keys.
-    alignas(SWIZZLE_ATOM_BYTES) T ds[BLOCK_N / 64][BLOCK_M][SWIZZLE_ROW_ELEMENTS];
+    // dS (queries x keys, keys contiguous), two buffers (query blocks alternate): chunk c holds
+    // consumer c's 64 keys. With two, a consumer writes block m's dS while the other may still be
+    // reading block m - 1's, so the consumers meet once a block, not twice.
+    alignas(SWIZZLE_ATOM_BYTES) T ds[2][BLOCK_N / 64][BLOCK_M][SWIZZLE_ROW_ELEMENTS];
     // dQ (float32) of a 64-column chunk per consumer, as two 32-column halves (128-byte rows,
     // swizzled): the source of the TMA reduce-add into dq_accum.
     alignas(SWIZZLE_ATOM_BYTES) float dq[BLOCK_N / 64][2][BLOCK_M][32];
@@ -152,11 +154,11 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
     const int first_key = kv_start + 64 * consumer + key_row;
     const unsigned int k_rows = smem_addr(&smem.k[0][64 * consumer][0]);
     const unsigned int v_rows = smem_addr(&smem.v[0][64 * consumer][0]);
-    unsigned char* ds_tile = reinterpret_cast<unsigned char*>(&smem.ds[consumer][0][0]);
     float* dq_accum = p.dq_accum + tensor_offset(p.dq_accum_strides, b, seq.q_row0, h);
-    // Deterministic mode: one counter per (batch, head, query block); the first consumer thread
-    // publishes this block's adds to a query block once both consumers have passed the next
-    // barrier, and waits for this block's turn (the key blocks before it, in order) before any add.
+    // Deterministic mode: one counter per (batch, head, query block); each consumer's first thread
+    // waits for this block's turn (the key blocks before it, in order) before its adds to a query
+    // block, and the first consumer's publishes them once both consumers have passed the next
+    // block's barrier (each having waited for its adds to complete).
     int* semaphores = p.dq_semaphore == nullptr ? nullptr
                                                 : p.dq_semaphore + block.bh * ((p.seqlen_q + BLOCK_M - 1) / BLOCK_M);
     const bool publisher = semaphores != nullptr && consumer == 0 && thread == 0;
@@ -216,20 +218,16 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
         unsigned int pa[BLOCK_M / 16][4], dsa[BLOCK_M / 16][4];
         accumulator_to_a<T, BLOCK_M>(pa, s);
         accumulator_to_a<T, BLOCK_M>(dsa, dp);
-        // Every warp writes dS rows of all BLOCK_M queries, which both consumers' dQ products of the
-        // previous block read: wait for both warpgroups (each waited for its own products).
-        // Deterministic: each consumer's dQ reduce of the last block has completed in global memory.
-        if (semaphores != nullptr && thread == 0) tma_store_wait_all();
-        named_barrier_sync(DQ_BARRIER, 128 * CONSUMERS);
-        if (publisher && m > q_range.x) publish_dq(semaphores + m - 1);   // the last block's adds are done
-        // dsa[kk] holds four 8 x 8 tiles of dS^T (keys x queries): (query blocks 2kk, 2kk + 1) x (key
-        // rows + 0, + 8); stmatrix .trans writes each as 8 query rows of 8 contiguous keys, lane L
-        // giving the address of row L % 8 of tile L / 8 (one instruction for 16 two-byte stores).
+        // dS to shared memory in this block's buffer: both consumers' dQ products of two blocks ago
+        // read it, and both waited for them before the last block's barrier. dsa[kk] holds four
+        // 8 x 8 tiles of dS^T (keys x queries): (query blocks 2kk, 2kk + 1) x (key rows + 0, + 8);
+        // stmatrix .trans writes each as 8 query rows of 8 contiguous keys, lane L giving the
+        // address of row L % 8 of tile L / 8 (one instruction for 16 two-byte stores).
 #pragma unroll
         for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
             const int tile = lane / 8;
             const int query = 16 * kk + 8 * (tile >> 1) + lane % 8, key = 16 * warp + 8 * (tile & 1);
-            stmatrix_x4_trans(smem_addr(ds_tile) + swizzled_offset(query, key), dsa[kk]);
+            stmatrix_x4_trans(smem_addr(&smem.ds[it & 1][consumer][0][0]) + swizzled_offset(query, key), dsa[kk]);
         }
         fence_async_shared();   // the dS writes, before the dQ wgmma reads them
 
@@ -251,15 +249,19 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
         // partial query block of a sequence (a box there would add into the next sequence's rows)
         // adds from registers with red.global instead.
         const bool whole_rows = !(FEATURES & FEATURE_VARLEN) || q_start + BLOCK_M <= seq.seqlen_q;
-        // The chunk's shared memory is rewritten below: its last reduce has read it.
-        if (thread == 0) tma_store_wait_read();
-        if (publisher) {   // this key block's turn at query block m: the blocks of m's band before it
-            const int turn = (FEATURES & FEATURE_WINDOW)
-                                 ? block.kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start, BLOCK_M, BLOCK_N, band).x
-                                 : block.kv_block;
-            wait_dq_turn(semaphores + m, turn);
+        // The chunk's shared memory is rewritten below: its last reduce has read it (deterministic:
+        // has completed in global memory, so the last block's adds are published after the barrier).
+        if (thread == 0) {
+            if (semaphores != nullptr) tma_store_wait_all();
+            else tma_store_wait_read();
         }
-        named_barrier_sync(DQ_BARRIER, 128 * CONSUMERS);   // both consumers' dS rows are written (and the turn came)
+        named_barrier_sync(DQ_BARRIER, 128 * CONSUMERS);   // both consumers' dS rows are written
+        if (publisher && m > q_range.x) publish_dq(semaphores + m - 1);   // the last block's adds are done
+        // Deterministic: this key block's turn at query block m (the blocks of m's band before it),
+        // waited for by each consumer's first thread before its adds.
+        const int turn = (FEATURES & FEATURE_WINDOW)
+                             ? block.kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start, BLOCK_M, BLOCK_N, band).x
+                             : block.kv_block;
 #pragma unroll 1
         for (int c = consumer; c < CHUNKS; c += CONSUMERS) {
             float dq[SWIZZLE_ROW_ELEMENTS / 2];
@@ -269,7 +271,7 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk)
                     Wgmma<T, SWIZZLE_ROW_ELEMENTS>::template ss<1>(
-                        dq, k_major_descriptor(smem_addr(&smem.ds[kc][0][0]) + kk * 32),
+                        dq, k_major_descriptor(smem_addr(&smem.ds[it & 1][kc][0][0]) + kk * 32),
                         n_major_descriptor(smem_addr(&smem.k[c][64 * kc][0]) + kk * 2 * SWIZZLE_ATOM_BYTES, K_CHUNK_BYTES),
                         kc > 0 || kk > 0);
             warpgroup_commit();
@@ -292,6 +294,7 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
                 fence_async_shared();
                 named_barrier_sync(2 + consumer, 128);   // the chunk is written (ids 2, 3: one per consumer)
                 if (thread == 0) {
+                    if (semaphores != nullptr) wait_dq_turn(semaphores + m, turn);
 #pragma unroll
                     for (int half = 0; half < 2; ++half)
                         tma_reduce_add_4d(&maps.dq_accum, smem_addr(&smem.dq[consumer][half][0][0]),
@@ -299,6 +302,10 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
                     tma_store_commit();
                 }
             } else {
+                if (semaphores != nullptr) {   // the turn, before any of this consumer's adds
+                    if (thread == 0) wait_dq_turn(semaphores + m, turn);
+                    named_barrier_sync(2 + consumer, 128);
+                }
 #pragma unroll
                 for (int i = 0; i < SWIZZLE_ROW_ELEMENTS / 8; ++i)
 #pragma unroll
@@ -315,7 +322,7 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
         hold_registers(dk);
         hold_registers(dv);
         // The slot's Q and dO were last read by the dK / dV products (complete: wait<0> above);
-        // the dS rows are rewritten only after the next block's barrier.
+        // this block's dS buffer is rewritten two blocks on, after the next block's barrier.
         barrier_arrive(smem_addr(&smem.empty[slot.index]));
     }
     if (thread == 0) tma_store_wait_all();   // the dQ reduces are done before the block's shared memory goes
