@@ -79,14 +79,14 @@ FORWARD_SM90_CAUSAL_MIN_KEYS = {64: 513, 128: 0, 256: 0}
 BACKWARD_SM90 = {64: (128, 64, 2), 128: (128, 64, 2)}
 BACKWARD_SM90_FEATURE_SETS = {64: (_SM90_ALL & ~(FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK),),
                               128: (_SM90_ALL & ~(FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK),)}
-# Where the automatic setting runs it (measured, H100, bf16 and fp16, docs/results/
-# h100_sm90_bwd_bf16_fp16_20261123d.json): from 1k keys it was 1.04-1.54x the portable backward on
-# all 40 standard shapes; at 512 keys 0.95-1.21x (within the runs' noise), so those stay portable.
-# Deterministic, its key blocks wait for their turns each query block: 1.35-1.60x the portable
-# deterministic backward at d = 128 from 4k keys and 1.08-1.10x at d = 64 and 16k, but 0.91-1.01x
-# at d = 64 up to 4k and at d = 128 and 1k.
+# Where the automatic setting runs it (measured, H100): from 1k keys it was 1.04-1.54x the portable
+# backward on all 40 standard shapes (b3, bf16 and fp16, docs/results/
+# h100_sm90_bwd_bf16_fp16_20261123d.json) and 1.17-1.71x on b6 (bf16, h100_sm90_bwd_b6_20261123.json);
+# at 512 keys 0.95-1.21x on b3 and 1.07-1.14x on b6, within the runs' noise, so those stay portable.
+# Deterministic (b6: two dS buffers and the turn waited for after the consumers' one barrier):
+# 1.03-1.80x the portable deterministic backward from 1k keys at d = 64 and 128, 0.99-1.25x at 512.
 BACKWARD_SM90_MIN_KEYS = 1024
-BACKWARD_SM90_DETERMINISTIC_MIN_KEYS = {64: 16384, 128: 4096}
+BACKWARD_SM90_DETERMINISTIC_MIN_KEYS = {64: 1024, 128: 1024}
 
 
 def backward_sm90_config(tile: int) -> tuple[int, int, int, int]:
