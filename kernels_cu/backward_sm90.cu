@@ -1,7 +1,7 @@
 // Hopper backward (sm_90a) for float16 / bfloat16, on the forward's vocabulary (sm90_mma.cuh,
-// sm90_tma.cuh). Runs by default from 1k keys (cupy_flash/_families.backward_family): 1.04-1.54x
-// the portable backward there, 0.59-0.80x cuDNN (docs/performance.md, "Hopper backward, second
-// part"); smoke check, property tests and memcheck/racecheck/synccheck pass on the H100.
+// sm90_tma.cuh). Runs by default from 1k keys (cupy_flash/_families.backward_family): 1.17-1.71x
+// the portable backward there, 0.69-0.88x cuDNN at 2k-16k (docs/performance.md, "Hopper backward,
+// third part"); smoke check, property tests and memcheck/racecheck/synccheck pass on the H100.
 //
 // One block per (key block of BLOCK_N keys, batch, head), key blocks of one head consecutive in the
 // grid (their Q, dO and dQ rows stay in L2). With the scores transposed (keys as rows):
@@ -15,9 +15,10 @@
 //  - warpgroups 1..2 each own 64 of the block's keys: S^T and dP^T by wgmma from shared memory,
 //    P^T and dS^T in registers, dV += P^T dO and dK += dS^T Q by wgmma with A from registers
 //    (accumulated across the query loop), dS written to shared memory (queries x keys, keys
-//    contiguous) for dQ = dS K over all the block's keys, each consumer a share of its 64-column
-//    chunks, added to dq_accum by a TMA reduce-add from shared memory (one add per element per
-//    key block); deterministic mode (p.dq_semaphore) orders the key blocks' adds.
+//    contiguous; two buffers, query blocks alternating) for dQ = dS K over all the block's keys,
+//    each consumer a share of its 64-column chunks, added to dq_accum by a TMA reduce-add from
+//    shared memory (one add per element per key block); deterministic mode (p.dq_semaphore)
+//    orders the key blocks' adds.
 // Row statistics are the preprocess kernel's: padded per (batch, head) to a multiple of 128 rows,
 // lse_log2 +inf past the sequence (P = 0) and delta 0, so a query block is always whole; Q and dO
 // rows past the sequence arrive as zeros. Keys past the sequence read zeros from K and V; the mask
