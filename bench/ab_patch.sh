@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# A kernel patch against the working tree, in one device call: the patched copy's Hopper backward
+# Kernel patches against the working tree, in one device call: each patched copy's Hopper backward
 # smoke check and deterministic tests (under timeouts: a wrong turn count hangs), then
-# `python -m bench` of both trees one after the other in the same call (their peers timed in each).
-# Logs and the bench JSON go to $OUT; a summary is printed last.
+# `python -m bench` of every patched copy and of the working tree, one after the other in the same
+# call (their peers timed in each). Logs and the bench JSON go to $OUT; a summary is printed last.
 # Usage on the device machine, from the repository root:
-#   bash bench/ab_patch.sh docs/wip/<name>.patch [bench arguments]
+#   bash bench/ab_patch.sh docs/wip/<a>.patch [docs/wip/<b>.patch ...] [-- bench arguments]
+# A patch file may name several patches joined by '+' (applied in order into one copy).
 # (default bench arguments: --modes bwd bwd_det --dtypes bf16 --head-dims 64 128 --seqlens 1024 4096 16384;
-# BENCH="python3 bench/preprocess_rate.py" times that instead, in both trees, without arguments)
+# BENCH="python3 bench/preprocess_rate.py" times that instead, in every tree, without arguments;
+# CHECKS=0 skips the smoke check and the deterministic tests)
 set -u
-patch_file=$(realpath "$1"); shift
+patches=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do patches+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+[ ${#patches[@]} -gt 0 ] || { echo "usage: bash bench/ab_patch.sh a.patch [b.patch ...] [-- bench arguments]"; exit 2; }
 BENCH=${BENCH:-python3 -m bench}
 if [ "$BENCH" = "python3 -m bench" ]; then
   bench_args="${*:-"--modes bwd bwd_det --dtypes bf16 --head-dims 64 128 --seqlens 1024 4096 16384"} --kernels experimental"
@@ -17,20 +22,40 @@ else
   bench_args="$*" out_arg=
 fi
 export PYTHONUNBUFFERED=1 CUPY_FLASH_QUIET=1
-OUT=${OUT:-/tmp/cupy_flash_ab}; mkdir -p "$OUT/patched" "$OUT/base"
-patched=/tmp/cupy_flash_patched; rm -rf "$patched"; mkdir -p "$patched"
-cp -r cupy_flash kernels_cu bench tests examples pyproject.toml "$patched"/
-(cd "$patched" && patch -p1 -s < "$patch_file") || { echo "the patch does not apply"; exit 2; }
+OUT=${OUT:-/tmp/cupy_flash_ab}; mkdir -p "$OUT"
+root=$(pwd)
 SECONDS=0
-(cd "$patched" && PYTHONPATH=. CUPY_FLASH_KERNELS=experimental timeout 120 python3 bench/smoke_sm90_backward.py \
-   > "$OUT/smoke.txt" 2>&1); echo "smoke (patched) rc=$? ${SECONDS}s: $(tail -1 "$OUT/smoke.txt")"
-(cd "$patched" && PYTHONPATH=. timeout 150 python3 -m pytest -x -q -p no:cacheprovider tests/test_attention_gpu.py \
-   -k "deterministic and hopper" > "$OUT/deterministic.txt" 2>&1); echo "deterministic tests (patched) rc=$? ${SECONDS}s: $(tail -1 "$OUT/deterministic.txt")"
+trees=()
+for spec in "${patches[@]}"; do
+  name=$(basename "${spec//+/_}" .patch); tree=/tmp/cupy_flash_ab_$name
+  rm -rf "$tree"; mkdir -p "$tree" "$OUT/$name"
+  cp -r cupy_flash kernels_cu bench tests examples pyproject.toml "$tree"/
+  applied=1
+  IFS='+' read -ra parts <<< "$spec"
+  for part in "${parts[@]}"; do
+    [ "${part%.patch}" = "$part" ] && part=$part.patch
+    [ -f "$part" ] || part=docs/wip/$(basename "$part")
+    (cd "$tree" && patch -p1 -s < "$root/$part") || { echo "$name: $part does not apply"; applied=0; }
+  done
+  [ $applied = 1 ] || continue
+  trees+=("$name")
+  if [ "${CHECKS:-1}" = 1 ]; then
+    (cd "$tree" && PYTHONPATH=. CUPY_FLASH_KERNELS=experimental timeout 120 python3 bench/smoke_sm90_backward.py \
+       > "$OUT/$name/smoke.txt" 2>&1); echo "$name smoke rc=$? ${SECONDS}s: $(tail -1 "$OUT/$name/smoke.txt")"
+    (cd "$tree" && PYTHONPATH=. timeout 150 python3 -m pytest -x -q -p no:cacheprovider tests/test_attention_gpu.py \
+       -k "deterministic and hopper" > "$OUT/$name/deterministic.txt" 2>&1)
+    echo "$name deterministic tests rc=$? ${SECONDS}s: $(tail -1 "$OUT/$name/deterministic.txt")"
+  fi
+done
+for name in "${trees[@]}"; do
+  # shellcheck disable=SC2086
+  (cd "/tmp/cupy_flash_ab_$name" && PYTHONPATH=. timeout 200 $BENCH $bench_args ${out_arg:+$out_arg "$OUT/$name"} \
+     > "$OUT/$name/bench.txt" 2>&1); echo "bench $name rc=$? ${SECONDS}s"
+done
+mkdir -p "$OUT/base"
 # shellcheck disable=SC2086
-(cd "$patched" && PYTHONPATH=. timeout 200 $BENCH $bench_args ${out_arg:+$out_arg "$OUT/patched"} \
-   > "$OUT/bench_patched.txt" 2>&1); echo "bench (patched) rc=$? ${SECONDS}s"
-# shellcheck disable=SC2086
-PYTHONPATH=. timeout 200 $BENCH $bench_args ${out_arg:+$out_arg "$OUT/base"} > "$OUT/bench_base.txt" 2>&1
+PYTHONPATH=. timeout 200 $BENCH $bench_args ${out_arg:+$out_arg "$OUT/base"} > "$OUT/base/bench.txt" 2>&1
 echo "bench (working tree) rc=$? ${SECONDS}s"
-echo "== patched =="; grep -E "^\| |ratio" "$OUT/bench_patched.txt" | cut -c1-160
-echo "== working tree =="; grep -E "^\| |ratio" "$OUT/bench_base.txt" | cut -c1-160
+for name in "${trees[@]}" base; do
+  echo "== $name"; grep -E "^\| |ratio" "$OUT/$name/bench.txt" | cut -c1-160
+done
