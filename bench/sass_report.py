@@ -27,7 +27,7 @@ def main(family, dtype, tile, arch, features="0"):
     else:
         target = None
     spec = _compile.ModuleSpec(family, dtype, int(tile) if tile != "None" else None, target, int(features))
-    cubin, _, log = _compile._nvrtc_compile(spec, _compile.compile_options(f"sm_{arch}"))
+    cubin, _, log, _ = _compile._nvrtc_compile(spec, _compile.compile_options(f"sm_{arch}"))
     print(f"cubin {len(cubin)} bytes, starts {cubin[:4]!r}; ptxas log {len(log)} chars")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)

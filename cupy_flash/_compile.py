@@ -364,7 +364,7 @@ class ArchSpecificModule:
         try:
             cubin, self.lowered = cubin_path.read_bytes(), json.loads(names_path.read_text())
         except (OSError, ValueError):
-            cubin, self.lowered, _ = _nvrtc_compile(spec, options)
+            cubin, self.lowered, _, _ = _nvrtc_compile(spec, options)
             try:
                 directory.mkdir(parents=True, exist_ok=True)
                 for path, data in ((cubin_path, cubin), (names_path, json.dumps(self.lowered).encode())):
@@ -445,6 +445,11 @@ class KernelReport:
     stack_bytes: int
     spill_store_bytes: int
     spill_load_bytes: int
+    # From the PTX: the launch bounds' block size (0 where the kernel declares none) and each
+    # parameter's size in bytes, so tests can hold the launchers' block sizes and argument records
+    # to the kernels'.
+    max_threads: int = 0
+    param_bytes: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -465,6 +470,20 @@ class CompileReport:
 _ENTRY = re.compile(r"Compiling entry function '(\S+)' for 'sm_\d+a?'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
+_PTX_PARAM = re.compile(r"\.param\s+(?:\.align\s+\d+\s+)?\.([busf])(\d+)\s+\S+?_param_\d+(?:\[(\d+)\])?")
+_PTX_MAXNTID = re.compile(r"\.maxntid\s+(\d+),\s*(\d+),\s*(\d+)")
+
+
+def _ptx_entries(ptx: str) -> dict:
+    """{mangled kernel name: (launch-bound block size or 0, (parameter bytes, ...))} of a PTX text."""
+    entries = {}
+    for block in ptx.split(".entry ")[1:]:
+        name = block.split("(", 1)[0].strip()
+        signature, _, body = block.partition(")")
+        params = tuple(int(count or 1) * int(bits) // 8 for _, bits, count in _PTX_PARAM.findall(signature))
+        bound = _PTX_MAXNTID.search(body.split("{", 1)[0])
+        entries[name] = (int(bound.group(1)) * int(bound.group(2)) * int(bound.group(3)) if bound else 0, params)
+    return entries
 _SPEED_WARNING = re.compile(r"C75(0[89]|1\d)")
 
 
@@ -484,8 +503,8 @@ def _nvrtc_version() -> str:
     return ".".join(str(n) for n in nvrtc.getVersion())
 
 
-def _nvrtc_compile(spec: ModuleSpec, options) -> tuple[bytes, dict, str]:
-    """(cubin, {name expression: lowered name}, log) of ``spec`` compiled by NVRTC (no GPU needed)."""
+def _nvrtc_compile(spec: ModuleSpec, options) -> tuple[bytes, dict, str, str]:
+    """(cubin, {name expression: lowered name}, log, PTX) of ``spec`` compiled by NVRTC (no GPU needed)."""
     import struct
 
     from cupy_backends.cuda.libs import nvrtc
@@ -502,6 +521,8 @@ def _nvrtc_compile(spec: ModuleSpec, options) -> tuple[bytes, dict, str]:
         text = nvrtc.getProgramLog(program)
         lowered = {e: nvrtc.getLoweredName(program, e) for e in spec.name_expressions}
         cubin = nvrtc.getCUBIN(program)
+        ptx = nvrtc.getPTX(program)
+        ptx = ptx.decode(errors="replace") if isinstance(ptx, bytes) else ptx
     finally:
         nvrtc.destroyProgram(program)
     # CuPy's getCUBIN drops the image's last byte; the ELF header says how long it is (the program
@@ -510,12 +531,13 @@ def _nvrtc_compile(spec: ModuleSpec, options) -> tuple[bytes, dict, str]:
     end = program_headers + entry_size * entries
     if end > len(cubin):
         cubin += b"\0" * (end - len(cubin))
-    return cubin, lowered, text
+    return cubin, lowered, text, ptx
 
 
 def compile_offline(spec: ModuleSpec, arch: str) -> CompileReport:
     """Compile every instantiation of ``spec`` to a cubin for ``arch`` with NVRTC (no GPU needed)."""
-    cubin, lowered_names, text = _nvrtc_compile(spec, compile_options(arch))
+    cubin, lowered_names, text, ptx = _nvrtc_compile(spec, compile_options(arch))
+    entries = _ptx_entries(ptx)
     lowered = {name: expression for expression, name in lowered_names.items()}
     kernels = []
     for block in text.split("Compiling entry function")[1:]:
@@ -531,6 +553,8 @@ def compile_offline(spec: ModuleSpec, arch: str) -> CompileReport:
             stack_bytes=int(frame.group(1)),
             spill_store_bytes=int(frame.group(2)),
             spill_load_bytes=int(frame.group(3)),
+            max_threads=entries.get(entry.group(1), (0, ()))[0],
+            param_bytes=entries.get(entry.group(1), (0, ()))[1],
         ))
     return CompileReport(spec=spec, arch=arch, cubin_bytes=len(cubin), kernels=kernels, log=text)
 

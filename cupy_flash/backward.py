@@ -183,6 +183,7 @@ def _backward_tensor_core(do, q, k, v, o, lse, dq, dk, dv, shape, scale, variant
 
 
 _sm90_maps: dict = {}   # the Hopper backward's q, k, v, dO and dq_accum tensor maps, by everything that enters them
+_SM90_MAPS_BYTES = 5 * _tma.MAP_BYTES   # kernels_cu/backward_sm90.cu: BackwardSm90Maps (tests/test_compile.py holds them equal)
 
 
 def _launch_backward_sm90(q, k, v, do, dq_accum, shape, variant, params) -> None:
@@ -198,7 +199,7 @@ def _launch_backward_sm90(q, k, v, do, dq_accum, shape, variant, params) -> None
     key = tuple((x.data.ptr, x.shape, x.strides, rows) for x, rows in arrays) + (shape.dtype, packed)
     encoded = _tma.cached(_sm90_maps, key, lambda: b"".join(
         _tma.attention_map(x, "float32" if x is dq_accum else shape.dtype, rows, packed) for x, rows in arrays))
-    maps = numpy.frombuffer(encoded, dtype=numpy.dtype((numpy.void, len(encoded))))
+    maps = numpy.frombuffer(encoded, dtype=numpy.dtype((numpy.void, _SM90_MAPS_BYTES)))
     grid = -(-shape.seqlen_k // block_n) * shape.batch * shape.heads
     kernel((grid,), (_traits.backward_sm90_threads(spec.config),), (maps, as_argument(params)), shared_mem=smem)
 

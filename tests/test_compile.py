@@ -76,6 +76,26 @@ def test_instantiations_compile_without_spills(reports, spec, arch):
     assert not report.speed_warnings, f"ptxas on {spec.describe()} for {arch}: {report.speed_warnings}"
 
 
+@pytest.mark.compile
+def test_hopper_launchers_match_their_kernels(reports):
+    """Each Hopper launch's block size and argument record (Python: _traits, forward.py,
+    backward.py) against the kernel's launch bounds and parameters (its PTX): a block short of a
+    warpgroup, or a tensor-map record shorter than the kernel's struct, would fail only on an H100."""
+    from cupy_flash import backward, forward
+    from cupy_flash._compile import PARAMS_DTYPE
+
+    launches = {"forward_sm90": (_traits.forward_sm90_threads, (forward._SM90_MAPS_BYTES, PARAMS_DTYPE.itemsize, 8)),
+                "backward_sm90": (_traits.backward_sm90_threads, (backward._SM90_MAPS_BYTES, PARAMS_DTYPE.itemsize))}
+    checked = 0
+    for (spec, _), report in reports.items():
+        if spec.family in launches and not isinstance(report, Exception):
+            threads, record = launches[spec.family]
+            for kernel in report.kernels:
+                assert (kernel.max_threads, kernel.param_bytes) == (threads(spec.config), record), kernel.name
+                checked += 1
+    assert checked == 2 * sum(spec.family in launches for spec in _compile.all_module_specs())   # causal and not
+
+
 def test_every_head_dim_maps_to_a_compiled_tile():
     for head_dim in range(8, _traits.MAX_HEAD_DIM + 1, 8):
         tile = _traits.head_dim_tile(head_dim)
