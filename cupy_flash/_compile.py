@@ -470,6 +470,7 @@ class CompileReport:
 _ENTRY = re.compile(r"Compiling entry function '(\S+)' for 'sm_\d+a?'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
+_SPEED_WARNING = re.compile(r"C75(0[89]|1\d)")
 _PTX_PARAM = re.compile(r"\.param\s+(?:\.align\s+\d+\s+)?\.([busf])(\d+)\s+\S+?_param_\d+(?:\[(\d+)\])?")
 _PTX_MAXNTID = re.compile(r"\.maxntid\s+(\d+),\s*(\d+),\s*(\d+)")
 
@@ -484,7 +485,6 @@ def _ptx_entries(ptx: str) -> dict:
         bound = _PTX_MAXNTID.search(body.split("{", 1)[0])
         entries[name] = (int(bound.group(1)) * int(bound.group(2)) * int(bound.group(3)) if bound else 0, params)
     return entries
-_SPEED_WARNING = re.compile(r"C75(0[89]|1\d)")
 
 
 def compile_options(arch: str, report: bool = True) -> tuple[str, ...]:
@@ -547,14 +547,15 @@ def compile_offline(spec: ModuleSpec, arch: str) -> CompileReport:
         regs = _REGS.search(block)
         if not (entry and frame and regs):
             continue
+        max_threads, param_bytes = entries.get(entry.group(1), (0, ()))
         kernels.append(KernelReport(
             name=lowered.get(entry.group(1), entry.group(1)),
             registers=int(regs.group(1)),
             stack_bytes=int(frame.group(1)),
             spill_store_bytes=int(frame.group(2)),
             spill_load_bytes=int(frame.group(3)),
-            max_threads=entries.get(entry.group(1), (0, ()))[0],
-            param_bytes=entries.get(entry.group(1), (0, ()))[1],
+            max_threads=max_threads,
+            param_bytes=param_bytes,
         ))
     return CompileReport(spec=spec, arch=arch, cubin_bytes=len(cubin), kernels=kernels, log=text)
 

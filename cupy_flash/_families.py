@@ -93,7 +93,7 @@ class ForwardSm90:
             return False
         tile = _traits.forward_sm90_tile(shape.head_dim)
         short_causal = getattr(variant, "causal", False) and shape.seqlen_k < _traits.FORWARD_SM90_CAUSAL_MIN_KEYS[tile]
-        return (not short_causal and _traits.forward_sm90_supports_features(tile, variant.flags)
+        return (not short_causal and _traits.sm90_supports_features(_traits.FORWARD_SM90_FEATURE_SETS, tile, variant.flags)
                 and all(_tma.maps_supported(x) for x in arrays))
 
 
@@ -137,8 +137,7 @@ def backward_family(device: DeviceInfo, shape, variant, deterministic: bool = Fa
                     else _traits.BACKWARD_SM90_MIN_KEYS)
         if shape.seqlen_k < min_keys:
             return "backward_tc"
-    flags = variant.backward_flags
-    supported = any(flags & ~allowed == 0 for allowed in _traits.BACKWARD_SM90_FEATURE_SETS[tile])
+    supported = _traits.sm90_supports_features(_traits.BACKWARD_SM90_FEATURE_SETS, tile, variant.backward_flags)
     return "backward_sm90" if supported and all(_tma.maps_supported(x) for x in arrays) else "backward_tc"
 
 

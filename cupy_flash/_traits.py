@@ -84,7 +84,7 @@ BACKWARD_SM90_FEATURE_SETS = {64: (_SM90_ALL & ~(FEATURE_SOFTCAP | FEATURE_ALIBI
 # h100_sm90_bwd_bf16_fp16_20261123d.json) and 1.17-1.71x on b6 (bf16, h100_sm90_bwd_b6_20261123.json);
 # at 512 keys 0.95-1.21x on b3 and 1.07-1.14x on b6, within the runs' noise, so those stay portable.
 # Deterministic (b6: two dS buffers and the turn waited for after the consumers' one barrier):
-# 1.03-1.80x the portable deterministic backward from 1k keys at d = 64 and 128, 0.99-1.25x at 512.
+# 1.01-1.80x the portable deterministic backward from 1k keys at d = 64 and 128, 0.99-1.25x at 512.
 BACKWARD_SM90_MIN_KEYS = 1024
 BACKWARD_SM90_DETERMINISTIC_MIN_KEYS = {64: 1024, 128: 1024}
 
@@ -95,8 +95,10 @@ def backward_sm90_config(tile: int) -> tuple[int, int, int, int]:
     return tile, block_n, block_m, stages
 
 
-def forward_sm90_supports_features(tile: int, flags: int) -> bool:
-    return any(flags & ~allowed == 0 for allowed in FORWARD_SM90_FEATURE_SETS[tile])
+def sm90_supports_features(feature_sets: dict, tile: int, flags: int) -> bool:
+    """Whether a Hopper kernel family compiles ``flags`` at ``tile``: they fit one of its feature
+    sets (FORWARD_SM90_FEATURE_SETS, BACKWARD_SM90_FEATURE_SETS)."""
+    return any(flags & ~allowed == 0 for allowed in feature_sets[tile])
 
 
 def forward_sm90_tile(head_dim: int) -> int:

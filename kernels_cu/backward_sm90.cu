@@ -104,7 +104,7 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
             // One arrival per consumer thread: each read the slot's lse and delta rows with its own
             // loads, and an arrival releases only the arriving thread's reads (racecheck flagged
             // the bulk copy into the slot against lanes 1-31's reads when only lane 0 arrived).
-            barrier_init(smem_addr(&smem.empty[s]), 128 * (BLOCK_N / 64));
+            barrier_init(smem_addr(&smem.empty[s]), 128 * CONSUMERS);
         }
         barrier_init_fence();
     }

@@ -446,10 +446,11 @@ __global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1)
 flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const FlashParams p, int* tile_counter) {
     using Storage = ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>;
     constexpr int CONSUMERS = BLOCK_M / 64;
+    constexpr bool DYNAMIC = DynamicTiles<D_TILE, IS_CAUSAL, FEATURES>::value;   // tiles from the counter
     static_assert(BLOCK_M % 64 == 0 && (CONSUMERS == 2 || CONSUMERS == 3), "64 query rows per consumer warpgroup");
     static_assert(D_TILE % SWIZZLE_ROW_ELEMENTS == 0 && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
     static_assert(!(FEATURES & FEATURE_BIAS), "the bias runs on the portable kernels");
-    static_assert(registers_fit_launch<CONSUMERS, DynamicTiles<D_TILE, IS_CAUSAL, FEATURES>::value>(), "setmaxnreg split beyond the launch's registers: the block would hang");
+    static_assert(registers_fit_launch<CONSUMERS, DYNAMIC>(), "setmaxnreg split beyond the launch's registers: the block would hang");
     static_assert(sizeof(Storage) + SWIZZLE_ATOM_BYTES <= 227 * 1024, "shared memory of one sm_90 block");
     require_dynamic_smem(forward_sm90_smem_bytes<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>);
     extern __shared__ unsigned char smem_raw[];
@@ -479,11 +480,11 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
     }
     __syncthreads();
 
-    const TileScheduler<BLOCK_M, BLOCK_N, IS_CAUSAL, FEATURES, DynamicTiles<D_TILE, IS_CAUSAL, FEATURES>::value> scheduler(p);
+    const TileScheduler<BLOCK_M, BLOCK_N, IS_CAUSAL, FEATURES, DYNAMIC> scheduler(p);
     int ring = 0, q_round = 0;
     const int warpgroup = threadIdx.x / 128;
     if (warpgroup == 0) {
-        release_registers<Sm90Registers<CONSUMERS, DynamicTiles<D_TILE, IS_CAUSAL, FEATURES>::value>::producer>();
+        release_registers<Sm90Registers<CONSUMERS, DYNAMIC>::producer>();
         if (threadIdx.x == 0) {
 #pragma unroll 1
             for (int tile = blockIdx.x, round = 0; tile < scheduler.num_tiles; ++round) {
@@ -492,7 +493,7 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
             }
         }
     } else {
-        acquire_registers<Sm90Registers<CONSUMERS, DynamicTiles<D_TILE, IS_CAUSAL, FEATURES>::value>::consumer>();
+        acquire_registers<Sm90Registers<CONSUMERS, DYNAMIC>::consumer>();
         const int consumer = warpgroup - 1;
         // Issue turns pass around the consumers (issue_barrier): the last one's turn comes before
         // the first's, so it starts the ring with one arrival; consumer 0 takes the ring's last

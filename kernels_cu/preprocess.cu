@@ -18,6 +18,11 @@
 constexpr int ROW_SETS = 2;
 struct RowGroup {
     int lanes, rows, sub, sublane;   // lanes a row, rows a set, this lane's row in the set and place in it
+    // The warp's passes over the rows (ROW_SETS sets each): where its first starts, the step between
+    // them, and this lane's row of set `set` in the pass starting at `first`.
+    __device__ __forceinline__ long long first_pass() const { return first_row_of_warp() * rows * ROW_SETS; }
+    __device__ __forceinline__ long long pass_step() const { return rows_per_grid() * rows * ROW_SETS; }
+    __device__ __forceinline__ long long row(long long first, int set) const { return first + set * rows + sub; }
 };
 __device__ __forceinline__ RowGroup row_group(int head_dim, int vec) {
     const int vectors = (head_dim + vec - 1) / vec;
@@ -36,11 +41,11 @@ __global__ void __launch_bounds__(256) flash_preprocess_kernel(const FlashParams
     constexpr int VEC = Vec<T>::N;
     const RowGroup g = row_group((int)p.head_dim, VEC);
     const long long rows = p.batch * p.seqlen_q * p.heads;
-    for (long long first = first_row_of_warp() * g.rows * ROW_SETS; first < rows; first += rows_per_grid() * g.rows * ROW_SETS) {
+    for (long long first = g.first_pass(); first < rows; first += g.pass_step()) {
         float dot[ROW_SETS];
 #pragma unroll
         for (int set = 0; set < ROW_SETS; ++set) {
-            const long long r = first + set * g.rows + g.sub;
+            const long long r = g.row(first, set);
             dot[set] = 0.f;
             if (r >= rows) continue;
             const auto [b, row, h] = row_index(p, r);
@@ -56,7 +61,7 @@ __global__ void __launch_bounds__(256) flash_preprocess_kernel(const FlashParams
         }
 #pragma unroll
         for (int set = 0; set < ROW_SETS; ++set) {
-            const long long r = first + set * g.rows + g.sub;
+            const long long r = g.row(first, set);
             const float dot_sum = group_sum(dot[set], g.lanes);   // every lane: the warp's shuffles
             if (r >= rows) continue;
             const auto [b, row, h] = row_index(p, r);
@@ -94,10 +99,10 @@ __global__ void __launch_bounds__(256) flash_dq_convert_kernel(const FlashParams
     constexpr int VEC = Vec<T>::N;
     const RowGroup g = row_group((int)p.head_dim, VEC);
     const long long rows = p.batch * p.seqlen_q * p.heads;
-    for (long long first = first_row_of_warp() * g.rows * ROW_SETS; first < rows; first += rows_per_grid() * g.rows * ROW_SETS) {
+    for (long long first = g.first_pass(); first < rows; first += g.pass_step()) {
 #pragma unroll
         for (int set = 0; set < ROW_SETS; ++set) {
-            const long long r = first + set * g.rows + g.sub;
+            const long long r = g.row(first, set);
             if (r >= rows) continue;
             const auto [b, row, h] = row_index(p, r);
             const float* acc = p.dq_accum + tensor_offset(p.dq_accum_strides, b, row, h);
