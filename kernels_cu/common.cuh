@@ -321,6 +321,21 @@ __device__ __forceinline__ KeyBlock key_block_of(const FlashParams& p, bool kv_b
     return {kv_block, bh / p.heads, bh % p.heads, bh};
 }
 
+// ... and in groups of `group` consecutive key blocks of one (batch, head), all heads' first group
+// before any head's second: deterministic mode's order on the Hopper backward. A block waits only
+// for lower key blocks of its head, which come earlier in the grid either way; the group's blocks
+// run side by side, so they share their head's Q, dO and dQ rows in L2 (with (batch, head) fastest
+// every key block read them from DRAM on its own), at a waiting chain of `group` blocks.
+__device__ __forceinline__ KeyBlock key_block_in_groups(const FlashParams& p, int group) {
+    const long long bh_count = p.batch * p.heads;
+    const long long num_kv_blocks = gridDim.x / bh_count;
+    const long long group_start = blockIdx.x / (bh_count * group) * group;   // its first key block
+    const long long size = min((long long)group, num_kv_blocks - group_start);
+    const long long r = blockIdx.x - group_start * bh_count;
+    const long long bh = r / size;
+    return {(int)(group_start + r % size), bh / p.heads, bh % p.heads, bh};
+}
+
 // Deterministic dQ (the backward kernels' p.dq_semaphore): called by one thread after a barrier
 // that follows the block's dQ adds to a query block: the barrier orders every thread's reds before
 // this thread's fence, and the fence (cumulative) before the count moves (the pattern of
