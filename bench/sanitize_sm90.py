@@ -37,22 +37,25 @@ for dtype in (numpy.float16, ml_dtypes.bfloat16):
     cupy_flash.flash_forward(q, k, k, causal=True, cu_seqlens_q=cupy.asarray(numpy.cumsum([0] + lens_q), dtype=cupy.int32),
                              cu_seqlens_k=cupy.asarray(numpy.cumsum([0] + lens_k), dtype=cupy.int32))
 # The Hopper backward (kernels_cu/backward_sm90.cu; opted into with CUPY_FLASH_KERNELS=experimental):
-# both head-dim tiles (96 pads to 128), key blocks past the sequence, GQA, a window, a packed batch.
+# every head-dim tile (96 pads to 128, 192 to 256: the head-dim split), key blocks past the
+# sequence, GQA, a window, packed batches.
 with _families.use_kernels("experimental"):
     for dtype in (numpy.float16, ml_dtypes.bfloat16):
-        for d in (64, 96, 128):
+        for d in (64, 96, 128, 192, 256):
             for causal in (False, True):
                 q, k, v = array((2, 200, 4, d), dtype), array((2, 150, 2, d), dtype), array((2, 150, 2, d), dtype)
                 o, lse = cupy_flash.flash_forward(q, k, v, causal=causal)
                 cupy_flash.flash_backward(array(q.shape, dtype), q, k, v, o, lse, causal=causal,
-                                          deterministic=d == 128)   # the ordered dQ adds (turn counters)
+                                          deterministic=d in (128, 256))   # the ordered dQ adds (turn counters)
         q, k, v = array((1, 300, 2, 64), dtype), array((1, 260, 2, 64), dtype), array((1, 260, 2, 64), dtype)
         o, lse = cupy_flash.flash_forward(q, k, v, window_size=(30, 5))
         cupy_flash.flash_backward(array(q.shape, dtype), q, k, v, o, lse, window_size=(30, 5))
         lens_q, lens_k = [70, 0, 200], [45, 9, 130]
         cu_q, cu_k = (cupy.asarray(numpy.cumsum([0] + n), dtype=cupy.int32) for n in (lens_q, lens_k))
-        q, k = array((sum(lens_q), 4, 128), dtype), array((sum(lens_k), 2, 128), dtype)
-        o, lse = cupy_flash.flash_forward(q, k, k, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-        cupy_flash.flash_backward(array(q.shape, dtype), q, k, k, o, lse, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        for d in (128, 256):
+            q, k = array((sum(lens_q), 4, d), dtype), array((sum(lens_k), 2, d), dtype)
+            o, lse = cupy_flash.flash_forward(q, k, k, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+            cupy_flash.flash_backward(array(q.shape, dtype), q, k, k, o, lse, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                      deterministic=d == 256)
 cupy.cuda.Device().synchronize()
 print("sm90 sanitize workload done")

@@ -20,7 +20,7 @@ def array(shape, dtype=ml_dtypes.bfloat16):
 
 SHAPES = ((2, 1000, 1000, 4, 2), (1, 333, 777, 3, 3), (1, 777, 333, 2, 1), (1, 2048, 2048, 8, 8))   # b, nq, nk, h, h_kv
 worst = 0.0
-for d in (64, 128, 96):
+for d in (64, 128, 96, 256, 192):
     for causal in (False, True):
         for batch, nq, nk, heads, heads_kv in SHAPES:
             q, do = array((batch, nq, heads, d)), array((batch, nq, heads, d))

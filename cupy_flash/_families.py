@@ -124,8 +124,8 @@ def forward_family(device: DeviceInfo, shape, variant, setting: str | None = Non
 
 def backward_family(device: DeviceInfo, shape, variant, deterministic: bool = False, arrays=(),
                     setting: str | None = None) -> str:
-    """The float16/bfloat16 backward's main kernel: "backward_sm90" (Hopper, head_dim <= 128, no
-    softcap, ALiBi or bias) or "backward_tc". The automatic setting takes the Hopper kernel where it
+    """The float16/bfloat16 backward's main kernel: "backward_sm90" (Hopper, no softcap, ALiBi or
+    bias) or "backward_tc". The automatic setting takes the Hopper kernel where it
     measured faster (_traits.BACKWARD_SM90_MIN_KEYS, BACKWARD_SM90_DETERMINISTIC_MIN_KEYS);
     CUPY_FLASH_KERNELS=experimental wherever it runs (what the tests' "hopper" path uses)."""
     setting = kernels_setting() if setting is None else setting
@@ -133,8 +133,7 @@ def backward_family(device: DeviceInfo, shape, variant, deterministic: bool = Fa
         return "backward_tc"
     tile = _traits.forward_sm90_tile(shape.head_dim)
     if setting == "auto":
-        min_keys = (_traits.BACKWARD_SM90_DETERMINISTIC_MIN_KEYS[tile] if deterministic
-                    else _traits.BACKWARD_SM90_MIN_KEYS)
+        min_keys = (_traits.BACKWARD_SM90_DETERMINISTIC_MIN_KEYS if deterministic else _traits.BACKWARD_SM90_MIN_KEYS)[tile]
         if shape.seqlen_k < min_keys:
             return "backward_tc"
     supported = _traits.sm90_supports_features(_traits.BACKWARD_SM90_FEATURE_SETS, tile, variant.backward_flags)
@@ -175,8 +174,14 @@ def describe_backward(device: DeviceInfo, setting: str | None = None) -> str:
     if backward_family(device, shape, check_variant(1, 8, False), setting=setting) != "backward_sm90":
         return "float16/bfloat16: tensor-core kernels (mma.sync; sm_80+)"
     if setting == "experimental":
-        return ("float16/bfloat16: Hopper kernels (head_dim <= 128, no softcap, ALiBi or bias; "
+        return ("float16/bfloat16: Hopper kernels (no softcap, ALiBi or bias; "
                 "the others: tensor-core kernels)")
-    return (f"float16/bfloat16: Hopper kernels from {_traits.BACKWARD_SM90_MIN_KEYS} keys (deterministic: "
-            + ", ".join(f"from {n} keys at head_dim <= {d}" for d, n in _traits.BACKWARD_SM90_DETERMINISTIC_MIN_KEYS.items())
-            + "; head_dim <= 128, no softcap, ALiBi or bias); the others: tensor-core kernels (mma.sync)")
+
+    def from_keys(min_keys: dict) -> str:
+        if len(set(min_keys.values())) == 1:
+            return f"from {next(iter(min_keys.values()))} keys"
+        return ", ".join(f"from {n} keys at head_dim <= {d}" for d, n in min_keys.items())
+
+    return (f"float16/bfloat16: Hopper kernels {from_keys(_traits.BACKWARD_SM90_MIN_KEYS)} (deterministic: "
+            f"{from_keys(_traits.BACKWARD_SM90_DETERMINISTIC_MIN_KEYS)}; no softcap, ALiBi or bias); "
+            "the others: tensor-core kernels (mma.sync)")

@@ -74,19 +74,24 @@ FORWARD_SM90_CAUSAL_MIN_KEYS = {64: 513, 128: 0, 256: 0}
 
 
 # The Hopper backward (kernels_cu/backward_sm90.cu): (block_n, block_m, stages) per head-dim
-# tile, config order (head-dim tile, block_n, block_m, stages); window and packed batches; d = 256
-# and score modifiers stay on the portable backward.
-BACKWARD_SM90 = {64: (128, 64, 2), 128: (128, 64, 2)}
-BACKWARD_SM90_FEATURE_SETS = {64: (_SM90_ALL & ~(FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK),),
-                              128: (_SM90_ALL & ~(FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK),)}
+# tile, config order (head-dim tile, block_n, block_m, stages); window and packed batches; score
+# modifiers stay on the portable backward. Up to d = 128 its two consumers split a block's 128 keys;
+# at d = 256 (64 keys) they split the head dim, since dK and dV of 64 keys x 256 columns do not fit
+# one warpgroup's registers; its shared memory is then exactly the 227 KB a block may have.
+BACKWARD_SM90 = {64: (128, 64, 2), 128: (128, 64, 2), 256: (64, 64, 2)}
+_SM90_BACKWARD_FEATURES = _SM90_ALL & ~(FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK)
+BACKWARD_SM90_FEATURE_SETS = {tile: (_SM90_BACKWARD_FEATURES,) for tile in BACKWARD_SM90}
+BACKWARD_SM90_CONSUMERS = 2   # consumer warpgroups of a block (kernels_cu/backward_sm90.cu; test_compile checks the launch)
 # Where the automatic setting runs it (measured, H100): from 1k keys it was 1.04-1.54x the portable
 # backward on all 40 standard shapes (b3, bf16 and fp16, docs/results/
 # h100_sm90_bwd_bf16_fp16_20261123d.json) and 1.17-1.71x on b6 (bf16, h100_sm90_bwd_b6_20261123.json);
 # at 512 keys 0.95-1.21x on b3 and 1.07-1.14x on b6, within the runs' noise, so those stay portable.
 # Deterministic (b6: two dS buffers and the turn waited for after the consumers' one barrier):
 # 1.01-1.80x the portable deterministic backward from 1k keys at d = 64 and 128, 0.99-1.25x at 512.
-BACKWARD_SM90_MIN_KEYS = 1024
-BACKWARD_SM90_DETERMINISTIC_MIN_KEYS = {64: 1024, 128: 1024}
+# d = 256 (head-dim split, bf16, docs/results/h100_sm90_bwd_d256_20261123.json): 1.18-1.72x the
+# portable backward from 512 keys, deterministic 1.04-1.54x.
+BACKWARD_SM90_MIN_KEYS = {64: 1024, 128: 1024, 256: 512}
+BACKWARD_SM90_DETERMINISTIC_MIN_KEYS = {64: 1024, 128: 1024, 256: 512}
 
 
 def backward_sm90_config(tile: int) -> tuple[int, int, int, int]:
@@ -118,8 +123,8 @@ def forward_sm90_threads(config: tuple) -> int:
 
 
 def backward_sm90_threads(config: tuple) -> int:
-    """Threads of a Hopper backward block: a producer warpgroup and one per 64 keys (config's block_n)."""
-    return 128 * (1 + config[1] // 64)
+    """Threads of a Hopper backward block: a producer warpgroup and the consumers."""
+    return 128 * (1 + BACKWARD_SM90_CONSUMERS)
 
 
 def tensor_core_target(compute_capability: int, smem_per_block: int) -> str:

@@ -13,32 +13,43 @@
 //  - warpgroup 0, the producer, gives its registers away; one thread loads K and V once, then
 //    streams each query block's Q and dO tiles (TMA) and its lse_log2 and delta rows (bulk copies)
 //    into a ring of STAGES slots;
-//  - warpgroups 1..2 each own 64 of the block's keys: S^T and dP^T by wgmma from shared memory,
+//  - two consumer warpgroups share the products. At d <= 128 (BLOCK_N = 128: the key split) each
+//    owns 64 of the block's keys: S^T and dP^T by wgmma from shared memory,
 //    P^T and dS^T in registers, dV += P^T dO and dK += dS^T Q by wgmma with A from registers
 //    (accumulated across the query loop), dS written to shared memory (queries x keys, keys
 //    contiguous; two buffers, query blocks alternating) for dQ = dS K over all the block's keys,
 //    each consumer a share of its 64-column chunks, added to dq_accum by a TMA reduce-add from
 //    shared memory (one add per element per key block); deterministic mode (p.dq_semaphore)
-//    orders the key blocks' adds.
+//    orders the key blocks' adds. At d = 256 (BLOCK_N = 64: the head-dim split; one warpgroup's
+//    registers cannot hold dK and dV of 64 keys x 256 columns) each consumer takes 32 of the
+//    query block's queries in S^T and dP^T, writes its half of P^T and dS^T to shared memory,
+//    and owns 128 head-dim columns of dK, dV and dQ, whose products read P^T and dS^T from there.
 // Row statistics are the preprocess kernel's: padded per (batch, head) to a multiple of 128 rows,
 // lse_log2 +inf past the sequence (P = 0) and delta 0, so a query block is always whole; Q and dO
 // rows past the sequence arrive as zeros. Keys past the sequence read zeros from K and V; the mask
 // drops their P, and their dK / dV rows are not stored.
 
+// A producer warpgroup and two consumer warpgroups (cupy_flash/_traits.backward_sm90_threads).
+constexpr int BACKWARD_SM90_CONSUMERS = 2;
+
 template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES>
 struct BackwardSm90Storage {
     static constexpr int CHUNKS = D_TILE / SWIZZLE_ROW_ELEMENTS;
+    static constexpr bool HEAD_DIM_SPLIT = D_TILE > 128;
     alignas(SWIZZLE_ATOM_BYTES) T k[CHUNKS][BLOCK_N][SWIZZLE_ROW_ELEMENTS];
     alignas(SWIZZLE_ATOM_BYTES) T v[CHUNKS][BLOCK_N][SWIZZLE_ROW_ELEMENTS];
     alignas(SWIZZLE_ATOM_BYTES) T q[STAGES][CHUNKS][BLOCK_M][SWIZZLE_ROW_ELEMENTS];
     alignas(SWIZZLE_ATOM_BYTES) T dout[STAGES][CHUNKS][BLOCK_M][SWIZZLE_ROW_ELEMENTS];
-    // dS (queries x keys, keys contiguous), two buffers (query blocks alternate): chunk c holds
-    // consumer c's 64 keys. With two, a consumer writes block m's dS while the other may still be
-    // reading block m - 1's, so the consumers meet once a block, not twice.
-    alignas(SWIZZLE_ATOM_BYTES) T ds[2][BLOCK_N / 64][BLOCK_M][SWIZZLE_ROW_ELEMENTS];
-    // dQ (float32) of a 64-column chunk per consumer, as two 32-column halves (128-byte rows,
-    // swizzled): the source of the TMA reduce-add into dq_accum.
-    alignas(SWIZZLE_ATOM_BYTES) float dq[BLOCK_N / 64][2][BLOCK_M][32];
+    // Key split: dS (queries x keys, keys contiguous), two buffers (query blocks alternate): chunk c
+    // holds consumer c's 64 keys. With two, a consumer writes block m's dS while the other may
+    // still be reading block m - 1's, so the consumers meet once a block, not twice.
+    // Head-dim split: [0] P^T and [1] dS^T (keys x queries, queries contiguous), each one chunk of
+    // the block's 64 keys, the consumers' 32 queries side by side.
+    alignas(SWIZZLE_ATOM_BYTES) T ds[2][HEAD_DIM_SPLIT ? 1 : BLOCK_N / 64][HEAD_DIM_SPLIT ? BLOCK_N : BLOCK_M][SWIZZLE_ROW_ELEMENTS];
+    // dQ (float32) of a 64-column chunk per consumer, as two 32-column halves (head-dim split: one
+    // 32-column piece of its 128 columns at a time), 128-byte rows, swizzled: the source of the TMA
+    // reduce-add into dq_accum.
+    alignas(SWIZZLE_ATOM_BYTES) float dq[BACKWARD_SM90_CONSUMERS][HEAD_DIM_SPLIT ? 1 : 2][BLOCK_M][32];
     alignas(16) float lse_log2[STAGES][BLOCK_M];
     alignas(16) float delta[STAGES][BLOCK_M];
     unsigned long long kv_full;
@@ -61,16 +72,32 @@ constexpr int BACKWARD_SM90_PRODUCER_REGISTERS = 24, BACKWARD_SM90_CONSUMER_REGI
 static_assert(BACKWARD_SM90_PRODUCER_REGISTERS + 2 * BACKWARD_SM90_CONSUMER_REGISTERS <= 3 * 168,
               "setmaxnreg split beyond the launch's registers: the block would hang");
 
+// What the producer and the consumers know of their key block.
+struct BackwardSm90Block {
+    KeyBlock block;
+    Sequence seq;
+    Band band;
+    int kv_start;
+    bool keys_here;   // a packed batch's key blocks past their sequence's end do nothing
+    int2 q_range;     // the query blocks that see any of the keys
+    int batch_coord;  // the tensor maps' batch coordinate (0 for a packed batch)
+};
+
 template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
-__global__ void __launch_bounds__(128 * (1 + BLOCK_N / 64), 1)
+__device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem,
+                                                        const BackwardSm90Maps& maps, const FlashParams& p,
+                                                        const BackwardSm90Block& at);
+template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
+__device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem,
+                                                             const BackwardSm90Maps& maps, const FlashParams& p,
+                                                             const BackwardSm90Block& at);
+
+template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
+__global__ void __launch_bounds__(128 * (1 + BACKWARD_SM90_CONSUMERS), 1)
 flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const FlashParams p) {
     using Storage = BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>;
     constexpr int CHUNKS = Storage::CHUNKS;
-    constexpr int CONSUMERS = BLOCK_N / 64;   // consumer warpgroups, 64 keys each
-    constexpr int DQ_BARRIER = 1;             // named barrier of the consumers around dS (0: __syncthreads)
-    constexpr unsigned int K_CHUNK_BYTES = BLOCK_N * 128, Q_CHUNK_BYTES = BLOCK_M * 128;
-    static_assert(BLOCK_N == 128 && BLOCK_M == 64 && D_TILE % 64 == 0, "64 keys per consumer, 64 queries (the dQ wgmma's M)");
-    static_assert(CHUNKS <= CONSUMERS, "one dQ chunk per consumer and block: its shared memory is rewritten each block");
+    constexpr int CONSUMERS = BACKWARD_SM90_CONSUMERS;
     static_assert(!(FEATURES & (FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_BIAS)), "score modifiers run on the portable backward");
     static_assert(sizeof(Storage) + SWIZZLE_ATOM_BYTES <= 227 * 1024, "shared memory of one sm_90 block");
     require_dynamic_smem(backward_sm90_smem_bytes<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>);
@@ -95,6 +122,7 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
     const int2 q_range = keys_here ? q_block_range<IS_CAUSAL, FEATURES>(seq, kv_start, BLOCK_M, BLOCK_N, band) : make_int2(0, 0);
     const int batch_coord = (FEATURES & FEATURE_VARLEN) ? 0 : (int)b;
     const long long stats_row0 = b * p.delta_batch_stride + h * p.delta_stride;
+    const BackwardSm90Block at = {block, seq, band, kv_start, keys_here, q_range, batch_coord};
 
     if (threadIdx.x == 0) {
         prefetch_tensor_map(&maps.q);
@@ -153,6 +181,32 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
     }
 
     acquire_registers<BACKWARD_SM90_CONSUMER_REGISTERS>();
+    if constexpr (Storage::HEAD_DIM_SPLIT)
+        backward_sm90_head_dim_split<T, D_TILE, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FEATURES>(smem, maps, p, at);
+    else
+        backward_sm90_key_split<T, D_TILE, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FEATURES>(smem, maps, p, at);
+}
+
+// The key split (d <= 128, BLOCK_N = 128): each consumer owns 64 of the block's keys in every
+// product; dS goes through shared memory for dQ only.
+template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
+__device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem,
+                                                        const BackwardSm90Maps& maps, const FlashParams& p,
+                                                        const BackwardSm90Block& at) {
+    constexpr int CHUNKS = D_TILE / SWIZZLE_ROW_ELEMENTS;
+    constexpr int CONSUMERS = BACKWARD_SM90_CONSUMERS;   // 64 keys each
+    constexpr int DQ_BARRIER = 1;             // named barrier of the consumers around dS (0: __syncthreads)
+    constexpr unsigned int K_CHUNK_BYTES = BLOCK_N * 128, Q_CHUNK_BYTES = BLOCK_M * 128;
+    static_assert(BLOCK_N == 64 * CONSUMERS && BLOCK_M == 64 && D_TILE % 64 == 0, "64 keys per consumer, 64 queries (the dQ wgmma's M)");
+    static_assert(CHUNKS <= CONSUMERS, "one dQ chunk per consumer and block: its shared memory is rewritten each block");
+    const KeyBlock& block = at.block;
+    const long long b = block.b, h = block.h;
+    const int kv_start = at.kv_start, batch_coord = at.batch_coord;
+    const Sequence& seq = at.seq;
+    const Band& band = at.band;
+    const int2 q_range = at.q_range;
+    const bool keys_here = at.keys_here;
+    const int warpgroup = threadIdx.x / 128;
     const int consumer = warpgroup - 1;
     const int thread = threadIdx.x % 128, warp = thread / 32, lane = thread % 32;
     const int key_row = 16 * warp + lane / 4;       // this thread's keys: + 0 and + 8 (of the consumer's 64)
@@ -347,6 +401,220 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
         for (int r = 0; r < 2; ++r) {
             const int key = first_key + 8 * r, col = 8 * i + query_col;
             if (keys_here && key < seq.seqlen_k && col < head_dim) {
+                *reinterpret_cast<unsigned int*>(dk_out + (long long)key * p.dk_strides[1] + col) =
+                    Mma<T>::pack(dk[4 * i + 2 * r] * p.softmax_scale, dk[4 * i + 2 * r + 1] * p.softmax_scale);
+                *reinterpret_cast<unsigned int*>(dv_out + (long long)key * p.dv_strides[1] + col) =
+                    Mma<T>::pack(dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
+            }
+        }
+}
+
+// The head-dim split (d = 256, BLOCK_N = 64): consumer c takes queries [32c, 32c + 32) of each
+// query block in S^T and dP^T, writes them as its half of P^T and dS^T (keys x queries) to shared
+// memory, and owns head-dim columns [128c, 128c + 128) of dK, dV (accumulated across the query
+// loop) and dQ (per query block). Per block the consumers meet twice: before P^T / dS^T are
+// rewritten (both consumers' products of the last block have read them) and after (both halves
+// are written). dQ's product is issued first, in a group of its own, so its epilogue (four
+// 32-column pieces through the consumer's staging buffer, each a TMA reduce-add) runs under dV's
+// and dK's products.
+template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
+__device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem,
+                                                             const BackwardSm90Maps& maps, const FlashParams& p,
+                                                             const BackwardSm90Block& at) {
+    constexpr int CONSUMERS = BACKWARD_SM90_CONSUMERS;
+    constexpr int QUERIES = BLOCK_M / CONSUMERS;   // a consumer's queries in S^T and dP^T
+    constexpr int COLUMNS = D_TILE / CONSUMERS;    // a consumer's head-dim columns in dK, dV and dQ
+    constexpr int PIECE = 32;                      // dQ columns per reduce-add (the staging buffer's)
+    constexpr int SCORES_BARRIER = 1;              // named barriers: the consumers around P^T / dS^T,
+    constexpr int PIECE_BARRIER = 2;               // and each consumer's around its staging buffer (2, 3)
+    constexpr unsigned int K_CHUNK_BYTES = BLOCK_N * 128, Q_CHUNK_BYTES = BLOCK_M * 128;
+    static_assert(BLOCK_N == 64 && BLOCK_M == 64 && D_TILE == 256, "P^T and dS^T one 64 x 64 chunk each; 128 columns a consumer");
+    const KeyBlock& block = at.block;
+    const long long b = block.b, h = block.h;
+    const int kv_start = at.kv_start;
+    const Sequence& seq = at.seq;
+    const Band& band = at.band;
+
+    const int consumer = threadIdx.x / 128 - 1;
+    const int thread = threadIdx.x % 128, warp = thread / 32, lane = thread % 32;
+    const int key_row = 16 * warp + lane / 4;       // this thread's keys: + 0 and + 8 (of the block's 64)
+    const int query_col = 2 * (lane % 4);           // and queries 8i + this (+1) of the consumer's, or columns
+    const int first_key = kv_start + key_row;
+    const int query0 = QUERIES * consumer, column0 = COLUMNS * consumer;
+    const unsigned int k_rows = smem_addr(&smem.k[0][0][0]), v_rows = smem_addr(&smem.v[0][0][0]);
+    const unsigned int p_tile = smem_addr(&smem.ds[0][0][0][0]), ds_tile = smem_addr(&smem.ds[1][0][0][0]);
+    const unsigned int staging = smem_addr(&smem.dq[consumer][0][0][0]);
+    float* dq_accum = p.dq_accum + tensor_offset(p.dq_accum_strides, b, seq.q_row0, h);
+    // Deterministic mode, as the key split: each consumer's first thread waits for the turn before
+    // its first add to a query block and has its adds complete before the next block's first
+    // barrier, after which the first consumer's publishes them.
+    int* semaphores = p.dq_semaphore == nullptr ? nullptr
+                                                : p.dq_semaphore + block.bh * ((p.seqlen_q + BLOCK_M - 1) / BLOCK_M);
+    const bool publisher = semaphores != nullptr && consumer == 0 && thread == 0;
+
+    float dk[COLUMNS / 2], dv[COLUMNS / 2];
+#pragma unroll
+    for (int i = 0; i < COLUMNS / 2; ++i) dk[i] = dv[i] = 0.f;
+    barrier_wait(smem_addr(&smem.kv_full), 0);   // also where no query block sees these keys: the loads must land
+
+#pragma unroll 1
+    for (int m = at.q_range.x, it = 0; m < at.q_range.y; ++m, ++it) {
+        const RingSlot slot = ring_slot<STAGES>(it);
+        const int q_start = m * BLOCK_M;
+        barrier_wait(smem_addr(&smem.full[slot.index]), slot.parity);
+        const unsigned int q_base = smem_addr(&smem.q[slot.index][0][0][0]);
+        const unsigned int do_base = smem_addr(&smem.dout[slot.index][0][0][0]);
+
+        // S^T = K Q^T and dP^T = V dO^T (the block's 64 keys x this consumer's queries), in two
+        // groups: P is computed while dP^T's products run.
+        float s[QUERIES / 2], dp[QUERIES / 2];
+        warpgroup_arrive();
+        mma_k_major<T, QUERIES, D_TILE>(s, k_rows, K_CHUNK_BYTES, q_base + query0 * 128, Q_CHUNK_BYTES);
+        warpgroup_commit();
+        mma_k_major<T, QUERIES, D_TILE>(dp, v_rows, K_CHUNK_BYTES, do_base + query0 * 128, Q_CHUNK_BYTES);
+        warpgroup_commit();
+        warpgroup_wait<1>();   // S^T
+        hold_registers(s);
+
+        const float* lse_tile = smem.lse_log2[slot.index] + query0;
+        const float* delta_tile = smem.delta[slot.index] + query0;
+        const bool needs_mask = tile_needs_mask<IS_CAUSAL, FEATURES>(q_start + query0, QUERIES, kv_start, BLOCK_N,
+                                                                    seq.seqlen_k, band);
+#pragma unroll
+        for (int i = 0; i < QUERIES / 8; ++i) {
+            const int col = 8 * i + query_col;
+            const float2 lse = *reinterpret_cast<const float2*>(lse_tile + col);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = first_key + 8 * (e >> 1), query = q_start + query0 + col + (e & 1);
+                float prob = exp2f(fmaf(s[4 * i + e], p.scale_log2, -((e & 1) ? lse.y : lse.x)));
+                if (needs_mask && !key_visible<IS_CAUSAL, FEATURES>(key, query, seq.seqlen_k, band)) prob = 0.f;
+                s[4 * i + e] = prob;
+            }
+        }
+        warpgroup_wait<0>();   // dP^T
+        hold_registers(dp);
+#pragma unroll
+        for (int i = 0; i < QUERIES / 8; ++i) {
+            const float2 dsum = *reinterpret_cast<const float2*>(delta_tile + 8 * i + query_col);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - ((e & 1) ? dsum.y : dsum.x));
+        }
+        unsigned int pa[QUERIES / 16][4], dsa[QUERIES / 16][4];
+        accumulator_to_a<T, QUERIES>(pa, s);
+        accumulator_to_a<T, QUERIES>(dsa, dp);
+
+        // Both consumers' products of the last block have read P^T and dS^T (each waited for them),
+        // and in deterministic mode their adds to it have completed: publish them.
+        named_barrier_sync(SCORES_BARRIER, 128 * CONSUMERS);
+        if (publisher && m > at.q_range.x) publish_dq(semaphores + m - 1);
+        // P^T and dS^T rows as they are held (keys x queries): pa[kk] is four 8 x 8 tiles, (key rows
+        // + 0, + 8) x (queries 16kk, 16kk + 8); stmatrix writes tile L / 8's row L % 8 at lane L's address.
+#pragma unroll
+        for (int kk = 0; kk < QUERIES / 16; ++kk) {
+            const int tile = lane / 8;
+            const unsigned int offset = swizzled_offset(16 * warp + 8 * (tile & 1) + lane % 8, query0 + 16 * kk + 8 * (tile >> 1));
+            stmatrix_x4(p_tile + offset, pa[kk]);
+            stmatrix_x4(ds_tile + offset, dsa[kk]);
+        }
+        fence_async_shared();   // the writes, before the products read them
+        named_barrier_sync(SCORES_BARRIER, 128 * CONSUMERS);   // both halves are written
+
+        // dQ (the block's queries x this consumer's columns) = dS K: A is dS^T's tile read M-major
+        // (queries contiguous); then dV += P^T dO and dK += dS^T Q, A read K-major.
+        float dq[COLUMNS / 2];
+        warpgroup_arrive();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+            Wgmma<T, COLUMNS>::template ss<1, 1>(
+                dq, n_major_descriptor(ds_tile + kk * 2 * SWIZZLE_ATOM_BYTES, K_CHUNK_BYTES),
+                n_major_descriptor(k_rows + (column0 / 64) * K_CHUNK_BYTES + kk * 2 * SWIZZLE_ATOM_BYTES, K_CHUNK_BYTES), kk > 0);
+        warpgroup_commit();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+            Wgmma<T, COLUMNS>::template ss<1>(
+                dv, k_major_descriptor(p_tile + kk * 32),
+                n_major_descriptor(do_base + (column0 / 64) * Q_CHUNK_BYTES + kk * 2 * SWIZZLE_ATOM_BYTES, Q_CHUNK_BYTES), 1);
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+            Wgmma<T, COLUMNS>::template ss<1>(
+                dk, k_major_descriptor(ds_tile + kk * 32),
+                n_major_descriptor(q_base + (column0 / 64) * Q_CHUNK_BYTES + kk * 2 * SWIZZLE_ATOM_BYTES, Q_CHUNK_BYTES), 1);
+        warpgroup_commit();
+        warpgroup_wait<1>();   // dQ
+        hold_registers(dq);
+
+        // A packed batch's last, partial query block of a sequence adds from registers (a box
+        // would add into the next sequence's rows), as the key split.
+        const bool whole_rows = !(FEATURES & FEATURE_VARLEN) || q_start + BLOCK_M <= seq.seqlen_q;
+        const int turn = (FEATURES & FEATURE_WINDOW)
+                             ? block.kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start, BLOCK_M, BLOCK_N, band).x
+                             : block.kv_block;
+        if (whole_rows) {
+#pragma unroll
+            for (int piece = 0; piece < COLUMNS / PIECE; ++piece) {
+                if (thread == 0) tma_store_wait_read();   // the staging buffer's last reduce has read it
+                named_barrier_sync(PIECE_BARRIER + consumer, 128);
+                // Element (row, col) at row * 128 bytes, its 16-byte unit swizzled by row % 8 (TMA's
+                // 128-byte swizzle), as the key split's halves.
+#pragma unroll
+                for (int i = 0; i < PIECE / 8; ++i)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int row = 16 * warp + lane / 4 + 8 * r;
+                        const unsigned int unit = (unsigned int)(2 * i + (lane % 4) / 2) ^ (unsigned int)(row & 7);
+                        const int reg = 4 * (piece * PIECE / 8 + i) + 2 * r;
+                        *reinterpret_cast<float2*>(reinterpret_cast<unsigned char*>(&smem.dq[consumer][0][0][0]) + row * 128 +
+                                                   unit * 16 + 8 * (lane % 2)) = make_float2(dq[reg], dq[reg + 1]);
+                    }
+                fence_async_shared();
+                named_barrier_sync(PIECE_BARRIER + consumer, 128);   // the piece is written
+                if (thread == 0) {
+                    if (semaphores != nullptr && piece == 0) wait_dq_turn(semaphores + m, turn);
+                    tma_reduce_add_4d(&maps.dq_accum, staging, column0 + PIECE * piece, seq.q_row0 + q_start, (int)h,
+                                      at.batch_coord);
+                    tma_store_commit();
+                }
+            }
+        } else {
+            if (semaphores != nullptr) {   // the turn, before any of this consumer's adds
+                if (thread == 0) wait_dq_turn(semaphores + m, turn);
+                named_barrier_sync(PIECE_BARRIER + consumer, 128);
+            }
+#pragma unroll
+            for (int i = 0; i < COLUMNS / 8; ++i)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int query = q_start + 16 * warp + lane / 4 + 8 * r;
+                    const int col = column0 + 8 * i + query_col;   // head_dim: a multiple of 8
+                    if (query < seq.seqlen_q && col < (int)p.head_dim)
+                        red_add_f32x2(dq_accum + (long long)query * p.dq_accum_strides[1] + col, dq[4 * i + 2 * r],
+                                      dq[4 * i + 2 * r + 1]);
+                }
+        }
+        warpgroup_wait<0>();   // dV, dK
+        hold_registers(dk);
+        hold_registers(dv);
+        // Deterministic: this block's adds complete before the next block's first barrier publishes them.
+        if (thread == 0 && semaphores != nullptr) tma_store_wait_all();
+        barrier_arrive(smem_addr(&smem.empty[slot.index]));   // the slot's Q and dO: last read by dK / dV
+    }
+    if (thread == 0) tma_store_wait_all();   // the dQ reduces are done before the block's shared memory goes
+    if (semaphores != nullptr) {   // publish the last query block's adds
+        named_barrier_sync(SCORES_BARRIER, 128 * CONSUMERS);
+        if (publisher && at.q_range.x < at.q_range.y) publish_dq(semaphores + at.q_range.y - 1);
+    }
+
+    // Epilogue: this consumer's columns of dK (times softmax_scale) and dV as T.
+    const int head_dim = (int)p.head_dim;
+    T* dk_out = static_cast<T*>(p.dk) + tensor_offset(p.dk_strides, b, seq.k_row0, h);
+    T* dv_out = static_cast<T*>(p.dv) + tensor_offset(p.dv_strides, b, seq.k_row0, h);
+#pragma unroll
+    for (int i = 0; i < COLUMNS / 8; ++i)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int key = first_key + 8 * r, col = column0 + 8 * i + query_col;
+            if (at.keys_here && key < seq.seqlen_k && col < head_dim) {
                 *reinterpret_cast<unsigned int*>(dk_out + (long long)key * p.dk_strides[1] + col) =
                     Mma<T>::pack(dk[4 * i + 2 * r] * p.softmax_scale, dk[4 * i + 2 * r + 1] * p.softmax_scale);
                 *reinterpret_cast<unsigned int*>(dv_out + (long long)key * p.dv_strides[1] + col) =

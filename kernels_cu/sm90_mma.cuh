@@ -82,8 +82,14 @@ __device__ __forceinline__ void mma_k_major(float (&d)[N / 2], unsigned int a, u
 }
 
 // Four 8 x 8 tiles of 16-bit elements (mma fragments: a thread's register holds row lane / 4,
-// columns 2 (lane % 4) + 0, 1) stored transposed: tile i's row r (the fragment's column r, 8
-// contiguous elements) at the shared address lane 8i + r gives.
+// columns 2 (lane % 4) + 0, 1) stored as they are held: tile i's row r (8 contiguous elements) at
+// the shared address lane 8i + r gives.
+__device__ __forceinline__ void stmatrix_x4(unsigned int addr, const unsigned int (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                 :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+// The same tiles stored transposed: tile i's row r (the fragment's column r, 8 contiguous
+// elements) at the shared address lane 8i + r gives.
 __device__ __forceinline__ void stmatrix_x4_trans(unsigned int addr, const unsigned int (&r)[4]) {
     asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
                  :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");

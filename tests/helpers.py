@@ -94,14 +94,14 @@ def expect_hopper_family(path: str, family: str, dtype: str, head_dim: int, feat
 
 def expect_hopper_backward(path: str, family: str, dtype: str, head_dim: int, features: dict,
                            deterministic: bool) -> None:
-    """Under "hopper", every float16/bfloat16 backward at head_dim <= 128 with no softcap, ALiBi or
+    """Under "hopper", every float16/bfloat16 backward with no softcap, ALiBi or
     bias runs the Hopper backward (deterministic too) (a sink enters only through lse and
     dsink, outside the kernel), stated apart from the dispatch code."""
     count_example(f"backward on {family}")
     if path != "hopper":
         return
     modified = features.get("softcap", 0.0) != 0.0 or any(features.get(n) is not None for n in ("alibi_slopes", "bias"))
-    hopper = dtype != "float32" and head_dim <= 128 and not modified
+    hopper = dtype != "float32" and not modified
     assert family == ("backward_sm90" if hopper else "portable"), (family, dtype, head_dim, sorted(features), deterministic)
 
 

@@ -467,10 +467,11 @@ def test_packed_batch_equals_separate_calls(path):
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("window", [None, (300, 200)], ids=["plain", "window-gqa"])
-def test_deterministic_backward_is_bitwise_reproducible(dtype, causal, window, path):
+@pytest.mark.parametrize("head_dim", [64, 256])   # the Hopper backward's key split and head-dim split
+def test_deterministic_backward_is_bitwise_reproducible(dtype, causal, window, head_dim, path):
     # The window makes each query block's key blocks a range that does not start at 0: the
     # ordered adds must count turns from the range's start.
-    p = dict(dtype=dtype, batch=2, heads=3, seqlen_q=1000, seqlen_k=1100, head_dim=64, causal=causal,
+    p = dict(dtype=dtype, batch=2, heads=3, seqlen_q=1000, seqlen_k=1100, head_dim=head_dim, causal=causal,
              softmax_scale=None, logit_std=1.0, seed=11, heads_kv=3 if window is None else 1)
     q, k, v, do = make_inputs(p, with_grad=True)
     opts = dict(causal=causal, window_size=window)

@@ -60,9 +60,13 @@ def test_the_hopper_backward_runs_where_it_measured_faster():
     assert backward(H100, head_dim=64, seqlen=1024, deterministic=True) == "backward_sm90"
     assert backward(H100, seqlen=512, deterministic=True) == "backward_tc"
     assert backward(H100, head_dim=96, seqlen=4096, flags=FEATURE_WINDOW | FEATURE_VARLEN) == "backward_sm90"
-    # "experimental" (the tests' hopper path) wherever it runs; never d > 128, score modifiers, or off sm_90.
+    assert backward(H100, head_dim=256, seqlen=1024) == backward(H100, head_dim=192, seqlen=4096, deterministic=True) == "backward_sm90"
+    assert backward(H100, head_dim=256, seqlen=512) == backward(H100, head_dim=256, seqlen=512, deterministic=True) == "backward_sm90"
+    assert backward(H100, head_dim=256, seqlen=511) == "backward_tc"
+    # "experimental" (the tests' hopper path) wherever it runs; never score modifiers, or off sm_90.
     assert backward(H100, seqlen=100, deterministic=True, setting="experimental") == "backward_sm90"
-    assert backward(H100, setting="portable") == backward(H100, head_dim=256) == "backward_tc"
+    assert backward(H100, head_dim=256, seqlen=100, setting="experimental") == "backward_sm90"
+    assert backward(H100, setting="portable") == "backward_tc"
     assert backward(H100, flags=FEATURE_SOFTCAP) == backward(H100, flags=FEATURE_BIAS) == "backward_tc"
     for device in (A100, L40, B200):
         assert backward(device) == backward(device, setting="experimental") == "backward_tc"
