@@ -46,7 +46,8 @@ def _operation(ptx_type: str, n: int, a_from_registers: bool) -> str:
     else:
         a_text, b_index = f"%{acc}", acc + 1
     predicate, trans = b_index + 1, b_index + 2
-    trans_fields = f"1, 1, %{trans}" if a_from_registers else f"1, 1, %{trans + 1}, %{trans}"   # A from registers: never transposed
+    # imm-trans-a, imm-trans-b (A from registers has no transpose field)
+    trans_fields = f"1, 1, %{trans}" if a_from_registers else f"1, 1, %{trans + 1}, %{trans}"
     ptx = (f'"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{predicate}, 0;\\n"\n'
            f'                     "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} "\n'
            f'                     "{_registers(0, acc)}, "\n'
