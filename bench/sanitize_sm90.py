@@ -4,8 +4,12 @@ several tiles (more tiles than SMs), tiles that see no key, GQA, a window, softc
 packed batch with an empty sequence; then the Hopper backward's. Exits with an error on a machine without a compute
 capability 9.0 GPU.
 
-    compute-sanitizer --tool racecheck python bench/sanitize_sm90.py
+    compute-sanitizer --tool racecheck python bench/sanitize_sm90.py [backward]
+
+With `backward`, only the backward's calls (the forward's still run to give them O and lse).
 """
+
+import sys
 
 import cupy
 import ml_dtypes
@@ -23,7 +27,7 @@ def array(shape, dtype):
     return cupy.asarray(rng.standard_normal(shape, dtype=numpy.float32).astype(dtype))
 
 
-for dtype in (numpy.float16, ml_dtypes.bfloat16):
+for dtype in (numpy.float16, ml_dtypes.bfloat16) if sys.argv[1:] != ["backward"] else ():
     for d in (40, 128, 256):
         for causal in (False, True):
             # 2 x 40 heads x 2 query blocks = 160 tiles: the persistent grid's blocks take two.
