@@ -81,6 +81,9 @@ FORWARD_SM90_CAUSAL_MIN_KEYS = {64: 513, 128: 0, 256: 0}
 BACKWARD_SM90 = {64: (128, 64, 2), 128: (128, 64, 2), 256: (64, 64, 2)}
 _SM90_BACKWARD_FEATURES = _SM90_ALL & ~(FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK)
 BACKWARD_SM90_FEATURE_SETS = {tile: (_SM90_BACKWARD_FEATURES,) for tile in BACKWARD_SM90}
+# Rows of the Hopper backward's dQ reduce-add boxes: a query block (key split), a warp's 16 rows
+# of it (head-dim split: each warp adds its own).
+BACKWARD_SM90_DQ_ROWS = {64: 64, 128: 64, 256: 16}
 BACKWARD_SM90_CONSUMERS = 2   # consumer warpgroups of a block (kernels_cu/backward_sm90.cu; test_compile checks the launch)
 # Where the automatic setting runs it (measured, H100): from 1k keys it was 1.04-1.54x the portable
 # backward on all 40 standard shapes (b3, bf16 and fp16, docs/results/
@@ -88,8 +91,8 @@ BACKWARD_SM90_CONSUMERS = 2   # consumer warpgroups of a block (kernels_cu/backw
 # at 512 keys 0.95-1.21x on b3 and 1.07-1.14x on b6, within the runs' noise, so those stay portable.
 # Deterministic (b6: two dS buffers and the turn waited for after the consumers' one barrier):
 # 1.01-1.80x the portable deterministic backward from 1k keys at d = 64 and 128, 0.99-1.25x at 512.
-# d = 256 (head-dim split, bf16, docs/results/h100_sm90_bwd_d256_20261123.json): 1.18-1.72x the
-# portable backward from 512 keys, deterministic 1.04-1.54x.
+# d = 256 (head-dim split, docs/results/h100_sm90_bwd_d256_warp_dq_20261123.json): 1.03-1.79x the
+# portable backward from 512 keys (bf16 and fp16), deterministic 1.04-1.52x.
 BACKWARD_SM90_MIN_KEYS = {64: 1024, 128: 1024, 256: 512}
 BACKWARD_SM90_DETERMINISTIC_MIN_KEYS = {64: 1024, 128: 1024, 256: 512}
 

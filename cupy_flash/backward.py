@@ -195,7 +195,8 @@ def _launch_backward_sm90(q, k, v, do, dq_accum, shape, variant, params) -> None
     smem = device_value(spec, spec.backward_sm90_smem())
     kernel = get_kernel(spec, spec.backward_sm90_kernel(variant.causal), smem)
     packed = variant.packed is not None
-    arrays = ((q, block_m), (k, block_n), (v, block_n), (do, block_m), (dq_accum, block_m))   # BackwardSm90Maps
+    arrays = ((q, block_m), (k, block_n), (v, block_n), (do, block_m),
+              (dq_accum, _traits.BACKWARD_SM90_DQ_ROWS[spec.tile]))   # BackwardSm90Maps
     key = tuple((x.data.ptr, x.shape, x.strides, rows) for x, rows in arrays) + (shape.dtype, packed)
     encoded = _tma.cached(_sm90_maps, key, lambda: b"".join(
         _tma.attention_map(x, "float32" if x is dq_accum else shape.dtype, rows, packed) for x, rows in arrays))

@@ -57,8 +57,9 @@ struct BackwardSm90Storage {
 };
 
 // q, k, v, dO as 4-D tensors (head_dim, seqlen, heads, batch) in boxes of 64 x BLOCK_M (q, dO) or
-// 64 x BLOCK_N (k, v) elements, and dq_accum (float32) in boxes of 32 x BLOCK_M, 128-byte
-// swizzled (cupy_flash/_tma.py).
+// 64 x BLOCK_N (k, v) elements, and dq_accum (float32) in boxes of 32 columns x BLOCK_M rows (the
+// head-dim split: 16, a warp's; cupy_flash/_traits.BACKWARD_SM90_DQ_ROWS), 128-byte swizzled
+// (cupy_flash/_tma.py).
 struct BackwardSm90Maps {
     TensorMap q, k, v, dout, dq_accum;
 };
@@ -415,8 +416,8 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
 // loop) and dQ (per query block). Per block the consumers meet twice: before P^T / dS^T are
 // rewritten (both consumers' products of the last block have read them) and after (both halves
 // are written). dQ's product is issued first, in a group of its own, so its epilogue (four
-// 32-column pieces through the consumer's staging buffer, each a TMA reduce-add) runs under dV's
-// and dK's products.
+// 32-column pieces through the consumer's staging buffer, each warp's rows a TMA reduce-add) runs
+// under dV's and dK's products.
 template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
 __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem,
                                                              const BackwardSm90Maps& maps, const FlashParams& p,
@@ -425,8 +426,7 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
     constexpr int QUERIES = BLOCK_M / CONSUMERS;   // a consumer's queries in S^T and dP^T
     constexpr int COLUMNS = D_TILE / CONSUMERS;    // a consumer's head-dim columns in dK, dV and dQ
     constexpr int PIECE = 32;                      // dQ columns per reduce-add (the staging buffer's)
-    constexpr int SCORES_BARRIER = 1;              // named barriers: the consumers around P^T / dS^T,
-    constexpr int PIECE_BARRIER = 2;               // and each consumer's around its staging buffer (2, 3)
+    constexpr int SCORES_BARRIER = 1;              // named barrier of the consumers around P^T / dS^T
     constexpr unsigned int K_CHUNK_BYTES = BLOCK_N * 128, Q_CHUNK_BYTES = BLOCK_M * 128;
     static_assert(BLOCK_N == 64 && BLOCK_M == 64 && D_TILE == 256, "P^T and dS^T one 64 x 64 chunk each; 128 columns a consumer");
     const KeyBlock& block = at.block;
@@ -443,11 +443,9 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
     const int query0 = QUERIES * consumer, column0 = COLUMNS * consumer;
     const unsigned int k_rows = smem_addr(&smem.k[0][0][0]), v_rows = smem_addr(&smem.v[0][0][0]);
     const unsigned int p_tile = smem_addr(&smem.ds[0][0][0][0]), ds_tile = smem_addr(&smem.ds[1][0][0][0]);
-    const unsigned int staging = smem_addr(&smem.dq[consumer][0][0][0]);
-    float* dq_accum = p.dq_accum + tensor_offset(p.dq_accum_strides, b, seq.q_row0, h);
-    // Deterministic mode, as the key split: each consumer's first thread waits for the turn before
-    // its first add to a query block and has its adds complete before the next block's first
-    // barrier, after which the first consumer's publishes them.
+    // Deterministic mode, as the key split: each warp's first thread waits for the turn before its
+    // first add to a query block and has its adds complete before the next block's first barrier,
+    // after which the first consumer's first thread publishes them.
     int* semaphores = p.dq_semaphore == nullptr ? nullptr
                                                 : p.dq_semaphore + block.bh * ((p.seqlen_q + BLOCK_M - 1) / BLOCK_M);
     const bool publisher = semaphores != nullptr && consumer == 0 && thread == 0;
@@ -544,62 +542,68 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
         warpgroup_wait<1>();   // dQ
         hold_registers(dq);
 
-        // A packed batch's last, partial query block of a sequence adds from registers (a box
-        // would add into the next sequence's rows), as the key split.
+        // Each warp stages its own 16 rows of dQ, a 32-column piece at a time, and adds them with a
+        // TMA reduce-add (boxes of 32 columns x 16 rows, cupy_flash/_traits.BACKWARD_SM90_DQ_ROWS), so
+        // the warps never wait for each other here (with a consumer's whole 64 rows a box, as the key
+        // split does, and its two barriers a piece: causal 16k 289 -> 329 TFLOP/s). A packed batch's
+        // last, partial query block of a sequence (a box would add into the next sequence's rows)
+        // adds the staged rows inside the sequence by red.global instead (adding from registers
+        // there spilled 12 bytes with a window).
         const bool whole_rows = !(FEATURES & FEATURE_VARLEN) || q_start + BLOCK_M <= seq.seqlen_q;
-        const int turn = (FEATURES & FEATURE_WINDOW)
-                             ? block.kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start, BLOCK_M, BLOCK_N, band).x
-                             : block.kv_block;
-        if (whole_rows) {
+        unsigned char* warp_rows = reinterpret_cast<unsigned char*>(&smem.dq[consumer][0][16 * warp][0]);
 #pragma unroll
-            for (int piece = 0; piece < COLUMNS / PIECE; ++piece) {
-                if (thread == 0) tma_store_wait_read();   // the staging buffer's last reduce has read it
-                named_barrier_sync(PIECE_BARRIER + consumer, 128);
-                // Element (row, col) at row * 128 bytes, its 16-byte unit swizzled by row % 8 (TMA's
-                // 128-byte swizzle), as the key split's halves.
+        for (int piece = 0; piece < COLUMNS / PIECE; ++piece) {
+            if (lane == 0) tma_store_wait_read();   // the warp's last reduce has read its rows
+            __syncwarp();
+            // Element (row, col) at row * 128 bytes, its 16-byte unit swizzled by row % 8 (TMA's
+            // 128-byte swizzle), as the key split's halves.
 #pragma unroll
-                for (int i = 0; i < PIECE / 8; ++i)
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const int row = 16 * warp + lane / 4 + 8 * r;
-                        const unsigned int unit = (unsigned int)(2 * i + (lane % 4) / 2) ^ (unsigned int)(row & 7);
-                        const int reg = 4 * (piece * PIECE / 8 + i) + 2 * r;
-                        *reinterpret_cast<float2*>(reinterpret_cast<unsigned char*>(&smem.dq[consumer][0][0][0]) + row * 128 +
-                                                   unit * 16 + 8 * (lane % 2)) = make_float2(dq[reg], dq[reg + 1]);
-                    }
-                fence_async_shared();
-                named_barrier_sync(PIECE_BARRIER + consumer, 128);   // the piece is written
-                if (thread == 0) {
-                    if (semaphores != nullptr && piece == 0) wait_dq_turn(semaphores + m, turn);
-                    tma_reduce_add_4d(&maps.dq_accum, staging, column0 + PIECE * piece, seq.q_row0 + q_start, (int)h,
-                                      at.batch_coord);
-                    tma_store_commit();
-                }
-            }
-        } else {
-            if (semaphores != nullptr) {   // the turn, before any of this consumer's adds
-                if (thread == 0) wait_dq_turn(semaphores + m, turn);
-                named_barrier_sync(PIECE_BARRIER + consumer, 128);
-            }
-#pragma unroll
-            for (int i = 0; i < COLUMNS / 8; ++i)
+            for (int i = 0; i < PIECE / 8; ++i)
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    const int query = q_start + 16 * warp + lane / 4 + 8 * r;
-                    const int col = column0 + 8 * i + query_col;   // head_dim: a multiple of 8
-                    if (query < seq.seqlen_q && col < (int)p.head_dim)
-                        red_add_f32x2(dq_accum + (long long)query * p.dq_accum_strides[1] + col, dq[4 * i + 2 * r],
-                                      dq[4 * i + 2 * r + 1]);
+                    const int row = lane / 4 + 8 * r;   // of the warp's 16 (16 * warp: a multiple of 8)
+                    const unsigned int unit = (unsigned int)(2 * i + (lane % 4) / 2) ^ (unsigned int)(row & 7);
+                    const int reg = 4 * (piece * PIECE / 8 + i) + 2 * r;
+                    *reinterpret_cast<float2*>(warp_rows + row * 128 + unit * 16 + 8 * (lane % 2)) = make_float2(dq[reg], dq[reg + 1]);
                 }
+            fence_async_shared();
+            __syncwarp();   // the warp's rows of the piece are written
+            // Deterministic: this key block's turn at query block m (the blocks of m's band before it).
+            if (semaphores != nullptr && piece == 0 && lane == 0)
+                wait_dq_turn(semaphores + m,
+                             (FEATURES & FEATURE_WINDOW)
+                                 ? block.kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start, BLOCK_M, BLOCK_N, band).x
+                                 : block.kv_block);
+            if (whole_rows) {
+                if (lane == 0) {
+                    tma_reduce_add_4d(&maps.dq_accum, smem_addr(warp_rows), column0 + PIECE * piece,
+                                      seq.q_row0 + q_start + 16 * warp, (int)h, at.batch_coord);
+                    tma_store_commit();
+                }
+            } else {
+                __syncwarp();   // (after the turn)
+                // Lane L: row L / 2 of the warp's, columns 16 (L % 2) + 0..15 of the piece.
+                const int row = lane / 2, query = q_start + 16 * warp + row;
+                float* dq_row = p.dq_accum + tensor_offset(p.dq_accum_strides, b, seq.q_row0, h) +
+                                (long long)query * p.dq_accum_strides[1] + column0 + PIECE * piece;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int col = 16 * (lane % 2) + 2 * j;
+                    const unsigned int unit = (unsigned int)(col / 4) ^ (unsigned int)(row & 7);
+                    const float2 x = *reinterpret_cast<const float2*>(warp_rows + row * 128 + unit * 16 + (col % 4) * 4);
+                    if (query < seq.seqlen_q && column0 + PIECE * piece + col < (int)p.head_dim)   // head_dim: a multiple of 8
+                        red_add_f32x2(dq_row + col, x.x, x.y);
+                }
+            }
         }
         warpgroup_wait<0>();   // dV, dK
         hold_registers(dk);
         hold_registers(dv);
         // Deterministic: this block's adds complete before the next block's first barrier publishes them.
-        if (thread == 0 && semaphores != nullptr) tma_store_wait_all();
+        if (lane == 0 && semaphores != nullptr) tma_store_wait_all();
         barrier_arrive(smem_addr(&smem.empty[slot.index]));   // the slot's Q and dO: last read by dK / dV
     }
-    if (thread == 0) tma_store_wait_all();   // the dQ reduces are done before the block's shared memory goes
+    if (lane == 0) tma_store_wait_all();   // the dQ reduces are done before the block's shared memory goes
     if (semaphores != nullptr) {   // publish the last query block's adds
         named_barrier_sync(SCORES_BARRIER, 128 * CONSUMERS);
         if (publisher && at.q_range.x < at.q_range.y) publish_dq(semaphores + at.q_range.y - 1);
