@@ -189,6 +189,39 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
         backward_sm90_key_split<T, D_TILE, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FEATURES>(smem, maps, p, at);
 }
 
+// P^T in place of S^T (a consumer's 64 keys x N queries, in the accumulator layout): exp2 of the
+// scaled scores less the queries' lse_log2 (`lse` and `first_query`: the tile's first query),
+// masked where needs_mask. query_col: the thread's first column (2 (lane % 4)).
+template <bool IS_CAUSAL, int FEATURES, int N>
+__device__ __forceinline__ void probabilities_in_place(float (&s)[N / 2], const float* lse, float scale_log2, bool needs_mask,
+                                                       int first_key, int first_query, int query_col, int seqlen_k,
+                                                       const Band& band) {
+#pragma unroll
+    for (int i = 0; i < N / 8; ++i) {
+        const int col = 8 * i + query_col;
+        const float2 row_lse = *reinterpret_cast<const float2*>(lse + col);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = first_key + 8 * (e >> 1), query = first_query + col + (e & 1);
+            float prob = exp2f(fmaf(s[4 * i + e], scale_log2, -((e & 1) ? row_lse.y : row_lse.x)));
+            if (needs_mask && !key_visible<IS_CAUSAL, FEATURES>(key, query, seqlen_k, band)) prob = 0.f;
+            s[4 * i + e] = prob;
+        }
+    }
+}
+
+// dS^T = P^T (dP^T - delta[query]) in place of dP^T (`delta`: the tile's first query's).
+template <int N>
+__device__ __forceinline__ void score_gradients_in_place(float (&dp)[N / 2], const float (&prob)[N / 2], const float* delta,
+                                                         int query_col) {
+#pragma unroll
+    for (int i = 0; i < N / 8; ++i) {
+        const float2 dsum = *reinterpret_cast<const float2*>(delta + 8 * i + query_col);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[4 * i + e] = prob[4 * i + e] * (dp[4 * i + e] - ((e & 1) ? dsum.y : dsum.x));
+    }
+}
+
 // The key split (d <= 128, BLOCK_N = 128): each consumer owns 64 of the block's keys in every
 // product; dS goes through shared memory for dQ only.
 template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
@@ -255,28 +288,13 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
         const float* delta_tile = smem.delta[slot.index];
         const bool needs_mask = tile_needs_mask<IS_CAUSAL, FEATURES>(q_start, BLOCK_M, kv_start + 64 * consumer, 64,
                                                                     seq.seqlen_k, band);
-#pragma unroll
-        for (int i = 0; i < BLOCK_M / 8; ++i) {
-            const int col = 8 * i + query_col;
-            const float2 lse = *reinterpret_cast<const float2*>(lse_tile + col);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = first_key + 8 * (e >> 1), query = q_start + col + (e & 1);
-                float prob = exp2f(fmaf(s[4 * i + e], p.scale_log2, -((e & 1) ? lse.y : lse.x)));
-                if (needs_mask && !key_visible<IS_CAUSAL, FEATURES>(key, query, seq.seqlen_k, band)) prob = 0.f;
-                s[4 * i + e] = prob;
-            }
-        }
+        probabilities_in_place<IS_CAUSAL, FEATURES, BLOCK_M>(s, lse_tile, p.scale_log2, needs_mask, first_key, q_start,
+                                                             query_col, seq.seqlen_k, band);
         warpgroup_wait<0>();   // dP^T
         hold_registers(dp);
 
         // dS^T in place, and dS to shared memory as T (queries x keys) for dQ.
-#pragma unroll
-        for (int i = 0; i < BLOCK_M / 8; ++i) {
-            const float2 dsum = *reinterpret_cast<const float2*>(delta_tile + 8 * i + query_col);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dp[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - ((e & 1) ? dsum.y : dsum.x));
-        }
+        score_gradients_in_place<BLOCK_M>(dp, s, delta_tile, query_col);
         unsigned int pa[BLOCK_M / 16][4], dsa[BLOCK_M / 16][4];
         accumulator_to_a<T, BLOCK_M>(pa, s);
         accumulator_to_a<T, BLOCK_M>(dsa, dp);
@@ -479,26 +497,11 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
         const float* delta_tile = smem.delta[slot.index] + query0;
         const bool needs_mask = tile_needs_mask<IS_CAUSAL, FEATURES>(q_start + query0, QUERIES, kv_start, BLOCK_N,
                                                                     seq.seqlen_k, band);
-#pragma unroll
-        for (int i = 0; i < QUERIES / 8; ++i) {
-            const int col = 8 * i + query_col;
-            const float2 lse = *reinterpret_cast<const float2*>(lse_tile + col);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = first_key + 8 * (e >> 1), query = q_start + query0 + col + (e & 1);
-                float prob = exp2f(fmaf(s[4 * i + e], p.scale_log2, -((e & 1) ? lse.y : lse.x)));
-                if (needs_mask && !key_visible<IS_CAUSAL, FEATURES>(key, query, seq.seqlen_k, band)) prob = 0.f;
-                s[4 * i + e] = prob;
-            }
-        }
+        probabilities_in_place<IS_CAUSAL, FEATURES, QUERIES>(s, lse_tile, p.scale_log2, needs_mask, first_key,
+                                                             q_start + query0, query_col, seq.seqlen_k, band);
         warpgroup_wait<0>();   // dP^T
         hold_registers(dp);
-#pragma unroll
-        for (int i = 0; i < QUERIES / 8; ++i) {
-            const float2 dsum = *reinterpret_cast<const float2*>(delta_tile + 8 * i + query_col);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dp[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - ((e & 1) ? dsum.y : dsum.x));
-        }
+        score_gradients_in_place<QUERIES>(dp, s, delta_tile, query_col);
         unsigned int pa[QUERIES / 16][4], dsa[QUERIES / 16][4];
         accumulator_to_a<T, QUERIES>(pa, s);
         accumulator_to_a<T, QUERIES>(dsa, dp);
