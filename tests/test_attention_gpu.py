@@ -377,6 +377,11 @@ def packed_inputs(p):
 @example(dict(dtype="float32", batch=3, heads=2, heads_kv=1, lens_q=[17, 0, 260], lens_k=[33, 9, 0],
               seqlen_q=260, seqlen_k=33, head_dim=64, causal=False, softmax_scale=None, logit_std=1.0, seed=4,
               features={"sink": [0.0, 1.0]}, max_slack=5), False)
+# The Hopper backward's head-dim split (d = 256): partial query blocks add their staged dQ rows by
+# red.global, in deterministic order.
+@example(dict(dtype="bfloat16", batch=3, heads=4, heads_kv=2, lens_q=[70, 0, 200], lens_k=[45, 9, 130],
+              seqlen_q=200, seqlen_k=130, head_dim=256, causal=True, softmax_scale=None, logit_std=1.0, seed=6,
+              features={}, max_slack=0), True)
 def test_packed_batches_match_reference(path, p, deterministic):
     count_example("packed_batches_match_reference")
     q, k, v, do, opts = packed_inputs(p)
