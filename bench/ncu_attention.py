@@ -6,7 +6,8 @@ side by side (each runs three times: the profiler's --launch-skip passes the war
         python bench/ncu_attention.py --mode fwd --peer cudnn --head-dim 128 --seqlen 8192
 
 --mode fwd: flash_forward against the peer's forward; --mode bwd: flash_backward against the
-peer's backward. --peer flash (FlashAttention-2 in PyTorch) or cudnn.
+peer's backward (--deterministic 1: ours with deterministic=True). --peer flash (FlashAttention-2 in
+PyTorch) or cudnn.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def main():
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--seqlen", type=int, default=8192)
     parser.add_argument("--causal", type=int, default=0, choices=[0, 1])
+    parser.add_argument("--deterministic", type=int, default=0, choices=[0, 1])
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--features", type=int, default=2048)
     args = parser.parse_args()
@@ -49,7 +51,7 @@ def main():
             with torch.no_grad(), sdpa_kernel(backend):
                 torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
         else:
-            cupy_flash.flash_backward(do, q, k, v, o, lse, causal=causal)
+            cupy_flash.flash_backward(do, q, k, v, o, lse, causal=causal, deterministic=bool(args.deterministic))
             torch.autograd.grad(out, (tq, tk, tv), tdo, retain_graph=True)
     cupy.cuda.Device().synchronize()
     torch.cuda.synchronize()
