@@ -177,11 +177,19 @@ def describe_backward(device: DeviceInfo, setting: str | None = None) -> str:
         return ("float16/bfloat16: Hopper kernels (no softcap, ALiBi or bias; "
                 "the others: tensor-core kernels)")
 
-    def from_keys(min_keys: dict) -> str:
-        if len(set(min_keys.values())) == 1:
-            return f"from {next(iter(min_keys.values()))} keys"
-        return ", ".join(f"from {n} keys at head_dim <= {d}" for d, n in min_keys.items())
+    def from_keys(min_keys: dict) -> str:   # head-dim tiles with the same threshold said once
+        runs: list[list[int]] = []
+        for tile, keys in sorted(min_keys.items()):
+            if runs and runs[-1][1] == keys:
+                runs[-1][0] = tile
+            else:
+                runs.append([tile, keys])
+        if len(runs) == 1:
+            return f"from {runs[0][1]} keys"
+        return ", ".join(f"from {keys} keys at head_dim <= {tile}" for tile, keys in runs)
 
-    return (f"float16/bfloat16: Hopper kernels {from_keys(_traits.BACKWARD_SM90_MIN_KEYS)} (deterministic: "
-            f"{from_keys(_traits.BACKWARD_SM90_DETERMINISTIC_MIN_KEYS)}; no softcap, ALiBi or bias); "
+    atomic, deterministic = _traits.BACKWARD_SM90_MIN_KEYS, _traits.BACKWARD_SM90_DETERMINISTIC_MIN_KEYS
+    when = from_keys(atomic) + ("; deterministic calls too" if deterministic == atomic
+                                else f"; deterministic: {from_keys(deterministic)}")
+    return (f"float16/bfloat16: Hopper kernels {when} (no softcap, ALiBi or bias); "
             "the others: tensor-core kernels (mma.sync)")
