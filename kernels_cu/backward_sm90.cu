@@ -222,6 +222,36 @@ __device__ __forceinline__ void score_gradients_in_place(float (&dp)[N / 2], con
     }
 }
 
+// Deterministic mode's counters of a key block's (batch, head), one per query block (null in
+// atomic mode).
+template <int BLOCK_M>
+__device__ __forceinline__ int* dq_semaphores_of(const FlashParams& p, const KeyBlock& block) {
+    return p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + block.bh * ((p.seqlen_q + BLOCK_M - 1) / BLOCK_M);
+}
+
+// The epilogue: a consumer's dK (times softmax_scale) and dV as T, 4-byte stores from the
+// accumulator layout (keys first_key + 0 and + 8; COLUMNS head-dim columns from column0).
+template <typename T, int COLUMNS>
+__device__ __forceinline__ void store_key_gradients(const float (&dk)[COLUMNS / 2], const float (&dv)[COLUMNS / 2],
+                                                    const FlashParams& p, const BackwardSm90Block& at, int first_key,
+                                                    int column0, int query_col) {
+    const int head_dim = (int)p.head_dim;
+    T* dk_out = static_cast<T*>(p.dk) + tensor_offset(p.dk_strides, at.block.b, at.seq.k_row0, at.block.h);
+    T* dv_out = static_cast<T*>(p.dv) + tensor_offset(p.dv_strides, at.block.b, at.seq.k_row0, at.block.h);
+#pragma unroll
+    for (int i = 0; i < COLUMNS / 8; ++i)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int key = first_key + 8 * r, col = column0 + 8 * i + query_col;
+            if (at.keys_here && key < at.seq.seqlen_k && col < head_dim) {
+                *reinterpret_cast<unsigned int*>(dk_out + (long long)key * p.dk_strides[1] + col) =
+                    Mma<T>::pack(dk[4 * i + 2 * r] * p.softmax_scale, dk[4 * i + 2 * r + 1] * p.softmax_scale);
+                *reinterpret_cast<unsigned int*>(dv_out + (long long)key * p.dv_strides[1] + col) =
+                    Mma<T>::pack(dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
+            }
+        }
+}
+
 // The key split (d <= 128, BLOCK_N = 128): each consumer owns 64 of the block's keys in every
 // product; dS goes through shared memory for dQ only.
 template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
@@ -240,7 +270,6 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
     const Sequence& seq = at.seq;
     const Band& band = at.band;
     const int2 q_range = at.q_range;
-    const bool keys_here = at.keys_here;
     const int warpgroup = threadIdx.x / 128;
     const int consumer = warpgroup - 1;
     const int thread = threadIdx.x % 128, warp = thread / 32, lane = thread % 32;
@@ -254,8 +283,7 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
     // waits for this block's turn (the key blocks before it, in order) before its adds to a query
     // block, and the first consumer's publishes them once both consumers have passed the next
     // block's barrier (each having waited for its adds to complete).
-    int* semaphores = p.dq_semaphore == nullptr ? nullptr
-                                                : p.dq_semaphore + block.bh * ((p.seqlen_q + BLOCK_M - 1) / BLOCK_M);
+    int* semaphores = dq_semaphores_of<BLOCK_M>(p, block);
     const bool publisher = semaphores != nullptr && consumer == 0 && thread == 0;
 
     float dk[D_TILE / 2], dv[D_TILE / 2];
@@ -411,22 +439,7 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
         if (publisher && q_range.x < q_range.y) publish_dq(semaphores + q_range.y - 1);
     }
 
-    // Epilogue: dK (times softmax_scale) and dV as T, 4-byte stores from the accumulator layout.
-    const int head_dim = (int)p.head_dim;
-    T* dk_out = static_cast<T*>(p.dk) + tensor_offset(p.dk_strides, b, seq.k_row0, h);
-    T* dv_out = static_cast<T*>(p.dv) + tensor_offset(p.dv_strides, b, seq.k_row0, h);
-#pragma unroll
-    for (int i = 0; i < D_TILE / 8; ++i)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int key = first_key + 8 * r, col = 8 * i + query_col;
-            if (keys_here && key < seq.seqlen_k && col < head_dim) {
-                *reinterpret_cast<unsigned int*>(dk_out + (long long)key * p.dk_strides[1] + col) =
-                    Mma<T>::pack(dk[4 * i + 2 * r] * p.softmax_scale, dk[4 * i + 2 * r + 1] * p.softmax_scale);
-                *reinterpret_cast<unsigned int*>(dv_out + (long long)key * p.dv_strides[1] + col) =
-                    Mma<T>::pack(dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
-            }
-        }
+    store_key_gradients<T, D_TILE>(dk, dv, p, at, first_key, 0, query_col);
 }
 
 // The head-dim split (d = 256, BLOCK_N = 64): consumer c takes queries [32c, 32c + 32) of each
@@ -465,8 +478,7 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
     // Deterministic mode, as the key split: each warp's first thread waits for the turn before its
     // first add to a query block and has its adds complete before the next block's first barrier,
     // after which the first consumer's first thread publishes them.
-    int* semaphores = p.dq_semaphore == nullptr ? nullptr
-                                                : p.dq_semaphore + block.bh * ((p.seqlen_q + BLOCK_M - 1) / BLOCK_M);
+    int* semaphores = dq_semaphores_of<BLOCK_M>(p, block);
     const bool publisher = semaphores != nullptr && consumer == 0 && thread == 0;
 
     float dk[COLUMNS / 2], dv[COLUMNS / 2];
@@ -613,20 +625,5 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
         if (publisher && at.q_range.x < at.q_range.y) publish_dq(semaphores + at.q_range.y - 1);
     }
 
-    // Epilogue: this consumer's columns of dK (times softmax_scale) and dV as T.
-    const int head_dim = (int)p.head_dim;
-    T* dk_out = static_cast<T*>(p.dk) + tensor_offset(p.dk_strides, b, seq.k_row0, h);
-    T* dv_out = static_cast<T*>(p.dv) + tensor_offset(p.dv_strides, b, seq.k_row0, h);
-#pragma unroll
-    for (int i = 0; i < COLUMNS / 8; ++i)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int key = first_key + 8 * r, col = column0 + 8 * i + query_col;
-            if (at.keys_here && key < seq.seqlen_k && col < head_dim) {
-                *reinterpret_cast<unsigned int*>(dk_out + (long long)key * p.dk_strides[1] + col) =
-                    Mma<T>::pack(dk[4 * i + 2 * r] * p.softmax_scale, dk[4 * i + 2 * r + 1] * p.softmax_scale);
-                *reinterpret_cast<unsigned int*>(dv_out + (long long)key * p.dv_strides[1] + col) =
-                    Mma<T>::pack(dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
-            }
-        }
+    store_key_gradients<T, COLUMNS>(dk, dv, p, at, first_key, column0, query_col);   // this consumer's columns
 }
