@@ -69,9 +69,11 @@ template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES>
 __device__ const unsigned int backward_sm90_smem_bytes =
     sizeof(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>) + SWIZZLE_ATOM_BYTES;
 
-// Registers after setmaxnreg: 3 warpgroups launched at 168 a thread (sm_90 launch bounds).
+// Registers after setmaxnreg: the block's warpgroups launched at 168 a thread (sm_90 launch bounds
+// of 384 threads).
 constexpr int BACKWARD_SM90_PRODUCER_REGISTERS = 24, BACKWARD_SM90_CONSUMER_REGISTERS = 240;
-static_assert(BACKWARD_SM90_PRODUCER_REGISTERS + 2 * BACKWARD_SM90_CONSUMER_REGISTERS <= 3 * 168,
+static_assert(BACKWARD_SM90_PRODUCER_REGISTERS + BACKWARD_SM90_CONSUMERS * BACKWARD_SM90_CONSUMER_REGISTERS <=
+                  (1 + BACKWARD_SM90_CONSUMERS) * 168,
               "setmaxnreg split beyond the launch's registers: the block would hang");
 
 // What the producer and the consumers know of their key block.
@@ -222,13 +224,6 @@ __device__ __forceinline__ void score_gradients_in_place(float (&dp)[N / 2], con
     }
 }
 
-// Deterministic mode's counters of a key block's (batch, head), one per query block (null in
-// atomic mode).
-template <int BLOCK_M>
-__device__ __forceinline__ int* dq_semaphores_of(const FlashParams& p, const KeyBlock& block) {
-    return p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + block.bh * ((p.seqlen_q + BLOCK_M - 1) / BLOCK_M);
-}
-
 // The epilogue: a consumer's dK (times softmax_scale) and dV as T, 4-byte stores from the
 // accumulator layout (keys first_key + 0 and + 8; COLUMNS head-dim columns from column0).
 template <typename T, int COLUMNS>
@@ -283,7 +278,7 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
     // waits for this block's turn (the key blocks before it, in order) before its adds to a query
     // block, and the first consumer's publishes them once both consumers have passed the next
     // block's barrier (each having waited for its adds to complete).
-    int* semaphores = dq_semaphores_of<BLOCK_M>(p, block);
+    int* semaphores = p.dq_semaphore == nullptr ? nullptr : dq_semaphores_of<BLOCK_M>(p, block.bh);
     const bool publisher = semaphores != nullptr && consumer == 0 && thread == 0;
 
     float dk[D_TILE / 2], dv[D_TILE / 2];
@@ -478,7 +473,7 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
     // Deterministic mode, as the key split: each warp's first thread waits for the turn before its
     // first add to a query block and has its adds complete before the next block's first barrier,
     // after which the first consumer's first thread publishes them.
-    int* semaphores = dq_semaphores_of<BLOCK_M>(p, block);
+    int* semaphores = p.dq_semaphore == nullptr ? nullptr : dq_semaphores_of<BLOCK_M>(p, block.bh);
     const bool publisher = semaphores != nullptr && consumer == 0 && thread == 0;
 
     float dk[COLUMNS / 2], dv[COLUMNS / 2];

@@ -324,7 +324,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
         const Sequence again_seq = sequence_of<FEATURES>(p, again.b);
         const int2 range = q_block_range<IS_CAUSAL, FEATURES>(again_seq, again.kv_block * BLOCK_N, BLOCK_M, BLOCK_N, band_of(p, again_seq));
         if (threadIdx.x == 0 && range.x < range.y)
-            publish_dq(p.dq_semaphore + again.bh * ((p.seqlen_q + BLOCK_M - 1) / BLOCK_M) + range.y - 1);
+            publish_dq(dq_semaphores_of<BLOCK_M>(p, again.bh) + range.y - 1);
     }
 
     // Epilogue: dK (times softmax_scale) and dV as T, staged through the K and V tiles (each warp

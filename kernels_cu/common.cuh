@@ -353,6 +353,12 @@ __device__ __forceinline__ void wait_dq_turn(const int* semaphore, int turn) {
     } while (done < turn);
 }
 
+// The deterministic dQ counters of (batch, head) bh: one per query block of BLOCK_M rows.
+template <int BLOCK_M>
+__device__ __forceinline__ int* dq_semaphores_of(const FlashParams& p, long long bh) {
+    return p.dq_semaphore + bh * ((p.seqlen_q + BLOCK_M - 1) / BLOCK_M);
+}
+
 // ---- Masks and variants ------------------------------------------------------------------------
 // Every attention kernel takes IS_CAUSAL and FEATURES (a bitmask) as template flags, so a plain
 // instantiation compiles none of the variant code. Masks are bands around the bottom-right
