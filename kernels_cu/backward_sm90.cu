@@ -106,8 +106,7 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
     static_assert(sizeof(Storage) + SWIZZLE_ATOM_BYTES <= 227 * 1024, "shared memory of one sm_90 block");
     require_dynamic_smem(backward_sm90_smem_bytes<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>);
     extern __shared__ unsigned char smem_raw[];
-    Storage& smem = *reinterpret_cast<Storage*>(
-        (reinterpret_cast<unsigned long long>(smem_raw) + SWIZZLE_ATOM_BYTES - 1) & ~(unsigned long long)(SWIZZLE_ATOM_BYTES - 1));
+    Storage& smem = aligned_shared_storage<Storage>(smem_raw);
 
     // Deterministic mode (p.dq_semaphore) orders the key blocks' dQ adds as backward_tc.cu does; its
     // grid takes DETERMINISTIC_KV_GROUP key blocks of a head at a time (key_block_in_groups), the

@@ -454,8 +454,7 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
     static_assert(sizeof(Storage) + SWIZZLE_ATOM_BYTES <= 227 * 1024, "shared memory of one sm_90 block");
     require_dynamic_smem(forward_sm90_smem_bytes<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>);
     extern __shared__ unsigned char smem_raw[];
-    Storage& smem = *reinterpret_cast<Storage*>(
-        (reinterpret_cast<unsigned long long>(smem_raw) + SWIZZLE_ATOM_BYTES - 1) & ~(unsigned long long)(SWIZZLE_ATOM_BYTES - 1));
+    Storage& smem = aligned_shared_storage<Storage>(smem_raw);
 
     if (threadIdx.x == 0) {
         prefetch_tensor_map(&maps.q);
