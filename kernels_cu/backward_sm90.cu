@@ -1,8 +1,8 @@
 // Hopper backward (sm_90a) for float16 / bfloat16, on the forward's vocabulary (sm90_mma.cuh,
 // sm90_tma.cuh). Runs by default from 1k keys, at d = 256 from 512 (cupy_flash/_families.
-// backward_family): 1.03-1.79x the portable backward there, 0.69-0.97x cuDNN at 2k-16k
-// (docs/performance.md, "Hopper backward, third / fourth part"); smoke check, property tests and
-// memcheck/racecheck/synccheck pass on the H100.
+// backward_family): 1.03-1.79x the portable backward there, 0.71-1.01x cuDNN at 2k-16k
+// (docs/performance.md, "Hopper backward, third / fourth / fifth part"); smoke check, property
+// tests and memcheck/racecheck/synccheck pass on the H100.
 //
 // One block per (key block of BLOCK_N keys, batch, head), key blocks of one head consecutive in the
 // grid (their Q, dO and dQ rows stay in L2; deterministic mode: 4 at a time). With the scores
