@@ -450,6 +450,9 @@ class KernelReport:
     # to the kernels'.
     max_threads: int = 0
     param_bytes: tuple[int, ...] = ()
+    # Loads and stores through generic addresses (no state space in the PTX): in the Hopper
+    # kernels, a sign that shared memory was reached through a pointer that lost its address space.
+    generic_accesses: int = 0
 
 
 @dataclasses.dataclass
@@ -473,17 +476,22 @@ _REGS = re.compile(r"Used (\d+) registers")
 _SPEED_WARNING = re.compile(r"C75(0[89]|1\d)")
 _PTX_PARAM = re.compile(r"\.param\s+(?:\.align\s+\d+\s+)?\.([busf])(\d+)\s+\S+?_param_\d+(?:\[(\d+)\])?")
 _PTX_MAXNTID = re.compile(r"\.maxntid\s+(\d+),\s*(\d+),\s*(\d+)")
+_PTX_MEMORY_ACCESS = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld|st)((?:\.[\w:]+)*)\s", re.M)
+_PTX_STATE_SPACES = {"shared", "shared::cta", "shared::cluster", "global", "local", "param", "const"}
 
 
 def _ptx_entries(ptx: str) -> dict:
-    """{mangled kernel name: (launch-bound block size or 0, (parameter bytes, ...))} of a PTX text."""
+    """{mangled kernel name: (launch-bound block size or 0, (parameter bytes, ...), generic loads and
+    stores)} of a PTX text."""
     entries = {}
     for block in ptx.split(".entry ")[1:]:
         name = block.split("(", 1)[0].strip()
         signature, _, body = block.partition(")")
         params = tuple(int(count or 1) * int(bits) // 8 for _, bits, count in _PTX_PARAM.findall(signature))
         bound = _PTX_MAXNTID.search(body.split("{", 1)[0])
-        entries[name] = (int(bound.group(1)) * int(bound.group(2)) * int(bound.group(3)) if bound else 0, params)
+        generic = sum(1 for qualifiers in _PTX_MEMORY_ACCESS.findall(body)
+                      if not _PTX_STATE_SPACES.intersection(qualifiers.split(".")))
+        entries[name] = (int(bound.group(1)) * int(bound.group(2)) * int(bound.group(3)) if bound else 0, params, generic)
     return entries
 
 
@@ -547,7 +555,7 @@ def compile_offline(spec: ModuleSpec, arch: str) -> CompileReport:
         regs = _REGS.search(block)
         if not (entry and frame and regs):
             continue
-        max_threads, param_bytes = entries.get(entry.group(1), (0, ()))
+        max_threads, param_bytes, generic_accesses = entries.get(entry.group(1), (0, (), 0))
         kernels.append(KernelReport(
             name=lowered.get(entry.group(1), entry.group(1)),
             registers=int(regs.group(1)),
@@ -556,6 +564,7 @@ def compile_offline(spec: ModuleSpec, arch: str) -> CompileReport:
             spill_load_bytes=int(frame.group(3)),
             max_threads=max_threads,
             param_bytes=param_bytes,
+            generic_accesses=generic_accesses,
         ))
     return CompileReport(spec=spec, arch=arch, cubin_bytes=len(cubin), kernels=kernels, log=text)
 

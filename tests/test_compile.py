@@ -96,6 +96,21 @@ def test_hopper_launchers_match_their_kernels(reports):
     assert checked == 2 * sum(spec.family in launches for spec in _compile.all_module_specs())   # causal and not
 
 
+@pytest.mark.compile
+def test_hopper_kernels_reach_shared_memory_as_shared(reports):
+    """No generic loads or stores in the Hopper kernels (PTX): shared storage reached through a
+    pointer that lost its address space (an integer cast) compiles to generic LD.E / ST.E, and the
+    backward's dQ staging then waited at its proxy fence (docs/performance.md, "Hopper backward,
+    fifth part": the fix gained 4-11%)."""
+    checked = 0
+    for (spec, _), report in reports.items():
+        if spec.family in ("forward_sm90", "backward_sm90") and not isinstance(report, Exception):
+            for kernel in report.kernels:
+                assert kernel.generic_accesses == 0, f"{kernel.name}: {kernel.generic_accesses} generic loads / stores"
+                checked += 1
+    assert checked > 0
+
+
 def test_every_head_dim_maps_to_a_compiled_tile():
     for head_dim in range(8, _traits.MAX_HEAD_DIM + 1, 8):
         tile = _traits.head_dim_tile(head_dim)
