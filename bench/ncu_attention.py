@@ -7,7 +7,9 @@ side by side (each runs three times: the profiler's --launch-skip passes the war
 
 --mode fwd: flash_forward against the peer's forward; --mode bwd: flash_backward against the
 peer's backward (--deterministic 1: ours with deterministic=True). --peer flash (FlashAttention-2 in
-PyTorch) or cudnn.
+PyTorch) or cudnn. --lineinfo builds our kernels with line information, for ncu's source page
+(`--set full --import-source yes`, then `ncu -i REP --page source --csv --print-source sass`):
+stall samples per SASS instruction.
 """
 
 from __future__ import annotations
@@ -31,7 +33,12 @@ def main():
     parser.add_argument("--deterministic", type=int, default=0, choices=[0, 1])
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--features", type=int, default=2048)
+    parser.add_argument("--lineinfo", action="store_true", help="compile our kernels with -lineinfo")
     args = parser.parse_args()
+    if args.lineinfo:   # before the first kernel compiles (the option is part of the cache key)
+        from cupy_flash import _compile
+
+        _compile.OPTIONS = _compile.OPTIONS + ("-lineinfo",)
 
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
