@@ -76,6 +76,17 @@ def test_instantiations_compile_without_spills(reports, spec, arch):
     assert not report.speed_warnings, f"ptxas on {spec.describe()} for {arch}: {report.speed_warnings}"
 
 
+HOPPER_FAMILIES = ("forward_sm90", "backward_sm90")
+
+
+def hopper_kernels(reports):
+    """(module spec, kernel report) of every Hopper kernel that compiled."""
+    for (spec, _), report in reports.items():
+        if spec.family in HOPPER_FAMILIES and not isinstance(report, Exception):
+            for kernel in report.kernels:
+                yield spec, kernel
+
+
 @pytest.mark.compile
 def test_hopper_launchers_match_their_kernels(reports):
     """Each Hopper launch's block size and argument record (Python: _traits, forward.py,
@@ -87,12 +98,10 @@ def test_hopper_launchers_match_their_kernels(reports):
     launches = {"forward_sm90": (_traits.forward_sm90_threads, (forward._SM90_MAPS_BYTES, PARAMS_DTYPE.itemsize, 8)),
                 "backward_sm90": (_traits.backward_sm90_threads, (backward._SM90_MAPS_BYTES, PARAMS_DTYPE.itemsize))}
     checked = 0
-    for (spec, _), report in reports.items():
-        if spec.family in launches and not isinstance(report, Exception):
-            threads, record = launches[spec.family]
-            for kernel in report.kernels:
-                assert (kernel.max_threads, kernel.param_bytes) == (threads(spec.config), record), kernel.name
-                checked += 1
+    for spec, kernel in hopper_kernels(reports):
+        threads, record = launches[spec.family]
+        assert (kernel.max_threads, kernel.param_bytes) == (threads(spec.config), record), kernel.name
+        checked += 1
     assert checked == 2 * sum(spec.family in launches for spec in _compile.all_module_specs())   # causal and not
 
 
@@ -103,11 +112,9 @@ def test_hopper_kernels_reach_shared_memory_as_shared(reports):
     backward's dQ staging then waited at its proxy fence (docs/performance.md, "Hopper backward,
     fifth part": the fix gained 4-11%)."""
     checked = 0
-    for (spec, _), report in reports.items():
-        if spec.family in ("forward_sm90", "backward_sm90") and not isinstance(report, Exception):
-            for kernel in report.kernels:
-                assert kernel.generic_accesses == 0, f"{kernel.name}: {kernel.generic_accesses} generic loads / stores"
-                checked += 1
+    for _, kernel in hopper_kernels(reports):
+        assert kernel.generic_accesses == 0, f"{kernel.name}: {kernel.generic_accesses} generic loads / stores"
+        checked += 1
     assert checked > 0
 
 
