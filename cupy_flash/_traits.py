@@ -78,11 +78,13 @@ FORWARD_SM90_CAUSAL_MIN_KEYS = {64: 513, 128: 0, 256: 0}
 # modifiers stay on the portable backward. Up to d = 128 its two consumers split a block's 128 keys;
 # at d = 256 (64 keys) they split the head dim, since dK and dV of 64 keys x 256 columns do not fit
 # one warpgroup's registers; its shared memory is then exactly the 227 KB a block may have.
-BACKWARD_SM90 = {64: (128, 64, 2), 128: (128, 64, 2), 256: (64, 64, 2)}
+# d = 64 takes 128 queries a block, so both consumers have a 64-row piece of dQ's product (with 64
+# queries its one 64-column chunk was consumer 0's alone).
+BACKWARD_SM90 = {64: (128, 128, 2), 128: (128, 64, 2), 256: (64, 64, 2)}
 _SM90_BACKWARD_FEATURES = _SM90_ALL & ~(FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK)
 BACKWARD_SM90_FEATURE_SETS = {tile: (_SM90_BACKWARD_FEATURES,) for tile in BACKWARD_SM90}
-# Rows of the Hopper backward's dQ reduce-add boxes: a query block (key split), a warp's 16 rows
-# of it (head-dim split: each warp adds its own).
+# Rows of the Hopper backward's dQ reduce-add boxes: a consumer's 64 rows of a query block (key
+# split), a warp's 16 rows of it (head-dim split: each warp adds its own).
 BACKWARD_SM90_DQ_ROWS = {64: 64, 128: 64, 256: 16}
 BACKWARD_SM90_CONSUMERS = 2   # consumer warpgroups of a block (kernels_cu/backward_sm90.cu; test_compile checks the launch)
 # Where the automatic setting runs it (measured, H100): from 1k keys it was 1.04-1.54x the portable
@@ -93,7 +95,10 @@ BACKWARD_SM90_CONSUMERS = 2   # consumer warpgroups of a block (kernels_cu/backw
 # 1.01-1.80x the portable deterministic backward from 1k keys at d = 64 and 128, 0.99-1.25x at 512.
 # d = 256 (head-dim split, docs/results/h100_sm90_bwd_d256_warp_dq_20261123.json): 1.03-1.79x the
 # portable backward from 512 keys (bf16 and fp16), deterministic 1.04-1.52x.
-BACKWARD_SM90_MIN_KEYS = {64: 1024, 128: 1024, 256: 512}
+# d = 64 with 128-query blocks (docs/results/h100_sm90_bwd_d64_min_keys_*_20261123.json): at 512 keys
+# 1.14-1.27x the portable backward (bf16 and fp16, causal and not), deterministic 1.22-1.37x without
+# the causal mask but 0.86-0.90x with it, so deterministic d = 64 stays portable below 1k keys.
+BACKWARD_SM90_MIN_KEYS = {64: 512, 128: 1024, 256: 512}
 BACKWARD_SM90_DETERMINISTIC_MIN_KEYS = {64: 1024, 128: 1024, 256: 512}
 
 

@@ -47,10 +47,10 @@ struct BackwardSm90Storage {
     // Head-dim split: [0] P^T and [1] dS^T (keys x queries, queries contiguous), each one chunk of
     // the block's 64 keys, the consumers' 32 queries side by side.
     alignas(SWIZZLE_ATOM_BYTES) T ds[2][HEAD_DIM_SPLIT ? 1 : BLOCK_N / 64][HEAD_DIM_SPLIT ? BLOCK_N : BLOCK_M][SWIZZLE_ROW_ELEMENTS];
-    // dQ (float32) of a 64-column chunk per consumer, as two 32-column halves (head-dim split: one
-    // 32-column piece of its 128 columns at a time), 128-byte rows, swizzled: the source of the TMA
-    // reduce-add into dq_accum.
-    alignas(SWIZZLE_ATOM_BYTES) float dq[BACKWARD_SM90_CONSUMERS][HEAD_DIM_SPLIT ? 1 : 2][BLOCK_M][32];
+    // dQ (float32) of 64 query rows x a 64-column chunk per consumer, as two 32-column halves
+    // (head-dim split: one 32-column piece of its 128 columns at a time), 128-byte rows, swizzled:
+    // the source of the TMA reduce-add into dq_accum.
+    alignas(SWIZZLE_ATOM_BYTES) float dq[BACKWARD_SM90_CONSUMERS][HEAD_DIM_SPLIT ? 1 : 2][64][32];
     alignas(16) float lse_log2[STAGES][BLOCK_M];
     alignas(16) float delta[STAGES][BLOCK_M];
     unsigned long long kv_full;
@@ -256,8 +256,14 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
     constexpr int CONSUMERS = BACKWARD_SM90_CONSUMERS;   // 64 keys each
     constexpr int DQ_BARRIER = 1;             // named barrier of the consumers around dS (0: __syncthreads)
     constexpr unsigned int K_CHUNK_BYTES = BLOCK_N * 128, Q_CHUNK_BYTES = BLOCK_M * 128;
-    static_assert(BLOCK_N == 64 * CONSUMERS && BLOCK_M == 64 && D_TILE % 64 == 0, "64 keys per consumer, 64 queries (the dQ wgmma's M)");
-    static_assert(CHUNKS <= CONSUMERS, "one dQ chunk per consumer and block: its shared memory is rewritten each block");
+    // dQ's work items: (64 query rows, 64-column chunk) pieces of the query block (the dQ wgmma's M
+    // is 64), shared out between the consumers, at most one each (its staging buffer is rewritten
+    // each block). d = 128: two chunks of 64 queries; d = 64: 128 queries (BLOCK_M), two halves of
+    // one chunk, so both consumers have one (with 64 queries consumer 0 had the only one, and
+    // consumer 1 waited for it at the next block's barrier: 17% of the stall samples, ncu).
+    constexpr int QUERY_HALVES = BLOCK_M / 64, DQ_ITEMS = QUERY_HALVES * CHUNKS;
+    static_assert(BLOCK_N == 64 * CONSUMERS && BLOCK_M % 64 == 0 && D_TILE % 64 == 0, "64 keys per consumer, 64-query dQ items");
+    static_assert(DQ_ITEMS <= CONSUMERS, "one dQ item per consumer and block: its shared memory is rewritten each block");
     const KeyBlock& block = at.block;
     const long long b = block.b, h = block.h;
     const int kv_start = at.kv_start, batch_coord = at.batch_coord;
@@ -343,9 +349,9 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
             Wgmma<T, D_TILE>::template rs<1>(dk, dsa[kk], n_major_descriptor(q_base + kk * 2 * SWIZZLE_ATOM_BYTES, Q_CHUNK_BYTES), 1);
         warpgroup_commit();
 
-        // dQ (BLOCK_M queries x 64 head-dim columns) = dS K over the block's BLOCK_N keys, the column
-        // chunks shared out between the consumers (d = 64: consumer 0 alone), so each dQ element is
-        // added to dq_accum once per key block (two adds, one per consumer's keys, left the kernel
+        // dQ (64 queries x 64 head-dim columns an item) = dS K over the block's BLOCK_N keys, the
+        // items shared out between the consumers, so each dQ element is added to dq_accum once per
+        // key block (two adds, one per consumer's keys, left the kernel
         // L2-bound: ncu, d = 128, 4k: L2 83.8%, SM 33.8%). The adds are a TMA reduce-add of the
         // chunk from shared memory, issued by the consumer's first thread; a packed batch's last,
         // partial query block of a sequence (a box there would add into the next sequence's rows)
@@ -365,7 +371,9 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
                              ? block.kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start, BLOCK_M, BLOCK_N, band).x
                              : block.kv_block;
 #pragma unroll 1
-        for (int c = consumer; c < CHUNKS; c += CONSUMERS) {
+        for (int item = consumer; item < DQ_ITEMS; item += CONSUMERS) {
+            // Its column chunk and first query row (as constants where the block has 64 queries).
+            const int c = QUERY_HALVES == 1 ? item : item % CHUNKS, rows = QUERY_HALVES == 1 ? 0 : 64 * (item / CHUNKS);
             float dq[SWIZZLE_ROW_ELEMENTS / 2];
             warpgroup_arrive();
 #pragma unroll
@@ -373,7 +381,7 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk)
                     Wgmma<T, SWIZZLE_ROW_ELEMENTS>::template ss<1>(
-                        dq, k_major_descriptor(smem_addr(&smem.ds[it & 1][kc][0][0]) + kk * 32),
+                        dq, k_major_descriptor(smem_addr(&smem.ds[it & 1][kc][rows][0]) + kk * 32),
                         n_major_descriptor(smem_addr(&smem.k[c][64 * kc][0]) + kk * 2 * SWIZZLE_ATOM_BYTES, K_CHUNK_BYTES),
                         kc > 0 || kk > 0);
             warpgroup_commit();
@@ -400,7 +408,7 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
 #pragma unroll
                     for (int half = 0; half < 2; ++half)
                         tma_reduce_add_4d(&maps.dq_accum, smem_addr(&smem.dq[consumer][half][0][0]),
-                                          c * SWIZZLE_ROW_ELEMENTS + 32 * half, seq.q_row0 + q_start, (int)h, batch_coord);
+                                          c * SWIZZLE_ROW_ELEMENTS + 32 * half, seq.q_row0 + q_start + rows, (int)h, batch_coord);
                     tma_store_commit();
                 }
             } else {
@@ -412,7 +420,7 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
                 for (int i = 0; i < SWIZZLE_ROW_ELEMENTS / 8; ++i)
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
-                        const int query = q_start + 16 * warp + lane / 4 + 8 * r;
+                        const int query = q_start + rows + 16 * warp + lane / 4 + 8 * r;
                         const int col = c * SWIZZLE_ROW_ELEMENTS + 8 * i + query_col;   // head_dim: a multiple of 8
                         if (query < seq.seqlen_q && col < (int)p.head_dim)
                             red_add_f32x2(dq_accum + (long long)query * p.dq_accum_strides[1] + col,

@@ -94,8 +94,9 @@ def test_info_names_the_path_of_each_dtype():
     assert _families.describe_forward(H100, "portable")[0].startswith("bfloat16: tensor-core")
     assert _families.describe_forward(A100, "auto")[1].startswith("float16: tensor-core")
     assert _families.describe_backward(H100, "auto").startswith(
-        "float16/bfloat16: Hopper kernels from 1024 keys at head_dim <= 128, from 512 keys at head_dim <= 256; "
-        "deterministic calls too")
+        "float16/bfloat16: Hopper kernels from 512 keys at head_dim <= 64, from 1024 keys at head_dim <= 128, "
+        "from 512 keys at head_dim <= 256; deterministic: from 1024 keys at head_dim <= 128, "
+        "from 512 keys at head_dim <= 256")
     assert _families.describe_backward(H100, "portable").startswith("float16/bfloat16: tensor-core")
     assert _families.describe_backward(H100, "experimental").startswith("float16/bfloat16: Hopper kernels")
     assert _families.describe_backward(A100, "experimental") == "float16/bfloat16: tensor-core kernels (mma.sync; sm_80+)"
