@@ -477,11 +477,18 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
     const int query0 = QUERIES * consumer, column0 = COLUMNS * consumer;
     const unsigned int k_rows = smem_addr(&smem.k[0][0][0]), v_rows = smem_addr(&smem.v[0][0][0]);
     const unsigned int p_tile = smem_addr(&smem.ds[0][0][0][0]), ds_tile = smem_addr(&smem.ds[1][0][0][0]);
-    // Deterministic mode, as the key split: each warp's first thread waits for the turn before its
-    // first add to a query block and has its adds complete before the next block's first barrier,
-    // after which the first consumer's first thread publishes them.
+    // Deterministic mode: the turns go by pairs of query blocks (counter m / TURN_BLOCKS, in the
+    // launcher's per-query-block array, of which the pairs use the first half). Each warp's first
+    // thread waits for the pair's turn before its first add to it (at its first block, or the
+    // range's first), has the pair's adds complete before the barrier that follows the pair's
+    // last block, after which the first consumer's first thread publishes them. A turn is a chain
+    // of L2 round trips (the reduces' completion, the publish, the next key block's poll) of
+    // several us: with one a query block (a 64 x 64 x 256 block's products take ~3.9 us on an SM)
+    // deterministic mode took 1.44-1.52x the atomic time at 2k-16k.
+    constexpr int TURN_BLOCKS = 2;
     int* semaphores = p.dq_semaphore == nullptr ? nullptr : dq_semaphores_of<BLOCK_M>(p, block.bh);
     const bool publisher = semaphores != nullptr && consumer == 0 && thread == 0;
+    const auto last_of_turn = [&](int m) { return (m + 1) % TURN_BLOCKS == 0 || m + 1 == at.q_range.y; };
 
     float dk[COLUMNS / 2], dv[COLUMNS / 2];
 #pragma unroll
@@ -523,7 +530,7 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
         // Both consumers' products of the last block have read P^T and dS^T (each waited for them),
         // and in deterministic mode their adds to it have completed: publish them.
         named_barrier_sync(SCORES_BARRIER, 128 * CONSUMERS);
-        if (publisher && m > at.q_range.x) publish_dq(semaphores + m - 1);
+        if (publisher && m > at.q_range.x && last_of_turn(m - 1)) publish_dq(semaphores + (m - 1) / TURN_BLOCKS);
         // P^T and dS^T rows as they are held (keys x queries): pa[kk] is four 8 x 8 tiles, (key rows
         // + 0, + 8) x (queries 16kk, 16kk + 8); stmatrix writes tile L / 8's row L % 8 at lane L's address.
 #pragma unroll
@@ -586,12 +593,16 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
                 }
             fence_async_shared();
             __syncwarp();   // the warp's rows of the piece are written
-            // Deterministic: this key block's turn at query block m (the blocks of m's band before it).
-            if (semaphores != nullptr && piece == 0 && lane == 0)
-                wait_dq_turn(semaphores + m,
+            // Deterministic: this key block's turn at m's pair of query blocks (the blocks of the
+            // pair's band before it), at the pair's first block here.
+            if (semaphores != nullptr && piece == 0 && lane == 0 && (m % TURN_BLOCKS == 0 || m == at.q_range.x)) {
+                const int pair_start = m / TURN_BLOCKS * TURN_BLOCKS * BLOCK_M;
+                wait_dq_turn(semaphores + m / TURN_BLOCKS,
                              (FEATURES & FEATURE_WINDOW)
-                                 ? block.kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start, BLOCK_M, BLOCK_N, band).x
+                                 ? block.kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, pair_start, TURN_BLOCKS * BLOCK_M,
+                                                                                         BLOCK_N, band).x
                                  : block.kv_block);
+            }
             if (whole_rows) {
                 if (lane == 0) {
                     tma_reduce_add_4d(&maps.dq_accum, smem_addr(warp_rows), column0 + PIECE * piece,
@@ -617,14 +628,14 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
         warpgroup_wait<0>();   // dV, dK
         hold_registers(dk);
         hold_registers(dv);
-        // Deterministic: this block's adds complete before the next block's first barrier publishes them.
-        if (lane == 0 && semaphores != nullptr) tma_store_wait_all();
+        // Deterministic: the pair's adds complete before the next block's first barrier publishes them.
+        if (lane == 0 && semaphores != nullptr && last_of_turn(m)) tma_store_wait_all();
         barrier_arrive(smem_addr(&smem.empty[slot.index]));   // the slot's Q and dO: last read by dK / dV
     }
     if (lane == 0) tma_store_wait_all();   // the dQ reduces are done before the block's shared memory goes
     if (semaphores != nullptr) {   // publish the last query block's adds
         named_barrier_sync(SCORES_BARRIER, 128 * CONSUMERS);
-        if (publisher && at.q_range.x < at.q_range.y) publish_dq(semaphores + at.q_range.y - 1);
+        if (publisher && at.q_range.x < at.q_range.y) publish_dq(semaphores + (at.q_range.y - 1) / TURN_BLOCKS);
     }
 
     store_key_gradients<T, COLUMNS>(dk, dv, p, at, first_key, column0, query_col);   // this consumer's columns
