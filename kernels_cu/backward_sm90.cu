@@ -339,15 +339,25 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
         }
         fence_async_shared();   // the dS writes, before the dQ wgmma reads them
 
-        // dV += P^T dO and dK += dS^T Q (A from registers; dO and Q read N-major).
+        // dV += P^T dO (A from registers, dO read N-major), under the barrier below. dK += dS^T Q
+        // comes after dQ's product, reading dS^T from this consumer's dS tile (A transposed), so
+        // dQ's epilogue runs under it (wgmma groups complete in order: behind dK, dQ's product and
+        // epilogue waited for both products; with dS^T's A fragments kept in registers for it,
+        // dq, dk, dv and the fragments spilled 100-284 bytes at d = 128).
         warpgroup_arrive();
 #pragma unroll
         for (int kk = 0; kk < BLOCK_M / 16; ++kk)
             Wgmma<T, D_TILE>::template rs<1>(dv, pa[kk], n_major_descriptor(do_base + kk * 2 * SWIZZLE_ATOM_BYTES, Q_CHUNK_BYTES), 1);
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk)
-            Wgmma<T, D_TILE>::template rs<1>(dk, dsa[kk], n_major_descriptor(q_base + kk * 2 * SWIZZLE_ATOM_BYTES, Q_CHUNK_BYTES), 1);
         warpgroup_commit();
+        const unsigned int own_ds = smem_addr(&smem.ds[it & 1][consumer][0][0]);
+        const auto issue_dk = [&]() {
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+                Wgmma<T, D_TILE>::template ss<1, 1>(dk, n_major_descriptor(own_ds + kk * 2 * SWIZZLE_ATOM_BYTES, Q_CHUNK_BYTES),
+                                                    n_major_descriptor(q_base + kk * 2 * SWIZZLE_ATOM_BYTES, Q_CHUNK_BYTES), 1);
+            warpgroup_commit();
+        };
+        bool dk_issued = false;
 
         // dQ (64 queries x 64 head-dim columns an item) = dS K over the block's BLOCK_N keys, the
         // items shared out between the consumers, so each dQ element is added to dq_accum once per
@@ -385,7 +395,9 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
                         n_major_descriptor(smem_addr(&smem.k[c][64 * kc][0]) + kk * 2 * SWIZZLE_ATOM_BYTES, K_CHUNK_BYTES),
                         kc > 0 || kk > 0);
             warpgroup_commit();
-            warpgroup_wait<0>();
+            issue_dk();
+            dk_issued = true;
+            warpgroup_wait<1>();   // dV and dQ (dK runs on)
             hold_registers(dq);
             if (whole_rows) {
                 // Element (row, col) of a 32-column half at row * 128 bytes, its 16-byte unit
@@ -428,7 +440,11 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
                     }
             }
         }
-        warpgroup_wait<0>();   // the dK / dV products (where this consumer had no dQ chunk)
+        if (!dk_issued) {   // no dQ item here
+            warpgroup_arrive();
+            issue_dk();
+        }
+        warpgroup_wait<0>();   // the dK (and dV) products
         hold_registers(dk);
         hold_registers(dv);
         // The slot's Q and dO were last read by the dK / dV products (complete: wait<0> above);
