@@ -283,8 +283,16 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
     // waits for this block's turn (the key blocks before it, in order) before its adds to a query
     // block, and the first consumer's publishes them once both consumers have passed the next
     // block's barrier (each having waited for its adds to complete).
+    // A turn covers 128 query rows (TURN_BLOCKS query blocks, counter m / TURN_BLOCKS), as the
+    // head-dim split's pairs: it is waited for at its first block, its adds complete before the
+    // barrier after its last block and are published there. Measured (H100, interleaved runs,
+    // medians of 3): pairs of 64-query blocks at d = 128 1.00-1.05x (1k 0.88-1.15x); pairs of
+    // d = 64's 128-query blocks lost at 1k-2k (0.87-0.98x), so d = 64 keeps a turn a block.
+    constexpr int TURN_BLOCKS = BLOCK_M >= 128 ? 1 : 128 / BLOCK_M;
+    static_assert(((TURN_BLOCKS * BLOCK_M) & (TURN_BLOCKS * BLOCK_M - 1)) == 0, "a turn's first row is a mask of q_start");
     int* semaphores = p.dq_semaphore == nullptr ? nullptr : dq_semaphores_of<BLOCK_M>(p, block.bh);
     const bool publisher = semaphores != nullptr && consumer == 0 && thread == 0;
+    const auto last_of_turn = [&](int m) { return (m + 1) % TURN_BLOCKS == 0 || m + 1 == q_range.y; };
 
     float dk[D_TILE / 2], dv[D_TILE / 2];
 #pragma unroll
@@ -367,19 +375,36 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
         // partial query block of a sequence (a box there would add into the next sequence's rows)
         // adds from registers with red.global instead.
         const bool whole_rows = !(FEATURES & FEATURE_VARLEN) || q_start + BLOCK_M <= seq.seqlen_q;
-        // The chunk's shared memory is rewritten below: its last reduce has read it (deterministic:
-        // has completed in global memory, so the last block's adds are published after the barrier).
+        // The chunk's shared memory is rewritten below: its last reduce has read it (deterministic,
+        // after a pair's last block: has completed in global memory, so the pair's adds are
+        // published after the barrier).
         if (thread == 0) {
-            if (semaphores != nullptr) tma_store_wait_all();
+            if (semaphores != nullptr && (TURN_BLOCKS == 1 || (m > q_range.x && last_of_turn(m - 1)))) tma_store_wait_all();
             else tma_store_wait_read();
         }
         named_barrier_sync(DQ_BARRIER, 128 * CONSUMERS);   // both consumers' dS rows are written
-        if (publisher && m > q_range.x) publish_dq(semaphores + m - 1);   // the last block's adds are done
-        // Deterministic: this key block's turn at query block m (the blocks of m's band before it),
-        // waited for by each consumer's first thread before its adds.
-        const int turn = (FEATURES & FEATURE_WINDOW)
-                             ? block.kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start, BLOCK_M, BLOCK_N, band).x
-                             : block.kv_block;
+        if (publisher && m > q_range.x && last_of_turn(m - 1))
+            publish_dq(TURN_BLOCKS == 1 ? semaphores + m - 1 : semaphores + (m - 1) / TURN_BLOCKS);   // the last pair's adds are done
+        // Deterministic: this key block's turn at m's turn of query blocks (the key blocks before it
+        // that see the turn's rows, from the first that sees its first row: .x depends on that row
+        // only), waited for by each consumer's first thread before its adds to the turn's first
+        // block. A turn a block (d = 64): computed here by every thread, the code of before turns
+        // (its cubins byte-identical to 204e6a8's). Pairs: by the waiting thread, the pair's first
+        // row a mask of q_start (hoisted, or from m / TURN_BLOCKS, it spilled 24 bytes at d = 64).
+        const int block_turn = (TURN_BLOCKS == 1 && (FEATURES & FEATURE_WINDOW))
+                                   ? block.kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start, BLOCK_M, BLOCK_N, band).x
+                                   : block.kv_block;
+        const auto wait_turn = [&]() {
+            if constexpr (TURN_BLOCKS == 1) {
+                wait_dq_turn(semaphores + m, block_turn);
+            } else {
+                wait_dq_turn(semaphores + m / TURN_BLOCKS,
+                             (FEATURES & FEATURE_WINDOW)
+                                 ? block.kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start & -(TURN_BLOCKS * BLOCK_M),
+                                                                                         BLOCK_M, BLOCK_N, band).x
+                                 : block_turn);
+            }
+        };
 #pragma unroll 1
         for (int item = consumer; item < DQ_ITEMS; item += CONSUMERS) {
             // Its column chunk and first query row (as constants where the block has 64 queries).
@@ -416,7 +441,7 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
                 fence_async_shared();
                 named_barrier_sync(2 + consumer, 128);   // the chunk is written (ids 2, 3: one per consumer)
                 if (thread == 0) {
-                    if (semaphores != nullptr) wait_dq_turn(semaphores + m, turn);
+                    if (semaphores != nullptr && (m % TURN_BLOCKS == 0 || m == q_range.x)) wait_turn();
 #pragma unroll
                     for (int half = 0; half < 2; ++half)
                         tma_reduce_add_4d(&maps.dq_accum, smem_addr(&smem.dq[consumer][half][0][0]),
@@ -424,8 +449,8 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
                     tma_store_commit();
                 }
             } else {
-                if (semaphores != nullptr) {   // the turn, before any of this consumer's adds
-                    if (thread == 0) wait_dq_turn(semaphores + m, turn);
+                if (semaphores != nullptr && (m % TURN_BLOCKS == 0 || m == q_range.x)) {   // the turn, before any of this consumer's adds
+                    if (thread == 0) wait_turn();
                     named_barrier_sync(2 + consumer, 128);
                 }
 #pragma unroll
@@ -454,7 +479,8 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
     if (thread == 0) tma_store_wait_all();   // the dQ reduces are done before the block's shared memory goes
     if (semaphores != nullptr) {   // publish the last query block's adds
         named_barrier_sync(DQ_BARRIER, 128 * CONSUMERS);
-        if (publisher && q_range.x < q_range.y) publish_dq(semaphores + q_range.y - 1);
+        if (publisher && q_range.x < q_range.y)
+            publish_dq(TURN_BLOCKS == 1 ? semaphores + q_range.y - 1 : semaphores + (q_range.y - 1) / TURN_BLOCKS);
     }
 
     store_key_gradients<T, D_TILE>(dk, dv, p, at, first_key, 0, query_col);
