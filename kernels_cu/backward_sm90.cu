@@ -76,6 +76,18 @@ static_assert(BACKWARD_SM90_PRODUCER_REGISTERS + BACKWARD_SM90_CONSUMERS * BACKW
                   (1 + BACKWARD_SM90_CONSUMERS) * 168,
               "setmaxnreg split beyond the launch's registers: the block would hang");
 
+// Deterministic mode's turns, both splits: a turn covers 128 query rows (dq_turn_blocks query
+// blocks; counter m / dq_turn_blocks in the launcher's per-query-block array, of which turns of
+// several blocks use the first part). A key block waits for its turn at a turn's first block (or
+// its range's first), has the turn's adds complete before the barrier after its last block, and
+// publishes them after that barrier. A turn is a chain of L2 round trips (the reduces' completion,
+// the publish, the next key block's poll) of several us. Measured (H100): a turn a 64-query block
+// at d = 256 took 1.44-1.52x the atomic time at 2k-16k, pairs gained 1-12%; pairs at d = 128
+// 1.00-1.05x from 2k (interleaved runs, medians of 3); pairs of d = 64's 128-query blocks lost at
+// 1k-2k (0.87-0.98x), so d = 64 keeps a turn a block.
+template <int BLOCK_M>
+constexpr int dq_turn_blocks = BLOCK_M >= 128 ? 1 : 128 / BLOCK_M;
+
 // What the producer and the consumers know of their key block.
 struct BackwardSm90Block {
     KeyBlock block;
@@ -283,12 +295,8 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
     // waits for this block's turn (the key blocks before it, in order) before its adds to a query
     // block, and the first consumer's publishes them once both consumers have passed the next
     // block's barrier (each having waited for its adds to complete).
-    // A turn covers 128 query rows (TURN_BLOCKS query blocks, counter m / TURN_BLOCKS), as the
-    // head-dim split's pairs: it is waited for at its first block, its adds complete before the
-    // barrier after its last block and are published there. Measured (H100, interleaved runs,
-    // medians of 3): pairs of 64-query blocks at d = 128 1.00-1.05x (1k 0.88-1.15x); pairs of
-    // d = 64's 128-query blocks lost at 1k-2k (0.87-0.98x), so d = 64 keeps a turn a block.
-    constexpr int TURN_BLOCKS = BLOCK_M >= 128 ? 1 : 128 / BLOCK_M;
+    // Its turns (dq_turn_blocks): at d = 128 pairs of query blocks, at d = 64 one block.
+    constexpr int TURN_BLOCKS = dq_turn_blocks<BLOCK_M>;
     static_assert(((TURN_BLOCKS * BLOCK_M) & (TURN_BLOCKS * BLOCK_M - 1)) == 0, "a turn's first row is a mask of q_start");
     int* semaphores = p.dq_semaphore == nullptr ? nullptr : dq_semaphores_of<BLOCK_M>(p, block.bh);
     const bool publisher = semaphores != nullptr && consumer == 0 && thread == 0;
@@ -519,15 +527,11 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
     const int query0 = QUERIES * consumer, column0 = COLUMNS * consumer;
     const unsigned int k_rows = smem_addr(&smem.k[0][0][0]), v_rows = smem_addr(&smem.v[0][0][0]);
     const unsigned int p_tile = smem_addr(&smem.ds[0][0][0][0]), ds_tile = smem_addr(&smem.ds[1][0][0][0]);
-    // Deterministic mode: the turns go by pairs of query blocks (counter m / TURN_BLOCKS, in the
-    // launcher's per-query-block array, of which the pairs use the first half). Each warp's first
-    // thread waits for the pair's turn before its first add to it (at its first block, or the
-    // range's first), has the pair's adds complete before the barrier that follows the pair's
-    // last block, after which the first consumer's first thread publishes them. A turn is a chain
-    // of L2 round trips (the reduces' completion, the publish, the next key block's poll) of
-    // several us: with one a query block (a 64 x 64 x 256 block's products take ~3.9 us on an SM)
-    // deterministic mode took 1.44-1.52x the atomic time at 2k-16k.
-    constexpr int TURN_BLOCKS = 2;
+    // Deterministic mode: the turns (dq_turn_blocks; with 64-query blocks, pairs). Each warp's first
+    // thread waits for the pair's turn before its first add to it and has the pair's adds complete
+    // before the barrier that follows its last block, after which the first consumer's first
+    // thread publishes them (a 64 x 64 x 256 block's products take ~3.9 us on an SM).
+    constexpr int TURN_BLOCKS = dq_turn_blocks<BLOCK_M>;
     int* semaphores = p.dq_semaphore == nullptr ? nullptr : dq_semaphores_of<BLOCK_M>(p, block.bh);
     const bool publisher = semaphores != nullptr && consumer == 0 && thread == 0;
     const auto last_of_turn = [&](int m) { return (m + 1) % TURN_BLOCKS == 0 || m + 1 == at.q_range.y; };
