@@ -88,6 +88,34 @@ def with_addresses(record: bytes, q, k, v, o, lse):
     return buffer
 
 
+class PointerRecord:
+    """A filled record whose pointer fields are written again on each launch: a cached launch plan
+    holds one per params record it launches with. ``bindings`` maps each pointer field to the name
+    of the array it takes (a plan's arrays are named once for all its records: the GQA sum's ``dk``
+    field takes the final ``dk``, the main kernel's takes the per-query-head ``dk_heads``)."""
+
+    def __init__(self, record: numpy.ndarray, bindings: dict):
+        self.bytes = record.tobytes()
+        fields = sorted(bindings, key=lambda name: PARAMS_DTYPE.fields[name][1])
+        # Runs of adjacent bound fields, each written by one pack_into (pad bytes would be written
+        # as zeros: the unbound fields between, such as bias or alibi_slopes, keep their bytes).
+        self._runs = []   # (offset, struct of the run, array names)
+        for field in fields:
+            offset = PARAMS_DTYPE.fields[field][1]
+            if self._runs and self._runs[-1][0] + 8 * len(self._runs[-1][1]) == offset:
+                self._runs[-1][1].append(bindings[field])
+            else:
+                self._runs.append((offset, [bindings[field]]))
+        self._runs = tuple((offset, struct.Struct(f"<{len(names)}Q"), tuple(names)) for offset, names in self._runs)
+
+    def filled(self, arrays: dict):
+        """A ctypes buffer of the record with the addresses of ``arrays`` (names to arrays or None)."""
+        buffer = ctypes.create_string_buffer(self.bytes, len(self.bytes))
+        for offset, layout, names in self._runs:
+            layout.pack_into(buffer, offset, *(0 if arrays[name] is None else arrays[name].data.ptr for name in names))
+        return buffer
+
+
 def as_argument(record: numpy.ndarray) -> numpy.ndarray:
     """The record as a kernel argument: the same bytes as one unstructured void element. CuPy takes
     a NumPy argument's address from ``__array_interface__``, which for the record's structured dtype

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
-
-import numpy
 
 from . import _checks, _families, _tma, _traits
 from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, device_value, get_kernel
 from ._families import current_device
 from ._features import broadcast_strides
-from ._params import as_argument, make_params
-from ._streams import on_stream
-from .preprocess import launch_dq_convert, launch_kv_group_sum, launch_preprocess
+from ._launch import fill_words, launch_buffers
+from ._params import PointerRecord, make_params
+from ._streams import on_stream, record_kernel_arrays
+from .forward import _plan_key as forward_plan_key
+from .preprocess import row_kernel
 
 
 @on_stream
@@ -48,7 +49,16 @@ def backward_into(out, do, q, k, v, o, lse, *, softmax_scale=None, causal=False,
     """flash_backward writing dq, dk, dv into ``out`` = (dq, dk, dv), C-contiguous GPU arrays like
     q, k, v on q's device (None: allocated): the adapters hand over their framework's buffers.
     dsink and dbias, where asked for, are allocated as in flash_backward."""
+    key = _plan_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic) \
+        if not features and return_dbias is False else None
+    if key is not None:
+        plan = _plans.get(key)
+        if plan is not None and plan.device == _current_device():
+            dq, dk, dv = _check_gradient_outputs(out, q, k, v)
+            plan.run(dict(do=do, q=q, k=k, v=v, o=o, lse=lse, dq=dq, dk=dk, dv=dv))
+            return dq, dk, dv
     _checks.check_no_extra_options("flash_backward", features)
+    given = (do, q, k, v, o, lse)
     q, k, v, shape, scale, variant = _checks.prepare_qkv(q, k, v, softmax_scale, causal, features)
     deterministic = _checks.check_flag("deterministic", deterministic)
     return_dbias = _checks.check_flag("return_dbias", return_dbias)
@@ -71,21 +81,18 @@ def backward_into(out, do, q, k, v, o, lse, *, softmax_scale=None, causal=False,
         bias_dtype = None if variant.bias is None else variant.bias.dtype
         variant = variant.on_device()
         dq, dk, dv = _check_gradient_outputs(out, q, k, v)
-        # MQA/GQA: the kernels write per-query-head dK/dV, summed over each group afterwards.
-        expanded = k.shape[:-2] + (shape.heads, shape.head_dim)
-        dk_heads, dv_heads = (dk, dv) if shape.group == 1 else (cupy.empty(expanded, k.dtype), cupy.empty(expanded, v.dtype))
-        dbias = None if dbias_layout is None else cupy.zeros(dbias_layout[0], dtype=cupy.float32)
-        backward = _backward_tensor_core if shape.dtype in TENSOR_CORE_DTYPES else _backward_cuda_core
-        delta = backward(do, q, k, v, o, lse, dq, dk_heads, dv_heads, shape, scale, variant, deterministic,
-                         dbias, dbias_layout)
-        if shape.group > 1:
-            row_shape = _row_shape(shape, variant)
-            launch_kv_group_sum(make_params(row_shape, scale, dk=dk, dv=dv, dk_expanded=dk_heads, dv_expanded=dv_heads),
-                                row_shape)
+        arrays = dict(do=do, q=q, k=k, v=v, o=o, lse=lse, dq=dq, dk=dk, dv=dv)
+        plan = backward_plan(arrays, shape, scale, variant, deterministic, dbias_layout)
+        if key is not None and all(x is y for x, y in zip((do, q, k, v, o, lse), given)):   # checked, no copy made
+            if len(_plans) >= 256:   # shapes come and go: start again rather than grow
+                _plans.clear()
+            _plans[key] = plan
+        temporaries = plan.run(arrays)
         grads = (dq, dk, dv)
         if variant.sink is not None:
             # The sink's probability in row i is exp(sink - lse_i) and its dP is 0 (it carries no
             # value), so d sink = -sum_i exp(sink - lse_i) * delta_i over batch and rows.
+            delta = temporaries["delta"]
             if variant.packed is None:
                 delta = delta.reshape(shape.batch, shape.heads, -1)[:, :, :shape.seqlen_q]   # drop the padding
                 grads += (-(cupy.exp(variant.sink[None, :, None] - lse) * delta).sum(axis=(0, 2)),)
@@ -94,9 +101,29 @@ def backward_into(out, do, q, k, v, o, lse, *, softmax_scale=None, causal=False,
                 delta = delta.reshape(shape.batch, shape.heads, -1)[:, :, :shape.seqlen_q].transpose(1, 0, 2)
                 delta = delta.reshape(shape.heads, -1)[:, rows]
                 grads += (-(cupy.exp(variant.sink[:, None] - lse) * delta).sum(axis=1),)
-        if dbias is not None:
-            grads += (dbias.reshape(variant.bias.shape).astype(bias_dtype, copy=False),)
+        if dbias_layout is not None:
+            grads += (temporaries["dbias"].reshape(variant.bias.shape).astype(bias_dtype, copy=False),)
         return grads
+
+
+# Plans of plain calls (no feature keywords, no dbias) that passed the checks with every input
+# readable as it is, by everything the checks and the plan read (forward._plan_key's fields for
+# q, k, v, the same for do, o and lse, and deterministic with its type): a repeated call skips
+# both. Measured on the H100's host: 240-470 us of Python a call before (checks, dispatch, params,
+# a CuPy fill), against ~130 us for cuDNN's backward through PyTorch's autograd; at 512 keys the
+# GPU waited for it (per-call 868 us against 692 us queued, d = 128).
+_plans: dict = {}
+
+
+def _plan_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic):
+    key = forward_plan_key(q, k, v, softmax_scale, causal)
+    ndarray = type(q)
+    if key is None or type(do) is not ndarray or type(o) is not ndarray or type(lse) is not ndarray:
+        return None
+    do_data, o_data, lse_data = do.data, o.data, lse.data
+    return key + (do.shape, do.strides, do.dtype, do_data.ptr % 16, do_data.device_id,
+                  o.shape, o.strides, o.dtype, o_data.ptr % 16, o_data.device_id,
+                  lse.shape, lse.strides, lse.dtype, lse_data.device_id, type(deterministic), deterministic)
 
 
 def _check_gradient_outputs(out, q, k, v):
@@ -110,21 +137,6 @@ def _check_gradient_outputs(out, q, k, v):
                  for name, g, x in zip(("dq", "dk", "dv"), out, (q, k, v)))
 
 
-def _row_shape(shape, variant):
-    """The row kernels see a packed batch as one sequence of all its rows."""
-    if variant.packed is None:
-        return shape
-    return dataclasses.replace(shape, batch=1, seqlen_q=variant.packed.total_q, seqlen_k=variant.packed.total_k)
-
-
-def _packed_row_params(row_shape, shape, scale, delta_stride, variant, arrays):
-    """Row-kernel params of a packed batch: all rows as one sequence, with cu_seqlens_q so the
-    preprocess kernel writes delta (and lse_log2) into the attention kernels' per-sequence layout."""
-    record = make_params(row_shape, scale, delta_stride=delta_stride, cu_seqlens_q=variant.packed.cu_seqlens_q, **arrays)
-    record["packed_sequences"] = shape.batch
-    return record
-
-
 def _dbias_layout(bias, shape):
     """(shape, atomic) of the float32 dbias accumulator: the bias's shape padded to 4 dimensions;
     atomic when the bias broadcasts over any axis (several (b, h, i, j) then add into one element)."""
@@ -133,105 +145,165 @@ def _dbias_layout(bias, shape):
     return dims, any(n == 1 and want > 1 for n, want in zip(dims, full))
 
 
-def _fill_dbias(params, dbias, dbias_layout):
-    if dbias is None:
-        return
-    params["dbias"] = dbias.data.ptr
-    params["dbias_strides"] = broadcast_strides(dbias)   # contiguous, stride 0 where the bias broadcasts
-    params["dbias_atomic"] = int(dbias_layout[1])
+class BackwardPlan:
+    """A backward call's launches with everything but the arrays' addresses: the temporaries to
+    allocate (shape, dtype, initial fill), the params records (PointerRecord: filled, addresses
+    written per run) and the kernels with their grids. Built once per checked call by
+    backward_plan; plain calls keep theirs (_plans), so a training loop's repeated call is
+    allocations, memsets and launches."""
+
+    def __init__(self, temporaries: tuple, records: dict, launches: tuple, held: tuple = (), maps=None):
+        import cupy
+
+        self.temporaries = temporaries   # (name, shape, dtype, fill: None, 0 or "inf")
+        self.records = records           # name -> PointerRecord
+        self.launches = launches         # (kernel, grid, threads, shared memory, record name, with maps)
+        self.held = held                 # the variant's device arrays the records point at
+        self.maps = maps                 # Hopper: ((array name, box rows), ...), dtype, packed
+        self._encoded: dict = {}         # the Hopper tensor maps by the arrays' addresses
+        self.device = cupy.cuda.runtime.getDevice()
+
+    def run(self, arrays: dict) -> dict:
+        """Launch on ``arrays`` (do, q, k, v, o, lse, dq, dk, dv: kernel-ready, of the planned
+        shapes, strides and device); returns the temporaries by name (delta, dbias, ...)."""
+        import cupy
+
+        stream = cupy.cuda.get_current_stream().ptr
+        temporaries = {}
+        for name, shape, dtype, fill in self.temporaries:
+            x = temporaries[name] = cupy.empty(shape, dtype=dtype)
+            if fill == 0:
+                cupy.cuda.runtime.memsetAsync(x.data.ptr, 0, x.nbytes, stream)
+            elif fill == "inf":
+                fill_words(x, _FLOAT32_INF)
+        arrays = {**arrays, **temporaries}
+        record_kernel_arrays(tuple(arrays.values()) + self.held)
+        filled = {name: record.filled(arrays) for name, record in self.records.items()}
+        for kernel, grid, threads, smem, record, with_maps in self.launches:
+            arguments = (self._maps_of(arrays), filled[record]) if with_maps else (filled[record],)
+            launch_buffers(kernel, grid, threads, smem, arguments)
+        return temporaries
+
+    def _maps_of(self, arrays: dict):
+        """The Hopper backward's BackwardSm90Maps argument, encoded once per set of addresses (the
+        shapes and strides are the plan's)."""
+        boxes, dtype, packed = self.maps
+        key = tuple(arrays[name].data.ptr for name, _ in boxes)
+        encoded = _tma.cached(self._encoded, key, lambda: b"".join(
+            _tma.attention_map(arrays[name], "float32" if name == "dq_accum" else dtype, rows, packed)
+            for name, rows in boxes))
+        return ctypes.create_string_buffer(encoded, _SM90_MAPS_BYTES)
 
 
-def _backward_tensor_core(do, q, k, v, o, lse, dq, dk, dv, shape, scale, variant, deterministic, dbias, dbias_layout):
-    """float16 / bfloat16: backward_tc.cu. dQ is accumulated in float32 (atomically, or in a fixed
-    order when deterministic) and then scaled and cast by the convert kernel. Returns delta as
-    (batch * heads, padded seqlen_q)."""
+_FLOAT32_INF = 0x7F800000
+# The arrays the kernels' params point at, by field (the names a plan's arrays go by: the same but
+# dk and dv, which the main kernels write per query head under GQA and the group sum reads).
+_MAIN_BINDINGS = dict(q="q", k="k", v="v", o="o", lse="lse", dout="do", delta="delta", lse_log2="lse_log2",
+                      dq_accum="dq_accum", dq_semaphore="dq_semaphore", dq="dq", dk="dk_heads", dv="dv_heads",
+                      dbias="dbias")
+
+
+def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbias_layout) -> BackwardPlan:
+    """The plan of a checked call: ``arrays`` its kernel-ready inputs and outputs by name (do, q,
+    k, v, o, lse, dq, dk, dv), ``variant`` on the device. float16 / bfloat16: the Hopper backward
+    or backward_tc.cu (_families.backward_family), dQ accumulated in float32 (atomically, or in a
+    fixed order when deterministic: semaphores per query block) and then scaled and cast by the
+    convert kernel. float32: backward.cu, dQ by atomics or, deterministic, a separate dQ pass."""
     import cupy
 
-    target = current_device().tensor_core_target
-    hopper = _families.backward_family(current_device(), shape, variant, deterministic, (q, k, v, do)) == "backward_sm90"
-    block_m, block_n, num_warps, *_ = _traits.backward_tc_config(shape.tile, target)
-    if hopper:   # the semaphores count the Hopper kernel's query blocks
-        _, _, block_m, _ = _traits.backward_sm90_config(_traits.forward_sm90_tile(shape.head_dim))
+    q, k = arrays["q"], arrays["k"]
+    tensor_core = shape.dtype in TENSOR_CORE_DTYPES
     bh = shape.batch * shape.heads
-    padded = -(-shape.seqlen_q // _traits.ROW_STAT_PADDING) * _traits.ROW_STAT_PADDING
-    # Row statistics padded per (batch, head): padded rows have delta 0 and lse_log2 +inf (P = 0).
-    # A packed batch uses the same layout (its sequences padded to the longest): O(batch x heads x
-    # max_seqlen_q) floats, read only where the sequences are.
-    delta = cupy.zeros((bh, padded), dtype=cupy.float32)
-    lse_log2 = cupy.full((bh, padded), numpy.inf, dtype=cupy.float32)
-    dq_accum = cupy.empty(q.shape, dtype=cupy.float32)   # zeroed by the preprocess kernel
-    num_q_blocks = -(-shape.seqlen_q // block_m)
-    dq_semaphore = cupy.zeros(bh * num_q_blocks, dtype=cupy.int32) if deterministic else None
-
-    arrays = dict(q=q, k=k, v=v, o=o, lse=lse, dout=do, delta=delta, lse_log2=lse_log2, dq_accum=dq_accum,
-                  dq_semaphore=dq_semaphore, dq=dq, dk=dk, dv=dv)
-    params = make_params(shape, scale, delta_stride=padded, variant=variant, **arrays)
-    _fill_dbias(params, dbias, dbias_layout)
-    row_shape = _row_shape(shape, variant)
-    row_params = params if row_shape is shape else _packed_row_params(row_shape, shape, scale, padded, variant, arrays)
-    launch_preprocess(row_params, row_shape)
-
-    if hopper:
-        _launch_backward_sm90(q, k, v, do, dq_accum, shape, variant, params)
+    # Row statistics (tensor cores): padded per (batch, head), padded rows with delta 0 and
+    # lse_log2 +inf (P = 0). A packed batch uses the same layout (its sequences padded to the
+    # longest): O(batch x heads x max_seqlen_q) floats, read only where the sequences are.
+    padded = -(-shape.seqlen_q // _traits.ROW_STAT_PADDING) * _traits.ROW_STAT_PADDING if tensor_core else shape.seqlen_q
+    hopper = tensor_core and _families.backward_family(
+        current_device(), shape, variant, deterministic, (q, k, arrays["v"], arrays["do"])) == "backward_sm90"
+    if hopper:   # the semaphores count the Hopper kernel's query blocks
+        sm90 = ModuleSpec("backward_sm90", shape.dtype, _traits.forward_sm90_tile(shape.head_dim), "sm90a",
+                          variant.backward_flags)
+        _, block_n, block_m, _ = sm90.config
+    elif tensor_core:
+        block_m, block_n, num_warps, *_ = _traits.backward_tc_config(shape.tile, current_device().tensor_core_target)
     else:
+        block_m, block_n = _traits.BACKWARD_BLOCKS[shape.tile]
+    expanded = k.shape[:-2] + (shape.heads, shape.head_dim)   # MQA/GQA: per-query-head dK, dV, summed after
+    temporaries = (
+        ("delta", (bh, padded) if tensor_core else (shape.batch, shape.heads, shape.seqlen_q), cupy.float32,
+         0 if tensor_core else None),
+        ("lse_log2", (bh, padded), cupy.float32, "inf") if tensor_core else None,
+        # float32 dQ accumulator, zeroed by the preprocess (float32 deterministic: the dQ pass instead)
+        ("dq_accum", q.shape, cupy.float32, None) if tensor_core or not deterministic else None,
+        ("dq_semaphore", (bh * -(-shape.seqlen_q // block_m),), cupy.int32, 0) if tensor_core and deterministic else None,
+        ("dk_heads", expanded, k.dtype, None) if shape.group > 1 else None,
+        ("dv_heads", expanded, k.dtype, None) if shape.group > 1 else None,
+        (("dbias", dbias_layout[0], cupy.float32, 0) if dbias_layout is not None else None),
+    )
+    temporaries = tuple(t for t in temporaries if t is not None)
+    # The records are filled from stand-ins (no memory: make_params reads addresses and strides);
+    # run() writes the addresses.
+    stand_ins = {**arrays, **{name: cupy.ndarray(shape_, dtype=dtype, memptr=q.data) for name, shape_, dtype, _ in temporaries}}
+    bindings = {field: name for field, name in _MAIN_BINDINGS.items() if name in stand_ins}
+    if shape.group == 1:   # the main kernels write dk and dv themselves
+        bindings.update(dk="dk", dv="dv")
+    fields = {field: stand_ins[name] for field, name in bindings.items()}
+    params = make_params(shape, scale, delta_stride=padded, variant=variant, **fields)
+    if dbias_layout is not None:
+        params["dbias_strides"] = broadcast_strides(stand_ins["dbias"])   # contiguous, stride 0 where the bias broadcasts
+        params["dbias_atomic"] = int(dbias_layout[1])
+    records = {"main": PointerRecord(params, bindings)}
+    row_shape = shape
+    if variant.packed is not None:   # the row kernels see a packed batch as one sequence of all its rows
+        row_shape = dataclasses.replace(shape, batch=1, seqlen_q=variant.packed.total_q, seqlen_k=variant.packed.total_k)
+        # ... with cu_seqlens_q, so the preprocess writes delta (and lse_log2) into the main kernels'
+        # per-sequence layout
+        row = make_params(row_shape, scale, delta_stride=padded, cu_seqlens_q=variant.packed.cu_seqlens_q, **fields)
+        row["packed_sequences"] = shape.batch
+        records["row"] = PointerRecord(row, bindings)
+    rows = "row" if "row" in records else "main"
+
+    launches = [row_kernel(ModuleSpec.preprocess_kernel, row_shape) + (0, rows, False)]
+    maps = None
+    if hopper:
+        smem = device_value(sm90, sm90.backward_sm90_smem())
+        kernel = get_kernel(sm90, sm90.backward_sm90_kernel(variant.causal), smem)
+        grid = -(-shape.seqlen_k // block_n) * bh
+        launches.append((kernel, grid, _traits.backward_sm90_threads(sm90.config), smem, "main", True))
+        maps = ((("q", block_m), ("k", block_n), ("v", block_n), ("do", block_m),
+                 ("dq_accum", _traits.BACKWARD_SM90_DQ_ROWS[sm90.tile])), shape.dtype, variant.packed is not None)
+    elif tensor_core:
+        target = current_device().tensor_core_target
         spec = ModuleSpec("backward_tc", shape.dtype, shape.tile, target, variant.backward_flags)
         smem = _traits.backward_tc_smem_bytes(shape.tile, target)
         kernel = get_kernel(spec, spec.backward_tc_kernel(variant.causal), smem)
-        kernel((-(-shape.seqlen_k // block_n) * bh,), (32 * num_warps,), (as_argument(params),), shared_mem=smem)
-    launch_dq_convert(row_params, row_shape)
-    return delta
+        launches.append((kernel, -(-shape.seqlen_k // block_n) * bh, 32 * num_warps, smem, "main", False))
+    else:
+        spec = ModuleSpec("backward", shape.dtype, shape.tile, features=variant.backward_flags)
+        smem = _traits.backward_smem_bytes(shape.tile)
+        kernel = get_kernel(spec, spec.backward_kernel(variant.causal, atomic_dq=not deterministic), smem)
+        launches.append((kernel, -(-shape.seqlen_k // block_n) * bh, _traits.THREADS, smem, "main", False))
+    if not tensor_core and deterministic:
+        smem = _traits.backward_dq_smem_bytes(shape.tile)
+        kernel = get_kernel(spec, spec.backward_dq_kernel(variant.causal), smem)
+        launches.append((kernel, -(-shape.seqlen_q // block_m) * bh, _traits.THREADS, smem, "main", False))
+    else:
+        launches.append(row_kernel(ModuleSpec.dq_convert_kernel, row_shape) + (0, rows, False))
+    if shape.group > 1:
+        records["group"] = PointerRecord(
+            make_params(row_shape, scale, dk=arrays["dk"], dv=arrays["dv"], dk_expanded=stand_ins["dk_heads"],
+                        dv_expanded=stand_ins["dv_heads"]),
+            dict(dk="dk", dv="dv", dk_expanded="dk_heads", dv_expanded="dv_heads"))
+        launches.append(row_kernel(ModuleSpec.kv_group_sum_kernel, row_shape,
+                                   rows=row_shape.batch * row_shape.seqlen_k * row_shape.heads_kv) + (0, "group", False))
+    held = tuple(x for x in variant.device_arrays() if x is not None)
+    return BackwardPlan(temporaries, records, tuple(launches), held, maps)
 
 
-_sm90_maps: dict = {}   # the Hopper backward's q, k, v, dO and dq_accum tensor maps, by everything that enters them
 _SM90_MAPS_BYTES = 5 * _tma.MAP_BYTES   # kernels_cu/backward_sm90.cu: BackwardSm90Maps (tests/test_compile.py holds them equal)
 
 
-def _launch_backward_sm90(q, k, v, do, dq_accum, shape, variant, params) -> None:
-    """The Hopper backward's main kernel (kernels_cu/backward_sm90.cu) on a filled params record
-    (the preprocess has run; the dQ convert runs after). Where it runs: _families.backward_family."""
-    spec = ModuleSpec("backward_sm90", shape.dtype, _traits.forward_sm90_tile(shape.head_dim), "sm90a",
-                      variant.backward_flags)
-    _, block_n, block_m, _ = spec.config
-    smem = device_value(spec, spec.backward_sm90_smem())
-    kernel = get_kernel(spec, spec.backward_sm90_kernel(variant.causal), smem)
-    packed = variant.packed is not None
-    arrays = ((q, block_m), (k, block_n), (v, block_n), (do, block_m),
-              (dq_accum, _traits.BACKWARD_SM90_DQ_ROWS[spec.tile]))   # BackwardSm90Maps
-    key = tuple((x.data.ptr, x.shape, x.strides, rows) for x, rows in arrays) + (shape.dtype, packed)
-    encoded = _tma.cached(_sm90_maps, key, lambda: b"".join(
-        _tma.attention_map(x, "float32" if x is dq_accum else shape.dtype, rows, packed) for x, rows in arrays))
-    maps = numpy.frombuffer(encoded, dtype=numpy.dtype((numpy.void, _SM90_MAPS_BYTES)))
-    grid = -(-shape.seqlen_k // block_n) * shape.batch * shape.heads
-    kernel((grid,), (_traits.backward_sm90_threads(spec.config),), (maps, as_argument(params)), shared_mem=smem)
-
-
-def _backward_cuda_core(do, q, k, v, o, lse, dq, dk, dv, shape, scale, variant, deterministic, dbias, dbias_layout):
-    """float32: backward.cu. dQ with float32 atomics, or when deterministic by a separate pass.
-    Returns delta."""
+def _current_device() -> int:
     import cupy
 
-    causal = variant.causal
-    # float32 dQ accumulator for the atomic path: O(batch * seqlen * heads * head_dim).
-    dq_accum = None if deterministic else cupy.empty(q.shape, dtype=cupy.float32)
-    row_shape = _row_shape(shape, variant)
-    # (batch, heads, seqlen_q); packed: sequences padded to the longest, rows past one unread.
-    delta = cupy.empty((shape.batch, shape.heads, shape.seqlen_q), dtype=cupy.float32)
-    arrays = dict(q=q, k=k, v=v, dout=do, o=o, lse=lse, delta=delta, dq_accum=dq_accum, dq=dq, dk=dk, dv=dv)
-    params = make_params(shape, scale, variant=variant, **arrays)
-    _fill_dbias(params, dbias, dbias_layout)
-    row_params = params if row_shape is shape else _packed_row_params(row_shape, shape, scale, shape.seqlen_q, variant, arrays)
-    launch_preprocess(row_params, row_shape)
-
-    spec = ModuleSpec("backward", shape.dtype, shape.tile, features=variant.backward_flags)
-    block_m, block_n = _traits.BACKWARD_BLOCKS[shape.tile]
-    bh = shape.batch * shape.heads
-    smem = _traits.backward_smem_bytes(shape.tile)
-    kernel = get_kernel(spec, spec.backward_kernel(causal, atomic_dq=not deterministic), smem)
-    kernel((-(-shape.seqlen_k // block_n) * bh,), (_traits.THREADS,), (as_argument(params),), shared_mem=smem)
-    if deterministic:
-        smem = _traits.backward_dq_smem_bytes(shape.tile)
-        kernel = get_kernel(spec, spec.backward_dq_kernel(causal), smem)
-        kernel((-(-shape.seqlen_q // block_m) * bh,), (_traits.THREADS,), (as_argument(params),), shared_mem=smem)
-    else:
-        launch_dq_convert(row_params, row_shape)
-    return delta
+    return cupy.cuda.runtime.getDevice()

@@ -15,23 +15,16 @@ def row_kernel_grid(rows: int) -> int:
     return min(-(-rows // warps_per_block), _MAX_ROW_BLOCKS)
 
 
-def _launch(name_of, params, shape, rows=None):
+def row_kernel(name_of, shape, rows=None) -> tuple:
+    """(kernel, grid, threads) of a row kernel (``name_of``: a ModuleSpec method naming it) over
+    ``rows`` rows (default: every query row of ``shape``)."""
     spec = ModuleSpec("preprocess", shape.dtype)
-    kernel = get_kernel(spec, name_of(spec))
     rows = shape.batch * shape.seqlen_q * shape.heads if rows is None else rows
-    kernel((row_kernel_grid(rows),), (_traits.ROW_KERNEL_THREADS,), (as_argument(params),))
+    return get_kernel(spec, name_of(spec)), row_kernel_grid(rows), _traits.ROW_KERNEL_THREADS
 
 
 def launch_preprocess(params, shape):
-    """Fill params' delta (and lse_log2 when set) and zero its dq_accum when set."""
-    _launch(ModuleSpec.preprocess_kernel, params, shape)
-
-
-def launch_dq_convert(params, shape):
-    """dq = softmax_scale * dq_accum, cast to dq's dtype."""
-    _launch(ModuleSpec.dq_convert_kernel, params, shape)
-
-
-def launch_kv_group_sum(params, shape):
-    """dk, dv = the per-query-head dk_expanded, dv_expanded summed over each K/V head's group."""
-    _launch(ModuleSpec.kv_group_sum_kernel, params, shape, rows=shape.batch * shape.seqlen_k * shape.heads_kv)
+    """Fill params' delta (and lse_log2 when set) and zero its dq_accum when set (bench/preprocess_rate.py;
+    the backward launches it through its plan)."""
+    kernel, grid, threads = row_kernel(ModuleSpec.preprocess_kernel, shape)
+    kernel((grid,), (threads,), (as_argument(params),))

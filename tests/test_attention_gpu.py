@@ -636,3 +636,55 @@ def test_repeated_calls_reuse_a_checked_plan_only_where_the_checks_would_pass(pa
         exact = attention_reference(q, k, v, softmax_scale=1.0, causal=True)
         low = attention_reference(q, k, v, softmax_scale=1.0, causal=True, upcast=False)
         check_error_rule("o", o_other, exact[0], low[0], f"kernels={other} after {path}", max_finite_abs(exact[1]))
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+@pytest.mark.parametrize("dtype,deterministic", [("bfloat16", False), ("bfloat16", True), ("float32", True)])
+def test_repeated_backward_calls_reuse_a_checked_plan_only_where_the_checks_would_pass(path, dtype, deterministic):
+    """A repeated plain backward skips the checks and the dispatch through backward._plans (its
+    temporaries, records and launches planned once): each call on new data must meet the error rule,
+    GQA's group sum included, and what the key does not hold must still be checked (deterministic=1,
+    a misaligned do, another kernels setting)."""
+    from cupy_flash import _families, backward
+
+    rng = numpy.random.default_rng(23)
+    q_shape, kv_shape = (2, 300, 4, 64), (2, 1100, 2, 64)   # GQA group 2; 1100 keys: the Hopper backward's minimum
+    context = f"repeated backward {dtype} deterministic={deterministic} kernels={path}"
+
+    def check(grads, do, q, k, v, lse, note):
+        exact = attention_reference_backward(do, q, k, v, causal=True)
+        low = low_precision_gradients(do, q, k, v, causal=True)
+        scales = gradient_term_scales(do, q, k, v, causal=True)
+        for name, ours, e, lo in zip(("dq", "dk", "dv"), grads, exact, low):
+            check_error_rule(name, ours, e, lo, context + note, max_finite_abs(lse), scales[name],
+                             scales.get("delta:" + name, 0.0))
+
+    calls = []
+    with kernel_path(path):
+        for _ in range(3):   # same shapes, new data: the second and third calls use the plan
+            q, k, v = (random_array(rng, s, dtype) for s in (q_shape, kv_shape, kv_shape))
+            do = random_array(rng, q_shape, dtype)
+            o, lse = cupy_flash.flash_forward(q, k, v, causal=True)
+            with poisoned_allocations():
+                grads = cupy_flash.flash_backward(do, q, k, v, o, lse, causal=True, deterministic=deterministic)
+            calls.append(((do, q, k, v, o, lse), grads))
+        assert len(backward._plans) >= 1
+        for i, ((do, q, k, v, _, lse), grads) in enumerate(calls):
+            check(grads, do, q, k, v, lse, f" call {i}")
+        (do, q, k, v, o, lse), first = calls[0]
+        with pytest.raises(TypeError, match="deterministic"):
+            cupy_flash.flash_backward(do, q, k, v, o, lse, causal=True, deterministic=int(deterministic))
+        # A misaligned do of the same shape is copied, not misread (deterministic: bitwise the first call's).
+        flat = random_array(rng, (do.size + 1,), dtype)
+        do_off = flat[1:].reshape(q_shape)
+        do_off[...] = do
+        with poisoned_allocations():
+            again = cupy_flash.flash_backward(do_off, q, k, v, o, lse, causal=True, deterministic=deterministic)
+        check(again, do, q, k, v, lse, " misaligned do")
+        if deterministic:
+            for ours, before in zip(again, first):
+                assert bool((bitwise(ours) == bitwise(before)).all()), context
+        other = "portable" if path == "hopper" else "auto"
+        with _families.use_kernels(other):
+            grads = cupy_flash.flash_backward(do, q, k, v, o, lse, causal=True, deterministic=deterministic)
+        check(grads, do, q, k, v, lse, f" then kernels={other}")

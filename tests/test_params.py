@@ -23,3 +23,33 @@ def test_a_plan_record_with_new_addresses_is_the_record_of_the_new_call():
     argument = with_addresses(planned.tobytes(), *second)   # a plan holds the record's bytes
     assert bytes(argument) == expected.tobytes() and len(bytes(argument)) == PARAMS_DTYPE.itemsize
     assert int(numpy.frombuffer(bytes(argument), numpy.uint64)[3]) == second[3].data.ptr
+
+
+def test_a_pointer_record_writes_each_bound_field_and_nothing_else():
+    """backward.BackwardPlan's records: fields bound to named arrays get those arrays' addresses
+    (None: 0); every other byte stays the planned record's."""
+    from cupy_flash._params import PointerRecord
+
+    shape = AttentionShape(2, 300, 500, 8, 128, "bfloat16", 2)
+    variant = check_variant(2, 8, True)
+
+    def arrays(base):
+        q, k, v, o, lse = _call(base)
+        return dict(q=q, k=k, v=v, o=o, lse=lse, do=FakeGpuArray(q.shape, ptr=base + (5 << 24)),
+                    delta=FakeGpuArray((16, 384), itemsize=4, ptr=base + (6 << 24)),
+                    dk_heads=FakeGpuArray((2, 500, 8, 128), ptr=base + (7 << 24)), dq_semaphore=None)
+
+    bindings = dict(q="q", k="k", v="v", o="o", lse="lse", dout="do", delta="delta", dk="dk_heads", dq_semaphore="dq_semaphore")
+
+    def record(named):
+        fields = {field: named[name] for field, name in bindings.items()}
+        return make_params(shape, 0.125, delta_stride=384, variant=variant, **fields)
+
+    first, second = arrays(1 << 32), arrays(7 << 36)
+    planned, expected = record(first), record(second)
+    for r in (planned, expected):   # unbound fields between bound ones (a variant's arrays) keep their bytes
+        r["sink"], r["lse_log2"], r["bias"] = 0x5151 << 8, 0x1062 << 8, 0xB1A5 << 8
+    planned = PointerRecord(planned, bindings)
+    assert bytes(planned.filled(second)) == expected.tobytes()
+    assert int(numpy.frombuffer(bytes(planned.filled(second)), numpy.uint64)[PARAMS_DTYPE.names.index("dk")]) == \
+        second["dk_heads"].data.ptr
