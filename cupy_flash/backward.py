@@ -12,6 +12,7 @@ from ._features import broadcast_strides
 from ._launch import fill_words, launch_buffers
 from ._params import PointerRecord, make_params
 from ._streams import on_stream, record_kernel_arrays
+from .forward import _current_device
 from .forward import _plan_key as forward_plan_key
 from .preprocess import row_kernel
 
@@ -301,9 +302,3 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
 
 
 _SM90_MAPS_BYTES = 5 * _tma.MAP_BYTES   # kernels_cu/backward_sm90.cu: BackwardSm90Maps (tests/test_compile.py holds them equal)
-
-
-def _current_device() -> int:
-    import cupy
-
-    return cupy.cuda.runtime.getDevice()
