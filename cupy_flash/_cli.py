@@ -184,7 +184,13 @@ def command_check(args) -> int:
     import cupy
 
     from . import flash_backward, flash_decode, flash_forward
-    from .reference import attention_reference, attention_reference_backward, decode_reference, low_precision_backward_forms
+    from .reference import (
+        attention_reference,
+        attention_reference_backward,
+        decode_reference,
+        low_precision_backward_forms,
+        low_precision_forward_forms,
+    )
 
     rng = numpy.random.default_rng(args.seed)
     failures = 0
@@ -212,7 +218,7 @@ def command_check(args) -> int:
         case = f"{dtype} b={batch} nq={nq} nk={nk} h={heads}/{heads_kv} d={d} causal={causal} {list(features)}"
         o, lse = flash_forward(q, k, v, **options)
         exact = attention_reference(q, k, v, **options)
-        low = attention_reference(q, k, v, upcast=False, **options)
+        low = low_precision_forward_forms(q, k, v, **options)
         report(case, "o", _error_rule(o, exact[0], low[0]))
         grads = flash_backward(do, q, k, v, o, lse, **options)
         exact = attention_reference_backward(do, q, k, v, **options)

@@ -24,6 +24,7 @@ from helpers import (
     input_magnitude,
     kernel_path,
     low_precision_gradients,
+    low_precision_outputs,
     max_finite_abs,
     poisoned_allocations,
     random_array,
@@ -198,6 +199,11 @@ EDGE_CASES = [
     # 15: the same with softcap 0.5 and two queries (dq was 4.3x).
     dict(dtype="bfloat16", batch=1, heads=2, heads_kv=1, seqlen_q=2, seqlen_k=1, head_dim=8, causal=False,
          softmax_scale=None, logit_std=1.0, seed=3, features={"softcap": 0.5, "sink": [0.5, -1.0]}),
+    # 16: one query, 70 keys, d=8, bf16, softcap 0.5 and ALiBi: the flash rounding of P (unnormalised,
+    # divided by the float32 row sum) is 4.7x the dense form's error here (CPU); a device draw like
+    # it read o 2.47x while the rule knew only the dense form (2026-11-24).
+    dict(dtype="bfloat16", batch=1, heads=1, seqlen_q=1, seqlen_k=70, head_dim=8, causal=False, softmax_scale=None,
+         logit_std=3.0, seed=167, features={"softcap": 0.5, "alibi_slopes": [0.0078125]}),
 ]
 
 
@@ -210,7 +216,7 @@ def _check_forward(p, path="portable"):
     assert o.shape == q.shape and o.dtype == q.dtype
     assert lse.shape == (p["batch"], p["heads"], p["seqlen_q"]) and lse.dtype == numpy.float32
     o_exact, lse_exact = attention_reference(q, k, v, **options(p))
-    o_low, lse_low = attention_reference(q, k, v, upcast=False, **options(p))
+    o_low, lse_low = low_precision_outputs(q, k, v, **options(p))
     context = describe(p)
     lse_magnitude = max_finite_abs(lse_exact)
     check_error_rule("o", o, o_exact, o_low, context + f" kernels={path}", lse_magnitude)
@@ -233,6 +239,7 @@ def _check_forward(p, path="portable"):
 @example(EDGE_CASES[11])
 @example(EDGE_CASES[12])
 @example(EDGE_CASES[13])
+@example(EDGE_CASES[16])
 def test_forward_matches_reference(path, p):
     count_example("forward_matches_reference")
     _check_forward(p, path)
@@ -391,7 +398,7 @@ def test_packed_batches_match_reference(path, p, deterministic):
         o, lse = cupy_flash.flash_forward(q, k, v, **opts)
     assert o.shape == q.shape and lse.shape == (p["heads"], q.shape[0])
     o_exact, lse_exact = attention_reference(q, k, v, **opts)
-    o_low, lse_low = attention_reference(q, k, v, upcast=False, **opts)
+    o_low, lse_low = low_precision_outputs(q, k, v, **opts)
     lse_magnitude = max_finite_abs(lse_exact)
     check_error_rule("o", o, o_exact, o_low, context, lse_magnitude)
     check_error_rule("lse", lse, lse_exact, lse_low, context, lse_magnitude)

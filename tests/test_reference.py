@@ -216,20 +216,42 @@ def test_delta_term_leaves_the_rule_tight(features):
         assert 0 < scales["delta:" + name] < 0.25 * dense_error, (name, scales["delta:" + name], dense_error)
 
 
-@pytest.mark.parametrize("features", [{}, {"sink": numpy.array([0.5, -1.0], numpy.float32)}, {"softcap": 5.0}])
+@pytest.mark.parametrize("features", [{}, {"sink": numpy.array([0.5, -1.0], numpy.float32)}, {"softcap": 5.0},
+                                      {"alibi_slopes": numpy.array([0.5, 0.25], numpy.float32)}])
 def test_flash_rounding_leaves_the_rule_tight(features):
     """The error rule takes the larger error of the two dense forms (rounding="dense" and "flash");
     on ordinary shapes the flash form (scores and dP kept in float32) must be the more accurate one,
-    so the rule there is the dense form's, as before."""
+    so the rule there is the dense form's, as before (o 0.3-0.6x, gradients up to 0.83x with ALiBi)."""
     rng = numpy.random.default_rng(5)
     q, k, v, do = (random_array(rng, (1, 200, 2, 64), "bfloat16", xp=numpy) for _ in range(4))
-    exact = attention_reference_backward(do, q, k, v, **features)
-    dense = attention_reference_backward(do, q, k, v, upcast=False, **features)
-    flash = attention_reference_backward(do, q, k, v, upcast=False, rounding="flash", **features)
-    for index, name in enumerate(("dq", "dk", "dv")):
+    forms = {}
+    for form in ("dense", "flash"):
+        forms[form] = (attention_reference(q, k, v, upcast=False, rounding=form, **features)
+                       + attention_reference_backward(do, q, k, v, upcast=False, rounding=form, **features))
+    exact = attention_reference(q, k, v, **features) + attention_reference_backward(do, q, k, v, **features)
+    for index, name in enumerate(("o", "lse", "dq", "dk", "dv")):
         dense_error, flash_error = (float(numpy.abs(numpy.asarray(x[index], numpy.float64) - exact[index]).max())
-                                    for x in (dense, flash))
-        assert 0 < flash_error < 0.8 * dense_error, (name, flash_error, dense_error)
+                                    for x in (forms["dense"], forms["flash"]))
+        assert 0 < flash_error <= dense_error, (name, flash_error, dense_error)
+
+
+def test_flash_rounding_of_few_outputs_is_a_lottery():
+    """Why the rule needs the flash form: one query, d = 8, bf16 with softcap and ALiBi (the case
+    the GPU suite keeps as EDGE_CASES[16]); FlashAttention's own rounding is 4.7x the dense form's
+    error there, and so would fail a rule that knew only the dense form."""
+    from helpers import input_magnitude
+
+    p = dict(head_dim=8, logit_std=3.0, softmax_scale=None)
+    rng = numpy.random.default_rng(167)
+    q = random_array(rng, (1, 1, 1, 8), "bfloat16", input_magnitude(p), xp=numpy)
+    k = random_array(rng, (1, 70, 1, 8), "bfloat16", input_magnitude(p), xp=numpy)
+    v = random_array(rng, (1, 70, 1, 8), "bfloat16", xp=numpy)
+    features = dict(softcap=0.5, alibi_slopes=numpy.array([0.0078125], numpy.float32))
+    exact = attention_reference(q, k, v, **features)[0]
+    dense_error, flash_error = (float(numpy.abs(numpy.asarray(attention_reference(q, k, v, upcast=False, rounding=form,
+                                                                                  **features)[0], numpy.float64) - exact).max())
+                                for form in ("dense", "flash"))
+    assert flash_error > 4 * dense_error
 
 
 def test_flash_rounding_is_a_low_precision_form_only():
@@ -237,8 +259,11 @@ def test_flash_rounding_is_a_low_precision_form_only():
     ValueError naming it."""
     rng = numpy.random.default_rng(6)
     q, k, v, do = (random_array(rng, (2, 9, 2, 16), "float16", xp=numpy) for _ in range(4))
-    for a, b in zip(attention_reference_backward(do, q, k, v, causal=True),
-                    attention_reference_backward(do, q, k, v, causal=True, rounding="flash")):
+    for a, b in zip(attention_reference_backward(do, q, k, v, causal=True) + attention_reference(q, k, v, causal=True),
+                    attention_reference_backward(do, q, k, v, causal=True, rounding="flash")
+                    + attention_reference(q, k, v, causal=True, rounding="flash")):
         assert numpy.array_equal(a, b)
+    with pytest.raises(ValueError, match="rounding"):
+        attention_reference(q, k, v, upcast=False, rounding="fast")
     with pytest.raises(ValueError, match="rounding"):
         attention_reference_backward(do, q, k, v, upcast=False, rounding="fast")
