@@ -237,8 +237,9 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
         # float32 dQ accumulator, zeroed by the preprocess (float32 deterministic: the dQ pass instead)
         ("dq_accum", q.shape, cupy.float32, None) if tensor_core or not deterministic else None,
         ("dq_semaphore", (bh * -(-shape.seqlen_q // block_m),), cupy.int32, 0) if tensor_core and deterministic else None,
-        ("dk_heads", expanded, k.dtype, None) if shape.group > 1 else None,
-        ("dv_heads", expanded, k.dtype, None) if shape.group > 1 else None,
+        # float32, so the group sum rounds once (kernels_cu/preprocess.cu)
+        ("dk_heads", expanded, cupy.float32, None) if shape.group > 1 else None,
+        ("dv_heads", expanded, cupy.float32, None) if shape.group > 1 else None,
         (("dbias", dbias_layout[0], cupy.float32, 0) if dbias_layout is not None else None),
     )
     temporaries = tuple(t for t in temporaries if t is not None)

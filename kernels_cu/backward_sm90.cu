@@ -236,24 +236,34 @@ __device__ __forceinline__ void score_gradients_in_place(float (&dp)[N / 2], con
 }
 
 // The epilogue: a consumer's dK (times softmax_scale) and dV as T, 4-byte stores from the
-// accumulator layout (keys first_key + 0 and + 8; COLUMNS head-dim columns from column0).
+// accumulator layout (keys first_key + 0 and + 8; COLUMNS head-dim columns from column0). Under
+// GQA/MQA (p.group > 1) they go to the per-query-head buffers as float32, 8-byte stores: the group
+// sum rounds once (rounded here too, dV was 2.9x the dense error at one key, d = 8, bf16).
 template <typename T, int COLUMNS>
 __device__ __forceinline__ void store_key_gradients(const float (&dk)[COLUMNS / 2], const float (&dv)[COLUMNS / 2],
                                                     const FlashParams& p, const BackwardSm90Block& at, int first_key,
                                                     int column0, int query_col) {
     const int head_dim = (int)p.head_dim;
-    T* dk_out = static_cast<T*>(p.dk) + tensor_offset(p.dk_strides, at.block.b, at.seq.k_row0, at.block.h);
-    T* dv_out = static_cast<T*>(p.dv) + tensor_offset(p.dv_strides, at.block.b, at.seq.k_row0, at.block.h);
+    const long long dk_offset = tensor_offset(p.dk_strides, at.block.b, at.seq.k_row0, at.block.h);
+    const long long dv_offset = tensor_offset(p.dv_strides, at.block.b, at.seq.k_row0, at.block.h);
+    const bool per_head = p.group > 1;
 #pragma unroll
     for (int i = 0; i < COLUMNS / 8; ++i)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int key = first_key + 8 * r, col = column0 + 8 * i + query_col;
             if (at.keys_here && key < at.seq.seqlen_k && col < head_dim) {
-                *reinterpret_cast<unsigned int*>(dk_out + (long long)key * p.dk_strides[1] + col) =
-                    Mma<T>::pack(dk[4 * i + 2 * r] * p.softmax_scale, dk[4 * i + 2 * r + 1] * p.softmax_scale);
-                *reinterpret_cast<unsigned int*>(dv_out + (long long)key * p.dv_strides[1] + col) =
-                    Mma<T>::pack(dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
+                const long long dk_at = dk_offset + (long long)key * p.dk_strides[1] + col;
+                const long long dv_at = dv_offset + (long long)key * p.dv_strides[1] + col;
+                const float dk0 = dk[4 * i + 2 * r] * p.softmax_scale, dk1 = dk[4 * i + 2 * r + 1] * p.softmax_scale;
+                const float dv0 = dv[4 * i + 2 * r], dv1 = dv[4 * i + 2 * r + 1];
+                if (per_head) {
+                    *reinterpret_cast<float2*>(static_cast<float*>(p.dk) + dk_at) = make_float2(dk0, dk1);
+                    *reinterpret_cast<float2*>(static_cast<float*>(p.dv) + dv_at) = make_float2(dv0, dv1);
+                } else {
+                    *reinterpret_cast<unsigned int*>(static_cast<T*>(p.dk) + dk_at) = Mma<T>::pack(dk0, dk1);
+                    *reinterpret_cast<unsigned int*>(static_cast<T*>(p.dv) + dv_at) = Mma<T>::pack(dv0, dv1);
+                }
             }
         }
 }

@@ -122,27 +122,31 @@ __global__ void __launch_bounds__(256) flash_dq_convert_kernel(const FlashParams
 }
 
 // GQA/MQA: dK and dV of each K/V head = the sum over its group of query heads. The backward
-// kernels write per-query-head dK and dV into contiguous (batch, seqlen_k, heads, head_dim)
+// kernels write per-query-head float32 dK and dV into contiguous (batch, seqlen_k, heads, head_dim)
 // buffers (p.dk_expanded, p.dv_expanded); this sums each group of p.group adjacent heads in float32
-// into p.dk and p.dv (batch, seqlen_k, heads / group, head_dim). One warp per output row.
+// and rounds once into p.dk and p.dv (batch, seqlen_k, heads / group, head_dim). One warp per
+// output row.
 template <typename T>
 __global__ void __launch_bounds__(256) flash_kv_group_sum_kernel(const FlashParams p) {
-    constexpr int VEC = Vec<T>::N;
+    constexpr int VEC = Vec<T>::N;   // T elements per 16-byte store; VEC / 4 float4 loads each
+    static_assert(VEC % 4 == 0, "whole float4 loads");
     const int lane = threadIdx.x & 31;
     const long long heads_kv = p.heads / p.group;
+    const float* dk_heads = static_cast<const float*>(p.dk_expanded);
+    const float* dv_heads = static_cast<const float*>(p.dv_expanded);
     for (long long r = first_row_of_warp(); r < p.batch * p.seqlen_k * heads_kv; r += rows_per_grid()) {
         const long long b = r / (p.seqlen_k * heads_kv), row = (r / heads_kv) % p.seqlen_k, h = r % heads_kv;
         const long long first = r * p.group * p.head_dim;   // (b, row, h * group) in the expanded buffers
         for (int c = lane * VEC; c < p.head_dim; c += 32 * VEC) {
             float dk[VEC] = {}, dv[VEC] = {};
             for (long long g = 0; g < p.group; ++g) {
-                float vals[VEC];
-                unpack(*reinterpret_cast<const uint4*>(static_cast<const T*>(p.dk_expanded) + first + g * p.head_dim + c), vals, T{});
 #pragma unroll
-                for (int e = 0; e < VEC; ++e) dk[e] += vals[e];
-                unpack(*reinterpret_cast<const uint4*>(static_cast<const T*>(p.dv_expanded) + first + g * p.head_dim + c), vals, T{});
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) dv[e] += vals[e];
+                for (int e = 0; e < VEC; e += 4) {
+                    const float4 k4 = *reinterpret_cast<const float4*>(dk_heads + first + g * p.head_dim + c + e);
+                    const float4 v4 = *reinterpret_cast<const float4*>(dv_heads + first + g * p.head_dim + c + e);
+                    dk[e] += k4.x; dk[e + 1] += k4.y; dk[e + 2] += k4.z; dk[e + 3] += k4.w;
+                    dv[e] += v4.x; dv[e + 1] += v4.y; dv[e + 2] += v4.z; dv[e + 3] += v4.w;
+                }
             }
             *reinterpret_cast<uint4*>(static_cast<T*>(p.dk) + tensor_offset(p.dk_strides, b, row, h) + c) = pack(dk, T{});
             *reinterpret_cast<uint4*>(static_cast<T*>(p.dv) + tensor_offset(p.dv_strides, b, row, h) + c) = pack(dv, T{});
