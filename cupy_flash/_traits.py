@@ -67,10 +67,10 @@ _SM90_ALL = FEATURE_WINDOW | FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK | FE
 FORWARD_SM90_FEATURE_SETS = {64: (_SM90_ALL,), 128: (_SM90_ALL,), 256: (_SM90_ALL,)}
 
 
-# Causal calls over at most this many keys stay on the mma.sync kernels: at head_dim <= 64 and 512
-# keys (bf16, H100) the Hopper kernel measured 0.89 and 0.92 of their speed in two runs (its tiles
-# of 128 x 128 mostly straddle the diagonal there); from 1k keys, and at larger head dims, it is faster.
-FORWARD_SM90_CAUSAL_MIN_KEYS = {64: 513, 128: 0, 256: 0}
+# The Hopper forward runs at every length: causal calls at head_dim <= 64 up to 512 keys once stayed
+# on the mma.sync kernels (0.89-0.92 of their speed at 512, tiles of 128 x 128 mostly straddling
+# the diagonal); since the counter-driven persistent grid it measured 1.22-1.34x them at 128-512
+# keys, bf16 and fp16 (H100, interleaved, 2026-11-24: docs/results/h100_dispatch_short_*_20261124.json).
 
 
 # The Hopper backward (kernels_cu/backward_sm90.cu): (block_n, block_m, stages) per head-dim
@@ -87,19 +87,16 @@ BACKWARD_SM90_FEATURE_SETS = {tile: (_SM90_BACKWARD_FEATURES,) for tile in BACKW
 # split), a warp's 16 rows of it (head-dim split: each warp adds its own).
 BACKWARD_SM90_DQ_ROWS = {64: 64, 128: 64, 256: 16}
 BACKWARD_SM90_CONSUMERS = 2   # consumer warpgroups of a block (kernels_cu/backward_sm90.cu; test_compile checks the launch)
-# Where the automatic setting runs it (measured, H100): from 1k keys it was 1.04-1.54x the portable
-# backward on all 40 standard shapes (b3, bf16 and fp16, docs/results/
-# h100_sm90_bwd_bf16_fp16_20261123d.json) and 1.17-1.71x on b6 (bf16, h100_sm90_bwd_b6_20261123.json);
-# at 512 keys 0.95-1.21x on b3 and 1.07-1.14x on b6, within the runs' noise, so those stay portable.
-# Deterministic (b6: two dS buffers and the turn waited for after the consumers' one barrier):
-# 1.01-1.80x the portable deterministic backward from 1k keys at d = 64 and 128, 0.99-1.25x at 512.
-# d = 256 (head-dim split, docs/results/h100_sm90_bwd_d256_warp_dq_20261123.json): 1.03-1.79x the
-# portable backward from 512 keys (bf16 and fp16), deterministic 1.04-1.52x.
-# d = 64 with 128-query blocks (docs/results/h100_sm90_bwd_d64_min_keys_*_20261123.json): at 512 keys
-# 1.14-1.27x the portable backward (bf16 and fp16, causal and not), deterministic 1.22-1.37x without
-# the causal mask but 0.86-0.90x with it, so deterministic d = 64 stays portable below 1k keys.
-BACKWARD_SM90_MIN_KEYS = {64: 512, 128: 1024, 256: 512}
-BACKWARD_SM90_DETERMINISTIC_MIN_KEYS = {64: 1024, 128: 1024, 256: 512}
+# Where the automatic setting runs it (measured, H100, bf16 and fp16, the Hopper backward against
+# the portable one interleaved on the same inputs, 2026-11-24: docs/results/
+# h100_dispatch_short_*_20261124.json; earlier tables, 2026-11-23, had it from 1k keys at d = 128).
+# Atomic dQ: 1.04-1.19x from 256 keys at every head dim, 1.19-1.39x at 512; at 128 keys 0.90-1.09x,
+# so from 256. Deterministic: 1.16-1.30x from 256 keys without a right bound, but under a causal
+# mask the ordered adds wait longer on short sequences: d = 64 0.98-0.99x at 512 keys (three runs)
+# and 1.20x at 1k; d = 128 1.04-1.10x from 256; d = 256 0.92-0.93x at 256 and 1.12-1.15x at 512.
+BACKWARD_SM90_MIN_KEYS = {64: 256, 128: 256, 256: 256}
+BACKWARD_SM90_DETERMINISTIC_MIN_KEYS = {64: 256, 128: 256, 256: 256}
+BACKWARD_SM90_DETERMINISTIC_CAUSAL_MIN_KEYS = {64: 1024, 128: 256, 256: 512}   # causal, or a window bounded right
 
 
 def backward_sm90_config(tile: int) -> tuple[int, int, int, int]:

@@ -77,17 +77,13 @@ def forward_family_of(path: str, q, k, v, **options) -> str:
                                         arrays=tuple(_checks.kernel_ready(x) for x in (q, k, v)))
 
 
-def expect_hopper_family(path: str, family: str, dtype: str, head_dim: int, features: dict, seqlen_k: int) -> None:
-    """Under "hopper", every float16/bfloat16 forward without a bias runs the Hopper family (but one
-    whose keys are bounded on the right, causal or a window's right size, at head_dim <= 64 over at
-    most 512 keys), stated here apart from the dispatch code."""
+def expect_hopper_family(path: str, family: str, dtype: str, head_dim: int, features: dict) -> None:
+    """Under "hopper", every float16/bfloat16 forward without a bias runs the Hopper family, stated
+    here apart from the dispatch code."""
     count_example(f"forward on {family}")
     if path != "hopper" or family == "decode":
         return
-    window = features.get("window_size")
-    right_bounded = bool(features.get("causal")) or (window is not None and window[1] >= 0)
-    portable = (dtype == "float32" or features.get("bias") is not None
-                or (right_bounded and head_dim <= 64 and seqlen_k <= 512))
+    portable = dtype == "float32" or features.get("bias") is not None
     assert family == ("forward_tc" if dtype != "float32" and portable else "forward" if portable else "forward_sm90"), (
         family, dtype, head_dim, sorted(features))
 

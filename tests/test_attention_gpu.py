@@ -210,7 +210,7 @@ EDGE_CASES = [
 def _check_forward(p, path="portable"):
     q, k, v = make_inputs(p)
     opts = options(p)
-    expect_hopper_family(path, forward_family_of(path, q, k, v, **opts), p["dtype"], p["head_dim"], opts, p["seqlen_k"])
+    expect_hopper_family(path, forward_family_of(path, q, k, v, **opts), p["dtype"], p["head_dim"], opts)
     with poisoned_allocations(), kernel_path(path):
         o, lse = cupy_flash.flash_forward(q, k, v, **opts)
     assert o.shape == q.shape and o.dtype == q.dtype
@@ -398,7 +398,7 @@ def test_packed_batches_match_reference(path, p, deterministic):
     count_example("packed_batches_match_reference")
     q, k, v, do, opts = packed_inputs(p)
     context = describe(p) + f" lens_q={p['lens_q']} lens_k={p['lens_k']} deterministic={deterministic} kernels={path}"
-    expect_hopper_family(path, forward_family_of(path, q, k, v, **opts), p["dtype"], p["head_dim"], opts, p["seqlen_k"])
+    expect_hopper_family(path, forward_family_of(path, q, k, v, **opts), p["dtype"], p["head_dim"], opts)
     with poisoned_allocations(), kernel_path(path):
         o, lse = cupy_flash.flash_forward(q, k, v, **opts)
     assert o.shape == q.shape and lse.shape == (p["heads"], q.shape[0])
@@ -447,8 +447,7 @@ def _packed_term_scales(p, do, q, k, v, opts) -> dict:
 def test_packed_batch_equals_separate_calls(path):
     """Three sequences packed give bitwise the outputs of three dense calls where both run the same
     kernels with the same block decomposition per sequence; where the dispatch sends the dense call
-    elsewhere (the split-KV decode path for a few query rows per K/V head; the mma.sync kernels for
-    a short causal call the Hopper rule leaves to them) both meet the error rule."""
+    elsewhere (the split-KV decode path for a few query rows per K/V head) both meet the error rule."""
     import cupy
 
     rng = numpy.random.default_rng(21)

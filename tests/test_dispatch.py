@@ -28,12 +28,12 @@ def test_hopper_takes_16_bit_calls_on_compute_capability_9_0(dtype, head_dim):
         assert family(H100, dtype, head_dim, flags) == "forward_sm90"
 
 
-def test_short_causal_calls_at_small_head_dims_stay_portable():
-    # Measured: the Hopper kernel at 0.89-0.92 of the mma.sync one there (_traits.FORWARD_SM90_CAUSAL_MIN_KEYS).
-    assert family(H100, head_dim=64, causal=True, seqlen=512) == "forward_tc"
-    assert family(H100, head_dim=64, causal=True, seqlen=513) == "forward_sm90"
+def test_short_causal_calls_run_the_hopper_kernels_too():
+    # Measured: 1.22-1.34x the mma.sync kernels at 128-512 keys, head_dim 64 (_traits, FORWARD_SM90).
+    for head_dim in (64, 128, 256):
+        for seqlen in (1, 100, 512, 513):
+            assert family(H100, head_dim=head_dim, causal=True, seqlen=seqlen) == "forward_sm90"
     assert family(H100, head_dim=64, causal=False, seqlen=512) == "forward_sm90"
-    assert family(H100, head_dim=128, causal=True, seqlen=100) == "forward_sm90"
 
 
 def test_the_rest_runs_the_portable_kernels():
@@ -46,23 +46,29 @@ def test_the_rest_runs_the_portable_kernels():
         assert family(device, "float32") == "forward"
 
 
-def backward(device, head_dim=128, seqlen=4096, deterministic=False, flags=0, setting="auto"):
+def backward(device, head_dim=128, seqlen=4096, deterministic=False, flags=0, setting="auto", causal=False):
     shape = AttentionShape(2, seqlen, seqlen, 8, head_dim, "bfloat16")
-    return _families.backward_family(device, shape, types.SimpleNamespace(backward_flags=flags), deterministic,
-                                     setting=setting)
+    return _families.backward_family(device, shape, types.SimpleNamespace(backward_flags=flags, causal=causal),
+                                     deterministic, setting=setting)
 
 
 def test_the_hopper_backward_runs_where_it_measured_faster():
-    # _traits.BACKWARD_SM90_MIN_KEYS and BACKWARD_SM90_DETERMINISTIC_MIN_KEYS (H100, bf16 and fp16).
-    assert backward(H100, seqlen=1024) == backward(H100, head_dim=64, seqlen=1024) == "backward_sm90"
-    assert backward(H100, seqlen=512) == "backward_tc"
-    assert backward(H100, seqlen=1024, deterministic=True) == "backward_sm90"
-    assert backward(H100, head_dim=64, seqlen=1024, deterministic=True) == "backward_sm90"
-    assert backward(H100, seqlen=512, deterministic=True) == "backward_tc"
+    # _traits.BACKWARD_SM90_MIN_KEYS, BACKWARD_SM90_DETERMINISTIC_MIN_KEYS and
+    # BACKWARD_SM90_DETERMINISTIC_CAUSAL_MIN_KEYS (H100, bf16 and fp16).
+    for head_dim in (64, 128, 256):
+        for causal in (False, True):
+            assert backward(H100, head_dim=head_dim, seqlen=256, causal=causal) == "backward_sm90"
+            assert backward(H100, head_dim=head_dim, seqlen=255, causal=causal) == "backward_tc"
+        assert backward(H100, head_dim=head_dim, seqlen=256, deterministic=True) == "backward_sm90"
+        assert backward(H100, head_dim=head_dim, seqlen=255, deterministic=True) == "backward_tc"
+    # Deterministic under a causal mask: d = 64 from 1k keys, d = 128 from 256, d = 256 from 512.
+    assert backward(H100, head_dim=64, seqlen=1024, deterministic=True, causal=True) == "backward_sm90"
+    assert backward(H100, head_dim=64, seqlen=1023, deterministic=True, causal=True) == "backward_tc"
+    assert backward(H100, head_dim=128, seqlen=256, deterministic=True, causal=True) == "backward_sm90"
+    assert backward(H100, head_dim=256, seqlen=512, deterministic=True, causal=True) == "backward_sm90"
+    assert backward(H100, head_dim=256, seqlen=511, deterministic=True, causal=True) == "backward_tc"
     assert backward(H100, head_dim=96, seqlen=4096, flags=FEATURE_WINDOW | FEATURE_VARLEN) == "backward_sm90"
-    assert backward(H100, head_dim=256, seqlen=1024) == backward(H100, head_dim=192, seqlen=4096, deterministic=True) == "backward_sm90"
-    assert backward(H100, head_dim=256, seqlen=512) == backward(H100, head_dim=256, seqlen=512, deterministic=True) == "backward_sm90"
-    assert backward(H100, head_dim=256, seqlen=511) == "backward_tc"
+    assert backward(H100, head_dim=192, seqlen=4096, deterministic=True, causal=True) == "backward_sm90"
     # "experimental" (the tests' hopper path) wherever it runs; never score modifiers, or off sm_90.
     assert backward(H100, seqlen=100, deterministic=True, setting="experimental") == "backward_sm90"
     assert backward(H100, head_dim=256, seqlen=100, setting="experimental") == "backward_sm90"
@@ -94,9 +100,8 @@ def test_info_names_the_path_of_each_dtype():
     assert _families.describe_forward(H100, "portable")[0].startswith("bfloat16: tensor-core")
     assert _families.describe_forward(A100, "auto")[1].startswith("float16: tensor-core")
     assert _families.describe_backward(H100, "auto").startswith(
-        "float16/bfloat16: Hopper kernels from 512 keys at head_dim <= 64, from 1024 keys at head_dim <= 128, "
-        "from 512 keys at head_dim <= 256; deterministic: from 1024 keys at head_dim <= 128, "
-        "from 512 keys at head_dim <= 256")
+        "float16/bfloat16: Hopper kernels from 256 keys; deterministic calls too; deterministic causal: "
+        "from 1024 keys at head_dim <= 64, from 256 keys at head_dim <= 128, from 512 keys at head_dim <= 256")
     assert _families.describe_backward(H100, "portable").startswith("float16/bfloat16: tensor-core")
     assert _families.describe_backward(H100, "experimental").startswith("float16/bfloat16: Hopper kernels")
     assert _families.describe_backward(A100, "experimental") == "float16/bfloat16: tensor-core kernels (mma.sync; sm_80+)"
