@@ -74,20 +74,6 @@ def make_params(shape, softmax_scale: float, delta_stride: int | None = None, va
     return record
 
 
-_LEADING_POINTERS = ("q", "k", "v", "o", "lse")
-assert POINTER_FIELDS[:len(_LEADING_POINTERS)] == _LEADING_POINTERS
-_ADDRESSES = struct.Struct(f"<{len(_LEADING_POINTERS)}Q")
-
-
-def with_addresses(record: bytes, q, k, v, o, lse):
-    """A ctypes buffer of a filled record's bytes with the addresses of q, k, v, o and lse written
-    in: the arrays of a call whose shapes, strides and options the record was filled for (a cached
-    launch plan; the addresses are the record's first five fields)."""
-    buffer = ctypes.create_string_buffer(record, len(record))
-    _ADDRESSES.pack_into(buffer, 0, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr)
-    return buffer
-
-
 class PointerRecord:
     """A filled record whose pointer fields are written again on each launch: a cached launch plan
     holds one per params record it launches with. ``bindings`` maps each pointer field to the name

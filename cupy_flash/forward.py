@@ -8,23 +8,26 @@ import functools
 from . import _checks, _families, _tma, _traits
 from ._compile import ModuleSpec, device_value, get_kernel
 from ._launch import launch_buffers
-from ._params import make_params, with_addresses
+from ._params import PointerRecord, make_params
 from ._streams import on_stream, record_kernel_arrays
 from .decode import check_num_splits, launch_decode, uses_split_path
 
 _SM90_MAPS_BYTES = 4 * _tma.MAP_BYTES   # kernels_cu/forward_sm90.cu: ForwardSm90Maps (tests/test_compile.py holds them equal)
 
 
+_BINDINGS = {name: name for name in ("q", "k", "v", "o", "lse")}   # the pointer fields a forward call fills
+
+
 class ForwardPlan:
     """Everything a forward launch needs but the arrays' addresses: the kernel, its grid, block and
-    shared memory, and the params record filled but for the q, k, v, o, lse pointers. A plan is a
+    shared memory, and the params record (a PointerRecord: the q, k, v, o, lse fields written per call). A plan is a
     function of the checked call (shapes, strides, dtype, options, device), so calls that repeat one
     (a training loop) reuse it: see flash_forward's plan cache."""
 
     def __init__(self, kernel, grid: int, threads: int, smem: int, params, lse_shape: tuple, variant,
                  maps: tuple = (), tile_counter: bool = False):
         self.kernel, self.grid, self.threads, self.smem = kernel, grid, threads, smem
-        self.params, self.lse_shape = params.tobytes(), lse_shape
+        self.record, self.lse_shape = PointerRecord(params, _BINDINGS), lse_shape
         # The variant's device arrays (slopes, sink, bias as float32, cu_seqlens) that params points
         # at: held as long as the plan, so they outlive the launch. Plain plans hold none.
         self.variant_arrays = tuple(x for x in variant.device_arrays() if x is not None)
@@ -42,7 +45,7 @@ class ForwardPlan:
             lse = cupy.empty(self.lse_shape, dtype=cupy.float32)
         else:
             o, lse = out
-        record = with_addresses(self.params, q, k, v, o, lse)
+        record = self.record.filled(dict(q=q, k=k, v=v, o=o, lse=lse))
         record_kernel_arrays((q, k, v, o, lse) + self.variant_arrays)
         if not self.maps:
             arguments = (record,)

@@ -331,38 +331,32 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
     // writes only its own rows and columns), then stored in 16-byte vectors.
     cp_async_wait<0>();
     __syncthreads();
-    if (p.group > 1) {
-        // GQA/MQA: per-query-head float32 dK and dV, 8-byte stores from the accumulators, so the
-        // group sum rounds once (rounded here too, dV was 2.9x the dense error at one key, d = 8).
-        float* dk32 = static_cast<float*>(p.dk) + tensor_offset(p.dk_strides, b, seq.k_row0 + kv_start, h);
-        float* dv32 = static_cast<float*>(p.dv) + tensor_offset(p.dv_strides, b, seq.k_row0 + kv_start, h);
-#pragma unroll
-        for (int m = 0; m < KV_M; ++m)
-#pragma unroll
-            for (int j = 0; j < KV_N; ++j)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int key = kv_key + 16 * m + g + 8 * r, col = kv_col + j * 8 + 2 * t;
-                    if (kv_start + key < seqlen_k && col < head_dim) {
-                        *reinterpret_cast<float2*>(dk32 + key * p.dk_strides[1] + col) =
-                            make_float2(dk_acc[m][j][2 * r] * p.softmax_scale, dk_acc[m][j][2 * r + 1] * p.softmax_scale);
-                        *reinterpret_cast<float2*>(dv32 + key * p.dv_strides[1] + col) =
-                            make_float2(dv_acc[m][j][2 * r], dv_acc[m][j][2 * r + 1]);
-                    }
-                }
-        return;
-    }
+    // GQA/MQA (p.group > 1): per-query-head float32 dK and dV instead, 8-byte stores straight from
+    // the accumulators, so the group sum rounds once (rounded here too, dV was 2.9x the dense error
+    // at one key, d = 8).
+    const bool per_head = p.group > 1;
+    float* dk32 = static_cast<float*>(p.dk) + tensor_offset(p.dk_strides, b, seq.k_row0 + kv_start, h);
+    float* dv32 = static_cast<float*>(p.dv) + tensor_offset(p.dv_strides, b, seq.k_row0 + kv_start, h);
 #pragma unroll
     for (int m = 0; m < KV_M; ++m)
 #pragma unroll
         for (int j = 0; j < KV_N; ++j)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const int at = (kv_key + 16 * m + g + 8 * r) * LD + kv_col + j * 8 + 2 * t;
-                *reinterpret_cast<unsigned int*>(k_tile + at) =
-                    Mma<T>::pack(dk_acc[m][j][2 * r] * p.softmax_scale, dk_acc[m][j][2 * r + 1] * p.softmax_scale);
-                *reinterpret_cast<unsigned int*>(v_tile + at) = Mma<T>::pack(dv_acc[m][j][2 * r], dv_acc[m][j][2 * r + 1]);
+                const int key = kv_key + 16 * m + g + 8 * r, col = kv_col + j * 8 + 2 * t;
+                const float dk0 = dk_acc[m][j][2 * r] * p.softmax_scale, dk1 = dk_acc[m][j][2 * r + 1] * p.softmax_scale;
+                const float dv0 = dv_acc[m][j][2 * r], dv1 = dv_acc[m][j][2 * r + 1];
+                if (per_head) {
+                    if (kv_start + key < seqlen_k && col < head_dim) {
+                        *reinterpret_cast<float2*>(dk32 + key * p.dk_strides[1] + col) = make_float2(dk0, dk1);
+                        *reinterpret_cast<float2*>(dv32 + key * p.dv_strides[1] + col) = make_float2(dv0, dv1);
+                    }
+                } else {
+                    *reinterpret_cast<unsigned int*>(k_tile + key * LD + col) = Mma<T>::pack(dk0, dk1);
+                    *reinterpret_cast<unsigned int*>(v_tile + key * LD + col) = Mma<T>::pack(dv0, dv1);
+                }
             }
+    if (per_head) return;
     __syncthreads();
     // One loop for both tiles rather than store_staged_tile twice: with two loops, ptxas (at 255
     // registers in this kernel) spilled 8-12 bytes at d=160 and d=224 on sm_90.

@@ -5,7 +5,7 @@ from helpers import FakeGpuArray
 
 from cupy_flash._checks import AttentionShape
 from cupy_flash._features import check_variant
-from cupy_flash._params import PARAMS_DTYPE, make_params, with_addresses
+from cupy_flash._params import PARAMS_DTYPE, PointerRecord, make_params
 
 
 def _call(base):
@@ -20,7 +20,8 @@ def test_a_plan_record_with_new_addresses_is_the_record_of_the_new_call():
     first, second = _call(1 << 32), _call(7 << 36)
     planned = make_params(shape, 0.125, variant=variant, **dict(zip(("q", "k", "v", "o", "lse"), first)))
     expected = make_params(shape, 0.125, variant=variant, **dict(zip(("q", "k", "v", "o", "lse"), second)))
-    argument = with_addresses(planned.tobytes(), *second)   # a plan holds the record's bytes
+    names = ("q", "k", "v", "o", "lse")   # forward.ForwardPlan's record: these five fields per call
+    argument = PointerRecord(planned, {name: name for name in names}).filled(dict(zip(names, second)))
     assert bytes(argument) == expected.tobytes() and len(bytes(argument)) == PARAMS_DTYPE.itemsize
     assert int(numpy.frombuffer(bytes(argument), numpy.uint64)[3]) == second[3].data.ptr
 
@@ -28,8 +29,6 @@ def test_a_plan_record_with_new_addresses_is_the_record_of_the_new_call():
 def test_a_pointer_record_writes_each_bound_field_and_nothing_else():
     """backward.BackwardPlan's records: fields bound to named arrays get those arrays' addresses
     (None: 0); every other byte stays the planned record's."""
-    from cupy_flash._params import PointerRecord
-
     shape = AttentionShape(2, 300, 500, 8, 128, "bfloat16", 2)
     variant = check_variant(2, 8, True)
 
