@@ -124,20 +124,14 @@ def backward_family(device: DeviceInfo, shape, variant, deterministic: bool = Fa
                     setting: str | None = None) -> str:
     """The float16/bfloat16 backward's main kernel: "backward_sm90" (Hopper, no softcap, ALiBi or
     bias) or "backward_tc". The automatic setting takes the Hopper kernel where it
-    measured faster (_traits.BACKWARD_SM90_MIN_KEYS, BACKWARD_SM90_DETERMINISTIC_MIN_KEYS and, for
-    calls whose keys are bounded on the right, BACKWARD_SM90_DETERMINISTIC_CAUSAL_MIN_KEYS);
+    measured faster (_traits.BACKWARD_SM90_MIN_KEYS, BACKWARD_SM90_DETERMINISTIC_MIN_KEYS);
     CUPY_FLASH_KERNELS=experimental wherever it runs (what the tests' "hopper" path uses)."""
     setting = kernels_setting() if setting is None else setting
     if setting == "portable" or device.compute_capability != 90 or shape.head_dim > max(_traits.BACKWARD_SM90):
         return "backward_tc"
     tile = _traits.forward_sm90_tile(shape.head_dim)
     if setting == "auto":
-        if not deterministic:
-            min_keys = _traits.BACKWARD_SM90_MIN_KEYS[tile]
-        elif getattr(variant, "causal", False):
-            min_keys = _traits.BACKWARD_SM90_DETERMINISTIC_CAUSAL_MIN_KEYS[tile]
-        else:
-            min_keys = _traits.BACKWARD_SM90_DETERMINISTIC_MIN_KEYS[tile]
+        min_keys = (_traits.BACKWARD_SM90_DETERMINISTIC_MIN_KEYS if deterministic else _traits.BACKWARD_SM90_MIN_KEYS)[tile]
         if shape.seqlen_k < min_keys:
             return "backward_tc"
     supported = _traits.sm90_supports_features(_traits.BACKWARD_SM90_FEATURE_SETS, tile, variant.backward_flags)
@@ -193,10 +187,7 @@ def describe_backward(device: DeviceInfo, setting: str | None = None) -> str:
         return ", ".join(f"from {keys} keys at head_dim <= {tile}" for tile, keys in runs)
 
     atomic, deterministic = _traits.BACKWARD_SM90_MIN_KEYS, _traits.BACKWARD_SM90_DETERMINISTIC_MIN_KEYS
-    causal = _traits.BACKWARD_SM90_DETERMINISTIC_CAUSAL_MIN_KEYS
     when = from_keys(atomic) + ("; deterministic calls too" if deterministic == atomic
                                 else f"; deterministic: {from_keys(deterministic)}")
-    if causal != deterministic:
-        when += f"; deterministic causal: {from_keys(causal)}"
     return (f"float16/bfloat16: Hopper kernels {when} (no softcap, ALiBi or bias); "
             "the others: tensor-core kernels (mma.sync)")

@@ -91,12 +91,12 @@ BACKWARD_SM90_CONSUMERS = 2   # consumer warpgroups of a block (kernels_cu/backw
 # the portable one interleaved on the same inputs, 2026-11-24: docs/results/
 # h100_dispatch_short_*_20261124.json; earlier tables, 2026-11-23, had it from 1k keys at d = 128).
 # Atomic dQ: 1.04-1.19x from 256 keys at every head dim, 1.19-1.39x at 512; at 128 keys 0.90-1.09x,
-# so from 256. Deterministic: 1.16-1.30x from 256 keys without a right bound, but under a causal
-# mask the ordered adds wait longer on short sequences: d = 64 0.98-0.99x at 512 keys (three runs)
-# and 1.20x at 1k; d = 128 1.04-1.10x from 256; d = 256 0.92-0.93x at 256 and 1.12-1.15x at 512.
+# so from 256. Deterministic: 1.16-1.30x from 256 keys without a causal mask; with one, once the
+# causal deterministic backward visits query blocks last first (QueryOrder in backward_sm90.cu),
+# 1.09-1.17x at 256-512 keys at d <= 128 and 1.00x / 1.21x at 256 / 512 keys at d = 256 (before it,
+# d = 64 0.97-0.99x at 256-512 and d = 256 0.92-0.93x at 256, which had kept them portable).
 BACKWARD_SM90_MIN_KEYS = {64: 256, 128: 256, 256: 256}
 BACKWARD_SM90_DETERMINISTIC_MIN_KEYS = {64: 256, 128: 256, 256: 256}
-BACKWARD_SM90_DETERMINISTIC_CAUSAL_MIN_KEYS = {64: 1024, 128: 256, 256: 512}   # causal, or a window bounded right
 
 
 def backward_sm90_config(tile: int) -> tuple[int, int, int, int]:
