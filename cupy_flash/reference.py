@@ -372,7 +372,7 @@ def _attention_reference_dense(q, k, v, *, softmax_scale=None, causal=False, upc
     sum divides the float32 product. Each form rounds P once; on an output of few elements (one
     query, d = 8) which one rounds well is a lottery: the flash form is over 2x the dense form's
     error in about 0.35% of such draws (CPU emulation of bf16 with softcap 0.5 and ALiBi, up to
-    4.4x; a device draw read 2.47x, 2026-11-24)."""
+    4.7x; a device draw read 2.47x, 2026-11-24)."""
     flash = rounding == "flash" and not upcast
     _, rnd, xp, _, _, _, V, P, lse, extras = _softmax_parts(q, k, v, softmax_scale, causal, upcast,
                                                             round_scores=not flash, **features)
@@ -405,9 +405,8 @@ def _attention_reference_backward_dense(do, q, k, v, *, softmax_scale=None, caus
     with few elements (one key, a few rows) which of them happens to round well is a lottery the
     error rule would otherwise read as a kernel defect (2.8x the dense error at one key with a
     sink, d=8, bf16; about 0.3% of few-key problems in a CPU emulation)."""
+    _check_rounding(rounding)
     flash = rounding == "flash" and not upcast
-    if rounding not in ("dense", "flash"):
-        raise ValueError(f"rounding must be 'dense' or 'flash', got {rounding!r}")
     work, rnd, xp, scale, Q, K, V, P, _, extras = _softmax_parts(q, k, v, softmax_scale, causal, upcast,
                                                                  round_scores=not flash, **features)
     dO = _bhnd(_to_float(do, xp, work))

@@ -204,8 +204,8 @@ def bitwise(x):
 # one key with a sink holding the rest (one key, d=8, bf16: 2.3-4.3x the dense error without it,
 # device run of 2026-11-22); on ordinary shapes it is a small part of the bound
 # (test_reference.py::test_delta_term_leaves_the_rule_tight).
-# Outputs and gradients are held against the larger error of two dense forms (attention_reference_backward's
-# rounding="dense" and "flash"): each rounds P once, and on an output of few elements (one key and a
+# Outputs and gradients are held against the larger error of two dense forms (attention_reference's and
+# attention_reference_backward's rounding="dense" and "flash"): each rounds P once, and on an output of few elements (one key and a
 # sink, d=8) which of them rounds well is a lottery: the kernel's 1.5 ulp against the dense form's
 # lucky 0.5 ulp read as 2.8x (device, 2026-11-22). On ordinary shapes the flash form is the more
 # accurate (0.05-1.0x the dense error; test_reference.py::test_flash_rounding_leaves_the_rule_tight),

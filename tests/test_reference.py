@@ -221,7 +221,9 @@ def test_delta_term_leaves_the_rule_tight(features):
 def test_flash_rounding_leaves_the_rule_tight(features):
     """The error rule takes the larger error of the two dense forms (rounding="dense" and "flash");
     on ordinary shapes the flash form (scores and dP kept in float32) must be the more accurate one,
-    so the rule there is the dense form's, as before (o 0.3-0.6x, gradients up to 0.83x with ALiBi)."""
+    so the rule there is the dense form's, as before: under 0.8x of it (measured 0.2-0.62x for o
+    and the gradients). With ALiBi the gradients come closer (dq 0.83x, dk equal: the same element
+    rounds the same way), so there the flash form must only not be the larger."""
     rng = numpy.random.default_rng(5)
     q, k, v, do = (random_array(rng, (1, 200, 2, 64), "bfloat16", xp=numpy) for _ in range(4))
     forms = {}
@@ -232,7 +234,10 @@ def test_flash_rounding_leaves_the_rule_tight(features):
     for index, name in enumerate(("o", "lse", "dq", "dk", "dv")):
         dense_error, flash_error = (float(numpy.abs(numpy.asarray(x[index], numpy.float64) - exact[index]).max())
                                     for x in (forms["dense"], forms["flash"]))
-        assert 0 < flash_error <= dense_error, (name, flash_error, dense_error)
+        if "alibi_slopes" in features:
+            assert 0 < flash_error <= dense_error, (name, flash_error, dense_error)
+        else:
+            assert 0 < flash_error < 0.8 * dense_error, (name, flash_error, dense_error)
 
 
 def test_flash_rounding_of_few_outputs_is_a_lottery():
