@@ -135,6 +135,10 @@ class ModuleSpec:
     def backward_sm90_smem(self) -> str:
         return f"&backward_sm90_smem_bytes<{self.ctype}, {', '.join(str(x) for x in self.config)}>"
 
+    def backward_sm90_dq_box_rows(self) -> str:
+        """The device variable holding the rows of the dq_accum tensor map's box."""
+        return f"&backward_sm90_dq_box_rows<{self.ctype}, {', '.join(str(x) for x in self.config)}>"
+
     def forward_sm90_smem(self) -> str:
         """The device variable holding the kernel's dynamic shared memory (sizeof its storage)."""
         return f"&forward_sm90_smem_bytes<{self.ctype}, {', '.join(str(x) for x in self.config)}>"
@@ -184,7 +188,7 @@ class ModuleSpec:
             return (self.kernel_expressions + (self.forward_sm90_smem(),)
                     + tuple(self.forward_sm90_dynamic_tiles(c) for c in (False, True)))
         if self.family == "backward_sm90":
-            return self.kernel_expressions + (self.backward_sm90_smem(),)
+            return self.kernel_expressions + (self.backward_sm90_smem(), self.backward_sm90_dq_box_rows())
         return self.kernel_expressions
 
     @property

@@ -83,9 +83,6 @@ FORWARD_SM90_FEATURE_SETS = {64: (_SM90_ALL,), 128: (_SM90_ALL,), 256: (_SM90_AL
 BACKWARD_SM90 = {64: (128, 128, 2), 128: (128, 64, 2), 256: (64, 64, 2)}
 _SM90_BACKWARD_FEATURES = _SM90_ALL & ~(FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK)
 BACKWARD_SM90_FEATURE_SETS = {tile: (_SM90_BACKWARD_FEATURES,) for tile in BACKWARD_SM90}
-# Rows of the Hopper backward's dQ reduce-add boxes: a consumer's 64 rows of a query block (key
-# split), a warp's 16 rows of it (head-dim split: each warp adds its own).
-BACKWARD_SM90_DQ_ROWS = {64: 64, 128: 64, 256: 16}
 BACKWARD_SM90_CONSUMERS = 2   # consumer warpgroups of a block (kernels_cu/backward_sm90.cu; test_compile checks the launch)
 # Where the automatic setting runs it (measured, H100, bf16 and fp16, the Hopper backward against
 # the portable one interleaved on the same inputs, 2026-11-24: docs/results/

@@ -273,7 +273,7 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
         grid = -(-shape.seqlen_k // block_n) * bh
         launches.append((kernel, grid, _traits.backward_sm90_threads(sm90.config), smem, "main", True))
         maps = ((("q", block_m), ("k", block_n), ("v", block_n), ("do", block_m),
-                 ("dq_accum", _traits.BACKWARD_SM90_DQ_ROWS[sm90.tile])), shape.dtype, variant.packed is not None)
+                 ("dq_accum", device_value(sm90, sm90.backward_sm90_dq_box_rows()))), shape.dtype, variant.packed is not None)
     elif tensor_core:
         target = current_device().tensor_core_target
         spec = ModuleSpec("backward_tc", shape.dtype, shape.tile, target, variant.backward_flags)

@@ -69,6 +69,13 @@ template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES>
 __device__ const unsigned int backward_sm90_smem_bytes =
     sizeof(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>) + SWIZZLE_ATOM_BYTES;
 
+// Rows of the dq_accum tensor map's box, read by the launcher from the module (stated once): a
+// consumer's 64 rows of a query block (key split), a warp's 16 (head-dim split: each warp adds its own).
+template <int D_TILE>
+constexpr int backward_sm90_dq_rows = D_TILE > 128 ? 16 : 64;
+template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES>
+__device__ const unsigned int backward_sm90_dq_box_rows = backward_sm90_dq_rows<D_TILE>;
+
 // Registers after setmaxnreg: the block's warpgroups launched at 168 a thread (sm_90 launch bounds
 // of 384 threads).
 constexpr int BACKWARD_SM90_PRODUCER_REGISTERS = 24, BACKWARD_SM90_CONSUMER_REGISTERS = 240;
@@ -199,8 +206,8 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
                 tma_load_4d(smem_addr(&smem.v[c][0][0]), &maps.v, kv_full, c * SWIZZLE_ROW_ELEMENTS, seq.k_row0 + kv_start,
                             kv_head, batch_coord);
             }
-#pragma unroll 1
             const QueryOrder<1> order{q_range, at.descending};
+#pragma unroll 1
             for (int i = 0; i < order.count(); ++i) {
                 const int m = order.block(i);
                 const RingSlot slot = ring_slot<STAGES>(i);
@@ -491,6 +498,7 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
                 named_barrier_sync(2 + consumer, 128);   // the chunk is written (ids 2, 3: one per consumer)
                 if (thread == 0) {
                     if (semaphores != nullptr && order.first_of_turn(m)) wait_turn();
+                    static_assert(backward_sm90_dq_rows<D_TILE> == 64, "a box is a consumer's 64 rows");
 #pragma unroll
                     for (int half = 0; half < 2; ++half)
                         tma_reduce_add_4d(&maps.dq_accum, smem_addr(&smem.dq[consumer][half][0][0]),
@@ -663,6 +671,7 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
         // adds the staged rows inside the sequence by red.global instead (adding from registers
         // there spilled 12 bytes with a window).
         const bool whole_rows = !(FEATURES & FEATURE_VARLEN) || q_start + BLOCK_M <= seq.seqlen_q;
+        static_assert(backward_sm90_dq_rows<D_TILE> == 16, "a box is a warp's 16 rows");
         unsigned char* warp_rows = reinterpret_cast<unsigned char*>(&smem.dq[consumer][0][16 * warp][0]);
 #pragma unroll
         for (int piece = 0; piece < COLUMNS / PIECE; ++piece) {
