@@ -59,7 +59,7 @@ struct BackwardSm90Storage {
 
 // q, k, v, dO as 4-D tensors (head_dim, seqlen, heads, batch) in boxes of 64 x BLOCK_M (q, dO) or
 // 64 x BLOCK_N (k, v) elements, and dq_accum (float32) in boxes of 32 columns x BLOCK_M rows (the
-// head-dim split: 16, a warp's; cupy_flash/_traits.BACKWARD_SM90_DQ_ROWS), 128-byte swizzled
+// head-dim split: 16, a warp's; backward_sm90_dq_box_rows, read by the launcher), 128-byte swizzled
 // (cupy_flash/_tma.py).
 struct BackwardSm90Maps {
     TensorMap q, k, v, dout, dq_accum;
@@ -664,7 +664,7 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
         hold_registers(dq);
 
         // Each warp stages its own 16 rows of dQ, a 32-column piece at a time, and adds them with a
-        // TMA reduce-add (boxes of 32 columns x 16 rows, cupy_flash/_traits.BACKWARD_SM90_DQ_ROWS), so
+        // TMA reduce-add (boxes of 32 columns x 16 rows, backward_sm90_dq_box_rows), so
         // the warps never wait for each other here (with a consumer's whole 64 rows a box, as the key
         // split does, and its two barriers a piece: causal 16k 289 -> 329 TFLOP/s). A packed batch's
         // last, partial query block of a sequence (a box would add into the next sequence's rows)
