@@ -390,9 +390,14 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
     }
     unsigned char* staging = reinterpret_cast<unsigned char*>(OWN_O ? &smem.o[0][0][0] : &smem.q[0][0][0]);
     if (blocks > 0) {
-        // The staging rows are free: with OWN_O the previous tile's store had read them before its
-        // issuing thread (warp 0 of this warpgroup) joined this tile's first issue barrier, which
-        // every thread here passed; else they are this tile's Q rows, whose products are complete.
+        // The staging rows are free: with OWN_O the previous tile's store has read them once its
+        // issuing thread's wait below is passed (the store is waited for here, a tile later, not
+        // right after it is issued, where warp 0 then held up the warpgroup's next issue turn);
+        // else they are this tile's Q rows, whose products are complete.
+        if (OWN_O) {
+            if (TMA_STORE && thread == 0) tma_store_wait_read();
+            named_barrier_sync(epilogue_barrier<CONSUMERS>(consumer), 128);
+        }
 #pragma unroll
         for (int i = 0; i < D_TILE / 8; ++i) {
             const int col = 8 * i + col_in_chunk, chunk = col / SWIZZLE_ROW_ELEMENTS;
@@ -412,8 +417,10 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
                     tma_store_4d(&maps.o, smem_addr(staging + c * Q_CHUNK_BYTES + 64 * consumer * 128), c * SWIZZLE_ROW_ELEMENTS,
                                  w.seq.q_row0 + w.q_start + 64 * consumer, (int)w.block.h, w.batch_coord);
                 tma_store_commit();
-                tma_store_wait_read();
-                if (!OWN_O) barrier_arrive(smem_addr(&smem.q_empty), 4);   // for the warpgroup's 4 warps
+                if (!OWN_O) {
+                    tma_store_wait_read();
+                    barrier_arrive(smem_addr(&smem.q_empty), 4);   // for the warpgroup's 4 warps
+                }
             }
             ++q_round;
             return;
@@ -504,6 +511,8 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
             if (w.valid) consume_tile<T, BLOCK_M, D_TILE, BLOCK_N, STAGES, IS_CAUSAL, FEATURES>(smem, maps, p, w, consumer, ring, q_round);
             tile = scheduler.consumer_next(tile, tile_counter, smem, round);
         }
+        // The last store is still reading its staging rows: the block's shared memory must outlive it.
+        if (threadIdx.x % 128 == 0) tma_store_wait_all();
         if (consumer == 0) named_barrier_sync(issue_barrier(0), 256);
     }
 }
