@@ -231,18 +231,33 @@ struct RowSoftmax {
     }
 
     // s (scores of one key block, score units; masked entries -inf) becomes exp2(s - max) in place;
-    // returns the factors by which each row's O must shrink before this block's P V is added.
+    // returns the factors by which each row's O must shrink before this block's P V is added, and
+    // sets `moved` unless the warp kept its maxima (factors 1: O need not be touched). The maxima
+    // stay while no row of the warp sees a score more than MAX_LAG (log2 units) above its
+    // reference: P may then exceed 1 (up to 2^MAX_LAG, in range for float16 and bfloat16) and O
+    // and lse stay exact (any reference gives the same lse = ref + log(sum exp(s - ref))), while
+    // the warp skips O's rescale (D_TILE / 2 multiplies) and two ex2 a block once its maxima settle.
+    static constexpr float MAX_LAG = 8.f;
     template <int N>
-    __device__ __forceinline__ float2 step(float (&s)[N], float score_log2) {
-        float rescale[2];
+    __device__ __forceinline__ float2 step(float (&s)[N], float score_log2, bool& moved) {
+        float block_max[2];
+        bool near = true;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            float block_max = FLASH_NEG_INF;
+            block_max[r] = FLASH_NEG_INF;
 #pragma unroll
-            for (int i = 0; i < N / 4; ++i) block_max = fmaxf(block_max, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
-            block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 1));
-            block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 2));
-            rescale[r] = raise_row_max(row_max[r], row_max_scaled[r], block_max, score_log2);
+            for (int i = 0; i < N / 4; ++i) block_max[r] = fmaxf(block_max[r], fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
+            block_max[r] = fmaxf(block_max[r], __shfl_xor_sync(0xffffffffu, block_max[r], 1));
+            block_max[r] = fmaxf(block_max[r], __shfl_xor_sync(0xffffffffu, block_max[r], 2));
+            // A row with no maximum yet (-inf: lse needs a finite one) keeps it only while it sees no key.
+            near = near && (row_max[r] == FLASH_NEG_INF ? block_max[r] == FLASH_NEG_INF
+                                                        : fmaf(block_max[r], score_log2, -row_max_scaled[r]) <= MAX_LAG);
+        }
+        moved = !__all_sync(0xffffffffu, near);
+        float rescale[2] = {1.f, 1.f};
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            if (moved) rescale[r] = raise_row_max(row_max[r], row_max_scaled[r], block_max[r], score_log2);
             float sum = 0.f;
 #pragma unroll
             for (int i = 0; i < N / 4; ++i)
@@ -290,6 +305,7 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
 #pragma unroll
     for (int i = 0; i < D_TILE / 2; ++i) o[i] = 0.f;
     RowSoftmax softmax;
+    bool rescale_o = true;   // the last softmax step moved a maximum: O is rescaled before its P V
     const int blocks = w.blocks();
 
     if (blocks > 0) {
@@ -329,7 +345,7 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
                 for (int j = 0; j < BLOCK_N / 2; ++j)
                     if (!mask.visible<IS_CAUSAL, FEATURES>(8 * ((j >> 1) & 1), 8 * (j >> 2) + (j & 1))) s[j] = FLASH_NEG_INF;
             }
-            return softmax.template step<BLOCK_N / 2>(s, score_log2);
+            return softmax.template step<BLOCK_N / 2>(s, score_log2, rescale_o);
         };
 
         barrier_wait(smem_addr(&smem.q_full), q_round & 1);
@@ -351,7 +367,7 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
             slot = ring_slot<STAGES>(ring + i);
             named_barrier_sync(issue_barrier(consumer), 256);
             issue_scores(s, slot);
-            rescale_rows(o, rescale);
+            if (rescale_o) rescale_rows(o, rescale);
             issue_values(pa, previous);
             named_barrier_arrive(issue_barrier((consumer + 1) % CONSUMERS), 256);
             warpgroup_wait<1>();   // S of block i
@@ -365,7 +381,7 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
             release(&smem.v_empty[previous.index]);
             accumulator_to_a<T, BLOCK_N>(pa, s);
         }
-        rescale_rows(o, rescale);
+        if (rescale_o) rescale_rows(o, rescale);
         issue_values(pa, slot);
         warpgroup_wait<0>();
         hold_registers(o);

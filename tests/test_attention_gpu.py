@@ -514,6 +514,35 @@ def test_thousands_of_batch_heads(causal, path):
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("span", [7.5, 40.0])
+def test_scores_rising_across_key_blocks(span, dtype, path):
+    # Scores (log2 units) that rise by up to `span` from the last key block to the first: the Hopper
+    # forward visits key blocks last first and keeps a row's maximum while later ones stay within
+    # 8 of it (RowSoftmax::MAX_LAG), so at 7.5 P reaches ~180 unrescaled; at 40 the maximum moves
+    # several times. Rows differ in their span (q's first column from 0.5 to 1).
+    import cupy
+
+    batch, heads, seqlen_q, seqlen_k, head_dim = 1, 2, 200, 1000, 128   # 200 rows: not the decode path
+    scale = 1.0 / math.sqrt(head_dim)
+    rng = numpy.random.default_rng(11)
+    q = numpy.zeros((batch, seqlen_q, heads, head_dim), numpy.float32)
+    q[..., 0] = numpy.linspace(0.5, 1.0, seqlen_q)[None, :, None]
+    k = rng.standard_normal((batch, seqlen_k, heads, head_dim)).astype(numpy.float32)
+    k[..., 0] = (span * (1.0 - numpy.arange(seqlen_k) / (seqlen_k - 1)) / (scale * math.log2(math.e)))[None, :, None]
+    v = rng.standard_normal((batch, seqlen_k, heads, head_dim)).astype(numpy.float32)
+    q, k, v = (cupy.asarray(x.astype(DTYPES[dtype])) for x in (q, k, v))
+    expect_hopper_family(path, forward_family_of(path, q, k, v, softmax_scale=scale), dtype, head_dim, {})
+    with poisoned_allocations(), kernel_path(path):
+        o, lse = cupy_flash.flash_forward(q, k, v, softmax_scale=scale)
+    o_exact, lse_exact = attention_reference(q, k, v, softmax_scale=scale)
+    o_low, lse_low = low_precision_outputs(q, k, v, softmax_scale=scale)
+    context = f"{dtype} span={span} kernels={path}"
+    check_error_rule("o", o, o_exact, o_low, context, max_finite_abs(lse_exact))
+    check_error_rule("lse", lse, lse_exact, lse_low, context, max_finite_abs(lse_exact))
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
 def test_rows_that_see_no_key(path):
     # Bottom-right causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows see nothing
     # (whole query blocks of them: the Hopper kernel's blocks with no key block at all).
