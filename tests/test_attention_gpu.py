@@ -209,20 +209,25 @@ EDGE_CASES = [
 
 def _check_forward(p, path="portable"):
     q, k, v = make_inputs(p)
-    opts = options(p)
-    expect_hopper_family(path, forward_family_of(path, q, k, v, **opts), p["dtype"], p["head_dim"], opts)
+    _check_forward_of(q, k, v, lambda: options(p), p["dtype"], p["head_dim"], describe(p), path)
+
+
+def _check_forward_of(q, k, v, make_options, dtype, head_dim, context, path):
+    """flash_forward on q, k, v under ``path`` against the reference (the 2x rule); make_options()
+    gives the call's keywords afresh for each use."""
+    opts = make_options()
+    expect_hopper_family(path, forward_family_of(path, q, k, v, **opts), dtype, head_dim, opts)
     with poisoned_allocations(), kernel_path(path):
         o, lse = cupy_flash.flash_forward(q, k, v, **opts)
     assert o.shape == q.shape and o.dtype == q.dtype
-    assert lse.shape == (p["batch"], p["heads"], p["seqlen_q"]) and lse.dtype == numpy.float32
-    o_exact, lse_exact = attention_reference(q, k, v, **options(p))
-    o_low, lse_low = low_precision_outputs(q, k, v, **options(p))
-    context = describe(p)
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == numpy.float32
+    o_exact, lse_exact = attention_reference(q, k, v, **make_options())
+    o_low, lse_low = low_precision_outputs(q, k, v, **make_options())
     lse_magnitude = max_finite_abs(lse_exact)
     check_error_rule("o", o, o_exact, o_low, context + f" kernels={path}", lse_magnitude)
     check_error_rule("lse", lse, lse_exact, lse_low, context + f" kernels={path}", lse_magnitude)
     with kernel_path(path):
-        assert cupy_flash.flash_attention(q, k, v, **options(p)).shape == q.shape
+        assert cupy_flash.flash_attention(q, k, v, **make_options()).shape == q.shape
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)
@@ -532,14 +537,7 @@ def test_scores_rising_across_key_blocks(span, dtype, path):
     k[..., 0] = (span * (1.0 - numpy.arange(seqlen_k) / (seqlen_k - 1)) / (scale * math.log2(math.e)))[None, :, None]
     v = rng.standard_normal((batch, seqlen_k, heads, head_dim)).astype(numpy.float32)
     q, k, v = (cupy.asarray(x.astype(DTYPES[dtype])) for x in (q, k, v))
-    expect_hopper_family(path, forward_family_of(path, q, k, v, softmax_scale=scale), dtype, head_dim, {})
-    with poisoned_allocations(), kernel_path(path):
-        o, lse = cupy_flash.flash_forward(q, k, v, softmax_scale=scale)
-    o_exact, lse_exact = attention_reference(q, k, v, softmax_scale=scale)
-    o_low, lse_low = low_precision_outputs(q, k, v, softmax_scale=scale)
-    context = f"{dtype} span={span} kernels={path}"
-    check_error_rule("o", o, o_exact, o_low, context, max_finite_abs(lse_exact))
-    check_error_rule("lse", lse, lse_exact, lse_low, context, max_finite_abs(lse_exact))
+    _check_forward_of(q, k, v, lambda: dict(softmax_scale=scale), dtype, head_dim, f"{dtype} span={span}", path)
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)
