@@ -407,17 +407,19 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
         // dQ's epilogue runs under it (wgmma groups complete in order: behind dK, dQ's product and
         // epilogue waited for both products; with dS^T's A fragments kept in registers for it,
         // dq, dk, dv and the fragments spilled 100-284 bytes at d = 128).
+        const unsigned long long do_desc = n_major_descriptor(do_base, Q_CHUNK_BYTES);
         warpgroup_arrive();
 #pragma unroll
         for (int kk = 0; kk < BLOCK_M / 16; ++kk)
-            Wgmma<T, D_TILE>::template rs<1>(dv, pa[kk], n_major_descriptor(do_base + kk * 2 * SWIZZLE_ATOM_BYTES, Q_CHUNK_BYTES), 1);
+            Wgmma<T, D_TILE>::template rs<1>(dv, pa[kk], advance_descriptor(do_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
         warpgroup_commit();
-        const unsigned int own_ds = smem_addr(&smem.ds[it & 1][consumer][0][0]);
+        const unsigned long long own_ds_desc = n_major_descriptor(smem_addr(&smem.ds[it & 1][consumer][0][0]), Q_CHUNK_BYTES);
+        const unsigned long long q_desc = n_major_descriptor(q_base, Q_CHUNK_BYTES);
         const auto issue_dk = [&]() {
 #pragma unroll
             for (int kk = 0; kk < BLOCK_M / 16; ++kk)
-                Wgmma<T, D_TILE>::template ss<1, 1>(dk, n_major_descriptor(own_ds + kk * 2 * SWIZZLE_ATOM_BYTES, Q_CHUNK_BYTES),
-                                                    n_major_descriptor(q_base + kk * 2 * SWIZZLE_ATOM_BYTES, Q_CHUNK_BYTES), 1);
+                Wgmma<T, D_TILE>::template ss<1, 1>(dk, advance_descriptor(own_ds_desc, kk * 2 * SWIZZLE_ATOM_BYTES),
+                                                    advance_descriptor(q_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
             warpgroup_commit();
         };
         bool dk_issued = false;
@@ -466,15 +468,16 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
             // Its column chunk and first query row (as constants where the block has 64 queries).
             const int c = QUERY_HALVES == 1 ? item : item % CHUNKS, rows = QUERY_HALVES == 1 ? 0 : 64 * (item / CHUNKS);
             float dq[SWIZZLE_ROW_ELEMENTS / 2];
+            const unsigned long long ds_desc = k_major_descriptor(smem_addr(&smem.ds[it & 1][0][rows][0]));
+            const unsigned long long k_desc = n_major_descriptor(smem_addr(&smem.k[c][0][0]), K_CHUNK_BYTES);
             warpgroup_arrive();
 #pragma unroll
             for (int kc = 0; kc < CONSUMERS; ++kc)
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk)
                     Wgmma<T, SWIZZLE_ROW_ELEMENTS>::template ss<1>(
-                        dq, k_major_descriptor(smem_addr(&smem.ds[it & 1][kc][rows][0]) + kk * 32),
-                        n_major_descriptor(smem_addr(&smem.k[c][64 * kc][0]) + kk * 2 * SWIZZLE_ATOM_BYTES, K_CHUNK_BYTES),
-                        kc > 0 || kk > 0);
+                        dq, advance_descriptor(ds_desc, kc * (unsigned int)sizeof(smem.ds[0][0]) + kk * 32),
+                        advance_descriptor(k_desc, kc * 64 * 128 + kk * 2 * SWIZZLE_ATOM_BYTES), kc > 0 || kk > 0);
             warpgroup_commit();
             issue_dk();
             dk_issued = true;
@@ -642,23 +645,25 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
         // dQ (the block's queries x this consumer's columns) = dS K: A is dS^T's tile read M-major
         // (queries contiguous); then dV += P^T dO and dK += dS^T Q, A read K-major.
         float dq[COLUMNS / 2];
+        const unsigned long long ds_n_desc = n_major_descriptor(ds_tile, K_CHUNK_BYTES);
+        const unsigned long long k_desc = n_major_descriptor(k_rows + (column0 / 64) * K_CHUNK_BYTES, K_CHUNK_BYTES);
         warpgroup_arrive();
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-            Wgmma<T, COLUMNS>::template ss<1, 1>(
-                dq, n_major_descriptor(ds_tile + kk * 2 * SWIZZLE_ATOM_BYTES, K_CHUNK_BYTES),
-                n_major_descriptor(k_rows + (column0 / 64) * K_CHUNK_BYTES + kk * 2 * SWIZZLE_ATOM_BYTES, K_CHUNK_BYTES), kk > 0);
+            Wgmma<T, COLUMNS>::template ss<1, 1>(dq, advance_descriptor(ds_n_desc, kk * 2 * SWIZZLE_ATOM_BYTES),
+                                                 advance_descriptor(k_desc, kk * 2 * SWIZZLE_ATOM_BYTES), kk > 0);
         warpgroup_commit();
+        const unsigned long long p_desc = k_major_descriptor(p_tile), ds_k_desc = k_major_descriptor(ds_tile);
+        const unsigned long long do_desc = n_major_descriptor(do_base + (column0 / 64) * Q_CHUNK_BYTES, Q_CHUNK_BYTES);
+        const unsigned long long q_desc = n_major_descriptor(q_base + (column0 / 64) * Q_CHUNK_BYTES, Q_CHUNK_BYTES);
 #pragma unroll
         for (int kk = 0; kk < BLOCK_M / 16; ++kk)
-            Wgmma<T, COLUMNS>::template ss<1>(
-                dv, k_major_descriptor(p_tile + kk * 32),
-                n_major_descriptor(do_base + (column0 / 64) * Q_CHUNK_BYTES + kk * 2 * SWIZZLE_ATOM_BYTES, Q_CHUNK_BYTES), 1);
+            Wgmma<T, COLUMNS>::template ss<1>(dv, advance_descriptor(p_desc, kk * 32),
+                                              advance_descriptor(do_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
 #pragma unroll
         for (int kk = 0; kk < BLOCK_M / 16; ++kk)
-            Wgmma<T, COLUMNS>::template ss<1>(
-                dk, k_major_descriptor(ds_tile + kk * 32),
-                n_major_descriptor(q_base + (column0 / 64) * Q_CHUNK_BYTES + kk * 2 * SWIZZLE_ATOM_BYTES, Q_CHUNK_BYTES), 1);
+            Wgmma<T, COLUMNS>::template ss<1>(dk, advance_descriptor(ds_k_desc, kk * 32),
+                                              advance_descriptor(q_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
         warpgroup_commit();
         warpgroup_wait<1>();   // dQ
         hold_registers(dq);

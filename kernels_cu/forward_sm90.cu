@@ -315,7 +315,7 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
             barrier_wait(smem_addr(&smem.k_full[slot.index]), slot.parity);
             const unsigned int k_base = smem_addr(&smem.k[slot.index][0][0][0]);
             warpgroup_arrive();
-            mma_k_major<T, BLOCK_N, D_TILE>(s, q_base, Q_CHUNK_BYTES, k_base, KV_CHUNK_BYTES);
+            mma_k_major<T, BLOCK_N, D_TILE, false>(s, q_base, Q_CHUNK_BYTES, k_base, KV_CHUNK_BYTES);
             warpgroup_commit();
         };
         auto issue_values = [&](unsigned int (&pa)[BLOCK_N / 16][4], const RingSlot& slot) {

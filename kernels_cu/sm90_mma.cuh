@@ -75,20 +75,35 @@ __device__ __forceinline__ unsigned long long n_major_descriptor(unsigned int ad
     return smem_descriptor(addr, chunk_bytes, SWIZZLE_ATOM_BYTES);
 }
 
+// `desc` with its start address moved by `bytes` (a multiple of 16): the address field is the low
+// 14 bits and shared addresses stay below 2^18, so the sum never carries out of it. One add per
+// product in place of the five instructions that build a descriptor from an address (they ran
+// inside a consumer's issue turn, 12-16 products a key block).
+__device__ __forceinline__ unsigned long long advance_descriptor(unsigned long long desc, unsigned int bytes) {
+    return desc + (bytes >> 4);
+}
+
 template <typename T, int N> struct Wgmma;   // sm90_wgmma_ops.cuh
 
 // d (64 x N) = A B^T with A (64 rows) and B (N rows) both K-major over K = D_TILE, stored as
 // 64-column chunks `a_chunk_bytes` / `b_chunk_bytes` apart (S = Q K^T in the forward, S^T = K Q^T
 // and dP^T = V dO^T in the backward). Issues the products only: between warpgroup_arrive and
-// warpgroup_commit.
-template <typename T, int N, int D_TILE>
+// warpgroup_commit. ADVANCE: the two descriptors built once and advanced per product (the
+// backward: d = 256 +3.5%, d = 64 / 128 unchanged), else built per product (the forward: advanced,
+// d = 64 measured 0.95-0.98x on all 16 shapes, bf16 and fp16, 1k-16k, interleaved A B B A twice;
+// d = 128 / 256 0.95-1.02x).
+template <typename T, int N, int D_TILE, bool ADVANCE = true>
 __device__ __forceinline__ void mma_k_major(float (&d)[N / 2], unsigned int a, unsigned int a_chunk_bytes, unsigned int b,
                                             unsigned int b_chunk_bytes) {
+    const unsigned long long a_desc = k_major_descriptor(a), b_desc = k_major_descriptor(b);
 #pragma unroll
     for (int kk = 0; kk < D_TILE / 16; ++kk) {
-        const unsigned int step = (kk % 4) * 32;   // k16 steps inside a 64-column chunk
-        Wgmma<T, N>::template ss<0>(d, k_major_descriptor(a + (kk / 4) * a_chunk_bytes + step),
-                                    k_major_descriptor(b + (kk / 4) * b_chunk_bytes + step), kk > 0);
+        const unsigned int a_step = (kk / 4) * a_chunk_bytes + (kk % 4) * 32;   // k16 steps inside a 64-column chunk
+        const unsigned int b_step = (kk / 4) * b_chunk_bytes + (kk % 4) * 32;
+        if constexpr (ADVANCE)
+            Wgmma<T, N>::template ss<0>(d, advance_descriptor(a_desc, a_step), advance_descriptor(b_desc, b_step), kk > 0);
+        else
+            Wgmma<T, N>::template ss<0>(d, k_major_descriptor(a + a_step), k_major_descriptor(b + b_step), kk > 0);
     }
 }
 
