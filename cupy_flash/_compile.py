@@ -91,7 +91,7 @@ class ModuleSpec:
 
     def __post_init__(self):
         if self.family == "forward_sm90" and not self.config:
-            object.__setattr__(self, "config", _traits.forward_sm90_config(self.tile))
+            object.__setattr__(self, "config", _traits.forward_sm90_config(self.tile, self.features))
         if self.family == "backward_sm90" and not self.config:
             object.__setattr__(self, "config", _traits.backward_sm90_config(self.tile))
         if self.family in ("backward", "backward_tc", "backward_sm90"):   # the backward kernels never see the sink
@@ -254,7 +254,8 @@ def all_module_specs(features=(0,) + LARGEST_FEATURE_SETS) -> list[ModuleSpec]:
         if dtype in TENSOR_CORE_DTYPES:
             for tile, feature_sets in _traits.FORWARD_SM90_FEATURE_SETS.items():
                 for flags in (0,) + feature_sets if features != (0,) else (0,):
-                    specs.append(ModuleSpec("forward_sm90", dtype, tile, "sm90a", flags))
+                    for config in _traits.forward_sm90_configs(tile, flags):   # plain calls: two (FORWARD_SM90_PLAIN)
+                        specs.append(ModuleSpec("forward_sm90", dtype, tile, "sm90a", flags, config=config))
             for tile, feature_sets in _traits.BACKWARD_SM90_FEATURE_SETS.items():
                 for flags in (0,) + feature_sets if features != (0,) else (0,):
                     specs.append(ModuleSpec("backward_sm90", dtype, tile, "sm90a", flags))

@@ -60,6 +60,12 @@ TENSOR_CORE_TARGETS = ("sm8x", "sm80", "sm90")   # the mma.sync families' tables
 # spills 44 bytes with variants; d=256 128x80 +7-8% over 128x64 from 4k.
 # Variant instantiations (score modifiers, windows) take the same tiles: all compile spill-free.
 FORWARD_SM90 = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 80, 2)}
+# Plain calls (no variant flag) take these tiles instead, causal ones from FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS.
+# d = 64 192x128, three consumers (H100, 2026-11-25, interleaved against 128x128 on the same inputs,
+# bf16 and fp16): non-causal 2k-16k +10-17% (16k 444 -> 513 TFLOP/s), 1k 1.01-1.07x, 512 0.97-0.99x;
+# causal 1k 0.91-0.95x, 2k-16k +4-8% (16k 428 -> 449). Its variant kernels spill 164 bytes.
+FORWARD_SM90_PLAIN = {64: (192, 128, 2)}
+FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS = {64: 2048}
 # The variant flags each tile's kernels are built with (the largest sets; a variant runs here when
 # its flags are a subset of one). The bias stays on the portable kernels (a float32 tile per key
 # block would not fit beside the K/V ring).
@@ -113,10 +119,18 @@ def forward_sm90_tile(head_dim: int) -> int:
     return next(tile for tile in FORWARD_SM90 if head_dim <= tile)
 
 
-def forward_sm90_config(tile: int) -> tuple[int, int, int, int]:
-    """(block_m, head-dim tile, block_n, stages): the Hopper forward's template tile arguments."""
-    block_m, block_n, stages = FORWARD_SM90[tile]
+def forward_sm90_config(tile: int, flags: int = 0, causal: bool = False, seqlen_k: int = 0) -> tuple[int, int, int, int]:
+    """(block_m, head-dim tile, block_n, stages): the Hopper forward's template tile arguments for a
+    call with variant ``flags`` (_features.FEATURE_* bits), a causal mask or not, and ``seqlen_k`` keys."""
+    plain = flags == 0 and (not causal or seqlen_k >= FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS.get(tile, 0))
+    block_m, block_n, stages = FORWARD_SM90_PLAIN.get(tile, FORWARD_SM90[tile]) if plain else FORWARD_SM90[tile]
     return block_m, tile, block_n, stages
+
+
+def forward_sm90_configs(tile: int, flags: int) -> tuple[tuple[int, int, int, int], ...]:
+    """Every config forward_sm90_config gives calls with ``flags`` (the modules CI builds)."""
+    calls = ((False, 0), (True, 0), (True, 1 << 30))   # (causal, keys)
+    return tuple(dict.fromkeys(forward_sm90_config(tile, flags, causal, keys) for causal, keys in calls))
 
 
 def forward_sm90_threads(config: tuple) -> int:

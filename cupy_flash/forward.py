@@ -78,9 +78,10 @@ def forward_plan(q, k, v, shape, scale, variant, config: tuple = ()) -> ForwardP
     device = _families.current_device()
     family = _families.forward_family(device, shape, variant, arrays=(q, k, v))
     if family == "forward_sm90":
+        tile = _traits.forward_sm90_tile(shape.head_dim)
         kernel, smem, (block_m, _, block_n, _), threads, counter = _sm90_kernel(
-            cupy.cuda.runtime.getDevice(), shape.dtype, _traits.forward_sm90_tile(shape.head_dim), variant.flags,
-            variant.causal, config)
+            cupy.cuda.runtime.getDevice(), shape.dtype, tile, variant.flags, variant.causal,
+            config or _traits.forward_sm90_config(tile, variant.flags, variant.causal, shape.seqlen_k))
         # A persistent grid where tiles cost the same, or where blocks take them from a counter;
         # else a block per tile (kernels_cu/forward_sm90.cu, TileScheduler, which states which).
         # (The tile count is below 2^31: _checks bounds the portable kernels' grid, of smaller

@@ -105,7 +105,7 @@ struct ForwardSm90Work {
 // Striding there gave tiles b, b + 132, ... of a causal 16k call 3x unequal work (d=128: 386
 // against 570 TFLOP/s), and a block per tile paid each block's start (barriers, the first Q, K
 // and V) once per tile: 0.80-0.89 of cuDNN at 2k causal. (The counter's atomic in the producer
-// spilled at 24 registers; it has 40.)
+// spilled at 24 registers; it has 40, and 32 beside three consumers: Sm90Registers.)
 // Whether blocks take their tiles from the counter: where masks or packed sequences make tiles'
 // work unequal, but not at d = 256, whose consumers then spilled 76-232 bytes (the loop's counter
 // and round held across the tile): those calls get a block per tile, handed out by the hardware.
@@ -150,8 +150,11 @@ struct TileScheduler {
 
     __device__ __forceinline__ ForwardSm90Work work(const FlashParams& p, int tile) const {
         ForwardSm90Work w;
-        const long long bh = tile / num_q_blocks;
-        w.block = {num_q_blocks - 1 - (int)(tile % num_q_blocks), bh / p.heads, bh % p.heads};
+        // 32-bit divisions: tile < 2^31, so (batch, head) and heads fit (the 64-bit one's routine cost
+        // the producer's 32 registers beside three consumers a 4-byte spill).
+        const unsigned int bh = (unsigned int)tile / (unsigned int)num_q_blocks, heads = (unsigned int)p.heads;
+        w.block = {num_q_blocks - 1 - (int)((unsigned int)tile % (unsigned int)num_q_blocks), (long long)(bh / heads),
+                   (long long)(bh % heads)};
         w.seq = sequence_of<FEATURES>(p, w.block.b);
         w.q_start = w.block.q_block * BLOCK_M;
         w.valid = !(FEATURES & FEATURE_VARLEN) || w.q_start < w.seq.seqlen_q;

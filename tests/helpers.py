@@ -42,15 +42,29 @@ KERNEL_PATHS = [pytest.param("portable", id="portable"),
                              marks=pytest.mark.skipif(not _is_hopper(), reason="the Hopper kernels need compute capability 9.0"))]
 
 
+# Under "hopper", plain causal forward calls take the plain tiles (_traits.FORWARD_SM90_PLAIN) from
+# this many keys instead of the table's threshold (2k), so the property draws (seqlen 1-200,
+# 200-1200, 1200-3000) run both tile shapes of a causal call.
+HOPPER_TEST_PLAIN_CAUSAL_MIN_KEYS = 200
+
+
 @contextlib.contextmanager
 def kernel_path(path: str):
     """Calls inside dispatch as ``path`` asks. "hopper": every Hopper kernel, those still opted into
     with CUPY_FLASH_KERNELS=experimental included (the backward; the forward dispatches the same
-    under "auto" and "experimental")."""
-    from cupy_flash import _families
+    under "auto" and "experimental"), plain causal calls from HOPPER_TEST_PLAIN_CAUSAL_MIN_KEYS keys on
+    the plain tiles."""
+    from cupy_flash import _families, _traits
 
-    with _families.use_kernels("portable" if path == "portable" else "experimental"):
-        yield
+    thresholds = _traits.FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS
+    saved = dict(thresholds)
+    if path == "hopper":
+        thresholds.update({tile: HOPPER_TEST_PLAIN_CAUSAL_MIN_KEYS for tile in thresholds})
+    try:
+        with _families.use_kernels("portable" if path == "portable" else "experimental"):
+            yield
+    finally:
+        thresholds.update(saved)
 
 
 def _prepared(q, k, v, options):

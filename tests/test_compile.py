@@ -137,13 +137,15 @@ def test_shared_memory_fits_every_sm80_plus_part(tile):
 
 
 def test_every_hopper_instantiation_is_built_by_ci():
-    """Each Hopper forward module CI builds has its tile table's config, and every feature set the
-    dispatch accepts is among them (a flag set the rule sends to sm_90a is compiled and checked)."""
-    built = {(s.dtype, s.tile, s.features): s.config for s in _compile.all_module_specs() if s.family == "forward_sm90"}
+    """Each Hopper forward module CI builds has its tile table's config (for causal calls and the
+    others), and every feature set the dispatch accepts is among them (a flag set the rule sends to
+    sm_90a is compiled and checked)."""
+    built = {(s.dtype, s.tile, s.features, s.config) for s in _compile.all_module_specs() if s.family == "forward_sm90"}
     for dtype in _compile.TENSOR_CORE_DTYPES:
         for tile, sets in _traits.FORWARD_SM90_FEATURE_SETS.items():
             for flags in (0,) + sets:
-                assert built[(dtype, tile, flags)] == _traits.forward_sm90_config(tile)
+                for causal, keys in ((False, 1), (True, 1), (True, 1 << 20)):
+                    assert (dtype, tile, flags, _traits.forward_sm90_config(tile, flags, causal, keys)) in built
 
 
 def test_generated_wgmma_operations_are_current_and_cover_the_tiles():
@@ -156,7 +158,7 @@ def test_generated_wgmma_operations_are_current_and_cover_the_tiles():
     spec.loader.exec_module(generator)
     assert (path.parent / "sm90_wgmma_ops.cuh").read_text() == generator.source(), (
         "kernels_cu/sm90_wgmma_ops.cuh is stale: run python kernels_cu/generate_wgmma_ops.py")
-    for tile, (_, block_n, _) in _traits.FORWARD_SM90.items():
+    for tile, (_, block_n, _) in list(_traits.FORWARD_SM90.items()) + list(_traits.FORWARD_SM90_PLAIN.items()):
         assert tile in generator.WIDTHS and block_n in generator.WIDTHS, (tile, block_n)
     for tile, (_, block_m, _) in _traits.BACKWARD_SM90.items():   # the key split's N, and the head-dim split's halves
         halves = (tile // _traits.BACKWARD_SM90_CONSUMERS, block_m // _traits.BACKWARD_SM90_CONSUMERS)
