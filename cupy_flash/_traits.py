@@ -58,12 +58,13 @@ TENSOR_CORE_TARGETS = ("sm8x", "sm80", "sm90")   # the mma.sync families' tables
 # docs/performance.md): d=64 192x128 was +10% at 16k but -30% causal at 4k, and its plain kernel
 # spills 44 bytes (3 consumers get 160 registers); d=128 128x176 +3% at 16k and 1k, -2% at 4k, and
 # spills 44 bytes with variants; d=256 128x80 +7-8% over 128x64 from 4k.
-# Variant instantiations (score modifiers, windows) take the same tiles: all compile spill-free.
+# Variant instantiations (score modifiers, windows) take these tiles: all compile spill-free.
 FORWARD_SM90 = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 80, 2)}
 # Plain calls (no variant flag) take these tiles instead, causal ones from FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS.
 # d = 64 192x128, three consumers (H100, 2026-11-25, interleaved against 128x128 on the same inputs,
-# bf16 and fp16): non-causal 2k-16k +10-17% (16k 444 -> 513 TFLOP/s), 1k 1.01-1.07x, 512 0.97-0.99x;
-# causal 1k 0.91-0.95x, 2k-16k +4-8% (16k 428 -> 449). Its variant kernels spill 164 bytes.
+# bf16 and fp16): non-causal 2k-16k +8-17% (16k 444 -> 513 TFLOP/s), 1k 1.01-1.07x, 512 0.97-1.04x;
+# causal 1k 0.91-0.95x, 2k-16k 0.99-1.08x (16k 428 -> 449). Its variant kernels spill 164 bytes.
+# d = 128 128x176 (spill-free now) measured 0.86-0.97x at 1k-4k, 1.01-1.02x at 16k: not taken.
 FORWARD_SM90_PLAIN = {64: (192, 128, 2)}
 FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS = {64: 2048}
 # The variant flags each tile's kernels are built with (the largest sets; a variant runs here when
