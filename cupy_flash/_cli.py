@@ -114,9 +114,12 @@ def warmup_specs(dtypes, head_dims, features, families, device) -> list:
             if "forward" in families:
                 shape = AttentionShape(1, 1024, 1024, 1, head_dim, dtype)
                 family = _families.forward_family(device, shape, types.SimpleNamespace(flags=flags))
-                specs.append(_compile.ModuleSpec(family, dtype, _traits.forward_sm90_tile(head_dim), "sm90a", flags)
-                             if family == "forward_sm90" else
-                             _compile.ModuleSpec(family, dtype, tile, target if tensor_core else None, flags))
+                if family == "forward_sm90":   # every tile config such calls take (causal or not, any length)
+                    sm90_tile = _traits.forward_sm90_tile(head_dim)
+                    specs.extend(_compile.ModuleSpec(family, dtype, sm90_tile, "sm90a", flags, config=config)
+                                 for config in _traits.forward_sm90_configs(sm90_tile, flags))
+                else:
+                    specs.append(_compile.ModuleSpec(family, dtype, tile, target if tensor_core else None, flags))
             if "backward" in families:
                 specs.append(_compile.ModuleSpec("backward_tc", dtype, tile, target, flags) if tensor_core
                              else _compile.ModuleSpec("backward", dtype, tile, features=flags))

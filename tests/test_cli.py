@@ -54,6 +54,10 @@ def test_warmup_specs_cover_what_calls_run():
     # Elsewhere (an A100), and with a bias on the H100, the forward is the mma.sync family's.
     a100 = _cli.warmup_specs(["bfloat16"], [64], [], ["forward"], _families.DeviceInfo(80, 163 * 1024, 108))
     assert "forward_tc kernels (bfloat16, head_dim tile 64, sm80 tiles)" in {s.describe() for s in a100}
+    # Plain calls at d = 64 take two tile shapes (three consumers, and 128 rows for short causal calls).
+    plain = {s.describe() for s in _cli.warmup_specs(["bfloat16"], [64], [], ["forward"], h100)}
+    assert {"forward_sm90 kernels (bfloat16, head_dim tile 64, sm90a tiles 192x64x128x2)",
+            "forward_sm90 kernels (bfloat16, head_dim tile 64, sm90a tiles 128x64x128x2)"} <= plain, plain
     biased = _cli.warmup_specs(["bfloat16"], [64], ["bias"], ["forward"], h100)
     assert "forward_tc kernels (bfloat16, head_dim tile 64, sm90 tiles, bias)" in {s.describe() for s in biased}
 
