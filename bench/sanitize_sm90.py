@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy
 
 import cupy_flash
-from cupy_flash import _families, _traits
+from cupy_flash import _families, forward
 
 if _families.current_device().compute_capability != 90:
     raise SystemExit("the Hopper kernels need a compute capability 9.0 GPU")
@@ -34,13 +34,11 @@ for dtype in (numpy.float16, ml_dtypes.bfloat16) if sys.argv[1:] != ["backward"]
             q, k, v = array((2, 200, 40, d), dtype), array((2, 150, 8, d), dtype), array((2, 150, 8, d), dtype)
             cupy_flash.flash_forward(q, k, v, causal=causal)
     # Plain causal calls take the plain tiles (_traits.FORWARD_SM90_PLAIN: three consumers at d = 64)
-    # from 2k keys; here at 150, so the counter hands their 160 tiles out.
-    thresholds = _traits.FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS
-    saved = dict(thresholds)
-    thresholds.update({tile: 0 for tile in thresholds})
-    q, k, v = array((2, 200, 40, 40), dtype), array((2, 150, 8, 40), dtype), array((2, 150, 8, 40), dtype)
-    cupy_flash.flash_forward(q, k, v, causal=True)
-    thresholds.update(saved)
+    # from 2k keys; here at 150, so the counter hands their 160 tiles out. (The shape is the loop's
+    # d = 40 causal call's: plain_causal_tiles_from drops that call's plan, which would be reused.)
+    with forward.plain_causal_tiles_from(0):
+        q, k, v = array((2, 200, 40, 40), dtype), array((2, 150, 8, 40), dtype), array((2, 150, 8, 40), dtype)
+        cupy_flash.flash_forward(q, k, v, causal=True)
     q, k, v = array((1, 300, 4, 64), dtype), array((1, 100, 2, 64), dtype), array((1, 100, 2, 64), dtype)
     cupy_flash.flash_forward(q, k, v, causal=True)   # the first query block sees no key
     cupy_flash.flash_forward(q, k, v, window_size=(30, 5), softcap=5.0, sink=cupy.zeros(4, cupy.float32))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 
@@ -227,6 +228,23 @@ def check_outputs(out, lse_shape: tuple, q):
 # address alignments and device ids, the scale and causal (with their types: True == 1.0 in a
 # dict), and the kernels setting.
 _plans: dict = {}
+
+
+@contextlib.contextmanager
+def plain_causal_tiles_from(keys: int):
+    """Inside: plain causal Hopper forward calls take _traits.FORWARD_SM90_PLAIN's tiles from ``keys``
+    keys instead of FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS (the GPU tests and the sanitizer workload, so
+    short causal calls run both tile shapes). A plan's key does not hold the rule, so the plans made
+    under either are dropped on the way in and out."""
+    thresholds = _traits.FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS
+    saved = dict(thresholds)
+    _plans.clear()
+    thresholds.update(dict.fromkeys(saved, keys))
+    try:
+        yield
+    finally:
+        thresholds.update(saved)
+        _plans.clear()
 
 
 def _plan_key(q, k, v, softmax_scale, causal):

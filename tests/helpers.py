@@ -54,17 +54,11 @@ def kernel_path(path: str):
     with CUPY_FLASH_KERNELS=experimental included (the backward; the forward dispatches the same
     under "auto" and "experimental"), plain causal calls from HOPPER_TEST_PLAIN_CAUSAL_MIN_KEYS keys on
     the plain tiles."""
-    from cupy_flash import _families, _traits
+    from cupy_flash import _families, forward
 
-    thresholds = _traits.FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS
-    saved = dict(thresholds)
-    if path == "hopper":
-        thresholds.update({tile: HOPPER_TEST_PLAIN_CAUSAL_MIN_KEYS for tile in thresholds})
-    try:
-        with _families.use_kernels("portable" if path == "portable" else "experimental"):
-            yield
-    finally:
-        thresholds.update(saved)
+    tiles = forward.plain_causal_tiles_from(HOPPER_TEST_PLAIN_CAUSAL_MIN_KEYS) if path == "hopper" else contextlib.nullcontext()
+    with tiles, _families.use_kernels("portable" if path == "portable" else "experimental"):
+        yield
 
 
 def _prepared(q, k, v, options):

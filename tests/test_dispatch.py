@@ -117,3 +117,23 @@ def test_tma_takes_any_stride_on_axes_of_size_one():
     assert not _tma.maps_supported(FakeGpuArray((2, 640, 4, 64), (640 * 4 * 128, 4 * 128, 128, 2), ptr=(1 << 20) + 8))
     packed = FakeGpuArray((1, 3, 64), (0, 128, 2))
     assert _tma.maps_supported(packed) and _tma.map_strides(packed, packed=True) == (128, 128, 128)
+
+
+def test_plain_causal_tiles_from_moves_the_threshold_and_drops_plans():
+    """forward.plain_causal_tiles_from (the GPU tests' hopper path, the sanitizer workload): inside,
+    plain causal calls take FORWARD_SM90_PLAIN's tiles from the given keys; plans made under either
+    rule are dropped (their key does not hold it), and the table's threshold comes back."""
+    from cupy_flash import _traits, forward
+
+    tile = next(iter(_traits.FORWARD_SM90_PLAIN))
+    plain, table = _traits.forward_sm90_config(tile), _traits.forward_sm90_config(tile, causal=True, seqlen_k=100)
+    assert plain != table   # 100 keys is under the threshold
+    forward._plans["made outside"] = object()
+    with forward.plain_causal_tiles_from(100):
+        assert not forward._plans
+        assert _traits.forward_sm90_config(tile, causal=True, seqlen_k=100) == plain
+        assert _traits.forward_sm90_config(tile, causal=True, seqlen_k=99) == table
+        assert _traits.forward_sm90_config(tile, 1, causal=True, seqlen_k=4096) == _traits.forward_sm90_config(tile, 1)
+        forward._plans["made inside"] = object()
+    assert not forward._plans
+    assert _traits.forward_sm90_config(tile, causal=True, seqlen_k=100) == table
