@@ -93,7 +93,7 @@ class ModuleSpec:
         if self.family == "forward_sm90" and not self.config:
             object.__setattr__(self, "config", _traits.forward_sm90_config(self.tile, self.features))
         if self.family == "backward_sm90" and not self.config:
-            object.__setattr__(self, "config", _traits.backward_sm90_config(self.tile))
+            object.__setattr__(self, "config", _traits.backward_sm90_config(self.tile, self.features))
         if self.family in ("backward", "backward_tc", "backward_sm90"):   # the backward kernels never see the sink
             object.__setattr__(self, "features", self.features & ~_features.FORWARD_ONLY_FEATURES)
         if self.family == "decode":
@@ -258,7 +258,8 @@ def all_module_specs(features=(0,) + LARGEST_FEATURE_SETS) -> list[ModuleSpec]:
                         specs.append(ModuleSpec("forward_sm90", dtype, tile, "sm90a", flags, config=config))
             for tile, feature_sets in _traits.BACKWARD_SM90_FEATURE_SETS.items():
                 for flags in (0,) + feature_sets if features != (0,) else (0,):
-                    specs.append(ModuleSpec("backward_sm90", dtype, tile, "sm90a", flags))
+                    for config in _traits.backward_sm90_configs(tile, flags):   # plain calls: two (BACKWARD_SM90_PLAIN)
+                        specs.append(ModuleSpec("backward_sm90", dtype, tile, "sm90a", flags, config=config))
     return list(dict.fromkeys(specs))   # the decode family keeps fewer flags: equal specs once
 
 

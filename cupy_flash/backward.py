@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import math
 
 from . import _checks, _families, _tma, _traits
 from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, device_value, get_kernel
@@ -215,20 +216,26 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
     q, k = arrays["q"], arrays["k"]
     tensor_core = shape.dtype in TENSOR_CORE_DTYPES
     bh = shape.batch * shape.heads
-    # Row statistics (tensor cores): padded per (batch, head), padded rows with delta 0 and
-    # lse_log2 +inf (P = 0). A packed batch uses the same layout (its sequences padded to the
-    # longest): O(batch x heads x max_seqlen_q) floats, read only where the sequences are.
-    padded = -(-shape.seqlen_q // _traits.ROW_STAT_PADDING) * _traits.ROW_STAT_PADDING if tensor_core else shape.seqlen_q
     hopper = tensor_core and _families.backward_family(
         current_device(), shape, variant, deterministic, (q, k, arrays["v"], arrays["do"])) == "backward_sm90"
     if hopper:   # the semaphores count the Hopper kernel's query blocks
-        sm90 = ModuleSpec("backward_sm90", shape.dtype, _traits.forward_sm90_tile(shape.head_dim), "sm90a",
-                          variant.backward_flags)
+        tile = _traits.forward_sm90_tile(shape.head_dim)
+        sm90 = ModuleSpec("backward_sm90", shape.dtype, tile, "sm90a", variant.backward_flags,
+                          config=_traits.backward_sm90_config(tile, variant.backward_flags, variant.causal, deterministic))
         _, block_n, block_m, _ = sm90.config
     elif tensor_core:
         block_m, block_n, num_warps, *_ = _traits.backward_tc_config(shape.tile, current_device().tensor_core_target)
     else:
         block_m, block_n = _traits.BACKWARD_BLOCKS[shape.tile]
+    # Row statistics (tensor cores): padded per (batch, head), padded rows with delta 0 and
+    # lse_log2 +inf (P = 0), to a multiple of ROW_STAT_PADDING and of the Hopper kernel's query
+    # block (80 rows: its last block may end past a multiple of 128), so a block's lse / delta reads
+    # stay in its (batch, head)'s rows. A packed batch uses the same layout (its sequences padded to
+    # the longest): O(batch x heads x max_seqlen_q) floats, read only where the sequences are.
+    padded = shape.seqlen_q
+    if tensor_core:
+        multiple = math.lcm(_traits.ROW_STAT_PADDING, block_m) if hopper else _traits.ROW_STAT_PADDING
+        padded = -(-padded // multiple) * multiple
     expanded = k.shape[:-2] + (shape.heads, shape.head_dim)   # MQA/GQA: per-query-head dK, dV, summed after
     temporaries = (
         ("delta", (bh, padded) if tensor_core else (shape.batch, shape.heads, shape.seqlen_q), cupy.float32,

@@ -50,7 +50,10 @@ struct BackwardSm90Storage {
     // dQ (float32) of 64 query rows x a 64-column chunk per consumer, as two 32-column halves
     // (head-dim split: one 32-column piece of its 128 columns at a time), 128-byte rows, swizzled:
     // the source of the TMA reduce-add into dq_accum.
-    alignas(SWIZZLE_ATOM_BYTES) float dq[BACKWARD_SM90_CONSUMERS][HEAD_DIM_SPLIT ? 1 : 2][64][32];
+    // Key split with a query block that is not a multiple of 64 (DQ_TRANSPOSED): the consumer's
+    // 64 columns of dQ for all BLOCK_M queries, as two 32-column halves.
+    static constexpr int DQ_ROWS = BLOCK_M % 64 ? BLOCK_M : 64;
+    alignas(SWIZZLE_ATOM_BYTES) float dq[BACKWARD_SM90_CONSUMERS][HEAD_DIM_SPLIT ? 1 : 2][DQ_ROWS][32];
     alignas(16) float lse_log2[STAGES][BLOCK_M];
     alignas(16) float delta[STAGES][BLOCK_M];
     unsigned long long kv_full;
@@ -70,11 +73,12 @@ __device__ const unsigned int backward_sm90_smem_bytes =
     sizeof(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>) + SWIZZLE_ATOM_BYTES;
 
 // Rows of the dq_accum tensor map's box, read by the launcher from the module (stated once): a
-// consumer's 64 rows of a query block (key split), a warp's 16 (head-dim split: each warp adds its own).
-template <int D_TILE>
-constexpr int backward_sm90_dq_rows = D_TILE > 128 ? 16 : 64;
+// consumer's 64 rows of a query block (key split; with a query block not a multiple of 64, all its
+// rows), a warp's 16 (head-dim split: each warp adds its own).
+template <int D_TILE, int BLOCK_M>
+constexpr int backward_sm90_dq_rows = D_TILE > 128 ? 16 : BLOCK_M % 64 ? BLOCK_M : 64;
 template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES>
-__device__ const unsigned int backward_sm90_dq_box_rows = backward_sm90_dq_rows<D_TILE>;
+__device__ const unsigned int backward_sm90_dq_box_rows = backward_sm90_dq_rows<D_TILE, BLOCK_M>;
 
 // Registers after setmaxnreg: the block's warpgroups launched at 168 a thread (sm_90 launch bounds
 // of 384 threads).
@@ -319,9 +323,14 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
     // each block). d = 128: two chunks of 64 queries; d = 64: 128 queries (BLOCK_M), two halves of
     // one chunk, so both consumers have one (with 64 queries consumer 0 had the only one, and
     // consumer 1 waited for it at the next block's barrier: 17% of the stall samples, ncu).
-    constexpr int QUERY_HALVES = BLOCK_M / 64, DQ_ITEMS = QUERY_HALVES * CHUNKS;
-    static_assert(BLOCK_N == 64 * CONSUMERS && BLOCK_M % 64 == 0 && D_TILE % 64 == 0, "64 keys per consumer, 64-query dQ items");
+    // A query block that is not a multiple of 64 (80: FlashAttention-3's d = 128 tile) computes
+    // dQ transposed instead, dQ^T = K^T dS^T: M = the consumer's 64 head-dim columns (chunk
+    // `consumer`), N = the block's queries, K = its keys (DQ_TRANSPOSED).
+    constexpr bool DQ_TRANSPOSED = BLOCK_M % 64 != 0;
+    constexpr int QUERY_HALVES = DQ_TRANSPOSED ? 1 : BLOCK_M / 64, DQ_ITEMS = QUERY_HALVES * CHUNKS;
+    static_assert(BLOCK_N == 64 * CONSUMERS && BLOCK_M % 16 == 0 && D_TILE % 64 == 0, "64 keys per consumer, k16 query steps");
     static_assert(DQ_ITEMS <= CONSUMERS, "one dQ item per consumer and block: its shared memory is rewritten each block");
+    static_assert(!DQ_TRANSPOSED || CHUNKS == CONSUMERS, "transposed dQ: a 64-column chunk per consumer");
     const KeyBlock& block = at.block;
     const long long b = block.b, h = block.h;
     const int kv_start = at.kv_start, batch_coord = at.batch_coord;
@@ -343,7 +352,8 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
     // block's barrier (each having waited for its adds to complete).
     // Its turns (dq_turn_blocks): at d = 128 pairs of query blocks, at d = 64 one block.
     constexpr int TURN_BLOCKS = dq_turn_blocks<BLOCK_M>;
-    static_assert(((TURN_BLOCKS * BLOCK_M) & (TURN_BLOCKS * BLOCK_M - 1)) == 0, "a turn's first row is a mask of q_start");
+    static_assert(TURN_BLOCKS == 1 || ((TURN_BLOCKS * BLOCK_M) & (TURN_BLOCKS * BLOCK_M - 1)) == 0,
+                  "a turn's first row is a mask of q_start");
     int* semaphores = p.dq_semaphore == nullptr ? nullptr : dq_semaphores_of<BLOCK_M>(p, block.bh);
     const bool publisher = semaphores != nullptr && consumer == 0 && thread == 0;
     const QueryOrder<TURN_BLOCKS> order{q_range, at.descending};
@@ -463,6 +473,71 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
                                  : block_turn);
             }
         };
+        if constexpr (DQ_TRANSPOSED) {
+            // dQ^T (this consumer's 64 columns x the block's queries) = K^T dS^T: A is the K chunk
+            // read M-major (columns contiguous), B the dS buffer (queries x keys) read K-major.
+            float dqt[BLOCK_M / 2];
+            const unsigned long long kt_desc = n_major_descriptor(smem_addr(&smem.k[consumer][0][0]), K_CHUNK_BYTES);
+            const unsigned long long ds_desc = k_major_descriptor(smem_addr(&smem.ds[it & 1][0][0][0]));
+            warpgroup_arrive();
+#pragma unroll
+            for (int kc = 0; kc < CONSUMERS; ++kc)
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk)
+                    Wgmma<T, BLOCK_M>::template ss<0, 1>(
+                        dqt, advance_descriptor(kt_desc, (4 * kc + kk) * 2 * SWIZZLE_ATOM_BYTES),
+                        advance_descriptor(ds_desc, kc * (unsigned int)sizeof(smem.ds[0][0]) + kk * 32), kc > 0 || kk > 0);
+            warpgroup_commit();
+            issue_dk();
+            dk_issued = true;
+            warpgroup_wait<1>();   // dV and dQ^T (dK runs on)
+            hold_registers(dqt);
+            // Thread's elements: column 16 warp + lane / 4 + 8 r of the consumer's 64 (warps 0-1 the
+            // first 32-column half, 2-3 the second), queries 8 i + 2 (lane % 4) + e. Staged as
+            // [query][32 columns], 128-byte rows, 16-byte units swizzled by query % 8 (TMA's
+            // 128-byte swizzle): a store instruction's 32 lanes hit 8 distinct units of 4 rows
+            // whose query % 8 differ, so every bank once.
+            if (whole_rows) {
+                unsigned char* half = reinterpret_cast<unsigned char*>(&smem.dq[consumer][warp / 2][0][0]);
+#pragma unroll
+                for (int i = 0; i < BLOCK_M / 8; ++i)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int col = 16 * (warp % 2) + lane / 4 + 8 * r, query = 8 * i + query_col + e;
+                            const unsigned int unit = (unsigned int)(col / 4) ^ (unsigned int)(query & 7);
+                            *reinterpret_cast<float*>(half + query * 128 + unit * 16 + (col % 4) * 4) = dqt[4 * i + 2 * r + e];
+                        }
+                fence_async_shared();
+                named_barrier_sync(2 + consumer, 128);   // the halves are written (ids 2, 3: one per consumer)
+                if (thread == 0) {
+                    if (semaphores != nullptr && order.first_of_turn(m)) wait_turn();
+                    static_assert(backward_sm90_dq_rows<D_TILE, BLOCK_M> == BLOCK_M, "a box is the block's rows");
+#pragma unroll
+                    for (int half = 0; half < 2; ++half)
+                        tma_reduce_add_4d(&maps.dq_accum, smem_addr(&smem.dq[consumer][half][0][0]),
+                                          consumer * SWIZZLE_ROW_ELEMENTS + 32 * half, seq.q_row0 + q_start, (int)h, batch_coord);
+                    tma_store_commit();
+                }
+            } else {
+                if (semaphores != nullptr && order.first_of_turn(m)) {
+                    if (thread == 0) wait_turn();
+                    named_barrier_sync(2 + consumer, 128);
+                }
+#pragma unroll
+                for (int i = 0; i < BLOCK_M / 8; ++i)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int query = q_start + 8 * i + query_col + e;
+                            const int col = consumer * SWIZZLE_ROW_ELEMENTS + 16 * warp + lane / 4 + 8 * r;
+                            if (query < seq.seqlen_q && col < (int)p.head_dim)
+                                atomicAdd(dq_accum + (long long)query * p.dq_accum_strides[1] + col, dqt[4 * i + 2 * r + e]);
+                        }
+            }
+        } else {
 #pragma unroll 1
         for (int item = consumer; item < DQ_ITEMS; item += CONSUMERS) {
             // Its column chunk and first query row (as constants where the block has 64 queries).
@@ -501,7 +576,7 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
                 named_barrier_sync(2 + consumer, 128);   // the chunk is written (ids 2, 3: one per consumer)
                 if (thread == 0) {
                     if (semaphores != nullptr && order.first_of_turn(m)) wait_turn();
-                    static_assert(backward_sm90_dq_rows<D_TILE> == 64, "a box is a consumer's 64 rows");
+                    static_assert(backward_sm90_dq_rows<D_TILE, BLOCK_M> == 64, "a box is a consumer's 64 rows");
 #pragma unroll
                     for (int half = 0; half < 2; ++half)
                         tma_reduce_add_4d(&maps.dq_accum, smem_addr(&smem.dq[consumer][half][0][0]),
@@ -524,6 +599,7 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
                                           dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
                     }
             }
+        }
         }
         if (!dk_issued) {   // no dQ item here
             warpgroup_arrive();
@@ -676,7 +752,7 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
         // adds the staged rows inside the sequence by red.global instead (adding from registers
         // there spilled 12 bytes with a window).
         const bool whole_rows = !(FEATURES & FEATURE_VARLEN) || q_start + BLOCK_M <= seq.seqlen_q;
-        static_assert(backward_sm90_dq_rows<D_TILE> == 16, "a box is a warp's 16 rows");
+        static_assert(backward_sm90_dq_rows<D_TILE, BLOCK_M> == 16, "a box is a warp's 16 rows");
         unsigned char* warp_rows = reinterpret_cast<unsigned char*>(&smem.dq[consumer][0][16 * warp][0]);
 #pragma unroll
         for (int piece = 0; piece < COLUMNS / PIECE; ++piece) {
