@@ -57,8 +57,8 @@ with _families.use_kernels("experimental"):
                 o, lse = cupy_flash.flash_forward(q, k, v, causal=causal)
                 cupy_flash.flash_backward(array(q.shape, dtype), q, k, v, o, lse, causal=causal,
                                           deterministic=d in (64, 128, 256))   # the ordered dQ adds (turn counters)
-        # Atomic, non-causal, plain at d = 128: the 80-query blocks (_traits.BACKWARD_SM90_PLAIN), 200
-        # queries ending inside the last block.
+        # Atomic at d = 128 (the loop's calls there are deterministic): the 80-query blocks
+        # (_traits.BACKWARD_SM90_PLAIN), 200 queries ending inside the last block.
         q, k, v = array((2, 200, 4, 128), dtype), array((2, 150, 2, 128), dtype), array((2, 150, 2, 128), dtype)
         o, lse = cupy_flash.flash_forward(q, k, v)
         cupy_flash.flash_backward(array(q.shape, dtype), q, k, v, o, lse)

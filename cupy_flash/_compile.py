@@ -258,8 +258,7 @@ def all_module_specs(features=(0,) + LARGEST_FEATURE_SETS) -> list[ModuleSpec]:
                         specs.append(ModuleSpec("forward_sm90", dtype, tile, "sm90a", flags, config=config))
             for tile, feature_sets in _traits.BACKWARD_SM90_FEATURE_SETS.items():
                 for flags in (0,) + feature_sets if features != (0,) else (0,):
-                    for config in _traits.backward_sm90_configs(tile, flags):   # plain calls: two (BACKWARD_SM90_PLAIN)
-                        specs.append(ModuleSpec("backward_sm90", dtype, tile, "sm90a", flags, config=config))
+                    specs.append(ModuleSpec("backward_sm90", dtype, tile, "sm90a", flags))
     return list(dict.fromkeys(specs))   # the decode family keeps fewer flags: equal specs once
 
 

@@ -103,25 +103,20 @@ BACKWARD_SM90_MIN_KEYS = {64: 256, 128: 256, 256: 256}
 BACKWARD_SM90_DETERMINISTIC_MIN_KEYS = {64: 256, 128: 256, 256: 256}
 
 
-# Plain atomic non-causal calls take these tiles instead (block_n, block_m, stages). d = 128 with
-# 80-query blocks (FlashAttention-3's non-causal tile; dQ computed transposed): 1.04-1.07x the
-# 64-query blocks at 1k-16k (bf16, interleaved A/B, docs/results/h100_sm90_bwd_block_m80_*).
+# Plain calls (no backward variant flags; causal or not, atomic or deterministic) take these tiles
+# instead (block_n, block_m, stages). d = 128 with 80-query blocks (FlashAttention-3's non-causal
+# tile; dQ computed transposed), against the 64-query blocks in interleaved A/B (bf16, 1k-16k,
+# docs/results/h100_sm90_bwd_block_m80_*): atomic non-causal 1.04-1.07x, causal 1.02-1.07x,
+# deterministic 1.03-1.07x. Variant kernels keep BACKWARD_SM90 (not measured at 80).
 BACKWARD_SM90_PLAIN = {128: (128, 80, 2)}
 
 
-def backward_sm90_config(tile: int, flags: int = 0, causal: bool = False,
-                         deterministic: bool = False) -> tuple[int, int, int, int]:
+def backward_sm90_config(tile: int, flags: int = 0) -> tuple[int, int, int, int]:
     """(head-dim tile, block_n, block_m, stages): the Hopper backward's template tile arguments for a
-    call with backward variant ``flags``, a causal mask or not, deterministic or not."""
-    plain = flags == 0 and not causal and not deterministic
-    block_n, block_m, stages = BACKWARD_SM90_PLAIN.get(tile, BACKWARD_SM90[tile]) if plain else BACKWARD_SM90[tile]
+    call with backward variant ``flags``."""
+    table = BACKWARD_SM90_PLAIN if flags == 0 and tile in BACKWARD_SM90_PLAIN else BACKWARD_SM90
+    block_n, block_m, stages = table[tile]
     return tile, block_n, block_m, stages
-
-
-def backward_sm90_configs(tile: int, flags: int) -> tuple[tuple[int, int, int, int], ...]:
-    """Every config backward_sm90_config gives calls with ``flags`` (the modules CI builds)."""
-    calls = ((False, False), (True, False), (False, True))   # (causal, deterministic)
-    return tuple(dict.fromkeys(backward_sm90_config(tile, flags, causal, det) for causal, det in calls))
 
 
 def sm90_supports_features(feature_sets: dict, tile: int, flags: int) -> bool:

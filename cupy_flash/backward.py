@@ -219,9 +219,8 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
     hopper = tensor_core and _families.backward_family(
         current_device(), shape, variant, deterministic, (q, k, arrays["v"], arrays["do"])) == "backward_sm90"
     if hopper:   # the semaphores count the Hopper kernel's query blocks
-        tile = _traits.forward_sm90_tile(shape.head_dim)
-        sm90 = ModuleSpec("backward_sm90", shape.dtype, tile, "sm90a", variant.backward_flags,
-                          config=_traits.backward_sm90_config(tile, variant.backward_flags, variant.causal, deterministic))
+        sm90 = ModuleSpec("backward_sm90", shape.dtype, _traits.forward_sm90_tile(shape.head_dim), "sm90a",
+                          variant.backward_flags)
         _, block_n, block_m, _ = sm90.config
     elif tensor_core:
         block_m, block_n, num_warps, *_ = _traits.backward_tc_config(shape.tile, current_device().tensor_core_target)
