@@ -33,6 +33,14 @@
 // A producer warpgroup and two consumer warpgroups (cupy_flash/_traits.backward_sm90_threads).
 constexpr int BACKWARD_SM90_CONSUMERS = 2;
 
+// The key split computes dQ transposed (dQ^T = K^T dS^T, the head dim as wgmma's M) where the query
+// block is not a multiple of wgmma's 64 rows (80: FlashAttention-3's d = 128 tile); its dQ staging
+// then holds all the block's rows, else a 64-row dQ item's.
+template <int BLOCK_M>
+constexpr bool dq_transposed = BLOCK_M % 64 != 0;
+template <int BLOCK_M>
+constexpr int key_split_dq_rows = dq_transposed<BLOCK_M> ? BLOCK_M : 64;
+
 template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES>
 struct BackwardSm90Storage {
     static constexpr int CHUNKS = D_TILE / SWIZZLE_ROW_ELEMENTS;
@@ -50,10 +58,9 @@ struct BackwardSm90Storage {
     // dQ (float32) of 64 query rows x a 64-column chunk per consumer, as two 32-column halves
     // (head-dim split: one 32-column piece of its 128 columns at a time), 128-byte rows, swizzled:
     // the source of the TMA reduce-add into dq_accum.
-    // Key split with a query block that is not a multiple of 64 (DQ_TRANSPOSED): the consumer's
-    // 64 columns of dQ for all BLOCK_M queries, as two 32-column halves.
-    static constexpr int DQ_ROWS = BLOCK_M % 64 ? BLOCK_M : 64;
-    alignas(SWIZZLE_ATOM_BYTES) float dq[BACKWARD_SM90_CONSUMERS][HEAD_DIM_SPLIT ? 1 : 2][DQ_ROWS][32];
+    // Key split with dQ transposed (dq_transposed): the consumer's 64 columns of dQ for all BLOCK_M
+    // queries, as two 32-column halves.
+    alignas(SWIZZLE_ATOM_BYTES) float dq[BACKWARD_SM90_CONSUMERS][HEAD_DIM_SPLIT ? 1 : 2][key_split_dq_rows<BLOCK_M>][32];
     alignas(16) float lse_log2[STAGES][BLOCK_M];
     alignas(16) float delta[STAGES][BLOCK_M];
     unsigned long long kv_full;
@@ -76,7 +83,7 @@ __device__ const unsigned int backward_sm90_smem_bytes =
 // consumer's 64 rows of a query block (key split; with a query block not a multiple of 64, all its
 // rows), a warp's 16 (head-dim split: each warp adds its own).
 template <int D_TILE, int BLOCK_M>
-constexpr int backward_sm90_dq_rows = D_TILE > 128 ? 16 : BLOCK_M % 64 ? BLOCK_M : 64;
+constexpr int backward_sm90_dq_rows = D_TILE > 128 ? 16 : key_split_dq_rows<BLOCK_M>;
 template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES>
 __device__ const unsigned int backward_sm90_dq_box_rows = backward_sm90_dq_rows<D_TILE, BLOCK_M>;
 
@@ -323,10 +330,9 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
     // each block). d = 128: two chunks of 64 queries; d = 64: 128 queries (BLOCK_M), two halves of
     // one chunk, so both consumers have one (with 64 queries consumer 0 had the only one, and
     // consumer 1 waited for it at the next block's barrier: 17% of the stall samples, ncu).
-    // A query block that is not a multiple of 64 (80: FlashAttention-3's d = 128 tile) computes
-    // dQ transposed instead, dQ^T = K^T dS^T: M = the consumer's 64 head-dim columns (chunk
-    // `consumer`), N = the block's queries, K = its keys (DQ_TRANSPOSED).
-    constexpr bool DQ_TRANSPOSED = BLOCK_M % 64 != 0;
+    // With dQ transposed (dq_transposed: dQ^T = K^T dS^T), M = the consumer's 64 head-dim columns
+    // (chunk `consumer`), N = the block's queries, K = its keys.
+    constexpr bool DQ_TRANSPOSED = dq_transposed<BLOCK_M>;
     constexpr int QUERY_HALVES = DQ_TRANSPOSED ? 1 : BLOCK_M / 64, DQ_ITEMS = QUERY_HALVES * CHUNKS;
     static_assert(BLOCK_N == 64 * CONSUMERS && BLOCK_M % 16 == 0 && D_TILE % 64 == 0, "64 keys per consumer, k16 query steps");
     static_assert(DQ_ITEMS <= CONSUMERS, "one dQ item per consumer and block: its shared memory is rewritten each block");
@@ -539,67 +545,68 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
             }
         } else {
 #pragma unroll 1
-        for (int item = consumer; item < DQ_ITEMS; item += CONSUMERS) {
-            // Its column chunk and first query row (as constants where the block has 64 queries).
-            const int c = QUERY_HALVES == 1 ? item : item % CHUNKS, rows = QUERY_HALVES == 1 ? 0 : 64 * (item / CHUNKS);
-            float dq[SWIZZLE_ROW_ELEMENTS / 2];
-            const unsigned long long ds_desc = k_major_descriptor(smem_addr(&smem.ds[it & 1][0][rows][0]));
-            const unsigned long long k_desc = n_major_descriptor(smem_addr(&smem.k[c][0][0]), K_CHUNK_BYTES);
-            warpgroup_arrive();
+            for (int item = consumer; item < DQ_ITEMS; item += CONSUMERS) {
+                // Its column chunk and first query row (as constants where the block has 64 queries).
+                const int c = QUERY_HALVES == 1 ? item : item % CHUNKS, rows = QUERY_HALVES == 1 ? 0 : 64 * (item / CHUNKS);
+                float dq[SWIZZLE_ROW_ELEMENTS / 2];
+                const unsigned long long ds_desc = k_major_descriptor(smem_addr(&smem.ds[it & 1][0][rows][0]));
+                const unsigned long long k_desc = n_major_descriptor(smem_addr(&smem.k[c][0][0]), K_CHUNK_BYTES);
+                warpgroup_arrive();
 #pragma unroll
-            for (int kc = 0; kc < CONSUMERS; ++kc)
+                for (int kc = 0; kc < CONSUMERS; ++kc)
 #pragma unroll
-                for (int kk = 0; kk < 4; ++kk)
-                    Wgmma<T, SWIZZLE_ROW_ELEMENTS>::template ss<1>(
-                        dq, advance_descriptor(ds_desc, kc * (unsigned int)sizeof(smem.ds[0][0]) + kk * 32),
-                        advance_descriptor(k_desc, kc * 64 * 128 + kk * 2 * SWIZZLE_ATOM_BYTES), kc > 0 || kk > 0);
-            warpgroup_commit();
-            issue_dk();
-            dk_issued = true;
-            warpgroup_wait<1>();   // dV and dQ (dK runs on)
-            hold_registers(dq);
-            if (whole_rows) {
-                // Element (row, col) of a 32-column half at row * 128 bytes, its 16-byte unit
-                // swizzled by row % 8 (TMA's 128-byte swizzle): a warp's float2 stores then fill
-                // every bank twice, the least 256 bytes take.
+                    for (int kk = 0; kk < 4; ++kk)
+                        Wgmma<T, SWIZZLE_ROW_ELEMENTS>::template ss<1>(
+                            dq, advance_descriptor(ds_desc, kc * (unsigned int)sizeof(smem.ds[0][0]) + kk * 32),
+                            advance_descriptor(k_desc, kc * 64 * 128 + kk * 2 * SWIZZLE_ATOM_BYTES), kc > 0 || kk > 0);
+                warpgroup_commit();
+                issue_dk();
+                dk_issued = true;
+                warpgroup_wait<1>();   // dV and dQ (dK runs on)
+                hold_registers(dq);
+                if (whole_rows) {
+                    // Element (row, col) of a 32-column half at row * 128 bytes, its 16-byte unit
+                    // swizzled by row % 8 (TMA's 128-byte swizzle): a warp's float2 stores then fill
+                    // every bank twice, the least 256 bytes take.
 #pragma unroll
-                for (int i = 0; i < SWIZZLE_ROW_ELEMENTS / 8; ++i)
+                    for (int i = 0; i < SWIZZLE_ROW_ELEMENTS / 8; ++i)
 #pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const int row = 16 * warp + lane / 4 + 8 * r;
-                        const unsigned int unit = (unsigned int)(2 * (i % 4) + (lane % 4) / 2) ^ (unsigned int)(row & 7);
-                        float* half = &smem.dq[consumer][i / 4][0][0];
-                        *reinterpret_cast<float2*>(reinterpret_cast<unsigned char*>(half) + row * 128 + unit * 16 + 8 * (lane % 2)) =
-                            make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+                        for (int r = 0; r < 2; ++r) {
+                            const int row = 16 * warp + lane / 4 + 8 * r;
+                            const unsigned int unit = (unsigned int)(2 * (i % 4) + (lane % 4) / 2) ^ (unsigned int)(row & 7);
+                            float* half = &smem.dq[consumer][i / 4][0][0];
+                            *reinterpret_cast<float2*>(reinterpret_cast<unsigned char*>(half) + row * 128 + unit * 16 +
+                                                       8 * (lane % 2)) = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+                        }
+                    fence_async_shared();
+                    named_barrier_sync(2 + consumer, 128);   // the chunk is written (ids 2, 3: one per consumer)
+                    if (thread == 0) {
+                        if (semaphores != nullptr && order.first_of_turn(m)) wait_turn();
+                        static_assert(backward_sm90_dq_rows<D_TILE, BLOCK_M> == 64, "a box is a consumer's 64 rows");
+#pragma unroll
+                        for (int half = 0; half < 2; ++half)
+                            tma_reduce_add_4d(&maps.dq_accum, smem_addr(&smem.dq[consumer][half][0][0]),
+                                              c * SWIZZLE_ROW_ELEMENTS + 32 * half, seq.q_row0 + q_start + rows, (int)h,
+                                              batch_coord);
+                        tma_store_commit();
                     }
-                fence_async_shared();
-                named_barrier_sync(2 + consumer, 128);   // the chunk is written (ids 2, 3: one per consumer)
-                if (thread == 0) {
-                    if (semaphores != nullptr && order.first_of_turn(m)) wait_turn();
-                    static_assert(backward_sm90_dq_rows<D_TILE, BLOCK_M> == 64, "a box is a consumer's 64 rows");
-#pragma unroll
-                    for (int half = 0; half < 2; ++half)
-                        tma_reduce_add_4d(&maps.dq_accum, smem_addr(&smem.dq[consumer][half][0][0]),
-                                          c * SWIZZLE_ROW_ELEMENTS + 32 * half, seq.q_row0 + q_start + rows, (int)h, batch_coord);
-                    tma_store_commit();
-                }
-            } else {
-                if (semaphores != nullptr && order.first_of_turn(m)) {   // the turn, before any of this consumer's adds
-                    if (thread == 0) wait_turn();
-                    named_barrier_sync(2 + consumer, 128);
-                }
-#pragma unroll
-                for (int i = 0; i < SWIZZLE_ROW_ELEMENTS / 8; ++i)
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const int query = q_start + rows + 16 * warp + lane / 4 + 8 * r;
-                        const int col = c * SWIZZLE_ROW_ELEMENTS + 8 * i + query_col;   // head_dim: a multiple of 8
-                        if (query < seq.seqlen_q && col < (int)p.head_dim)
-                            red_add_f32x2(dq_accum + (long long)query * p.dq_accum_strides[1] + col,
-                                          dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+                } else {
+                    if (semaphores != nullptr && order.first_of_turn(m)) {   // the turn, before any of this consumer's adds
+                        if (thread == 0) wait_turn();
+                        named_barrier_sync(2 + consumer, 128);
                     }
+#pragma unroll
+                    for (int i = 0; i < SWIZZLE_ROW_ELEMENTS / 8; ++i)
+#pragma unroll
+                        for (int r = 0; r < 2; ++r) {
+                            const int query = q_start + rows + 16 * warp + lane / 4 + 8 * r;
+                            const int col = c * SWIZZLE_ROW_ELEMENTS + 8 * i + query_col;   // head_dim: a multiple of 8
+                            if (query < seq.seqlen_q && col < (int)p.head_dim)
+                                red_add_f32x2(dq_accum + (long long)query * p.dq_accum_strides[1] + col,
+                                              dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+                        }
+                }
             }
-        }
         }
         if (!dk_issued) {   // no dQ item here
             warpgroup_arrive();
