@@ -137,15 +137,18 @@ def test_shared_memory_fits_every_sm80_plus_part(tile):
 
 
 def test_every_hopper_instantiation_is_built_by_ci():
-    """Each Hopper forward module CI builds has its tile table's config (for causal calls and the
-    others), and every feature set the dispatch accepts is among them (a flag set the rule sends to
-    sm_90a is compiled and checked)."""
-    built = {(s.dtype, s.tile, s.features, s.config) for s in _compile.all_module_specs() if s.family == "forward_sm90"}
+    """Each Hopper module CI builds has its tile table's config (the forward's for causal calls and
+    the others; the backward's for plain and variant calls), and every feature set the dispatch
+    accepts is among them (a flag set the rule sends to sm_90a is compiled and checked)."""
+    built = {(s.family, s.dtype, s.tile, s.features, s.config) for s in _compile.all_module_specs()}
     for dtype in _compile.TENSOR_CORE_DTYPES:
         for tile, sets in _traits.FORWARD_SM90_FEATURE_SETS.items():
             for flags in (0,) + sets:
                 for causal, keys in ((False, 1), (True, 1), (True, 1 << 20)):
-                    assert (dtype, tile, flags, _traits.forward_sm90_config(tile, flags, causal, keys)) in built
+                    assert ("forward_sm90", dtype, tile, flags, _traits.forward_sm90_config(tile, flags, causal, keys)) in built
+        for tile, sets in _traits.BACKWARD_SM90_FEATURE_SETS.items():
+            for flags in (0,) + sets:
+                assert ("backward_sm90", dtype, tile, flags, _traits.backward_sm90_config(tile, flags)) in built, (tile, flags)
 
 
 def test_generated_wgmma_operations_are_current_and_cover_the_tiles():
