@@ -65,6 +65,9 @@ struct BackwardSm90Storage {
     alignas(16) float delta[STAGES][BLOCK_M];
     unsigned long long kv_full;
     unsigned long long full[STAGES], empty[STAGES];
+    // Deterministic mode, head-dim split: the consumer warps whose adds to their current turn have
+    // completed (one count per warp per turn, never reset); the turn's last warp publishes it.
+    unsigned int turn_arrivals;
 };
 
 // q, k, v, dO as 4-D tensors (head_dim, seqlen, heads, batch) in boxes of 64 x BLOCK_M (q, dO) or
@@ -199,6 +202,7 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
             // the bulk copy into the slot against lanes 1-31's reads when only lane 0 arrived).
             barrier_init(smem_addr(&smem.empty[s]), 128 * CONSUMERS);
         }
+        smem.turn_arrivals = 0;
         barrier_init_fence();
     }
     __syncthreads();
@@ -663,12 +667,12 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
     const unsigned int p_tile = smem_addr(&smem.ds[0][0][0][0]), ds_tile = smem_addr(&smem.ds[1][0][0][0]);
     // Deterministic mode: the turns (dq_turn_blocks; with 64-query blocks, pairs). Each warp's first
     // thread waits for the pair's turn before its first add to it and has the pair's adds complete
-    // before the barrier that follows its last block, after which the first consumer's first
-    // thread publishes them (a 64 x 64 x 256 block's products take ~3.9 us on an SM).
+    // after its last block; the last of the eight warps to do so publishes them (a 64 x 64 x 256
+    // block's products take ~3.9 us on an SM).
     constexpr int TURN_BLOCKS = dq_turn_blocks<BLOCK_M>;
     int* semaphores = p.dq_semaphore == nullptr ? nullptr : dq_semaphores_of<BLOCK_M>(p, block.bh);
-    const bool publisher = semaphores != nullptr && consumer == 0 && thread == 0;
     const QueryOrder<TURN_BLOCKS> order{at.q_range, at.descending};
+    unsigned int turns_done = 0;   // deterministic: this key block's turns whose adds are complete
 
     float dk[COLUMNS / 2], dv[COLUMNS / 2];
 #pragma unroll
@@ -708,11 +712,8 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
         accumulator_to_a<T, QUERIES>(pa, s);
         accumulator_to_a<T, QUERIES>(dsa, dp);
 
-        // Both consumers' products of the last block have read P^T and dS^T (each waited for them),
-        // and in deterministic mode their adds to it have completed: publish them.
+        // Both consumers' products of the last block have read P^T and dS^T (each waited for them).
         named_barrier_sync(SCORES_BARRIER, 128 * CONSUMERS);
-        if (publisher && order.has_previous(m) && order.last_of_turn(order.previous(m)))
-            publish_dq(semaphores + order.previous(m) / TURN_BLOCKS);
         // P^T and dS^T rows as they are held (keys x queries): pa[kk] is four 8 x 8 tiles, (key rows
         // + 0, + 8) x (queries 16kk, 16kk + 8); stmatrix writes tile L / 8's row L % 8 at lane L's address.
 #pragma unroll
@@ -813,15 +814,24 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
         warpgroup_wait<0>();   // dV, dK
         hold_registers(dk);
         hold_registers(dv);
-        // Deterministic: the pair's adds complete before the next block's first barrier publishes them.
-        if (lane == 0 && semaphores != nullptr && order.last_of_turn(m)) tma_store_wait_all();
+        // Deterministic: the warp's adds to the turn have completed (its lanes' red.global adds
+        // ordered before lane 0's by the warp barrier); the last of the consumers' warps to count
+        // its own publishes the turn. Measured (H100, bf16, interleaved against one thread
+        // publishing between the consumers' barriers, its fence holding both): 1.01-1.07x at
+        // 2k-16k; a publisher warp in the producer warpgroup polling the count lost 22-27% at
+        // 4k-16k without a mask (docs/performance.md, fourteenth session).
+        if (semaphores != nullptr && order.last_of_turn(m)) {
+            __syncwarp();
+            ++turns_done;
+            if (lane == 0) {
+                tma_store_wait_all();
+                if (shared_add_acq_rel(&smem.turn_arrivals, 1) + 1 == 4 * CONSUMERS * turns_done)
+                    publish_dq(semaphores + m / TURN_BLOCKS);
+            }
+        }
         barrier_arrive(smem_addr(&smem.empty[slot.index]));   // the slot's Q and dO: last read by dK / dV
     }
     if (lane == 0) tma_store_wait_all();   // the dQ reduces are done before the block's shared memory goes
-    if (semaphores != nullptr) {   // publish the last query block's adds
-        named_barrier_sync(SCORES_BARRIER, 128 * CONSUMERS);
-        if (publisher && order.count() > 0) publish_dq(semaphores + order.last() / TURN_BLOCKS);
-    }
 
     store_key_gradients<T, COLUMNS>(dk, dv, p, at, first_key, column0, query_col);   // this consumer's columns
 }

@@ -39,6 +39,16 @@ __device__ __forceinline__ void barrier_wait(unsigned int bar, unsigned int pari
                  "@!done bra WAIT_%=;\n}\n" :: "r"(bar), "r"(parity), "n"(10000000) : "memory");
 }
 
+// A count in shared memory the block's warps add to: the add releases this thread's earlier writes
+// (and those it has synchronised with) and acquires those of the adds before it; returns the count
+// before the add.
+__device__ __forceinline__ unsigned int shared_add_acq_rel(unsigned int* counter, unsigned int value) {
+    unsigned int before;
+    asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], %2;" : "=r"(before)
+                 : "r"((unsigned int)__cvta_generic_to_shared(counter)), "r"(value) : "memory");
+    return before;
+}
+
 // ---- TMA -----------------------------------------------------------------------------------------
 __device__ __forceinline__ void prefetch_tensor_map(const TensorMap* map) {
     asm volatile("prefetch.tensormap [%0];" :: "l"((unsigned long long)map) : "memory");
