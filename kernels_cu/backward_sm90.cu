@@ -507,45 +507,30 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
             // [query][32 columns], 128-byte rows, 16-byte units swizzled by query % 8 (TMA's
             // 128-byte swizzle): a store instruction's 32 lanes hit 8 distinct units of 4 rows
             // whose query % 8 differ, so every bank once.
-            if (whole_rows) {
-                unsigned char* half = reinterpret_cast<unsigned char*>(&smem.dq[consumer][warp / 2][0][0]);
+            // Every row of a transposed block is whole: packed batches (the one partial-block case)
+            // run the variant kernels' 64-query blocks (_traits.backward_sm90_config).
+            static_assert(!(FEATURES & FEATURE_VARLEN), "transposed dQ: plain calls only");
+            unsigned char* half = reinterpret_cast<unsigned char*>(&smem.dq[consumer][warp / 2][0][0]);
 #pragma unroll
-                for (int i = 0; i < BLOCK_M / 8; ++i)
+            for (int i = 0; i < BLOCK_M / 8; ++i)
 #pragma unroll
-                    for (int r = 0; r < 2; ++r)
+                for (int r = 0; r < 2; ++r)
 #pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int col = 16 * (warp % 2) + lane / 4 + 8 * r, query = 8 * i + query_col + e;
-                            const unsigned int unit = (unsigned int)(col / 4) ^ (unsigned int)(query & 7);
-                            *reinterpret_cast<float*>(half + query * 128 + unit * 16 + (col % 4) * 4) = dqt[4 * i + 2 * r + e];
-                        }
-                fence_async_shared();
-                named_barrier_sync(2 + consumer, 128);   // the halves are written (ids 2, 3: one per consumer)
-                if (thread == 0) {
-                    if (semaphores != nullptr && order.first_of_turn(m)) wait_turn();
-                    static_assert(backward_sm90_dq_rows<D_TILE, BLOCK_M> == BLOCK_M, "a box is the block's rows");
+                    for (int e = 0; e < 2; ++e) {
+                        const int col = 16 * (warp % 2) + lane / 4 + 8 * r, query = 8 * i + query_col + e;
+                        const unsigned int unit = (unsigned int)(col / 4) ^ (unsigned int)(query & 7);
+                        *reinterpret_cast<float*>(half + query * 128 + unit * 16 + (col % 4) * 4) = dqt[4 * i + 2 * r + e];
+                    }
+            fence_async_shared();
+            named_barrier_sync(2 + consumer, 128);   // the halves are written (ids 2, 3: one per consumer)
+            if (thread == 0) {
+                if (semaphores != nullptr && order.first_of_turn(m)) wait_turn();
+                static_assert(backward_sm90_dq_rows<D_TILE, BLOCK_M> == BLOCK_M, "a box is the block's rows");
 #pragma unroll
-                    for (int half = 0; half < 2; ++half)
-                        tma_reduce_add_4d(&maps.dq_accum, smem_addr(&smem.dq[consumer][half][0][0]),
-                                          consumer * SWIZZLE_ROW_ELEMENTS + 32 * half, seq.q_row0 + q_start, (int)h, batch_coord);
-                    tma_store_commit();
-                }
-            } else {
-                if (semaphores != nullptr && order.first_of_turn(m)) {
-                    if (thread == 0) wait_turn();
-                    named_barrier_sync(2 + consumer, 128);
-                }
-#pragma unroll
-                for (int i = 0; i < BLOCK_M / 8; ++i)
-#pragma unroll
-                    for (int r = 0; r < 2; ++r)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int query = q_start + 8 * i + query_col + e;
-                            const int col = consumer * SWIZZLE_ROW_ELEMENTS + 16 * warp + lane / 4 + 8 * r;
-                            if (query < seq.seqlen_q && col < (int)p.head_dim)
-                                atomicAdd(dq_accum + (long long)query * p.dq_accum_strides[1] + col, dqt[4 * i + 2 * r + e]);
-                        }
+                for (int half = 0; half < 2; ++half)
+                    tma_reduce_add_4d(&maps.dq_accum, smem_addr(&smem.dq[consumer][half][0][0]),
+                                      consumer * SWIZZLE_ROW_ELEMENTS + 32 * half, seq.q_row0 + q_start, (int)h, batch_coord);
+                tma_store_commit();
             }
         } else {
 #pragma unroll 1
