@@ -803,8 +803,9 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
         // ordered before lane 0's by the warp barrier); the last of the consumers' warps to count
         // its own publishes the turn. Measured (H100, bf16, interleaved against one thread
         // publishing between the consumers' barriers, its fence holding both): 1.01-1.07x at
-        // 2k-16k; a publisher warp in the producer warpgroup polling the count lost 22-27% at
-        // 4k-16k without a mask (docs/performance.md, fourteenth session).
+        // 2k-16k; a publisher warp in the producer warpgroup polling the count measured 0.73-0.79x
+        // at 4k-16k without a mask (docs/performance.md, fourteenth session). The key split
+        // (d <= 128) still publishes from a thread after its dS barrier: not measured this way.
         if (semaphores != nullptr && order.last_of_turn(m)) {
             __syncwarp();
             ++turns_done;
