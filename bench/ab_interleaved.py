@@ -11,6 +11,11 @@ unchanged kernels read 0.95-1.03 (docs/results/h100_sm90_bwd_producer_unroll_dq_
 so gains under ~3% need a second run. Both trees compile on first use (the kernel cache keys on the
 source): fill it first on a cold machine. Peers are not timed here: tables against cuDNN come from
 ``python -m bench``.
+
+B is the ``cupy_flash`` that ``import`` finds, which under ``python -m`` is the current directory's
+before PYTHONPATH's: to time another copy as B, pass ``--tree DIR`` (a variant run with
+PYTHONPATH=VARIANT from the repository root timed the working tree against itself, B/A 1.00
+throughout: docs/performance.md, fourteenth session). The files A and B come from are printed first.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ def call(module, mode, causal):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="directory with another checkout's cupy_flash/ and kernels_cu/ (A)")
+    parser.add_argument("--tree", help="the same for B (default: the cupy_flash that import finds)")
     parser.add_argument("--modes", nargs="+", default=["fwd"], choices=["fwd", "bwd", "bwd_det"])
     parser.add_argument("--dtypes", nargs="+", default=["bf16"], choices=sorted(DTYPES))
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256])
@@ -45,6 +51,8 @@ def main(argv=None):
     parser.add_argument("--out", help="JSON file for the rows")
     args = parser.parse_args(argv)
     base = load_baseline(args.base)
+    tree = load_baseline(args.tree, "cupy_flash_tree") if args.tree else cupy_flash
+    print(f"A: {base.__file__}\nB: {tree.__file__}", flush=True)
     rows = []
     for dtype in args.dtypes:
         for head_dim in args.head_dims:
@@ -57,10 +65,10 @@ def main(argv=None):
                         work = flops(batch, heads, seqlen, head_dim, causal, "bwd" if mode == "bwd_det" else mode)
                         times = {"A": [], "B": []}
                         for _ in range(args.rounds):
-                            for tree in ("A", "B", "B", "A"):
-                                module = base if tree == "A" else cupy_flash
-                                times[tree].append(time_calls(call(module, mode, bool(causal)), sets, min_calls=20,
-                                                              max_calls=300, budget_s=0.4))
+                            for which in ("A", "B", "B", "A"):
+                                module = base if which == "A" else tree
+                                times[which].append(time_calls(call(module, mode, bool(causal)), sets, min_calls=20,
+                                                               max_calls=300, budget_s=0.4))
                         a, b = statistics.median(times["A"]), statistics.median(times["B"])
                         row = dict(dtype=dtype, head_dim=head_dim, seqlen=seqlen, causal=causal, mode=mode,
                                    a_tflops=work / a / 1e9, b_tflops=work / b / 1e9, b_over_a=a / b, a_ms=times["A"],

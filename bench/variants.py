@@ -171,12 +171,12 @@ def bias_table(dtype):
     return rows
 
 
-def load_baseline(directory):
+def load_baseline(directory, name="cupy_flash_baseline"):
     """Import DIR/cupy_flash under another name (its kernels from DIR/kernels_cu)."""
-    spec = importlib.util.spec_from_file_location("cupy_flash_baseline", os.path.join(directory, "cupy_flash", "__init__.py"),
+    spec = importlib.util.spec_from_file_location(name, os.path.join(directory, "cupy_flash", "__init__.py"),
                                                   submodule_search_locations=[os.path.join(directory, "cupy_flash")])
     module = importlib.util.module_from_spec(spec)
-    sys.modules["cupy_flash_baseline"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
