@@ -148,3 +148,19 @@ def test_plain_backward_calls_take_the_plain_tiles():
         plain = _traits.backward_sm90_config(tile)
         assert plain[1:] == _traits.BACKWARD_SM90_PLAIN.get(tile, _traits.BACKWARD_SM90[tile])
         assert _traits.backward_sm90_config(tile, FEATURE_WINDOW)[1:] == _traits.BACKWARD_SM90[tile]
+
+
+def test_backward_row_kernels_take_a_grid_the_multiprocessors_hold(monkeypatch):
+    """The row kernels' warps loop over the rows: a large call gets a grid sized to the device (the
+    grid of a warp per row left most blocks without a row), a small one no more blocks than rows
+    need."""
+    from cupy_flash import preprocess
+    from cupy_flash._compile import ModuleSpec
+
+    monkeypatch.setattr(_families, "current_device", lambda: H100)
+    monkeypatch.setattr(preprocess, "get_kernel", lambda spec, name: name)
+    large = AttentionShape(8, 2048, 2048, 16, 128, "bfloat16")   # 262,144 rows
+    _, grid, threads = preprocess.row_kernel(ModuleSpec.preprocess_kernel, large)
+    assert (grid, threads) == (preprocess._ROW_BLOCKS_PER_SM * H100.multiprocessors, 256)
+    small = AttentionShape(1, 100, 100, 2, 64, "bfloat16")   # 200 rows: 25 blocks of 8 warps
+    assert preprocess.row_kernel(ModuleSpec.dq_convert_kernel, small)[1] == 25
