@@ -46,6 +46,12 @@ for dtype in (numpy.float16, ml_dtypes.bfloat16) if sys.argv[1:] != ["backward"]
     q, k = array((sum(lens_q), 4, 64), dtype), array((sum(lens_k), 2, 64), dtype)
     cupy_flash.flash_forward(q, k, k, causal=True, cu_seqlens_q=cupy.asarray(numpy.cumsum([0] + lens_q), dtype=cupy.int32),
                              cu_seqlens_k=cupy.asarray(numpy.cumsum([0] + lens_k), dtype=cupy.int32))
+    # d = 256 (a block per tile where tiles are unequal) under a window and in a packed batch.
+    q, k, v = array((1, 300, 4, 256), dtype), array((1, 100, 2, 256), dtype), array((1, 100, 2, 256), dtype)
+    cupy_flash.flash_forward(q, k, v, window_size=(30, 5))
+    q, k = array((sum(lens_q), 4, 256), dtype), array((sum(lens_k), 2, 256), dtype)
+    cupy_flash.flash_forward(q, k, k, causal=True, cu_seqlens_q=cupy.asarray(numpy.cumsum([0] + lens_q), dtype=cupy.int32),
+                             cu_seqlens_k=cupy.asarray(numpy.cumsum([0] + lens_k), dtype=cupy.int32))
 # The Hopper backward (kernels_cu/backward_sm90.cu; opted into with CUPY_FLASH_KERNELS=experimental):
 # every head-dim tile (96 pads to 128, 192 to 256: the head-dim split), key blocks past the
 # sequence, GQA, a window, packed batches.
