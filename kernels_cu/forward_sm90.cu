@@ -113,8 +113,8 @@ template <int D_TILE, bool IS_CAUSAL, int FEATURES>
 struct DynamicTiles {
     static constexpr bool value = (IS_CAUSAL || (FEATURES & (FEATURE_WINDOW | FEATURE_VARLEN))) && D_TILE <= 128;
 };
-// Read by the launcher, which gives a counter (zeroed) and a grid of one block per SM where this is
-// 1, else no counter and a grid of one block per SM (uniform tiles) or per tile.
+// Read by the launcher, which gives a counter (two ints, zero at launch) and a grid of one block
+// per SM where this is 1, else no counter and a grid of one block per SM (uniform tiles) or per tile.
 template <int D_TILE, bool IS_CAUSAL, int FEATURES>
 __device__ const unsigned int forward_sm90_dynamic_tiles = DynamicTiles<D_TILE, IS_CAUSAL, FEATURES>::value;
 
@@ -135,6 +135,20 @@ struct TileScheduler {
         smem.next_tile[slot.index] = next;
         barrier_arrive(smem_addr(&smem.tile_full[slot.index]));   // releases the write to the waiters
         return next;
+    }
+    // After the producer's last fetch: the counter left as the launch found it, zero, so the
+    // launcher need not zero it per call (it keeps one per host thread and stream; allocating and
+    // zeroing one took ~10 us of a call's host time, 5% of a 512-key causal d = 64 call). Each
+    // block counts itself out in tile_counter[1] after its fetches (the fence orders them); the
+    // last block zeroes both, once every fetch is done.
+    __device__ __forceinline__ void release_counter(int* tile_counter) const {
+        if (!DYNAMIC) return;
+        __threadfence();
+        if (atomicAdd(tile_counter + 1, 1) == (int)gridDim.x - 1) {
+            __threadfence();
+            tile_counter[0] = 0;
+            tile_counter[1] = 0;
+        }
     }
     // The same tile, for a consumer warp.
     template <typename Storage>
@@ -516,6 +530,7 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
                 produce_tile(smem, maps, scheduler.work(p, tile), ring, q_round);
                 tile = scheduler.producer_next(tile, tile_counter, smem, round);
             }
+            scheduler.release_counter(tile_counter);
         }
     } else {
         acquire_registers<Sm90Registers<CONSUMERS, DYNAMIC>::consumer>();

@@ -677,6 +677,33 @@ def test_repeated_calls_reuse_a_checked_plan_only_where_the_checks_would_pass(pa
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_repeated_causal_calls_on_two_streams_compute_every_tile(path):
+    """The Hopper forward's blocks take causal tiles from a counter that the kernel leaves zero for
+    the next launch (the plan keeps one per host thread and stream, zeroed once): repeated calls,
+    alternating between two streams, with more tiles than SMs (so blocks take tiles from the
+    counter), must each compute every tile (outputs NaN-poisoned) and give bitwise the first call's
+    results, which meet the error rule."""
+    import cupy
+
+    rng = numpy.random.default_rng(31)
+    shape = (2, 700, 24, 64)   # 2 x 24 heads x 4-6 query blocks: 192-288 tiles
+    q, k, v = (random_array(rng, shape, "bfloat16") for _ in range(3))
+    streams = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream.null)
+    results = []
+    with kernel_path(path):
+        for i in range(5):
+            with streams[i % 2], poisoned_allocations():
+                results.append(cupy_flash.flash_forward(q, k, v, causal=True))
+            streams[i % 2].synchronize()
+    exact = attention_reference(q, k, v, causal=True)
+    low = attention_reference(q, k, v, causal=True, upcast=False)
+    check_error_rule("o", results[0][0], exact[0], low[0], f"repeated causal kernels={path}", max_finite_abs(exact[1]))
+    for i, (o, lse) in enumerate(results[1:], 1):
+        assert bool((bitwise(o) == bitwise(results[0][0])).all()), f"call {i}: o"
+        assert bool((bitwise(lse) == bitwise(results[0][1])).all()), f"call {i}: lse"
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
 @pytest.mark.parametrize("dtype,deterministic", [("bfloat16", False), ("bfloat16", True), ("float32", True)])
 def test_repeated_backward_calls_reuse_a_checked_plan_only_where_the_checks_would_pass(path, dtype, deterministic):
     """A repeated plain backward skips the checks and the dispatch through backward._plans (its
