@@ -58,7 +58,6 @@ class ForwardPlan:
         launch_buffers(self.kernel, self.grid, self.threads, self.smem, arguments)
         return o, lse
 
-
     def _tile_counter(self) -> int:
         """The address of a tile counter (two int32, zero) for a launch on the current stream. The
         kernel leaves it zero (forward_sm90.cu, TileScheduler::release_counter), so launches of this
