@@ -657,7 +657,6 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
     constexpr int TURN_BLOCKS = dq_turn_blocks<BLOCK_M>;
     int* semaphores = p.dq_semaphore == nullptr ? nullptr : dq_semaphores_of<BLOCK_M>(p, block.bh);
     const QueryOrder<TURN_BLOCKS> order{at.q_range, at.descending};
-    unsigned int turns_done = 0;   // deterministic: this key block's turns whose adds are complete
 
     float dk[COLUMNS / 2], dv[COLUMNS / 2];
 #pragma unroll
@@ -806,12 +805,13 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
         // 2k-16k; a publisher warp in the producer warpgroup polling the count measured 0.73-0.79x
         // at 4k-16k without a mask (docs/performance.md, fourteenth session). The key split
         // (d <= 128) still publishes from a thread after its dS barrier: not measured this way.
+        // The count's eighth arrival of a turn is its last: the consumers' barriers of the next
+        // block keep a turn's arrivals ahead of any of the next turn's.
         if (semaphores != nullptr && order.last_of_turn(m)) {
             __syncwarp();
-            ++turns_done;
             if (lane == 0) {
                 tma_store_wait_all();
-                if (shared_add_acq_rel(&smem.turn_arrivals, 1) + 1 == 4 * CONSUMERS * turns_done)
+                if ((shared_add_acq_rel(&smem.turn_arrivals, 1) + 1) % (4 * CONSUMERS) == 0)
                     publish_dq(semaphores + m / TURN_BLOCKS);
             }
         }
