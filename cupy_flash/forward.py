@@ -5,11 +5,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import threading
 
 from . import _checks, _families, _tma, _traits
 from ._compile import ModuleSpec, device_value, get_kernel
-from ._launch import launch_buffers
+from ._launch import TileCounters, launch_buffers
 from ._params import PointerRecord, make_params
 from ._streams import on_stream, record_kernel_arrays
 from .decode import check_num_splits, launch_decode, uses_split_path
@@ -35,7 +34,7 @@ class ForwardPlan:
         self.variant_arrays = tuple(x for x in variant.device_arrays() if x is not None)
         self.maps = maps   # Hopper: _sm90_maps's (dtype, q box rows, k/v box rows, packed); else ()
         self.tile_counter = tile_counter   # Hopper: blocks take tiles from a counter (_tile_counter)
-        self._counters: dict = {}          # ... one per (host thread, stream)
+        self._counters = TileCounters()    # ... one per (host thread, stream)
         self.device = _current_device()   # the kernel handle's
 
     def run(self, q, k, v, out=None):
@@ -53,30 +52,10 @@ class ForwardPlan:
         if not self.maps:
             arguments = (record,)
         else:
-            counter = self._tile_counter() if self.tile_counter else 0
+            counter = self._counters.address() if self.tile_counter else 0
             arguments = (_sm90_maps(q, k, v, o, *self.maps), record, ctypes.c_uint64(counter))
         launch_buffers(self.kernel, self.grid, self.threads, self.smem, arguments)
         return o, lse
-
-    def _tile_counter(self) -> int:
-        """The address of a tile counter (two int32, zero) for a launch on the current stream. The
-        kernel leaves it zero (forward_sm90.cu, TileScheduler::release_counter), so launches of this
-        thread on this stream, which run one after another, share one, zeroed once. A launch being
-        captured into a graph gets its own, zeroed in the graph: a graph may replay on any stream,
-        beside direct calls."""
-        import cupy
-
-        stream = cupy.cuda.get_current_stream()
-        if stream.is_capturing():
-            counter = cupy.empty((2,), dtype=cupy.int32)
-            cupy.cuda.runtime.memsetAsync(counter.data.ptr, 0, counter.nbytes, stream.ptr)
-            record_kernel_arrays((counter,))
-            return counter.data.ptr
-        key = (threading.get_ident(), stream.ptr)
-        counter = self._counters.get(key)
-        if counter is None:
-            counter = self._counters[key] = cupy.zeros((2,), dtype=cupy.int32)
-        return counter.data.ptr
 
 
 def forward_plan(q, k, v, shape, scale, variant, config: tuple = ()) -> ForwardPlan:

@@ -34,9 +34,7 @@ struct ForwardSm90Storage {
     alignas(OWN_O ? SWIZZLE_ATOM_BYTES : 16) T o[OWN_O ? CHUNKS : 1][OWN_O ? BLOCK_M : 1][SWIZZLE_ROW_ELEMENTS];
     unsigned long long q_full, q_empty;
     unsigned long long k_full[STAGES], k_empty[STAGES];
-    // The dynamic tile order's hand-over: the producer's next tile, for the consumers (TileScheduler).
-    int next_tile[2];
-    unsigned long long tile_full[2], tile_empty[2];
+    TileHandover tiles;   // the dynamic tile order's hand-over (TileScheduler)
     unsigned long long v_full[STAGES], v_empty[STAGES];
 };
 
@@ -128,38 +126,16 @@ struct TileScheduler {
     // The tile after `tile` for the producer (round: how many it has handed over before).
     template <typename Storage>
     __device__ __forceinline__ int producer_next(int tile, int* tile_counter, Storage& smem, int round) const {
-        if (!DYNAMIC) return tile + gridDim.x;
-        const int next = gridDim.x + atomicAdd(tile_counter, 1);
-        const RingSlot slot = ring_slot<2>(round);
-        barrier_wait(smem_addr(&smem.tile_empty[slot.index]), slot.parity ^ 1);
-        smem.next_tile[slot.index] = next;
-        barrier_arrive(smem_addr(&smem.tile_full[slot.index]));   // releases the write to the waiters
-        return next;
+        return DYNAMIC ? smem.tiles.fetch(tile_counter, round) : tile + (int)gridDim.x;
     }
-    // After the producer's last fetch: the counter left as the launch found it, zero, so the
-    // launcher need not zero it per call (it keeps one per host thread and stream; allocating and
-    // zeroing one took ~10 us of a call's host time, 5% of a 512-key causal d = 64 call). Each
-    // block counts itself out in tile_counter[1] after its fetches (the fence orders them); the
-    // last block zeroes both, once every fetch is done.
+    // After the producer's last fetch (sm90_tma.cuh: the kernel leaves the counter zero).
     __device__ __forceinline__ void release_counter(int* tile_counter) const {
-        if (!DYNAMIC) return;
-        __threadfence();
-        if (atomicAdd(tile_counter + 1, 1) == (int)gridDim.x - 1) {
-            __threadfence();
-            tile_counter[0] = 0;
-            tile_counter[1] = 0;
-        }
+        if (DYNAMIC) release_tile_counter(tile_counter);
     }
     // The same tile, for a consumer warp.
     template <typename Storage>
     __device__ __forceinline__ int consumer_next(int tile, const int* tile_counter, Storage& smem, int round) const {
-        if (!DYNAMIC) return tile + gridDim.x;
-        const RingSlot slot = ring_slot<2>(round);
-        barrier_wait(smem_addr(&smem.tile_full[slot.index]), slot.parity);
-        const int next = *static_cast<volatile int*>(&smem.next_tile[slot.index]);
-        __syncwarp();
-        if (threadIdx.x % 32 == 0) barrier_arrive(smem_addr(&smem.tile_empty[slot.index]));
-        return next;
+        return DYNAMIC ? smem.tiles.receive(round) : tile + (int)gridDim.x;
     }
 
     __device__ __forceinline__ ForwardSm90Work work(const FlashParams& p, int tile) const {
@@ -510,11 +486,7 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
             barrier_init(smem_addr(&smem.k_empty[s]), 4 * CONSUMERS);
             barrier_init(smem_addr(&smem.v_empty[s]), 4 * CONSUMERS);
         }
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-            barrier_init(smem_addr(&smem.tile_full[s]), 1);
-            barrier_init(smem_addr(&smem.tile_empty[s]), 4 * CONSUMERS);
-        }
+        smem.tiles.init(4 * CONSUMERS);   // receive: one arrival a consumer warp
         barrier_init_fence();
     }
     __syncthreads();

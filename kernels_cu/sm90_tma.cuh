@@ -121,3 +121,64 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(threads) : "memory");
 }
+
+// ---- a persistent grid's tiles from a counter ----------------------------------------------------
+// Block b starts with tile b and then takes gridDim.x + the counter's count as it finishes one, so
+// blocks that drew short tiles take more. One thread (the producer's) fetches each next tile as it
+// has issued the current one's loads and hands it to the consumer warps through shared memory: a
+// two-entry ring (`round`: how many tiles the block has handed over before), `full` counting the
+// producer's arrival, `empty` the consumers'.
+struct TileHandover {
+    int next_tile[2];
+    unsigned long long full[2], empty[2];
+
+    __device__ __forceinline__ void init(int arrivals) {   // receive's or receive_each's, per round
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            barrier_init(smem_addr(&full[s]), 1);
+            barrier_init(smem_addr(&empty[s]), arrivals);
+        }
+    }
+    // The producer thread: the next tile, handed over.
+    __device__ __forceinline__ int fetch(int* tile_counter, int round) {
+        const int next = gridDim.x + atomicAdd(tile_counter, 1);
+        const RingSlot slot = ring_slot<2>(round);
+        barrier_wait(smem_addr(&empty[slot.index]), slot.parity ^ 1);
+        next_tile[slot.index] = next;
+        barrier_arrive(smem_addr(&full[slot.index]));   // releases the write to the waiters
+        return next;
+    }
+    // The tile handed over in `round`, for a whole consumer warp (converged; init's arrivals: one
+    // a warp): lane 0 reads it, arrives and passes it to the other lanes. (With every lane reading
+    // and lane 0 arriving for the warp, racecheck flagged lanes 1-31's reads against the
+    // producer's next write to the slot, once blocks took 3+ tiles: an arrival releases the
+    // arriving thread's accesses.)
+    __device__ __forceinline__ int receive(int round) {
+        int next = 0;
+        if (threadIdx.x % 32 == 0) next = receive_each(round);
+        return __shfl_sync(0xffffffffu, next, 0);
+    }
+    // ... for one thread, which arrives for itself (init's arrivals: one a thread). The Hopper
+    // backward's consumers take this: with receive, its d = 128 consumers spilled 76 bytes.
+    __device__ __forceinline__ int receive_each(int round) {
+        const RingSlot slot = ring_slot<2>(round);
+        barrier_wait(smem_addr(&full[slot.index]), slot.parity);
+        const int next = *static_cast<volatile int*>(&next_tile[slot.index]);
+        barrier_arrive(smem_addr(&empty[slot.index]));
+        return next;
+    }
+};
+
+// After the producer's last fetch: the counter (two ints) left as the launch found it, zero, so the
+// launcher need not zero it per call (it keeps one per host thread and stream; allocating and
+// zeroing one took ~10 us of a call's host time, 5% of a 512-key causal d = 64 forward). Each block
+// counts itself out in tile_counter[1] after its fetches (the fence orders them); the last block
+// zeroes both, once every fetch is done.
+__device__ __forceinline__ void release_tile_counter(int* tile_counter) {
+    __threadfence();
+    if (atomicAdd(tile_counter + 1, 1) == (int)gridDim.x - 1) {
+        __threadfence();
+        tile_counter[0] = 0;
+        tile_counter[1] = 0;
+    }
+}
