@@ -68,6 +68,13 @@ with _families.use_kernels("experimental"):
         q, k, v = array((2, 200, 4, 128), dtype), array((2, 150, 2, 128), dtype), array((2, 150, 2, 128), dtype)
         o, lse = cupy_flash.flash_forward(q, k, v)
         cupy_flash.flash_backward(array(q.shape, dtype), q, k, v, o, lse)
+        # More key blocks than SMs: persistent blocks take several from the counter (deterministic
+        # ones wait on key blocks other blocks took).
+        for d in (64, 128, 256):
+            q, k, v = array((1, 200, 160, d), dtype), array((1, 300, 160, d), dtype), array((1, 300, 160, d), dtype)
+            for causal, deterministic in ((False, False), (True, True)):
+                o, lse = cupy_flash.flash_forward(q, k, v, causal=causal)
+                cupy_flash.flash_backward(array(q.shape, dtype), q, k, v, o, lse, causal=causal, deterministic=deterministic)
         q, k, v = array((1, 300, 2, 64), dtype), array((1, 260, 2, 64), dtype), array((1, 260, 2, 64), dtype)
         o, lse = cupy_flash.flash_forward(q, k, v, window_size=(30, 5))
         cupy_flash.flash_backward(array(q.shape, dtype), q, k, v, o, lse, window_size=(30, 5))

@@ -10,7 +10,7 @@ from . import _checks, _families, _tma, _traits
 from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, device_value, get_kernel
 from ._families import current_device
 from ._features import broadcast_strides
-from ._launch import fill_words, launch_buffers
+from ._launch import TileCounters, fill_words, launch_buffers
 from ._params import PointerRecord, make_params
 from ._streams import on_stream, record_kernel_arrays
 from .forward import _current_device
@@ -163,6 +163,7 @@ class BackwardPlan:
         self.held = held                 # the variant's device arrays the records point at
         self.maps = maps                 # Hopper: ((array name, box rows), ...), dtype, packed
         self._encoded: dict = {}         # the Hopper tensor maps by the arrays' addresses
+        self._counters = TileCounters()  # the Hopper kernel's tile counters
         self.device = cupy.cuda.runtime.getDevice()
 
     def run(self, arrays: dict) -> dict:
@@ -182,7 +183,8 @@ class BackwardPlan:
         record_kernel_arrays(tuple(arrays.values()) + self.held)
         filled = {name: record.filled(arrays) for name, record in self.records.items()}
         for kernel, grid, threads, smem, record, with_maps in self.launches:
-            arguments = (self._maps_of(arrays), filled[record]) if with_maps else (filled[record],)
+            arguments = ((self._maps_of(arrays), filled[record], ctypes.c_uint64(self._counters.address())) if with_maps
+                         else (filled[record],))
             launch_buffers(kernel, grid, threads, smem, arguments)
         return temporaries
 
@@ -276,7 +278,10 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
     if hopper:
         smem = device_value(sm90, sm90.backward_sm90_smem())
         kernel = get_kernel(sm90, sm90.backward_sm90_kernel(variant.causal), smem)
-        grid = -(-shape.seqlen_k // block_n) * bh
+        # A persistent grid: blocks take key blocks from a counter (kernels_cu/backward_sm90.cu).
+        # (The tile count is below 2^31: _checks bounds the portable kernels' grid, of smaller
+        # blocks, by it.)
+        grid = min(-(-shape.seqlen_k // block_n) * bh, current_device().multiprocessors)
         launches.append((kernel, grid, _traits.backward_sm90_threads(sm90.config), smem, "main", True))
         maps = ((("q", block_m), ("k", block_n), ("v", block_n), ("do", block_m),
                  ("dq_accum", device_value(sm90, sm90.backward_sm90_dq_box_rows()))), shape.dtype, variant.packed is not None)

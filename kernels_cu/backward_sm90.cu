@@ -4,16 +4,16 @@
 // (docs/performance.md, "Hopper backward, third / fourth / fifth part"); smoke check, property
 // tests and memcheck/racecheck/synccheck pass on the H100.
 //
-// One block per (key block of BLOCK_N keys, batch, head), key blocks of one head consecutive in the
-// grid (their Q, dO and dQ rows stay in L2; deterministic mode: 4 at a time). With the scores
-// transposed (keys as rows):
+// A tile is a key block of BLOCK_N keys of one (batch, head); one block per SM walks the tiles,
+// taking the next from a counter (key blocks of one head consecutive: their Q, dO and dQ rows stay
+// in L2; deterministic mode: 4 at a time). With the scores transposed (keys as rows):
 //   S^T  = K Q^T                       P^T  = exp2(S^T * scale_log2 - lse_log2[query])
 //   dP^T = V dO^T                      dS^T = P^T * (dP^T - delta[query])
 //   dV  += P^T dO     dK += dS^T Q     dQ  += dS K        (dK and dQ times softmax_scale at the end:
 //                                                          dK here, dQ in the convert kernel)
-//  - warpgroup 0, the producer, gives its registers away; one thread loads K and V once, then
-//    streams each query block's Q and dO tiles (TMA) and its lse_log2 and delta rows (bulk copies)
-//    into a ring of STAGES slots;
+//  - warpgroup 0, the producer, gives its registers away; one thread loads each tile's K and V
+//    once, and streams each query block's Q and dO tiles (TMA) and its lse_log2 and delta rows
+//    (bulk copies) into a ring of STAGES slots that runs on across tiles;
 //  - two consumer warpgroups share the products. At d <= 128 (BLOCK_N = 128: the key split) each
 //    owns 64 of the block's keys: S^T and dP^T by wgmma from shared memory,
 //    P^T and dS^T in registers, dV += P^T dO and dK += dS^T Q by wgmma with A from registers
@@ -63,11 +63,13 @@ struct BackwardSm90Storage {
     alignas(SWIZZLE_ATOM_BYTES) float dq[BACKWARD_SM90_CONSUMERS][HEAD_DIM_SPLIT ? 1 : 2][key_split_dq_rows<BLOCK_M>][32];
     alignas(16) float lse_log2[STAGES][BLOCK_M];
     alignas(16) float delta[STAGES][BLOCK_M];
-    unsigned long long kv_full;
+    unsigned long long kv_full, kv_empty;
     unsigned long long full[STAGES], empty[STAGES];
+    TileHandover tiles;   // the persistent grid's next tile (sm90_tma.cuh)
     // Deterministic mode, head-dim split: the consumer warps whose adds to their current turn have
     // completed (one count per warp per turn, never reset); the turn's last warp publishes it.
     unsigned int turn_arrivals;
+    int num_kv_blocks, num_tiles;   // the producer's, read at each tile rather than held (24 registers)
 };
 
 // q, k, v, dO as 4-D tensors (head_dim, seqlen, heads, batch) in boxes of 64 x BLOCK_M (q, dO) or
@@ -91,11 +93,18 @@ template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES>
 __device__ const unsigned int backward_sm90_dq_box_rows = backward_sm90_dq_rows<D_TILE, BLOCK_M>;
 
 // Registers after setmaxnreg: the block's warpgroups launched at 168 a thread (sm_90 launch bounds
-// of 384 threads).
-constexpr int BACKWARD_SM90_PRODUCER_REGISTERS = 24, BACKWARD_SM90_CONSUMER_REGISTERS = 240;
-static_assert(BACKWARD_SM90_PRODUCER_REGISTERS + BACKWARD_SM90_CONSUMERS * BACKWARD_SM90_CONSUMER_REGISTERS <=
-                  (1 + BACKWARD_SM90_CONSUMERS) * 168,
-              "setmaxnreg split beyond the launch's registers: the block would hang");
+// of 384 threads). The producer's tile loop (persistent grid) spilled 8-20 bytes at 24 registers in
+// some instantiations; at 232 the d = 128 consumers' wgmma were serialized (ptxas C7512) and the
+// d = 64 variant consumers spilled 72-76 bytes. So: 40 / 232 where the consumers fit (d = 64 plain
+// calls, d = 256), else 24 / 240 (the producer's loop then held in fewer values: the tile counts
+// read from shared memory).
+template <int D_TILE, int FEATURES>
+struct BackwardSm90Registers {
+    static constexpr bool roomy_producer = D_TILE == 256 || (D_TILE == 64 && FEATURES == 0);
+    static constexpr int producer = roomy_producer ? 40 : 24, consumer = roomy_producer ? 232 : 240;
+    static_assert(producer + BACKWARD_SM90_CONSUMERS * consumer <= (1 + BACKWARD_SM90_CONSUMERS) * 168,
+                  "setmaxnreg split beyond the launch's registers: the block would hang");
+};
 
 // Deterministic mode's turns, both splits: a turn covers 128 query rows (dq_turn_blocks query
 // blocks; counter m / dq_turn_blocks in the launcher's per-query-block array, of which turns of
@@ -146,46 +155,107 @@ struct BackwardSm90Block {
     int batch_coord;  // the tensor maps' batch coordinate (0 for a packed batch)
 };
 
+// A tile, one key block of a (batch, head), as the producer and the consumers see it. Atomic mode
+// takes a head's key blocks in order, heads one after another (their Q, dO and dQ rows stay in
+// L2); deterministic mode (p.dq_semaphore) DETERMINISTIC_KV_GROUP key blocks of a head at a time
+// (key_block_of_tile). Measured (H100, bf16, d = 64 / 128, 2k-16k, against (batch, head)
+// fastest): groups of 4 gave 1.0-1.53x (d = 64 2k 167 -> 224 TFLOP/s, d = 128 2k 203 -> 310); 2
+// gained less at 2k-4k, 8 lost at causal 2k-4k (the longer waiting chain).
+template <int BLOCK_N, int BLOCK_M, bool IS_CAUSAL, int FEATURES>
+__device__ __forceinline__ BackwardSm90Block backward_sm90_block(const FlashParams& p, int tile, int num_kv_blocks) {
+    constexpr int DETERMINISTIC_KV_GROUP = 4;
+    const KeyBlock block = key_block_of_tile(p, tile, num_kv_blocks, p.dq_semaphore == nullptr ? num_kv_blocks : DETERMINISTIC_KV_GROUP);
+    const int kv_start = block.kv_block * BLOCK_N;
+    const Sequence seq = sequence_of<FEATURES>(p, block.b);
+    const Band band = band_of(p, seq);
+    // A packed batch's tiles cover its longest sequence; key blocks past this one's end do nothing
+    // (the launcher's dK / dV rows past it belong to the next sequence).
+    const bool keys_here = !(FEATURES & FEATURE_VARLEN) || kv_start < seq.seqlen_k;
+    const int2 q_range = keys_here ? q_block_range<IS_CAUSAL, FEATURES>(seq, kv_start, BLOCK_M, BLOCK_N, band) : make_int2(0, 0);
+    return {block, seq, band, kv_start, keys_here, q_range, IS_CAUSAL && p.dq_semaphore != nullptr,
+            (FEATURES & FEATURE_VARLEN) ? 0 : (int)block.b};
+}
+
+// The producer thread's tile: each query block's Q and dO tiles and lse_log2 and delta rows into
+// the ring (`ring`: the slots filled before this tile; it runs on across tiles), and after the
+// first block's, K and V once the consumers are done with the last tile's (round: the block's
+// tiles before this one).
+template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES>
+__device__ __forceinline__ void backward_sm90_produce(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem,
+                                                      const BackwardSm90Maps& maps, const FlashParams& p,
+                                                      const BackwardSm90Block& at, int round, int& ring) {
+    constexpr int CHUNKS = D_TILE / SWIZZLE_ROW_ELEMENTS;
+    const long long h = at.block.h;
+    const long long stats_row0 = at.block.bh * p.delta_stride;   // (batch, head)'s rows: delta_batch_stride = heads x delta_stride
+    const int kv_head = (int)kv_head_of_wide(h, p);
+    const auto load_keys = [&]() {
+        const unsigned int kv_full = smem_addr(&smem.kv_full);
+        barrier_wait(smem_addr(&smem.kv_empty), (round & 1) ^ 1);
+        barrier_arrive_expect(kv_full, 2 * BLOCK_N * D_TILE * sizeof(T));
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+            tma_load_4d(smem_addr(&smem.k[c][0][0]), &maps.k, kv_full, c * SWIZZLE_ROW_ELEMENTS, at.seq.k_row0 + at.kv_start,
+                        kv_head, at.batch_coord);
+            tma_load_4d(smem_addr(&smem.v[c][0][0]), &maps.v, kv_full, c * SWIZZLE_ROW_ELEMENTS, at.seq.k_row0 + at.kv_start,
+                        kv_head, at.batch_coord);
+        }
+    };
+    const QueryOrder<1> order{at.q_range, at.descending};
+    const auto load_query_block = [&](int i) {
+        const int m = order.block(i);
+        const RingSlot slot = ring_slot<STAGES>(ring + i);
+        barrier_wait(smem_addr(&smem.empty[slot.index]), slot.parity ^ 1);
+        const unsigned int full = smem_addr(&smem.full[slot.index]);
+        barrier_arrive_expect(full, 2 * BLOCK_M * D_TILE * sizeof(T) + 2 * BLOCK_M * sizeof(float));
+        const int row = at.seq.q_row0 + m * BLOCK_M;
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+            tma_load_4d(smem_addr(&smem.q[slot.index][c][0][0]), &maps.q, full, c * SWIZZLE_ROW_ELEMENTS, row, (int)h,
+                        at.batch_coord);
+            tma_load_4d(smem_addr(&smem.dout[slot.index][c][0][0]), &maps.dout, full, c * SWIZZLE_ROW_ELEMENTS, row, (int)h,
+                        at.batch_coord);
+        }
+        const long long stats_row = stats_row0 + m * BLOCK_M;
+        bulk_load(smem_addr(&smem.lse_log2[slot.index][0]), p.lse_log2 + stats_row, BLOCK_M * sizeof(float), full);
+        bulk_load(smem_addr(&smem.delta[slot.index][0]), p.delta + stats_row, BLOCK_M * sizeof(float), full);
+    };
+    // The first query block's loads go out before the wait for the last tile's K and V to be
+    // released: a free slot takes them while the consumers finish that tile.
+    if (order.count() > 0) load_query_block(0);
+    load_keys();   // (where no query block sees the keys too: the consumers wait for them all the same)
+#pragma unroll 1
+    for (int i = 1; i < order.count(); ++i) load_query_block(i);
+    ring += order.count();
+}
+
 template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
 __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem,
                                                         const BackwardSm90Maps& maps, const FlashParams& p,
-                                                        const BackwardSm90Block& at);
+                                                        const BackwardSm90Block& at, int round, int& ring);
 template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
 __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem,
                                                              const BackwardSm90Maps& maps, const FlashParams& p,
-                                                             const BackwardSm90Block& at);
+                                                             const BackwardSm90Block& at, int round, int& ring);
 
+// A persistent grid (one block per SM, the launcher's min(tiles, SMs)) whose blocks take their
+// tiles from a counter (TileHandover; two ints, zero at launch, left zero): the next tile's K, V
+// and first Q / dO load under this one's dK / dV stores, where a block per tile paid its start
+// (barriers, the first loads) and its end (the stores, the last dQ adds) on an SM doing nothing
+// else: 2,048 such blocks of a d = 128 2k causal call took 171 us with no query block to visit.
+// Deterministic mode waits only for lower tiles, which blocks fetched earlier and finish first.
 template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
 __global__ void __launch_bounds__(128 * (1 + BACKWARD_SM90_CONSUMERS), 1)
-flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const FlashParams p) {
+flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const FlashParams p, int* tile_counter) {
     using Storage = BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>;
-    constexpr int CHUNKS = Storage::CHUNKS;
     constexpr int CONSUMERS = BACKWARD_SM90_CONSUMERS;
     static_assert(!(FEATURES & (FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_BIAS)), "score modifiers run on the portable backward");
     static_assert(sizeof(Storage) + SWIZZLE_ATOM_BYTES <= 227 * 1024, "shared memory of one sm_90 block");
     require_dynamic_smem(backward_sm90_smem_bytes<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>);
     extern __shared__ unsigned char smem_raw[];
     Storage& smem = aligned_shared_storage<Storage>(smem_raw);
-
-    // Deterministic mode (p.dq_semaphore) orders the key blocks' dQ adds as backward_tc.cu does; its
-    // grid takes DETERMINISTIC_KV_GROUP key blocks of a head at a time (key_block_in_groups), the
-    // atomic mode's all of them. Measured (H100, bf16, d = 64 / 128, 2k-16k, against (batch, head)
-    // fastest): groups of 4 gave 1.0-1.53x (d = 64 2k 167 -> 224 TFLOP/s, d = 128 2k 203 -> 310);
-    // 2 gained less at 2k-4k, 8 lost at causal 2k-4k (the longer waiting chain).
-    constexpr int DETERMINISTIC_KV_GROUP = 4;
-    const KeyBlock block = p.dq_semaphore == nullptr ? key_block_of(p, true) : key_block_in_groups(p, DETERMINISTIC_KV_GROUP);
-    const long long b = block.b, h = block.h;
-    const int kv_start = block.kv_block * BLOCK_N;
-    const Sequence seq = sequence_of<FEATURES>(p, b);
-    const Band band = band_of(p, seq);
-    // A packed batch's grid covers its longest sequence; key blocks past this one's end do nothing
-    // (the launcher's dK / dV rows past it belong to the next sequence).
-    const bool keys_here = !(FEATURES & FEATURE_VARLEN) || kv_start < seq.seqlen_k;
-    const int2 q_range = keys_here ? q_block_range<IS_CAUSAL, FEATURES>(seq, kv_start, BLOCK_M, BLOCK_N, band) : make_int2(0, 0);
-    const int batch_coord = (FEATURES & FEATURE_VARLEN) ? 0 : (int)b;
-    const long long stats_row0 = b * p.delta_batch_stride + h * p.delta_stride;
-    const BackwardSm90Block at = {block, seq, band, kv_start, keys_here, q_range, IS_CAUSAL && p.dq_semaphore != nullptr,
-                                  batch_coord};
+    // Tiles: key blocks of the longest sequence per (batch, head) (< 2^31: the launcher's grid limit).
+    const int num_kv_blocks = (int)((p.seqlen_k + BLOCK_N - 1) / BLOCK_N);
+    const int num_tiles = num_kv_blocks * (int)(p.batch * p.heads);
 
     if (threadIdx.x == 0) {
         prefetch_tensor_map(&maps.q);
@@ -194,6 +264,8 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
         prefetch_tensor_map(&maps.dout);
         prefetch_tensor_map(&maps.dq_accum);
         barrier_init(smem_addr(&smem.kv_full), 1);
+        // One arrival per consumer thread, after its last product of the tile that reads K or V.
+        barrier_init(smem_addr(&smem.kv_empty), 128 * CONSUMERS);
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             barrier_init(smem_addr(&smem.full[s]), 1);
@@ -202,55 +274,44 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
             // the bulk copy into the slot against lanes 1-31's reads when only lane 0 arrived).
             barrier_init(smem_addr(&smem.empty[s]), 128 * CONSUMERS);
         }
+        smem.tiles.init(128 * CONSUMERS);   // receive_each: one arrival a consumer thread
         smem.turn_arrivals = 0;
+        smem.num_kv_blocks = num_kv_blocks;
+        smem.num_tiles = num_tiles;
         barrier_init_fence();
     }
     __syncthreads();
 
+    int ring = 0;
     const int warpgroup = threadIdx.x / 128;
     if (warpgroup == 0) {
-        release_registers<BACKWARD_SM90_PRODUCER_REGISTERS>();
+        release_registers<BackwardSm90Registers<D_TILE, FEATURES>::producer>();
         if (threadIdx.x == 0) {
-            const int kv_head = (int)kv_head_of_wide(h, p);
-            const unsigned int kv_full = smem_addr(&smem.kv_full);
-            barrier_arrive_expect(kv_full, 2 * BLOCK_N * D_TILE * sizeof(T));
-#pragma unroll
-            for (int c = 0; c < CHUNKS; ++c) {
-                tma_load_4d(smem_addr(&smem.k[c][0][0]), &maps.k, kv_full, c * SWIZZLE_ROW_ELEMENTS, seq.k_row0 + kv_start,
-                            kv_head, batch_coord);
-                tma_load_4d(smem_addr(&smem.v[c][0][0]), &maps.v, kv_full, c * SWIZZLE_ROW_ELEMENTS, seq.k_row0 + kv_start,
-                            kv_head, batch_coord);
-            }
-            const QueryOrder<1> order{q_range, at.descending};
 #pragma unroll 1
-            for (int i = 0; i < order.count(); ++i) {
-                const int m = order.block(i);
-                const RingSlot slot = ring_slot<STAGES>(i);
-                barrier_wait(smem_addr(&smem.empty[slot.index]), slot.parity ^ 1);
-                const unsigned int full = smem_addr(&smem.full[slot.index]);
-                barrier_arrive_expect(full, 2 * BLOCK_M * D_TILE * sizeof(T) + 2 * BLOCK_M * sizeof(float));
-                const int row = seq.q_row0 + m * BLOCK_M;
-#pragma unroll
-                for (int c = 0; c < CHUNKS; ++c) {
-                    tma_load_4d(smem_addr(&smem.q[slot.index][c][0][0]), &maps.q, full, c * SWIZZLE_ROW_ELEMENTS, row, (int)h,
-                                batch_coord);
-                    tma_load_4d(smem_addr(&smem.dout[slot.index][c][0][0]), &maps.dout, full, c * SWIZZLE_ROW_ELEMENTS, row,
-                                (int)h, batch_coord);
-                }
-                bulk_load(smem_addr(&smem.lse_log2[slot.index][0]), p.lse_log2 + stats_row0 + m * BLOCK_M,
-                          BLOCK_M * sizeof(float), full);
-                bulk_load(smem_addr(&smem.delta[slot.index][0]), p.delta + stats_row0 + m * BLOCK_M,
-                          BLOCK_M * sizeof(float), full);
+            for (int tile = blockIdx.x, round = 0; tile < *static_cast<volatile int*>(&smem.num_tiles); ++round) {
+                const int kv_blocks = *static_cast<volatile int*>(&smem.num_kv_blocks);
+                backward_sm90_produce(smem, maps, p, backward_sm90_block<BLOCK_N, BLOCK_M, IS_CAUSAL, FEATURES>(p, tile, kv_blocks),
+                                      round, ring);
+                tile = smem.tiles.fetch(tile_counter, round);
             }
+            release_tile_counter(tile_counter);
         }
         return;
     }
 
-    acquire_registers<BACKWARD_SM90_CONSUMER_REGISTERS>();
-    if constexpr (Storage::HEAD_DIM_SPLIT)
-        backward_sm90_head_dim_split<T, D_TILE, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FEATURES>(smem, maps, p, at);
-    else
-        backward_sm90_key_split<T, D_TILE, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FEATURES>(smem, maps, p, at);
+    acquire_registers<BackwardSm90Registers<D_TILE, FEATURES>::consumer>();
+#pragma unroll 1
+    for (int tile = blockIdx.x, round = 0; tile < num_tiles; ++round) {
+        const BackwardSm90Block at = backward_sm90_block<BLOCK_N, BLOCK_M, IS_CAUSAL, FEATURES>(p, tile, num_kv_blocks);
+        if constexpr (Storage::HEAD_DIM_SPLIT)
+            backward_sm90_head_dim_split<T, D_TILE, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FEATURES>(smem, maps, p, at, round, ring);
+        else
+            backward_sm90_key_split<T, D_TILE, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FEATURES>(smem, maps, p, at, round, ring);
+        tile = smem.tiles.receive_each(round);
+    }
+    // The dQ reduces (each consumer's first thread's; at d = 256 each warp's first lane's) are done
+    // before the block's shared memory goes.
+    if (threadIdx.x % 32 == 0) tma_store_wait_all();
 }
 
 // P^T in place of S^T (a consumer's 64 keys x N queries, in the accumulator layout): exp2 of the
@@ -324,7 +385,7 @@ __device__ __forceinline__ void store_key_gradients(const float (&dk)[COLUMNS / 
 template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
 __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem,
                                                         const BackwardSm90Maps& maps, const FlashParams& p,
-                                                        const BackwardSm90Block& at) {
+                                                        const BackwardSm90Block& at, int round, int& ring) {
     constexpr int CHUNKS = D_TILE / SWIZZLE_ROW_ELEMENTS;
     constexpr int CONSUMERS = BACKWARD_SM90_CONSUMERS;   // 64 keys each
     constexpr int DQ_BARRIER = 1;             // named barrier of the consumers around dS (0: __syncthreads)
@@ -371,12 +432,12 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
     float dk[D_TILE / 2], dv[D_TILE / 2];
 #pragma unroll
     for (int i = 0; i < D_TILE / 2; ++i) dk[i] = dv[i] = 0.f;
-    barrier_wait(smem_addr(&smem.kv_full), 0);   // also where no query block sees these keys: the loads must land
+    barrier_wait(smem_addr(&smem.kv_full), round & 1);   // also where no query block sees these keys: the loads must land
 
 #pragma unroll 1
     for (int it = 0; it < order.count(); ++it) {
         const int m = order.block(it);
-        const RingSlot slot = ring_slot<STAGES>(it);
+        const RingSlot slot = ring_slot<STAGES>(ring + it);
         const int q_start = m * BLOCK_M;
         barrier_wait(smem_addr(&smem.full[slot.index]), slot.parity);
         const unsigned int q_base = smem_addr(&smem.q[slot.index][0][0][0]);
@@ -418,7 +479,7 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
         for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
             const int tile = lane / 8;
             const int query = 16 * kk + 8 * (tile >> 1) + lane % 8, key = 16 * warp + 8 * (tile & 1);
-            stmatrix_x4_trans(smem_addr(&smem.ds[it & 1][consumer][0][0]) + swizzled_offset(query, key), dsa[kk]);
+            stmatrix_x4_trans(smem_addr(&smem.ds[(ring + it) & 1][consumer][0][0]) + swizzled_offset(query, key), dsa[kk]);
         }
         fence_async_shared();   // the dS writes, before the dQ wgmma reads them
 
@@ -433,7 +494,7 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
         for (int kk = 0; kk < BLOCK_M / 16; ++kk)
             Wgmma<T, D_TILE>::template rs<1>(dv, pa[kk], advance_descriptor(do_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
         warpgroup_commit();
-        const unsigned long long own_ds_desc = n_major_descriptor(smem_addr(&smem.ds[it & 1][consumer][0][0]), Q_CHUNK_BYTES);
+        const unsigned long long own_ds_desc = n_major_descriptor(smem_addr(&smem.ds[(ring + it) & 1][consumer][0][0]), Q_CHUNK_BYTES);
         const unsigned long long q_desc = n_major_descriptor(q_base, Q_CHUNK_BYTES);
         const auto issue_dk = [&]() {
 #pragma unroll
@@ -488,7 +549,7 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
             // read M-major (columns contiguous), B the dS buffer (queries x keys) read K-major.
             float dqt[BLOCK_M / 2];
             const unsigned long long kt_desc = n_major_descriptor(smem_addr(&smem.k[consumer][0][0]), K_CHUNK_BYTES);
-            const unsigned long long ds_desc = k_major_descriptor(smem_addr(&smem.ds[it & 1][0][0][0]));
+            const unsigned long long ds_desc = k_major_descriptor(smem_addr(&smem.ds[(ring + it) & 1][0][0][0]));
             warpgroup_arrive();
 #pragma unroll
             for (int kc = 0; kc < CONSUMERS; ++kc)
@@ -538,7 +599,7 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
                 // Its column chunk and first query row (as constants where the block has 64 queries).
                 const int c = QUERY_HALVES == 1 ? item : item % CHUNKS, rows = QUERY_HALVES == 1 ? 0 : 64 * (item / CHUNKS);
                 float dq[SWIZZLE_ROW_ELEMENTS / 2];
-                const unsigned long long ds_desc = k_major_descriptor(smem_addr(&smem.ds[it & 1][0][rows][0]));
+                const unsigned long long ds_desc = k_major_descriptor(smem_addr(&smem.ds[(ring + it) & 1][0][rows][0]));
                 const unsigned long long k_desc = n_major_descriptor(smem_addr(&smem.k[c][0][0]), K_CHUNK_BYTES);
                 warpgroup_arrive();
 #pragma unroll
@@ -608,8 +669,12 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
         // this block's dS buffer is rewritten two blocks on, after the next block's barrier.
         barrier_arrive(smem_addr(&smem.empty[slot.index]));
     }
-    if (thread == 0) tma_store_wait_all();   // the dQ reduces are done before the block's shared memory goes
+    // K and V were last read by this tile's products (complete: wait<0> in the loop): the producer
+    // may load the next tile's under the stores below.
+    barrier_arrive(smem_addr(&smem.kv_empty));
+    ring += order.count();
     if (semaphores != nullptr) {   // publish the last query block's adds
+        if (thread == 0) tma_store_wait_all();
         named_barrier_sync(DQ_BARRIER, 128 * CONSUMERS);
         if (publisher && order.count() > 0) publish_dq(semaphores + order.last() / TURN_BLOCKS);
     }
@@ -628,7 +693,7 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
 template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
 __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem,
                                                              const BackwardSm90Maps& maps, const FlashParams& p,
-                                                             const BackwardSm90Block& at) {
+                                                             const BackwardSm90Block& at, int round, int& ring) {
     constexpr int CONSUMERS = BACKWARD_SM90_CONSUMERS;
     constexpr int QUERIES = BLOCK_M / CONSUMERS;   // a consumer's queries in S^T and dP^T
     constexpr int COLUMNS = D_TILE / CONSUMERS;    // a consumer's head-dim columns in dK, dV and dQ
@@ -661,12 +726,12 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
     float dk[COLUMNS / 2], dv[COLUMNS / 2];
 #pragma unroll
     for (int i = 0; i < COLUMNS / 2; ++i) dk[i] = dv[i] = 0.f;
-    barrier_wait(smem_addr(&smem.kv_full), 0);   // also where no query block sees these keys: the loads must land
+    barrier_wait(smem_addr(&smem.kv_full), round & 1);   // also where no query block sees these keys: the loads must land
 
 #pragma unroll 1
     for (int it = 0; it < order.count(); ++it) {
         const int m = order.block(it);
-        const RingSlot slot = ring_slot<STAGES>(it);
+        const RingSlot slot = ring_slot<STAGES>(ring + it);
         const int q_start = m * BLOCK_M;
         barrier_wait(smem_addr(&smem.full[slot.index]), slot.parity);
         const unsigned int q_base = smem_addr(&smem.q[slot.index][0][0][0]);
@@ -817,7 +882,8 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
         }
         barrier_arrive(smem_addr(&smem.empty[slot.index]));   // the slot's Q and dO: last read by dK / dV
     }
-    if (lane == 0) tma_store_wait_all();   // the dQ reduces are done before the block's shared memory goes
+    barrier_arrive(smem_addr(&smem.kv_empty));   // K and V: last read by this tile's products (wait<0> above)
+    ring += order.count();
 
     store_key_gradients<T, COLUMNS>(dk, dv, p, at, first_key, column0, query_col);   // this consumer's columns
 }

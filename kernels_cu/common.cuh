@@ -321,19 +321,28 @@ __device__ __forceinline__ KeyBlock key_block_of(const FlashParams& p, bool kv_b
     return {kv_block, bh / p.heads, bh % p.heads, bh};
 }
 
-// ... and in groups of `group` consecutive key blocks of one (batch, head), all heads' first group
-// before any head's second: deterministic mode's order on the Hopper backward. A block waits only
-// for lower key blocks of its head, which come earlier in the grid either way; the group's blocks
-// run side by side, so they share their head's Q, dO and dQ rows in L2 (with (batch, head) fastest
-// every key block read them from DRAM on its own), at a waiting chain of `group` blocks.
-__device__ __forceinline__ KeyBlock key_block_in_groups(const FlashParams& p, int group) {
-    const long long bh_count = p.batch * p.heads;
-    const long long num_kv_blocks = gridDim.x / bh_count;
-    const long long group_start = blockIdx.x / (bh_count * group) * group;   // its first key block
-    const long long size = min((long long)group, num_kv_blocks - group_start);
-    const long long r = blockIdx.x - group_start * bh_count;
-    const long long bh = r / size;
-    return {(int)(group_start + r % size), bh / p.heads, bh % p.heads, bh};
+// A persistent grid's tile (the Hopper backward) as a key block of `num_kv_blocks` per (batch,
+// head): a head's key blocks consecutive, or in groups of `group` consecutive key blocks of one
+// (batch, head), all heads' first group before any head's second (deterministic mode's order). A
+// tile waits only for lower key blocks of its head, which come earlier either way; a group's
+// blocks run side by side, so they share their head's Q, dO and dQ rows in L2 (with (batch, head)
+// fastest every key block read them from DRAM on its own), at a waiting chain of `group` blocks.
+// 32-bit arithmetic (tiles < 2^31, the launcher's bound): the Hopper producer's few registers.
+__device__ __forceinline__ KeyBlock key_block_of_tile(const FlashParams& p, int tile, int num_kv_blocks, int group) {
+    const unsigned int t = (unsigned int)tile, blocks = (unsigned int)num_kv_blocks;
+    const unsigned int bh_count = (unsigned int)(p.batch * p.heads), heads = (unsigned int)p.heads;
+    unsigned int bh, kv_block;
+    if (group >= num_kv_blocks) {
+        bh = t / blocks;
+        kv_block = t % blocks;
+    } else {   // (bh_count * group < the tile count)
+        const unsigned int group_start = t / (bh_count * (unsigned int)group) * (unsigned int)group;   // its first key block
+        const unsigned int size = min((unsigned int)group, blocks - group_start);
+        const unsigned int r = t - group_start * bh_count;
+        bh = r / size;
+        kv_block = group_start + r % size;
+    }
+    return {(int)kv_block, (long long)(bh / heads), (long long)(bh % heads), (long long)bh};
 }
 
 // Deterministic dQ (the backward kernels' p.dq_semaphore): called by one thread after a barrier

@@ -703,6 +703,43 @@ def test_repeated_causal_calls_on_two_streams_compute_every_tile(path):
         assert bool((bitwise(lse) == bitwise(results[0][1])).all()), f"call {i}: lse"
 
 
+@pytest.mark.parametrize("path", KERNEL_PATHS[1:])   # the Hopper kernels
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal,deterministic", [(False, False), (True, False), (True, True)])
+def test_repeated_backward_calls_on_two_streams_compute_every_key_block(path, head_dim, causal, deterministic):
+    """The Hopper backward's persistent blocks take key blocks from a counter the kernel leaves zero
+    for the next launch (one per host thread and stream): repeated calls alternating between two
+    streams, with several times more key blocks than SMs, must each compute every key block
+    (outputs NaN-poisoned) and meet the error rule; deterministic calls bitwise the first's."""
+    import cupy
+
+    rng = numpy.random.default_rng(37)
+    q_shape, kv_shape = (3, 300, 16, head_dim), (3, 1100, 8, head_dim)   # GQA; 9-18 key blocks x 48 heads
+    dtype = "bfloat16"
+    q, k, v, do = (random_array(rng, s, dtype) for s in (q_shape, kv_shape, kv_shape, q_shape))
+    o, lse = cupy_flash.flash_forward(q, k, v, causal=causal)
+    expect_hopper_backward(path, backward_family_of(path, q, k, v, deterministic, causal=causal), dtype, head_dim, {},
+                           deterministic)
+    streams = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream.null)
+    results = []
+    with kernel_path(path):
+        for i in range(4):
+            with streams[i % 2], poisoned_allocations():
+                results.append(cupy_flash.flash_backward(do, q, k, v, o, lse, causal=causal, deterministic=deterministic))
+            streams[i % 2].synchronize()
+    exact = attention_reference_backward(do, q, k, v, causal=causal)
+    low = low_precision_gradients(do, q, k, v, causal=causal)
+    scales = gradient_term_scales(do, q, k, v, causal=causal)
+    context = f"repeated backward d={head_dim} causal={causal} deterministic={deterministic}"
+    for i, grads in enumerate(results):
+        for name, ours, e, lo in zip(("dq", "dk", "dv"), grads, exact, low):
+            check_error_rule(name, ours, e, lo, f"{context} call {i}", max_finite_abs(lse), scales[name],
+                             scales.get("delta:" + name, 0.0))
+        if deterministic:
+            for ours, first in zip(grads, results[0]):
+                assert bool((bitwise(ours) == bitwise(first)).all()), f"{context} call {i}"
+
+
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 @pytest.mark.parametrize("dtype,deterministic", [("bfloat16", False), ("bfloat16", True), ("float32", True)])
 def test_repeated_backward_calls_reuse_a_checked_plan_only_where_the_checks_would_pass(path, dtype, deterministic):

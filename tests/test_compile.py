@@ -96,7 +96,7 @@ def test_hopper_launchers_match_their_kernels(reports):
     from cupy_flash._compile import PARAMS_DTYPE
 
     launches = {"forward_sm90": (_traits.forward_sm90_threads, (forward._SM90_MAPS_BYTES, PARAMS_DTYPE.itemsize, 8)),
-                "backward_sm90": (_traits.backward_sm90_threads, (backward._SM90_MAPS_BYTES, PARAMS_DTYPE.itemsize))}
+                "backward_sm90": (_traits.backward_sm90_threads, (backward._SM90_MAPS_BYTES, PARAMS_DTYPE.itemsize, 8))}
     checked = 0
     for spec, kernel in hopper_kernels(reports):
         threads, record = launches[spec.family]
