@@ -242,7 +242,9 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
 // and first Q / dO load under this one's dK / dV stores, where a block per tile paid its start
 // (barriers, the first loads) and its end (the stores, the last dQ adds) on an SM doing nothing
 // else: 2,048 such blocks of a d = 128 2k causal call took 171 us with no query block to visit.
-// Deterministic mode waits only for lower tiles, which blocks fetched earlier and finish first.
+// Deterministic mode waits only for lower tiles, which blocks fetched earlier and finish first;
+// its launches give a block per tile (cupy_flash/backward.py: the turns' chains were slower with
+// tiles claimed ahead), so each block's fetch finds the counter past the end.
 template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
 __global__ void __launch_bounds__(128 * (1 + BACKWARD_SM90_CONSUMERS), 1)
 flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const FlashParams p, int* tile_counter) {

@@ -164,3 +164,14 @@ def test_backward_row_kernels_take_a_grid_the_multiprocessors_hold(monkeypatch):
     assert (grid, threads) == (preprocess._ROW_BLOCKS_PER_SM * H100.multiprocessors, 256)
     small = AttentionShape(1, 100, 100, 2, 64, "bfloat16")   # 200 rows: 25 blocks of 8 warps
     assert preprocess.row_kernel(ModuleSpec.dq_convert_kernel, small)[1] == 25
+
+
+def test_hopper_backward_grid_is_persistent_for_atomic_calls(monkeypatch):
+    """backward.sm90_grid: atomic calls one block per SM at most (blocks take key blocks from the
+    kernel's counter), deterministic calls a block per key block."""
+    from cupy_flash import backward
+
+    monkeypatch.setattr(backward, "current_device", lambda: H100)
+    assert backward.sm90_grid(4096, False) == H100.multiprocessors
+    assert backward.sm90_grid(40, False) == 40
+    assert backward.sm90_grid(4096, True) == 4096
