@@ -68,8 +68,8 @@ with _families.use_kernels("experimental"):
         q, k, v = array((2, 200, 4, 128), dtype), array((2, 150, 2, 128), dtype), array((2, 150, 2, 128), dtype)
         o, lse = cupy_flash.flash_forward(q, k, v)
         cupy_flash.flash_backward(array(q.shape, dtype), q, k, v, o, lse)
-        # More key blocks than SMs: persistent blocks take several from the counter (deterministic
-        # ones wait on key blocks other blocks took).
+        # More key blocks than SMs: atomic calls' persistent blocks take several from the counter;
+        # deterministic calls run a block per key block, each then finding the counter past the end.
         for d in (64, 128, 256):
             q, k, v = array((1, 200, 160, d), dtype), array((1, 300, 160, d), dtype), array((1, 300, 160, d), dtype)
             for causal, deterministic in ((False, False), (True, True)):
