@@ -106,6 +106,7 @@ def launch_split(fn, sets, marks: LaunchMarks, calls=30) -> str:
     finally:
         marks.active = False
         marks.marks.clear()
+
     def columns(rows):
         return [1e3 * median(r[j] for r in rows) for j in range(len(rows[0]))]
 

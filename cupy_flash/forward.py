@@ -33,7 +33,7 @@ class ForwardPlan:
         # at: held as long as the plan, so they outlive the launch. Plain plans hold none.
         self.variant_arrays = tuple(x for x in variant.device_arrays() if x is not None)
         self.maps = maps   # Hopper: _sm90_maps's (dtype, q box rows, k/v box rows, packed); else ()
-        self.tile_counter = tile_counter   # Hopper: blocks take tiles from a counter (_tile_counter)
+        self.tile_counter = tile_counter   # Hopper: blocks take tiles from a counter (TileCounters)
         self._counters = TileCounters()    # ... one per (host thread, stream)
         self.device = _current_device()   # the kernel handle's
 
