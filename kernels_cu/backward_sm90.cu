@@ -157,14 +157,24 @@ struct BackwardSm90Block {
 
 // A tile, one key block of a (batch, head), as the producer and the consumers see it. Atomic mode
 // takes a head's key blocks in order, heads one after another (their Q, dO and dQ rows stay in
-// L2); deterministic mode (p.dq_semaphore) DETERMINISTIC_KV_GROUP key blocks of a head at a time
+// L2; under a plain causal mask the last heads' dealt longest first across them); deterministic mode (p.dq_semaphore) DETERMINISTIC_KV_GROUP key blocks of a head at a time
 // (key_block_of_tile). Measured (H100, bf16, d = 64 / 128, 2k-16k, against (batch, head)
 // fastest): groups of 4 gave 1.0-1.53x (d = 64 2k 167 -> 224 TFLOP/s, d = 128 2k 203 -> 310); 2
 // gained less at 2k-4k, 8 lost at causal 2k-4k (the longer waiting chain).
 template <int BLOCK_N, int BLOCK_M, bool IS_CAUSAL, int FEATURES>
 __device__ __forceinline__ BackwardSm90Block backward_sm90_block(const FlashParams& p, int tile, int num_kv_blocks) {
     constexpr int DETERMINISTIC_KV_GROUP = 4;
-    const KeyBlock block = key_block_of_tile(p, tile, num_kv_blocks, p.dq_semaphore == nullptr ? num_kv_blocks : DETERMINISTIC_KV_GROUP);
+    // Atomic calls under a plain causal mask: the last heads' key blocks dealt longest first
+    // across them (longest_first_tile; a key block sees fewer queries the later it starts).
+    constexpr bool TRIANGULAR = IS_CAUSAL && !(FEATURES & (FEATURE_WINDOW | FEATURE_VARLEN));
+    KeyBlock block;
+    if (TRIANGULAR && p.dq_semaphore == nullptr) {
+        const unsigned int heads = (unsigned int)p.heads;
+        const HeadTile t = longest_first_tile((unsigned int)tile, (unsigned int)num_kv_blocks, (unsigned int)(p.batch * p.heads));
+        block = {(int)t.rank, (long long)(t.bh / heads), (long long)(t.bh % heads), (long long)t.bh};
+    } else {
+        block = key_block_of_tile(p, tile, num_kv_blocks, p.dq_semaphore == nullptr ? num_kv_blocks : DETERMINISTIC_KV_GROUP);
+    }
     const int kv_start = block.kv_block * BLOCK_N;
     const Sequence seq = sequence_of<FEATURES>(p, block.b);
     const Band band = band_of(p, seq);

@@ -90,8 +90,9 @@ struct ForwardSm90Work {
 };
 
 // Tiles in (batch, head)-major order, the query blocks of one head consecutive and the last first
-// (under a causal mask they see the most keys): blocks resident together share their K/V, read
-// from DRAM once and then from L2. With (batch, head) fastest (the mma.sync kernels' order) the
+// (under a causal mask they see the most keys; there the last heads' are dealt longest first
+// across them: longest_first_tile): blocks resident together share their K/V, read from DRAM once
+// and then from L2. With (batch, head) fastest (the mma.sync kernels' order) the
 // 132 resident blocks of a 1k-token, 256-head call streamed 132 heads' K/V (67 MB, past L2):
 // 209 against 328 TFLOP/s (d=128, bf16, H100).
 // Block b starts with tile b. Where tiles cost the same the grid is persistent (one block per SM;
@@ -142,9 +143,13 @@ struct TileScheduler {
         ForwardSm90Work w;
         // 32-bit divisions: tile < 2^31, so (batch, head) and heads fit (the 64-bit one's routine cost
         // the producer's 32 registers beside three consumers a 4-byte spill).
-        const unsigned int bh = (unsigned int)tile / (unsigned int)num_q_blocks, heads = (unsigned int)p.heads;
-        w.block = {num_q_blocks - 1 - (int)((unsigned int)tile % (unsigned int)num_q_blocks), (long long)(bh / heads),
-                   (long long)(bh % heads)};
+        // Under a plain causal mask the last heads' query blocks are dealt longest first across
+        // them (longest_first_tile; a query block sees more keys the later it starts).
+        constexpr bool TRIANGULAR = IS_CAUSAL && !(FEATURES & (FEATURE_WINDOW | FEATURE_VARLEN));
+        const unsigned int heads = (unsigned int)p.heads;
+        const HeadTile t = TRIANGULAR ? longest_first_tile((unsigned int)tile, (unsigned int)num_q_blocks, (unsigned int)(p.batch * p.heads))
+                                      : HeadTile{(unsigned int)tile / (unsigned int)num_q_blocks, (unsigned int)tile % (unsigned int)num_q_blocks};
+        w.block = {num_q_blocks - 1 - (int)t.rank, (long long)(t.bh / heads), (long long)(t.bh % heads)};
         w.seq = sequence_of<FEATURES>(p, w.block.b);
         w.q_start = w.block.q_block * BLOCK_M;
         w.valid = !(FEATURES & FEATURE_VARLEN) || w.q_start < w.seq.seqlen_q;

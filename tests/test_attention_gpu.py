@@ -682,7 +682,8 @@ def test_repeated_causal_calls_on_two_streams_compute_every_tile(path):
     the next launch (the plan keeps one per host thread and stream, zeroed once): repeated calls,
     alternating between two streams, with more tiles than SMs (so blocks take tiles from the
     counter), must each compute every tile (outputs NaN-poisoned) and give bitwise the first call's
-    results, which meet the error rule."""
+    results, which meet the error rule. 48 heads of 6 tiles: 4 heads taken head by head, the last 44
+    dealt across (common.cuh's longest_first_tile), so both parts of that order are covered."""
     import cupy
 
     rng = numpy.random.default_rng(31)
@@ -710,7 +711,9 @@ def test_repeated_backward_calls_on_two_streams_compute_every_key_block(path, he
     """The Hopper backward's persistent blocks take key blocks from a counter the kernel leaves zero
     for the next launch (one per host thread and stream): repeated calls alternating between two
     streams, with several times more key blocks than SMs, must each compute every key block
-    (outputs NaN-poisoned) and meet the error rule; deterministic calls bitwise the first's."""
+    (outputs NaN-poisoned) and meet the error rule; deterministic calls bitwise the first's. Causal
+    atomic calls deal their last heads' key blocks across them (longest_first_tile): 30 of the 48
+    heads at d <= 128, 15 at d = 256, so head-by-head and dealt tiles are both covered."""
     import cupy
 
     rng = numpy.random.default_rng(37)
