@@ -10,6 +10,9 @@ FLOPs as FlashAttention counts them: forward 4 * batch * heads * seqlen_q * seql
 halved when causal; backward 2.5 x forward. Timing: CUDA events around each call, warm-up calls
 excluded, median of many calls, several input sets rotated so no call finds its inputs in L2 from
 the call before. The peers run in the same process on the same data (zero-copy through DLPack).
+With --rounds N each shape times ours and the peers N times, the order reversed every other round
+(A B B A ...), each figure the median of its rounds: timed once, one after the other, a single
+cell's ratio moved 3-10% between runs of the same kernels (docs/performance.md).
 With --portable, our calls are also timed with the portable kernels (mma.sync; the Hopper kernels
 off), so a Hopper GPU compares both paths in one run. The bf16 matrix-product rate (8192^3,
 PyTorch) is measured once as the ceiling. Results: a table on stdout, JSON and (with matplotlib)
@@ -177,23 +180,37 @@ def run(args):
             our_sets = sets
             if mode in ("bwd", "bwd_det"):
                 our_sets = [s + list(cupy_flash.flash_forward(s[0], s[1], s[2], causal=bool(causal))) for s in sets]
-            ms = time_calls(ours(mode, bool(causal), args.kernels), our_sets)
-            row[f"ours_{mode}"] = work / ms / 1e9
+            timed = [("ours", ours(mode, bool(causal), args.kernels), our_sets)]
             if args.portable:
-                ms = time_calls(ours(mode, bool(causal), "portable"), our_sets)
-                row[f"portable_{mode}"] = work / ms / 1e9
+                timed.append(("portable", ours(mode, bool(causal), "portable"), our_sets))
             for name, backend in peers.items():
                 if mode == "bwd_det" and f"{name}_bwd" in row:   # peers run their usual backward: timed once
                     row[f"{name}_{mode}"] = row[f"{name}_bwd"]
                     continue
                 try:
                     peer_sets = torch_sets(torch, sets, backend, mode, bool(causal))
-                    ms = time_calls(torch_peer(torch, backend, mode, bool(causal)), peer_sets)
-                    row[f"{name}_{mode}"] = work / ms / 1e9
+                    timed.append((name, torch_peer(torch, backend, mode, bool(causal)), peer_sets))
                 except Exception as error:   # a backend may not support a shape or dtype
                     row[f"{name}_{mode}"] = None
                     row[f"{name}_{mode}_error"] = f"{type(error).__name__}: {str(error)[:80]}"
-            del our_sets
+            # Rounds alternate the order (A B, then B A, ...), so drift between the libraries'
+            # turns (clocks, temperature) falls on both; each library's figure is its rounds' median.
+            per_round = {name: [] for name, _, _ in timed}
+            for r in range(args.rounds):
+                for name, fn, fn_sets in (timed if r % 2 == 0 else timed[::-1]):
+                    if name not in per_round:
+                        continue
+                    try:
+                        per_round[name].append(work / time_calls(fn, fn_sets) / 1e9)
+                    except Exception as error:
+                        row[f"{name}_{mode}"] = None
+                        row[f"{name}_{mode}_error"] = f"{type(error).__name__}: {str(error)[:80]}"
+                        del per_round[name]
+            for name, values in per_round.items():
+                row[f"{name}_{mode}"] = statistics.median(values)
+                if args.rounds > 1:
+                    row[f"{name}_{mode}_rounds"] = values
+            del our_sets, timed
         rows.append(row)
         print(f"[{index}/{len(shapes)}] {format_row(row, args.modes, (['portable'] if args.portable else []) + list(peers))}",
               flush=True)
@@ -279,6 +296,8 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
     parser.add_argument("--features", type=int, default=2048, help="heads * head_dim")
     parser.add_argument("--sets", type=int, default=3, help="input sets rotated between calls")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time ours and the peers this many times per shape, alternating their order (medians)")
     parser.add_argument("--portable", action="store_true",
                         help="also time our portable kernels (CUPY_FLASH_KERNELS=portable) in the same run")
     parser.add_argument("--kernels", default="auto", choices=SETTINGS,
