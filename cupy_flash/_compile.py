@@ -143,6 +143,11 @@ class ModuleSpec:
         """The device variable holding the kernel's dynamic shared memory (sizeof its storage)."""
         return f"&forward_sm90_smem_bytes<{self.ctype}, {', '.join(str(x) for x in self.config)}>"
 
+    @staticmethod
+    def tile_counter_bytes() -> str:
+        """The device variable holding the size of the Hopper kernels' tile counter (sm90_tma.cuh)."""
+        return "&tile_counter_bytes"
+
     def forward_sm90_dynamic_tiles(self, causal: bool) -> str:
         """The device variable saying whether the kernel takes its tiles from a counter (1) or by
         the grid's stride (0)."""
@@ -185,10 +190,11 @@ class ModuleSpec:
     def name_expressions(self) -> tuple[str, ...]:
         """The kernels, then the device variables the launcher reads (kernel_expressions: kernels only)."""
         if self.family == "forward_sm90":
-            return (self.kernel_expressions + (self.forward_sm90_smem(),)
+            return (self.kernel_expressions + (self.forward_sm90_smem(), self.tile_counter_bytes())
                     + tuple(self.forward_sm90_dynamic_tiles(c) for c in (False, True)))
         if self.family == "backward_sm90":
-            return self.kernel_expressions + (self.backward_sm90_smem(), self.backward_sm90_dq_box_rows())
+            return self.kernel_expressions + (self.backward_sm90_smem(), self.backward_sm90_dq_box_rows(),
+                                              self.tile_counter_bytes())
         return self.kernel_expressions
 
     @property

@@ -174,15 +174,14 @@ def _launch_early(entry, kernel, grid, block, argument, shared_mem) -> int:
 
 
 class TileCounters:
-    """Tile counters of a persistent kernel's launches (kernels_cu/sm90_tma.cuh, TileHandover and
-    release_tile_counter: two int32, zero at launch, which the kernel leaves zero). Launches of one
+    """Tile counters of a persistent kernel's launches (kernels_cu/sm90_tma.cuh, TileCounter: `nbytes`,
+    its size as the module states it, zero at launch, which the kernel leaves zero). Launches of one
     host thread on one stream run one after another, so they share one counter, zeroed once. A
     launch being captured into a graph gets its own, zeroed in the graph: a graph may replay on any
     stream, beside direct calls."""
 
-    INTS = 2   # int tile_counter[2] in the kernels
-
-    def __init__(self):
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
         self._counters: dict = {}   # (host thread, stream) -> counter
 
     def address(self) -> int:
@@ -193,12 +192,12 @@ class TileCounters:
 
         stream = cupy.cuda.get_current_stream()
         if stream.is_capturing():
-            counter = cupy.empty((self.INTS,), dtype=cupy.int32)
+            counter = cupy.empty((self.nbytes,), dtype=cupy.uint8)
             cupy.cuda.runtime.memsetAsync(counter.data.ptr, 0, counter.nbytes, stream.ptr)
             record_kernel_arrays((counter,))
             return counter.data.ptr
         key = (threading.get_ident(), stream.ptr)
         counter = self._counters.get(key)
         if counter is None:
-            counter = self._counters[key] = cupy.zeros((self.INTS,), dtype=cupy.int32)
+            counter = self._counters[key] = cupy.zeros((self.nbytes,), dtype=cupy.uint8)
         return counter.data.ptr

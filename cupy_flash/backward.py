@@ -154,7 +154,8 @@ class BackwardPlan:
     backward_plan; plain calls keep theirs (_plans), so a training loop's repeated call is
     allocations, memsets and launches."""
 
-    def __init__(self, temporaries: tuple, records: dict, launches: tuple, held: tuple = (), maps=None):
+    def __init__(self, temporaries: tuple, records: dict, launches: tuple, held: tuple = (), maps=None,
+                 tile_counter_bytes: int = 0):
         import cupy
 
         self.temporaries = temporaries   # (name, shape, dtype, fill: None, 0 or "inf")
@@ -163,7 +164,7 @@ class BackwardPlan:
         self.held = held                 # the variant's device arrays the records point at
         self.maps = maps                 # Hopper: ((array name, box rows), ...), dtype, packed
         self._encoded: dict = {}         # the Hopper tensor maps by the arrays' addresses
-        self._counters = TileCounters()  # the Hopper kernel's tile counters
+        self._counters = TileCounters(tile_counter_bytes)  # the Hopper kernel's tile counters
         self.device = cupy.cuda.runtime.getDevice()
 
     def run(self, arrays: dict) -> dict:
@@ -307,7 +308,8 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
         launches.append(row_kernel(ModuleSpec.kv_group_sum_kernel, row_shape,
                                    rows=row_shape.batch * row_shape.seqlen_k * row_shape.heads_kv) + (0, "group", False))
     held = tuple(x for x in variant.device_arrays() if x is not None)
-    return BackwardPlan(temporaries, records, tuple(launches), held, maps)
+    return BackwardPlan(temporaries, records, tuple(launches), held, maps,
+                        device_value(sm90, sm90.tile_counter_bytes()) if hopper else 0)
 
 
 def sm90_grid(tiles: int, deterministic: bool) -> int:

@@ -26,15 +26,16 @@ class ForwardPlan:
     (a training loop) reuse it: see flash_forward's plan cache."""
 
     def __init__(self, kernel, grid: int, threads: int, smem: int, params, lse_shape: tuple, variant,
-                 maps: tuple = (), tile_counter: bool = False):
+                 maps: tuple = (), tile_counter_bytes: int = 0):
         self.kernel, self.grid, self.threads, self.smem = kernel, grid, threads, smem
         self.record, self.lse_shape = PointerRecord(params, _BINDINGS), lse_shape
         # The variant's device arrays (slopes, sink, bias as float32, cu_seqlens) that params points
         # at: held as long as the plan, so they outlive the launch. Plain plans hold none.
         self.variant_arrays = tuple(x for x in variant.device_arrays() if x is not None)
         self.maps = maps   # Hopper: _sm90_maps's (dtype, q box rows, k/v box rows, packed); else ()
-        self.tile_counter = tile_counter   # Hopper: blocks take tiles from a counter (TileCounters)
-        self._counters = TileCounters()    # ... one per (host thread, stream)
+        # Hopper: blocks take tiles from a counter of this size (0: they do not), one per (host
+        # thread, stream).
+        self._counters = TileCounters(tile_counter_bytes) if tile_counter_bytes else None
         self.device = _current_device()   # the kernel handle's
 
     def run(self, q, k, v, out=None):
@@ -52,7 +53,7 @@ class ForwardPlan:
         if not self.maps:
             arguments = (record,)
         else:
-            counter = self._counters.address() if self.tile_counter else 0
+            counter = self._counters.address() if self._counters is not None else 0
             arguments = (_sm90_maps(q, k, v, o, *self.maps), record, ctypes.c_uint64(counter))
         launch_buffers(self.kernel, self.grid, self.threads, self.smem, arguments)
         return o, lse
@@ -76,7 +77,7 @@ def forward_plan(q, k, v, shape, scale, variant, config: tuple = ()) -> ForwardP
     family = _families.forward_family(device, shape, variant, arrays=(q, k, v))
     if family == "forward_sm90":
         tile = _traits.forward_sm90_tile(shape.head_dim)
-        kernel, smem, (block_m, _, block_n, _), threads, counter = _sm90_kernel(
+        kernel, smem, (block_m, _, block_n, _), threads, counter_bytes = _sm90_kernel(
             cupy.cuda.runtime.getDevice(), shape.dtype, tile, variant.flags, variant.causal,
             config or _traits.forward_sm90_config(tile, variant.flags, variant.causal, shape.seqlen_k))
         # A persistent grid where tiles cost the same, or where blocks take them from a counter;
@@ -85,9 +86,10 @@ def forward_plan(q, k, v, shape, scale, variant, config: tuple = ()) -> ForwardP
         # blocks, by it.)
         tiles = -(-shape.seqlen_q // block_m) * shape.batch * shape.heads
         uniform = not variant.causal and variant.window_left is None and variant.packed is None
-        grid = min(tiles, device.multiprocessors) if uniform or counter else tiles
+        grid = min(tiles, device.multiprocessors) if uniform or counter_bytes else tiles
         return ForwardPlan(kernel, grid, threads, smem, params, lse_shape, variant,
-                           (shape.dtype, block_m, block_n, variant.packed is not None), tile_counter=counter)
+                           (shape.dtype, block_m, block_n, variant.packed is not None),
+                           tile_counter_bytes=counter_bytes)
     if family == "forward_tc":
         target = device.tensor_core_target
         spec = ModuleSpec("forward_tc", shape.dtype, shape.tile, target, variant.flags)
@@ -111,11 +113,12 @@ def forward_plan(q, k, v, shape, scale, variant, config: tuple = ()) -> ForwardP
 
 @functools.lru_cache(maxsize=None)
 def _sm90_kernel(device: int, dtype: str, tile: int, flags: int, causal: bool, config: tuple):
-    """(kernel, shared memory bytes, tile arguments, threads, whether it takes tiles from a counter)
-    of a Hopper forward instantiation on ``device``, looked up once."""
+    """(kernel, shared memory bytes, tile arguments, threads, the size of the tile counter it takes
+    its tiles from or 0 where it takes none) of a Hopper forward instantiation on ``device``, looked
+    up once."""
     spec = ModuleSpec("forward_sm90", dtype, tile, "sm90a", flags, config=config)
     smem = device_value(spec, spec.forward_sm90_smem())
-    counter = bool(device_value(spec, spec.forward_sm90_dynamic_tiles(causal)))
+    counter = device_value(spec, spec.tile_counter_bytes()) if device_value(spec, spec.forward_sm90_dynamic_tiles(causal)) else 0
     return (get_kernel(spec, spec.forward_sm90_kernel(causal), smem), smem, spec.config,
             _traits.forward_sm90_threads(spec.config), counter)
 

@@ -248,7 +248,7 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
                                                              const BackwardSm90Block& at, int round, int& ring);
 
 // A persistent grid (one block per SM, the launcher's min(tiles, SMs)) whose blocks take their
-// tiles from a counter (TileHandover; two ints, zero at launch, left zero): the next tile's K, V
+// tiles from a counter (TileHandover, TileCounter: zero at launch, left zero): the next tile's K, V
 // and first Q / dO load under this one's dK / dV stores, where a block per tile paid its start
 // (barriers, the first loads) and its end (the stores, the last dQ adds) on an SM doing nothing
 // else: 2,048 such blocks of a d = 128 2k causal call took 171 us with no query block to visit.
@@ -257,7 +257,7 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
 // tiles claimed ahead), so each block's fetch finds the counter past the end.
 template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
 __global__ void __launch_bounds__(128 * (1 + BACKWARD_SM90_CONSUMERS), 1)
-flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const FlashParams p, int* tile_counter) {
+flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const FlashParams p, TileCounter* tile_counter) {
     using Storage = BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>;
     constexpr int CONSUMERS = BACKWARD_SM90_CONSUMERS;
     static_assert(!(FEATURES & (FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_BIAS)), "score modifiers run on the portable backward");

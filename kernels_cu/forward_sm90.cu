@@ -112,7 +112,7 @@ template <int D_TILE, bool IS_CAUSAL, int FEATURES>
 struct DynamicTiles {
     static constexpr bool value = (IS_CAUSAL || (FEATURES & (FEATURE_WINDOW | FEATURE_VARLEN))) && D_TILE <= 128;
 };
-// Read by the launcher, which gives a counter (two ints, zero at launch) and a grid of one block
+// Read by the launcher, which gives a counter (TileCounter, zero at launch) and a grid of one block
 // per SM where this is 1, else no counter and a grid of one block per SM (uniform tiles) or per tile.
 template <int D_TILE, bool IS_CAUSAL, int FEATURES>
 __device__ const unsigned int forward_sm90_dynamic_tiles = DynamicTiles<D_TILE, IS_CAUSAL, FEATURES>::value;
@@ -126,16 +126,16 @@ struct TileScheduler {
 
     // The tile after `tile` for the producer (round: how many it has handed over before).
     template <typename Storage>
-    __device__ __forceinline__ int producer_next(int tile, int* tile_counter, Storage& smem, int round) const {
+    __device__ __forceinline__ int producer_next(int tile, TileCounter* tile_counter, Storage& smem, int round) const {
         return DYNAMIC ? smem.tiles.fetch(tile_counter, round) : tile + (int)gridDim.x;
     }
     // After the producer's last fetch (sm90_tma.cuh: the kernel leaves the counter zero).
-    __device__ __forceinline__ void release_counter(int* tile_counter) const {
+    __device__ __forceinline__ void release_counter(TileCounter* tile_counter) const {
         if (DYNAMIC) release_tile_counter(tile_counter);
     }
     // The same tile, for a consumer warp.
     template <typename Storage>
-    __device__ __forceinline__ int consumer_next(int tile, const int* tile_counter, Storage& smem, int round) const {
+    __device__ __forceinline__ int consumer_next(int tile, const TileCounter* tile_counter, Storage& smem, int round) const {
         return DYNAMIC ? smem.tiles.receive(round) : tile + (int)gridDim.x;
     }
 
@@ -464,7 +464,7 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
 
 template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, bool IS_CAUSAL, int FEATURES>
 __global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1)
-flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const FlashParams p, int* tile_counter) {
+flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const FlashParams p, TileCounter* tile_counter) {
     using Storage = ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>;
     constexpr int CONSUMERS = BLOCK_M / 64;
     constexpr bool DYNAMIC = DynamicTiles<D_TILE, IS_CAUSAL, FEATURES>::value;   // tiles from the counter

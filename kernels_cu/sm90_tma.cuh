@@ -123,6 +123,14 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 }
 
 // ---- a persistent grid's tiles from a counter ----------------------------------------------------
+// The counter in global memory, zero at launch (the kernel leaves it zero: release_tile_counter).
+// Its size is read by the launcher (tile_counter_bytes; cupy_flash/_launch.TileCounters).
+struct TileCounter {
+    int claimed;   // tiles taken from the counter so far (past the first gridDim.x)
+    int released;  // blocks done fetching
+};
+__device__ const unsigned int tile_counter_bytes = sizeof(TileCounter);
+
 // Block b starts with tile b and then takes gridDim.x + the counter's count as it finishes one, so
 // blocks that drew short tiles take more. One thread (the producer's) fetches each next tile as it
 // has issued the current one's loads and hands it to the consumer warps through shared memory: a
@@ -140,8 +148,8 @@ struct TileHandover {
         }
     }
     // The producer thread: the next tile, handed over.
-    __device__ __forceinline__ int fetch(int* tile_counter, int round) {
-        const int next = gridDim.x + atomicAdd(tile_counter, 1);
+    __device__ __forceinline__ int fetch(TileCounter* tile_counter, int round) {
+        const int next = gridDim.x + atomicAdd(&tile_counter->claimed, 1);
         const RingSlot slot = ring_slot<2>(round);
         barrier_wait(smem_addr(&empty[slot.index]), slot.parity ^ 1);
         next_tile[slot.index] = next;
@@ -169,16 +177,16 @@ struct TileHandover {
     }
 };
 
-// After the producer's last fetch: the counter (two ints) left as the launch found it, zero, so the
-// launcher need not zero it per call (it keeps one per host thread and stream; allocating and
-// zeroing one took ~10 us of a call's host time, 5% of a 512-key causal d = 64 forward). Each block
-// counts itself out in tile_counter[1] after its fetches (the fence orders them); the last block
-// zeroes both, once every fetch is done.
-__device__ __forceinline__ void release_tile_counter(int* tile_counter) {
+// After the producer's last fetch: the counter left as the launch found it, zero, so the launcher
+// need not zero it per call (it keeps one per host thread and stream; allocating and zeroing one
+// took ~10 us of a call's host time, 5% of a 512-key causal d = 64 forward). Each block counts
+// itself out in `released` after its fetches (the fence orders them); the last block zeroes both,
+// once every fetch is done.
+__device__ __forceinline__ void release_tile_counter(TileCounter* tile_counter) {
     __threadfence();
-    if (atomicAdd(tile_counter + 1, 1) == (int)gridDim.x - 1) {
+    if (atomicAdd(&tile_counter->released, 1) == (int)gridDim.x - 1) {
         __threadfence();
-        tile_counter[0] = 0;
-        tile_counter[1] = 0;
+        tile_counter->claimed = 0;
+        tile_counter->released = 0;
     }
 }
