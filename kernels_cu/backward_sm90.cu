@@ -441,6 +441,45 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
     const bool publisher = semaphores != nullptr && consumer == 0 && thread == 0;
     const QueryOrder<TURN_BLOCKS> order{q_range, at.descending};
 
+    // This consumer's dQ piece, staged in shared memory (its rows from query q_start), added by a TMA
+    // reduce that its first thread issues after the proxy fence (which waits for the staging
+    // stores) and the consumer's barrier.
+    const auto issue_dq_add = [&](int q_start) {
+        if constexpr (DQ_TRANSPOSED) {
+            static_assert(backward_sm90_dq_rows<D_TILE, BLOCK_M> == BLOCK_M, "a box is the block's rows");
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                tma_reduce_add_4d(&maps.dq_accum, smem_addr(&smem.dq[consumer][half][0][0]),
+                                  consumer * SWIZZLE_ROW_ELEMENTS + 32 * half, seq.q_row0 + q_start, (int)h, batch_coord);
+        } else {
+            // The consumer's item (at most one): its column chunk and first query row.
+            const int c = QUERY_HALVES == 1 ? consumer : consumer % CHUNKS, rows = QUERY_HALVES == 1 ? 0 : 64 * (consumer / CHUNKS);
+            static_assert(backward_sm90_dq_rows<D_TILE, BLOCK_M> == 64, "a box is a consumer's 64 rows");
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                tma_reduce_add_4d(&maps.dq_accum, smem_addr(&smem.dq[consumer][half][0][0]),
+                                  c * SWIZZLE_ROW_ELEMENTS + 32 * half, seq.q_row0 + q_start + rows, (int)h, batch_coord);
+        }
+        tma_store_commit();
+    };
+    // Where DEFER_DQ_ADD the fence, the barrier and the add wait until the next block's S^T
+    // products are issued (staged_q_start: the staged piece's, -1 for none) and run under them,
+    // not between this block's products and the next's while the tensor cores idle. Plain d = 128
+    // (transposed dQ), interleaved against adding at once (docs/performance.md, seventeenth
+    // session): atomic 2k-16k 1.03-1.09x, 512-1k 0.98-1.03x; deterministic 0.96-1.05x (its turn's
+    // publish waits for the later add; adding at once there cost the kernel a 48-byte spill). The
+    // d = 64 and variant kernels spilled 32-976 bytes with it; ncu (d = 64, 4k): the staging
+    // stores, fence and barrier held 15% of the consumers' stall samples.
+    constexpr bool DEFER_DQ_ADD = DQ_TRANSPOSED;
+    int staged_q_start = -1;
+    const auto add_staged_dq = [&]() {
+        if (staged_q_start < 0) return;
+        fence_async_shared();
+        named_barrier_sync(2 + consumer, 128);   // the piece is written (ids 2, 3: one per consumer)
+        if (thread == 0) issue_dq_add(staged_q_start);
+        staged_q_start = -1;
+    };
+
     float dk[D_TILE / 2], dv[D_TILE / 2];
 #pragma unroll
     for (int i = 0; i < D_TILE / 2; ++i) dk[i] = dv[i] = 0.f;
@@ -462,6 +501,10 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
         warpgroup_arrive();
         mma_k_major<T, BLOCK_M, D_TILE>(s, k_rows, K_CHUNK_BYTES, q_base, Q_CHUNK_BYTES);
         warpgroup_commit();
+        if constexpr (DEFER_DQ_ADD) {
+            add_staged_dq();   // the last block's piece, under S^T's products
+            warpgroup_arrive();
+        }
         mma_k_major<T, BLOCK_M, D_TILE>(dp, v_rows, K_CHUNK_BYTES, do_base, Q_CHUNK_BYTES);
         warpgroup_commit();
         warpgroup_wait<1>();   // S^T
@@ -594,16 +637,16 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
                         const unsigned int unit = (unsigned int)(col / 4) ^ (unsigned int)(query & 7);
                         *reinterpret_cast<float*>(half + query * 128 + unit * 16 + (col % 4) * 4) = dqt[4 * i + 2 * r + e];
                     }
-            fence_async_shared();
-            named_barrier_sync(2 + consumer, 128);   // the halves are written (ids 2, 3: one per consumer)
-            if (thread == 0) {
-                if (semaphores != nullptr && order.first_of_turn(m)) wait_turn();
-                static_assert(backward_sm90_dq_rows<D_TILE, BLOCK_M> == BLOCK_M, "a box is the block's rows");
-#pragma unroll
-                for (int half = 0; half < 2; ++half)
-                    tma_reduce_add_4d(&maps.dq_accum, smem_addr(&smem.dq[consumer][half][0][0]),
-                                      consumer * SWIZZLE_ROW_ELEMENTS + 32 * half, seq.q_row0 + q_start, (int)h, batch_coord);
-                tma_store_commit();
+            if constexpr (DEFER_DQ_ADD) {   // the turn waited for here, the add issued later
+                if (thread == 0 && semaphores != nullptr && order.first_of_turn(m)) wait_turn();
+                staged_q_start = q_start;
+            } else {
+                fence_async_shared();
+                named_barrier_sync(2 + consumer, 128);   // the halves are written (ids 2, 3: one per consumer)
+                if (thread == 0) {
+                    if (semaphores != nullptr && order.first_of_turn(m)) wait_turn();
+                    issue_dq_add(q_start);
+                }
             }
         } else {
 #pragma unroll 1
@@ -640,17 +683,11 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
                             *reinterpret_cast<float2*>(reinterpret_cast<unsigned char*>(half) + row * 128 + unit * 16 +
                                                        8 * (lane % 2)) = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
                         }
-                    fence_async_shared();
+                    fence_async_shared();   // (added at once: DEFER_DQ_ADD is the transposed dQ's)
                     named_barrier_sync(2 + consumer, 128);   // the chunk is written (ids 2, 3: one per consumer)
                     if (thread == 0) {
                         if (semaphores != nullptr && order.first_of_turn(m)) wait_turn();
-                        static_assert(backward_sm90_dq_rows<D_TILE, BLOCK_M> == 64, "a box is a consumer's 64 rows");
-#pragma unroll
-                        for (int half = 0; half < 2; ++half)
-                            tma_reduce_add_4d(&maps.dq_accum, smem_addr(&smem.dq[consumer][half][0][0]),
-                                              c * SWIZZLE_ROW_ELEMENTS + 32 * half, seq.q_row0 + q_start + rows, (int)h,
-                                              batch_coord);
-                        tma_store_commit();
+                        issue_dq_add(q_start);
                     }
                 } else {
                     if (semaphores != nullptr && order.first_of_turn(m)) {   // the turn, before any of this consumer's adds
@@ -681,6 +718,7 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
         // this block's dS buffer is rewritten two blocks on, after the next block's barrier.
         barrier_arrive(smem_addr(&smem.empty[slot.index]));
     }
+    add_staged_dq();   // the last block's piece (its turn waited for)
     // K and V were last read by this tile's products (complete: wait<0> in the loop): the producer
     // may load the next tile's under the stores below.
     barrier_arrive(smem_addr(&smem.kv_empty));
