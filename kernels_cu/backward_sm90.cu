@@ -166,9 +166,8 @@ __device__ __forceinline__ BackwardSm90Block backward_sm90_block(const FlashPara
     constexpr int DETERMINISTIC_KV_GROUP = 4;
     // Atomic calls under a plain causal mask: the last heads' key blocks dealt longest first
     // across them (longest_first_tile; a key block sees fewer queries the later it starts).
-    constexpr bool TRIANGULAR = IS_CAUSAL && !(FEATURES & (FEATURE_WINDOW | FEATURE_VARLEN));
     KeyBlock block;
-    if (TRIANGULAR && p.dq_semaphore == nullptr) {
+    if (triangular_tiles<IS_CAUSAL, FEATURES> && p.dq_semaphore == nullptr) {
         const unsigned int heads = (unsigned int)p.heads;
         const HeadTile t = longest_first_tile((unsigned int)tile, (unsigned int)num_kv_blocks, (unsigned int)(p.batch * p.heads));
         block = {(int)t.rank, (long long)(t.bh / heads), (long long)(t.bh % heads), (long long)t.bh};

@@ -333,12 +333,20 @@ __device__ __forceinline__ KeyBlock key_block_of(const FlashParams& p, bool kv_b
 struct HeadTile {
     unsigned int bh, rank;
 };
+// The calls whose tiles are so ordered: a plain causal mask (a window's band or packed sequences
+// give tiles of other lengths).
+template <bool IS_CAUSAL, int FEATURES>
+constexpr bool triangular_tiles = IS_CAUSAL && !(FEATURES & (FEATURE_WINDOW | FEATURE_VARLEN));
 // Two waves of an H100's 132 SMs (more on smaller GPUs). One wave measured the same; four lost
 // 4% at d = 128 1k and eight 18-24% at d = 128 1k-4k (backward): the more heads run side by side,
 // the more of their rows miss L2. A constant: %nsmid, read here, cost the d = 128 causal backward
 // an 8-byte spill.
 constexpr unsigned int LONGEST_FIRST_TAIL_TILES = 2 * 132;
-__device__ __forceinline__ HeadTile longest_first_tile(unsigned int tile, unsigned int per_head, unsigned int bh_count) {
+// deal_tail false: heads one after another to the end (tiles of equal length, or an order that
+// must stay so).
+__device__ __forceinline__ HeadTile longest_first_tile(unsigned int tile, unsigned int per_head, unsigned int bh_count,
+                                                       bool deal_tail = true) {
+    if (!deal_tail) return {tile / per_head, tile % per_head};
     const unsigned int tail = min(bh_count, (LONGEST_FIRST_TAIL_TILES + per_head - 1) / per_head);
     const unsigned int tail_start = (bh_count - tail) * per_head;
     if (tile < tail_start) return {tile / per_head, tile % per_head};

@@ -145,10 +145,9 @@ struct TileScheduler {
         // the producer's 32 registers beside three consumers a 4-byte spill).
         // Under a plain causal mask the last heads' query blocks are dealt longest first across
         // them (longest_first_tile; a query block sees more keys the later it starts).
-        constexpr bool TRIANGULAR = IS_CAUSAL && !(FEATURES & (FEATURE_WINDOW | FEATURE_VARLEN));
         const unsigned int heads = (unsigned int)p.heads;
-        const HeadTile t = TRIANGULAR ? longest_first_tile((unsigned int)tile, (unsigned int)num_q_blocks, (unsigned int)(p.batch * p.heads))
-                                      : HeadTile{(unsigned int)tile / (unsigned int)num_q_blocks, (unsigned int)tile % (unsigned int)num_q_blocks};
+        const HeadTile t = longest_first_tile((unsigned int)tile, (unsigned int)num_q_blocks, (unsigned int)(p.batch * p.heads),
+                                              triangular_tiles<IS_CAUSAL, FEATURES>);
         w.block = {num_q_blocks - 1 - (int)t.rank, (long long)(t.bh / heads), (long long)(t.bh % heads)};
         w.seq = sequence_of<FEATURES>(p, w.block.b);
         w.q_start = w.block.q_block * BLOCK_M;
