@@ -461,22 +461,24 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
         }
         tma_store_commit();
     };
-    // Where DEFER_DQ_ADD the fence, the barrier and the add wait until the next block's S^T
-    // products are issued (staged_q_start: the staged piece's, -1 for none) and run under them,
-    // not between this block's products and the next's while the tensor cores idle. Plain d = 128
-    // (transposed dQ), interleaved against adding at once (docs/performance.md, seventeenth
-    // session): atomic 2k-16k 1.03-1.09x, 512-1k 0.98-1.03x; deterministic 0.96-1.05x (its turn's
-    // publish waits for the later add; adding at once there cost the kernel a 48-byte spill). The
-    // d = 64 and variant kernels spilled 32-976 bytes with it; ncu (d = 64, 4k): the staging
-    // stores, fence and barrier held 15% of the consumers' stall samples.
-    constexpr bool DEFER_DQ_ADD = DQ_TRANSPOSED;
-    int staged_q_start = -1;
-    const auto add_staged_dq = [&]() {
-        if (staged_q_start < 0) return;
+    // Where DEFER_DQ_ADD the fence, the barrier and the add of a block's staged piece wait until the
+    // next block's products are issued (d = 128: S^T's; d = 64, whose S^T is short: dP^T's) and run
+    // under them, not between this block's products and the next's while the tensor cores idle.
+    // Interleaved A/B (docs/performance.md, seventeenth and eighteenth sessions): d = 128 atomic
+    // 2k-16k 1.03-1.09x, d = 64 atomic 2k-16k 1.03-1.08x (d = 64 after S^T instead: 0.92x causal).
+    // Deterministic calls add at once, their turn first: deferred, their publish waited for the
+    // later add (d = 128 0.94-0.98x at 2k-4k, d = 64 0.95-0.97x at 4k-16k without a mask). No
+    // staged-start register: the piece added is always the previous block's (with the register,
+    // the runtime branch spilled 48 bytes). The variant kernels spilled 32-976 bytes with it; ncu
+    // (d = 64, 4k): the staging stores, fence and barrier held 15% of the consumers' stall samples.
+    constexpr bool DEFER_DQ_ADD = DQ_TRANSPOSED || (D_TILE == 64 && FEATURES == 0);
+    static_assert(!DEFER_DQ_ADD || (!(FEATURES & FEATURE_VARLEN) && DQ_ITEMS == CONSUMERS),
+                  "deferred: every block stages a piece in each consumer");
+    // The piece of block `it` of the loop (each block stages one where DEFER_DQ_ADD).
+    const auto add_staged_dq = [&](int it) {
         fence_async_shared();
         named_barrier_sync(2 + consumer, 128);   // the piece is written (ids 2, 3: one per consumer)
-        if (thread == 0) issue_dq_add(staged_q_start);
-        staged_q_start = -1;
+        if (thread == 0) issue_dq_add(order.block(it) * BLOCK_M);
     };
 
     float dk[D_TILE / 2], dv[D_TILE / 2];
@@ -500,12 +502,15 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
         warpgroup_arrive();
         mma_k_major<T, BLOCK_M, D_TILE>(s, k_rows, K_CHUNK_BYTES, q_base, Q_CHUNK_BYTES);
         warpgroup_commit();
-        if constexpr (DEFER_DQ_ADD) {
-            add_staged_dq();   // the last block's piece, under S^T's products
+        if constexpr (DEFER_DQ_ADD && DQ_TRANSPOSED) {
+            if (semaphores == nullptr && it > 0) add_staged_dq(it - 1);   // the last block's piece, under S^T's products
             warpgroup_arrive();
         }
         mma_k_major<T, BLOCK_M, D_TILE>(dp, v_rows, K_CHUNK_BYTES, do_base, Q_CHUNK_BYTES);
         warpgroup_commit();
+        if constexpr (DEFER_DQ_ADD && !DQ_TRANSPOSED) {   // d = 64: S^T is short; under dP^T's products
+            if (semaphores == nullptr && it > 0) add_staged_dq(it - 1);
+        }
         warpgroup_wait<1>();   // S^T
         hold_registers(s);
 
@@ -636,9 +641,11 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
                         const unsigned int unit = (unsigned int)(col / 4) ^ (unsigned int)(query & 7);
                         *reinterpret_cast<float*>(half + query * 128 + unit * 16 + (col % 4) * 4) = dqt[4 * i + 2 * r + e];
                     }
-            if constexpr (DEFER_DQ_ADD) {   // the turn waited for here, the add issued later
-                if (thread == 0 && semaphores != nullptr && order.first_of_turn(m)) wait_turn();
-                staged_q_start = q_start;
+            if constexpr (DEFER_DQ_ADD) {   // atomic: added later; deterministic: at once, its turn first
+                if (semaphores != nullptr) {
+                    if (thread == 0 && order.first_of_turn(m)) wait_turn();
+                    add_staged_dq(it);
+                }
             } else {
                 fence_async_shared();
                 named_barrier_sync(2 + consumer, 128);   // the halves are written (ids 2, 3: one per consumer)
@@ -682,11 +689,18 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
                             *reinterpret_cast<float2*>(reinterpret_cast<unsigned char*>(half) + row * 128 + unit * 16 +
                                                        8 * (lane % 2)) = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
                         }
-                    fence_async_shared();   // (added at once: DEFER_DQ_ADD is the transposed dQ's)
-                    named_barrier_sync(2 + consumer, 128);   // the chunk is written (ids 2, 3: one per consumer)
-                    if (thread == 0) {
-                        if (semaphores != nullptr && order.first_of_turn(m)) wait_turn();
-                        issue_dq_add(q_start);
+                    if constexpr (DEFER_DQ_ADD) {   // atomic: added later; deterministic: at once, its turn first
+                        if (semaphores != nullptr) {
+                            if (thread == 0 && order.first_of_turn(m)) wait_turn();
+                            add_staged_dq(it);
+                        }
+                    } else {
+                        fence_async_shared();
+                        named_barrier_sync(2 + consumer, 128);   // the chunk is written (ids 2, 3: one per consumer)
+                        if (thread == 0) {
+                            if (semaphores != nullptr && order.first_of_turn(m)) wait_turn();
+                            issue_dq_add(q_start);
+                        }
                     }
                 } else {
                     if (semaphores != nullptr && order.first_of_turn(m)) {   // the turn, before any of this consumer's adds
@@ -717,7 +731,9 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
         // this block's dS buffer is rewritten two blocks on, after the next block's barrier.
         barrier_arrive(smem_addr(&smem.empty[slot.index]));
     }
-    add_staged_dq();   // the last block's piece (its turn waited for)
+    if constexpr (DEFER_DQ_ADD) {
+        if (semaphores == nullptr && order.count() > 0) add_staged_dq(order.count() - 1);   // the last block's piece
+    }
     // K and V were last read by this tile's products (complete: wait<0> in the loop): the producer
     // may load the next tile's under the stores below.
     barrier_arrive(smem_addr(&smem.kv_empty));
