@@ -166,6 +166,9 @@ __device__ __forceinline__ BackwardSm90Block backward_sm90_block(const FlashPara
     constexpr int DETERMINISTIC_KV_GROUP = 4;
     // Atomic calls under a plain causal mask: the last heads' key blocks dealt longest first
     // across them (longest_first_tile; a key block sees fewer queries the later it starts).
+    // (This beside key_block_of_tile's head-major branch on purpose: folded into it, with a
+    // deal_tail flag, the plain kernels measured 0.97-1.00x at d = 256, 0.99-1.01x at d = 64 / 128:
+    // docs/performance.md, eighteenth session.)
     KeyBlock block;
     if (triangular_tiles<IS_CAUSAL, FEATURES> && p.dq_semaphore == nullptr) {
         const unsigned int heads = (unsigned int)p.heads;
