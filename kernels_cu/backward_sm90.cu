@@ -159,11 +159,15 @@ struct BackwardSm90Block {
 // takes a head's key blocks in order, heads one after another (their Q, dO and dQ rows stay in
 // L2; under a plain causal mask the last heads' dealt longest first across them); deterministic mode (p.dq_semaphore) DETERMINISTIC_KV_GROUP key blocks of a head at a time
 // (key_block_of_tile). Measured (H100, bf16, d = 64 / 128, 2k-16k, against (batch, head)
-// fastest): groups of 4 gave 1.0-1.53x (d = 64 2k 167 -> 224 TFLOP/s, d = 128 2k 203 -> 310); 2
-// gained less at 2k-4k, 8 lost at causal 2k-4k (the longer waiting chain).
-template <int BLOCK_N, int BLOCK_M, bool IS_CAUSAL, int FEATURES>
+// fastest): groups of 4 gave 1.0-1.53x (d = 64 2k 167 -> 224 TFLOP/s, d = 128 2k 203 -> 310).
+// Against 4 (eighteenth session, interleaved, 2k-16k): 2 lost 0-28% and 3 0-12% (the group's
+// blocks share their head's Q, dO and dQ rows in L2); 6 lost at d = 64 2k causal (0.97x) and
+// gained at d = 128 (2k-16k 0.996-1.023x, causal 2k-4k +2%) and d = 256 (2k-16k 0.993-1.093x,
+// non-causal 2k-8k +5-9%; 1k 0.96-0.98x) in a two-round run; 8 lost 7-9% at d = 64 and d = 256
+// 2k causal.
+template <int D_TILE, int BLOCK_N, int BLOCK_M, bool IS_CAUSAL, int FEATURES>
 __device__ __forceinline__ BackwardSm90Block backward_sm90_block(const FlashParams& p, int tile, int num_kv_blocks) {
-    constexpr int DETERMINISTIC_KV_GROUP = 4;
+    constexpr int DETERMINISTIC_KV_GROUP = D_TILE == 64 ? 4 : 6;
     // Atomic calls under a plain causal mask: the last heads' key blocks dealt longest first
     // across them (longest_first_tile; a key block sees fewer queries the later it starts).
     // (This beside key_block_of_tile's head-major branch on purpose: folded into it, with a
@@ -304,7 +308,7 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
 #pragma unroll 1
             for (int tile = blockIdx.x, round = 0; tile < *static_cast<volatile int*>(&smem.num_tiles); ++round) {
                 const int kv_blocks = *static_cast<volatile int*>(&smem.num_kv_blocks);
-                backward_sm90_produce(smem, maps, p, backward_sm90_block<BLOCK_N, BLOCK_M, IS_CAUSAL, FEATURES>(p, tile, kv_blocks),
+                backward_sm90_produce(smem, maps, p, backward_sm90_block<D_TILE, BLOCK_N, BLOCK_M, IS_CAUSAL, FEATURES>(p, tile, kv_blocks),
                                       round, ring);
                 tile = smem.tiles.fetch(tile_counter, round);
             }
@@ -316,7 +320,7 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
     acquire_registers<BackwardSm90Registers<D_TILE, FEATURES>::consumer>();
 #pragma unroll 1
     for (int tile = blockIdx.x, round = 0; tile < num_tiles; ++round) {
-        const BackwardSm90Block at = backward_sm90_block<BLOCK_N, BLOCK_M, IS_CAUSAL, FEATURES>(p, tile, num_kv_blocks);
+        const BackwardSm90Block at = backward_sm90_block<D_TILE, BLOCK_N, BLOCK_M, IS_CAUSAL, FEATURES>(p, tile, num_kv_blocks);
         if constexpr (Storage::HEAD_DIM_SPLIT)
             backward_sm90_head_dim_split<T, D_TILE, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FEATURES>(smem, maps, p, at, round, ring);
         else
