@@ -610,6 +610,24 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
                                  : block_turn);
             }
         };
+        // This block's staged piece (each consumer's, whole rows): where DEFER_DQ_ADD, atomic calls
+        // leave it to the next block and deterministic ones add it at once, their turn first;
+        // elsewhere added at once, the turn waited for after the barrier.
+        const auto add_or_defer_staged_dq = [&]() {
+            if constexpr (DEFER_DQ_ADD) {
+                if (semaphores != nullptr) {
+                    if (thread == 0 && order.first_of_turn(m)) wait_turn();
+                    add_staged_dq(it);
+                }
+            } else {
+                fence_async_shared();
+                named_barrier_sync(2 + consumer, 128);   // the piece is written (ids 2, 3: one per consumer)
+                if (thread == 0) {
+                    if (semaphores != nullptr && order.first_of_turn(m)) wait_turn();
+                    issue_dq_add(q_start);
+                }
+            }
+        };
         if constexpr (DQ_TRANSPOSED) {
             // dQ^T (this consumer's 64 columns x the block's queries) = K^T dS^T: A is the K chunk
             // read M-major (columns contiguous), B the dS buffer (queries x keys) read K-major.
@@ -648,19 +666,7 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
                         const unsigned int unit = (unsigned int)(col / 4) ^ (unsigned int)(query & 7);
                         *reinterpret_cast<float*>(half + query * 128 + unit * 16 + (col % 4) * 4) = dqt[4 * i + 2 * r + e];
                     }
-            if constexpr (DEFER_DQ_ADD) {   // atomic: added later; deterministic: at once, its turn first
-                if (semaphores != nullptr) {
-                    if (thread == 0 && order.first_of_turn(m)) wait_turn();
-                    add_staged_dq(it);
-                }
-            } else {
-                fence_async_shared();
-                named_barrier_sync(2 + consumer, 128);   // the halves are written (ids 2, 3: one per consumer)
-                if (thread == 0) {
-                    if (semaphores != nullptr && order.first_of_turn(m)) wait_turn();
-                    issue_dq_add(q_start);
-                }
-            }
+            add_or_defer_staged_dq();
         } else {
 #pragma unroll 1
             for (int item = consumer; item < DQ_ITEMS; item += CONSUMERS) {
@@ -696,19 +702,7 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
                             *reinterpret_cast<float2*>(reinterpret_cast<unsigned char*>(half) + row * 128 + unit * 16 +
                                                        8 * (lane % 2)) = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
                         }
-                    if constexpr (DEFER_DQ_ADD) {   // atomic: added later; deterministic: at once, its turn first
-                        if (semaphores != nullptr) {
-                            if (thread == 0 && order.first_of_turn(m)) wait_turn();
-                            add_staged_dq(it);
-                        }
-                    } else {
-                        fence_async_shared();
-                        named_barrier_sync(2 + consumer, 128);   // the chunk is written (ids 2, 3: one per consumer)
-                        if (thread == 0) {
-                            if (semaphores != nullptr && order.first_of_turn(m)) wait_turn();
-                            issue_dq_add(q_start);
-                        }
-                    }
+                    add_or_defer_staged_dq();
                 } else {
                     if (semaphores != nullptr && order.first_of_turn(m)) {   // the turn, before any of this consumer's adds
                         if (thread == 0) wait_turn();
