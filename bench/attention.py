@@ -202,7 +202,9 @@ def run(args):
                         continue
                     try:
                         per_round[name].append(work / time_calls(fn, fn_sets) / 1e9)
-                    except Exception as error:
+                    except Exception as error:   # a peer's failure is recorded; ours propagates
+                        if name not in peers:
+                            raise
                         row[f"{name}_{mode}"] = None
                         row[f"{name}_{mode}_error"] = f"{type(error).__name__}: {str(error)[:80]}"
                         del per_round[name]
