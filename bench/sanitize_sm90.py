@@ -75,6 +75,12 @@ with _families.use_kernels("experimental"):
             for causal, deterministic in ((False, False), (True, True)):
                 o, lse = cupy_flash.flash_forward(q, k, v, causal=causal)
                 cupy_flash.flash_backward(array(q.shape, dtype), q, k, v, o, lse, causal=causal, deterministic=deterministic)
+        # Deterministic plain calls past _traits.BACKWARD_SM90_DQ_APART_KEYS (the loops above compute
+        # dQ apart: the dQ kernel): the main kernels' ordered adds.
+        for d, causal in ((64, False), (128, True)):
+            q, k, v = array((1, 300, 2, d), dtype), array((1, 2100, 2, d), dtype), array((1, 2100, 2, d), dtype)
+            o, lse = cupy_flash.flash_forward(q, k, v, causal=causal)
+            cupy_flash.flash_backward(array(q.shape, dtype), q, k, v, o, lse, causal=causal, deterministic=True)
         q, k, v = array((1, 300, 2, 64), dtype), array((1, 260, 2, 64), dtype), array((1, 260, 2, 64), dtype)
         o, lse = cupy_flash.flash_forward(q, k, v, window_size=(30, 5))
         cupy_flash.flash_backward(array(q.shape, dtype), q, k, v, o, lse, window_size=(30, 5))

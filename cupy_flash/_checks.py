@@ -313,15 +313,18 @@ def kernel_ready(x):
 
 def output_buffer(name: str, x, shape: tuple, dtype, device_id: int):
     """A CuPy view of ``x``, an output buffer a caller hands in (the adapters' framework-allocated
-    outputs), or ValueError naming it unless it is C-contiguous, of ``shape`` and ``dtype``, on
-    device ``device_id``."""
+    outputs), or ValueError naming it unless it is C-contiguous, 16-byte aligned (the kernels'
+    vector stores and the Hopper kernels' tensor maps; a misaligned store is a sticky CUDA error),
+    of ``shape`` and ``dtype``, on device ``device_id``."""
     import cupy
 
     view = as_gpu_array(name, x)
     shape, dtype = tuple(shape), cupy.dtype(dtype)
-    if tuple(view.shape) != shape or view.dtype != dtype or not view.flags.c_contiguous or view.data.device_id != device_id:
+    if (tuple(view.shape) != shape or view.dtype != dtype or not view.flags.c_contiguous or view.data.device_id != device_id
+            or view.data.ptr % 16):
         raise ValueError(f"{name} (an output buffer) is {view.dtype} {tuple(view.shape)} on device {view.data.device_id}, "
-                         f"contiguous={view.flags.c_contiguous}; expected C-contiguous {dtype} {shape} on device {device_id}")
+                         f"contiguous={view.flags.c_contiguous}, address % 16 = {view.data.ptr % 16}; expected C-contiguous "
+                         f"{dtype} {shape} on device {device_id}, 16-byte aligned")
     return view
 
 

@@ -128,9 +128,23 @@ class ModuleSpec:
         config = ", ".join(str(x) for x in self.config)
         return f"flash_forward_sm90_kernel<{self.ctype}, {config}, {_flag(causal)}, {self.features}>"
 
-    def backward_sm90_kernel(self, causal: bool) -> str:
+    def backward_sm90_kernel(self, causal: bool, adds_dq: bool = True) -> str:
         config = ", ".join(str(x) for x in self.config)
-        return f"flash_backward_sm90_kernel<{self.ctype}, {config}, {_flag(causal)}, {self.features}>"
+        return f"flash_backward_sm90_kernel<{self.ctype}, {config}, {_flag(causal)}, {self.features}, {_flag(adds_dq)}>"
+
+    @property
+    def backward_dq_sm90_config(self) -> tuple[int, int, int] | None:
+        """The dQ kernel's tile where some of this module's calls compute dQ apart, else None."""
+        return _traits.backward_sm90_module_dq_apart(self.tile, self.features)[0]
+
+    def backward_dq_sm90_kernel(self, causal: bool) -> str:
+        block_m, block_n, stages = self.backward_dq_sm90_config
+        return (f"flash_backward_dq_sm90_kernel<{self.ctype}, {self.tile}, {block_m}, {block_n}, {stages}, "
+                f"{_flag(causal)}, {self.features}>")
+
+    def backward_dq_sm90_smem(self) -> str:
+        block_m, block_n, stages = self.backward_dq_sm90_config
+        return f"&backward_dq_sm90_smem_bytes<{self.ctype}, {self.tile}, {block_m}, {block_n}, {stages}>"
 
     def backward_sm90_smem(self) -> str:
         return f"&backward_sm90_smem_bytes<{self.ctype}, {', '.join(str(x) for x in self.config)}>"
@@ -193,8 +207,9 @@ class ModuleSpec:
             return (self.kernel_expressions + (self.forward_sm90_smem(), self.tile_counter_bytes())
                     + tuple(self.forward_sm90_dynamic_tiles(c) for c in (False, True)))
         if self.family == "backward_sm90":
+            dq_apart = (self.backward_dq_sm90_smem(),) if self.backward_dq_sm90_config else ()
             return self.kernel_expressions + (self.backward_sm90_smem(), self.backward_sm90_dq_box_rows(),
-                                              self.tile_counter_bytes())
+                                              self.tile_counter_bytes()) + dq_apart
         return self.kernel_expressions
 
     @property
@@ -202,7 +217,12 @@ class ModuleSpec:
         if self.family == "forward_sm90":
             return tuple(self.forward_sm90_kernel(c) for c in (False, True))
         if self.family == "backward_sm90":
-            return tuple(self.backward_sm90_kernel(c) for c in (False, True))
+            dq_config, adds_dq = _traits.backward_sm90_module_dq_apart(self.tile, self.features)
+            kernels = tuple(self.backward_sm90_kernel(c) for c in (False, True)) if adds_dq else ()
+            if dq_config:   # dQ apart: the main kernel without dQ, then the dQ kernel
+                kernels += (tuple(self.backward_sm90_kernel(c, adds_dq=False) for c in (False, True))
+                            + tuple(self.backward_dq_sm90_kernel(c) for c in (False, True)))
+            return kernels
         if self.family == "forward":
             return tuple(self.forward_kernel(c) for c in (False, True))
         if self.family == "forward_tc":

@@ -125,7 +125,9 @@ def backward_family(device: DeviceInfo, shape, variant, deterministic: bool = Fa
     """The float16/bfloat16 backward's main kernel: "backward_sm90" (Hopper, no softcap, ALiBi or
     bias) or "backward_tc". The automatic setting takes the Hopper kernel where it
     measured faster (_traits.BACKWARD_SM90_MIN_KEYS, BACKWARD_SM90_DETERMINISTIC_MIN_KEYS);
-    CUPY_FLASH_KERNELS=experimental wherever it runs (what the tests' "hopper" path uses)."""
+    CUPY_FLASH_KERNELS=experimental wherever it runs (what the tests' "hopper" path uses).
+    ``arrays``: the inputs its tensor maps read (q, k, v, do; the outputs it stores by TMA, dq
+    where the dQ kernel runs, are C-contiguous and 16-byte aligned: _checks.output_buffer)."""
     setting = kernels_setting() if setting is None else setting
     if setting == "portable" or device.compute_capability != 90 or shape.head_dim > max(_traits.BACKWARD_SM90):
         return "backward_tc"

@@ -111,6 +111,45 @@ BACKWARD_SM90_DETERMINISTIC_MIN_KEYS = {64: 256, 128: 256, 256: 256}
 BACKWARD_SM90_PLAIN = {128: (128, 80, 2)}
 
 
+# dQ apart: plain calls (no variant flags) that run the main kernel without dQ (dK and dV only, the
+# atomic grid, no turns) and then flash_backward_dq_sm90_kernel (kernels_cu/backward_sm90.cu) with
+# this tile (block_m, block_n, stages): each block holds BLOCK_M query rows' Q and dO and streams
+# the keys, so dQ takes no adds and the call is deterministic whether asked or not. It recomputes S
+# and dP: 7 products against 5.
+BACKWARD_SM90_DQ_APART = {64: (128, 128, 3), 128: (128, 64, 3), 256: (128, 32, 3)}
+# Which calls take it: (deterministic, causal) -> up to how many keys (None: any); absent: none.
+# Measured (H200, bf16, 1k-16k, 2026-11-26, interleaved against the kernel that adds dQ, in
+# docs/performance.md): d = 256 1.00-1.05x its atomic calls and 1.31-1.61x its deterministic
+# ones (turns there cost 1.28-1.48x the atomic time); d = 64 and 128 atomic 0.79-0.90x (their
+# main kernel hides its adds), deterministic d = 64 1.12 / 1.03 / 0.96 / 0.93x at 1k / 2k / 4k /
+# 16k without a mask and 1.34 / 1.17 / 1.05 / 1.01x with one, d = 128 1.02 / 1.00 / 0.95 / 0.91x
+# and 1.15 / 1.02 / 0.95 / 0.88x. Stages: 3 against 2 at d = 256 1.06-1.09x, d = 64 0.96-1.00x
+# (its 2: neutral), d = 128 0.97-1.05x.
+BACKWARD_SM90_DQ_APART_KEYS = {
+    64: {(True, False): 2048, (True, True): None},
+    128: {(True, False): 2048, (True, True): 2048},
+    256: {(False, False): None, (False, True): None, (True, False): None, (True, True): None},
+}
+
+
+def backward_sm90_dq_apart(tile: int, flags: int, deterministic: bool, causal: bool,
+                           seqlen_k: int) -> tuple[int, int, int] | None:
+    """The dQ kernel's (block_m, block_n, stages) where a Hopper backward call computes dQ apart
+    (BACKWARD_SM90_DQ_APART_KEYS), else None."""
+    keys = BACKWARD_SM90_DQ_APART_KEYS.get(tile, {}) if flags == 0 else {}
+    if (deterministic, causal) not in keys or (keys[deterministic, causal] or seqlen_k) < seqlen_k:
+        return None
+    return BACKWARD_SM90_DQ_APART[tile]
+
+
+def backward_sm90_module_dq_apart(tile: int, flags: int) -> tuple[tuple[int, int, int] | None, bool]:
+    """(the dQ kernel's tile or None, whether the main kernel that adds dQ is needed) for the
+    module of ``tile`` and variant ``flags``: what it compiles."""
+    keys = BACKWARD_SM90_DQ_APART_KEYS.get(tile, {}) if flags == 0 else {}
+    every_call = len(keys) == 4 and all(limit is None for limit in keys.values())
+    return (BACKWARD_SM90_DQ_APART[tile] if keys else None), not every_call
+
+
 def backward_sm90_config(tile: int, flags: int = 0) -> tuple[int, int, int, int]:
     """(head-dim tile, block_n, block_m, stages): the Hopper backward's template tile arguments for a
     call with backward variant ``flags``."""
@@ -147,6 +186,11 @@ def forward_sm90_configs(tile: int, flags: int) -> tuple[tuple[int, int, int, in
 def forward_sm90_threads(config: tuple) -> int:
     """Threads of a Hopper forward block: a producer warpgroup and one per 64 query rows."""
     return 128 * (1 + config[0] // 64)
+
+
+def backward_dq_sm90_threads(dq_config: tuple) -> int:
+    """Threads of a Hopper dQ block (BACKWARD_SM90_DQ_APART): a producer warpgroup and one per 64 query rows."""
+    return 128 * (1 + dq_config[0] // 64)
 
 
 def backward_sm90_threads(config: tuple) -> int:

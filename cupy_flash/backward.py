@@ -160,9 +160,9 @@ class BackwardPlan:
 
         self.temporaries = temporaries   # (name, shape, dtype, fill: None, 0 or "inf")
         self.records = records           # name -> PointerRecord
-        self.launches = launches         # (kernel, grid, threads, shared memory, record name, with maps)
+        self.launches = launches         # (kernel, grid, threads, shared memory, record name, map set or None)
         self.held = held                 # the variant's device arrays the records point at
-        self.maps = maps                 # Hopper: ((array name, box rows), ...), dtype, packed
+        self.maps = maps                 # Hopper: map sets, each ((array name, box rows), ...), dtype, packed
         self._encoded: dict = {}         # the Hopper tensor maps by the arrays' addresses
         self._counters = TileCounters(tile_counter_bytes)  # the Hopper kernel's tile counters
         self.device = cupy.cuda.runtime.getDevice()
@@ -183,17 +183,21 @@ class BackwardPlan:
         arrays = {**arrays, **temporaries}
         record_kernel_arrays(tuple(arrays.values()) + self.held)
         filled = {name: record.filled(arrays) for name, record in self.records.items()}
-        for kernel, grid, threads, smem, record, with_maps in self.launches:
-            arguments = ((self._maps_of(arrays), filled[record], ctypes.c_uint64(self._counters.address())) if with_maps
-                         else (filled[record],))
+        for kernel, grid, threads, smem, record, map_set in self.launches:
+            if map_set is None:
+                arguments = (filled[record],)
+            elif map_set == 0:   # the main kernel, with its tile counter
+                arguments = (self._maps_of(arrays, 0), filled[record], ctypes.c_uint64(self._counters.address()))
+            else:   # the dQ kernel
+                arguments = (self._maps_of(arrays, map_set), filled[record])
             launch_buffers(kernel, grid, threads, smem, arguments)
         return temporaries
 
-    def _maps_of(self, arrays: dict):
-        """The Hopper backward's BackwardSm90Maps argument, encoded once per set of addresses (the
-        shapes and strides are the plan's)."""
-        boxes, dtype, packed = self.maps
-        key = tuple(arrays[name].data.ptr for name, _ in boxes)
+    def _maps_of(self, arrays: dict, map_set: int):
+        """A Hopper kernel's maps argument (BackwardSm90Maps, BackwardDqSm90Maps), encoded once per
+        set of addresses (the shapes and strides are the plan's)."""
+        boxes, dtype, packed = self.maps[map_set]
+        key = (map_set,) + tuple(arrays[name].data.ptr for name, _ in boxes)
         encoded = _tma.cached(self._encoded, key, lambda: b"".join(
             _tma.attention_map(arrays[name], "float32" if name == "dq_accum" else dtype, rows, packed)
             for name, rows in boxes))
@@ -221,10 +225,13 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
     bh = shape.batch * shape.heads
     hopper = tensor_core and _families.backward_family(
         current_device(), shape, variant, deterministic, (q, k, arrays["v"], arrays["do"])) == "backward_sm90"
+    dq_apart = None
     if hopper:   # the semaphores count the Hopper kernel's query blocks
         sm90 = ModuleSpec("backward_sm90", shape.dtype, _traits.forward_sm90_tile(shape.head_dim), "sm90a",
                           variant.backward_flags)
         _, block_n, block_m, _ = sm90.config
+        # Calls that compute dQ in a kernel of its own: no float32 accumulator, no turns, no convert kernel.
+        dq_apart = _traits.backward_sm90_dq_apart(sm90.tile, sm90.features, deterministic, variant.causal, shape.seqlen_k)
     elif tensor_core:
         block_m, block_n, num_warps, *_ = _traits.backward_tc_config(shape.tile, current_device().tensor_core_target)
     else:
@@ -236,7 +243,8 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
     # the longest): O(batch x heads x max_seqlen_q) floats, read only where the sequences are.
     padded = shape.seqlen_q
     if tensor_core:
-        multiple = math.lcm(_traits.ROW_STAT_PADDING, block_m) if hopper else _traits.ROW_STAT_PADDING
+        multiple = math.lcm(_traits.ROW_STAT_PADDING, block_m, dq_apart[0] if dq_apart else 1) if hopper \
+            else _traits.ROW_STAT_PADDING
         padded = -(-padded // multiple) * multiple
     expanded = k.shape[:-2] + (shape.heads, shape.head_dim)   # MQA/GQA: per-query-head dK, dV, summed after
     temporaries = (
@@ -244,8 +252,9 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
          0 if tensor_core else None),
         ("lse_log2", (bh, padded), cupy.float32, "inf") if tensor_core else None,
         # float32 dQ accumulator, zeroed by the preprocess (float32 deterministic: the dQ pass instead)
-        ("dq_accum", q.shape, cupy.float32, None) if tensor_core or not deterministic else None,
-        ("dq_semaphore", (bh * -(-shape.seqlen_q // block_m),), cupy.int32, 0) if tensor_core and deterministic else None,
+        ("dq_accum", q.shape, cupy.float32, None) if (tensor_core and not dq_apart) or not deterministic else None,
+        ("dq_semaphore", (bh * -(-shape.seqlen_q // block_m),), cupy.int32, 0)
+        if tensor_core and deterministic and not dq_apart else None,
         # float32, so the group sum rounds once (kernels_cu/preprocess.cu)
         ("dk_heads", expanded, cupy.float32, None) if shape.group > 1 else None,
         ("dv_heads", expanded, cupy.float32, None) if shape.group > 1 else None,
@@ -274,39 +283,49 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
         records["row"] = PointerRecord(row, bindings)
     rows = "row" if "row" in records else "main"
 
-    launches = [row_kernel(ModuleSpec.preprocess_kernel, row_shape) + (0, rows, False)]
+    launches = [row_kernel(ModuleSpec.preprocess_kernel, row_shape) + (0, rows, None)]
     maps = None
     if hopper:
         smem = device_value(sm90, sm90.backward_sm90_smem())
-        kernel = get_kernel(sm90, sm90.backward_sm90_kernel(variant.causal), smem)
-        grid = sm90_grid(-(-shape.seqlen_k // block_n) * bh, deterministic)
-        launches.append((kernel, grid, _traits.backward_sm90_threads(sm90.config), smem, "main", True))
-        maps = ((("q", block_m), ("k", block_n), ("v", block_n), ("do", block_m),
-                 ("dq_accum", device_value(sm90, sm90.backward_sm90_dq_box_rows()))), shape.dtype, variant.packed is not None)
+        kernel = get_kernel(sm90, sm90.backward_sm90_kernel(variant.causal, adds_dq=not dq_apart), smem)
+        grid = sm90_grid(-(-shape.seqlen_k // block_n) * bh, deterministic and not dq_apart)
+        launches.append((kernel, grid, _traits.backward_sm90_threads(sm90.config), smem, "main", 0))
+        packed = variant.packed is not None
+        # (Without dQ the main kernel's fifth map is never read: dq's stands in for dq_accum.)
+        dq_map = ("dq", _tma.STORE_ROWS) if dq_apart else ("dq_accum", device_value(sm90, sm90.backward_sm90_dq_box_rows()))
+        maps = (((("q", block_m), ("k", block_n), ("v", block_n), ("do", block_m), dq_map), shape.dtype, packed),)
+        if dq_apart:
+            dq_block_m, dq_block_n, _ = dq_apart
+            smem = device_value(sm90, sm90.backward_dq_sm90_smem())
+            kernel = get_kernel(sm90, sm90.backward_dq_sm90_kernel(variant.causal), smem)
+            launches.append((kernel, -(-shape.seqlen_q // dq_block_m) * bh, _traits.backward_dq_sm90_threads(dq_apart), smem,
+                             "main", 1))
+            maps += (((("q", dq_block_m), ("k", dq_block_n), ("v", dq_block_n), ("do", dq_block_m),
+                       ("dq", _tma.STORE_ROWS)), shape.dtype, packed),)
     elif tensor_core:
         target = current_device().tensor_core_target
         spec = ModuleSpec("backward_tc", shape.dtype, shape.tile, target, variant.backward_flags)
         smem = _traits.backward_tc_smem_bytes(shape.tile, target)
         kernel = get_kernel(spec, spec.backward_tc_kernel(variant.causal), smem)
-        launches.append((kernel, -(-shape.seqlen_k // block_n) * bh, 32 * num_warps, smem, "main", False))
+        launches.append((kernel, -(-shape.seqlen_k // block_n) * bh, 32 * num_warps, smem, "main", None))
     else:
         spec = ModuleSpec("backward", shape.dtype, shape.tile, features=variant.backward_flags)
         smem = _traits.backward_smem_bytes(shape.tile)
         kernel = get_kernel(spec, spec.backward_kernel(variant.causal, atomic_dq=not deterministic), smem)
-        launches.append((kernel, -(-shape.seqlen_k // block_n) * bh, _traits.THREADS, smem, "main", False))
+        launches.append((kernel, -(-shape.seqlen_k // block_n) * bh, _traits.THREADS, smem, "main", None))
     if not tensor_core and deterministic:
         smem = _traits.backward_dq_smem_bytes(shape.tile)
         kernel = get_kernel(spec, spec.backward_dq_kernel(variant.causal), smem)
-        launches.append((kernel, -(-shape.seqlen_q // block_m) * bh, _traits.THREADS, smem, "main", False))
-    else:
-        launches.append(row_kernel(ModuleSpec.dq_convert_kernel, row_shape) + (0, rows, False))
+        launches.append((kernel, -(-shape.seqlen_q // block_m) * bh, _traits.THREADS, smem, "main", None))
+    elif not dq_apart:
+        launches.append(row_kernel(ModuleSpec.dq_convert_kernel, row_shape) + (0, rows, None))
     if shape.group > 1:
         records["group"] = PointerRecord(
             make_params(row_shape, scale, dk=arrays["dk"], dv=arrays["dv"], dk_expanded=stand_ins["dk_heads"],
                         dv_expanded=stand_ins["dv_heads"]),
             dict(dk="dk", dv="dv", dk_expanded="dk_heads", dv_expanded="dv_heads"))
         launches.append(row_kernel(ModuleSpec.kv_group_sum_kernel, row_shape,
-                                   rows=row_shape.batch * row_shape.seqlen_k * row_shape.heads_kv) + (0, "group", False))
+                                   rows=row_shape.batch * row_shape.seqlen_k * row_shape.heads_kv) + (0, "group", None))
     held = tuple(x for x in variant.device_arrays() if x is not None)
     return BackwardPlan(temporaries, records, tuple(launches), held, maps,
                         device_value(sm90, sm90.tile_counter_bytes()) if hopper else 0)

@@ -244,11 +244,11 @@ __device__ __forceinline__ void backward_sm90_produce(BackwardSm90Storage<T, D_T
     ring += order.count();
 }
 
-template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
+template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES, bool ADDS_DQ>
 __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem,
                                                         const BackwardSm90Maps& maps, const FlashParams& p,
                                                         const BackwardSm90Block& at, int round, int& ring);
-template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
+template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES, bool ADDS_DQ>
 __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem,
                                                              const BackwardSm90Maps& maps, const FlashParams& p,
                                                              const BackwardSm90Block& at, int round, int& ring);
@@ -261,7 +261,7 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
 // Deterministic mode waits only for lower tiles, which blocks fetched earlier and finish first;
 // its launches give a block per tile (cupy_flash/backward.py: the turns' chains were slower with
 // tiles claimed ahead), so each block's fetch finds the counter past the end.
-template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
+template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES, bool ADDS_DQ>
 __global__ void __launch_bounds__(128 * (1 + BACKWARD_SM90_CONSUMERS), 1)
 flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const FlashParams p, TileCounter* tile_counter) {
     using Storage = BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>;
@@ -280,7 +280,7 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
         prefetch_tensor_map(&maps.k);
         prefetch_tensor_map(&maps.v);
         prefetch_tensor_map(&maps.dout);
-        prefetch_tensor_map(&maps.dq_accum);
+        if (ADDS_DQ) prefetch_tensor_map(&maps.dq_accum);
         barrier_init(smem_addr(&smem.kv_full), 1);
         // One arrival per consumer thread, after its last product of the tile that reads K or V.
         barrier_init(smem_addr(&smem.kv_empty), 128 * CONSUMERS);
@@ -322,9 +322,9 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
     for (int tile = blockIdx.x, round = 0; tile < num_tiles; ++round) {
         const BackwardSm90Block at = backward_sm90_block<D_TILE, BLOCK_N, BLOCK_M, IS_CAUSAL, FEATURES>(p, tile, num_kv_blocks);
         if constexpr (Storage::HEAD_DIM_SPLIT)
-            backward_sm90_head_dim_split<T, D_TILE, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FEATURES>(smem, maps, p, at, round, ring);
+            backward_sm90_head_dim_split<T, D_TILE, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FEATURES, ADDS_DQ>(smem, maps, p, at, round, ring);
         else
-            backward_sm90_key_split<T, D_TILE, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FEATURES>(smem, maps, p, at, round, ring);
+            backward_sm90_key_split<T, D_TILE, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FEATURES, ADDS_DQ>(smem, maps, p, at, round, ring);
         tile = smem.tiles.receive_each(round);
     }
     // The dQ reduces (each consumer's first thread's; at d = 256 each warp's first lane's) are done
@@ -400,7 +400,7 @@ __device__ __forceinline__ void store_key_gradients(const float (&dk)[COLUMNS / 
 
 // The key split (d <= 128, BLOCK_N = 128): each consumer owns 64 of the block's keys in every
 // product; dS goes through shared memory for dQ only.
-template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
+template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES, bool ADDS_DQ>
 __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem,
                                                         const BackwardSm90Maps& maps, const FlashParams& p,
                                                         const BackwardSm90Block& at, int round, int& ring) {
@@ -536,6 +536,25 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
         unsigned int pa[BLOCK_M / 16][4], dsa[BLOCK_M / 16][4];
         accumulator_to_a<T, BLOCK_M>(pa, s);
         accumulator_to_a<T, BLOCK_M>(dsa, dp);
+        if constexpr (!ADDS_DQ) {
+            // dQ apart (flash_backward_dq_sm90_kernel): dV += P^T dO and dK += dS^T Q, both with A
+            // from registers; dS never leaves them, and the consumers never meet.
+            const unsigned long long do_desc = n_major_descriptor(do_base, Q_CHUNK_BYTES);
+            const unsigned long long q_desc = n_major_descriptor(q_base, Q_CHUNK_BYTES);
+            warpgroup_arrive();
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+                Wgmma<T, D_TILE>::template rs<1>(dv, pa[kk], advance_descriptor(do_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+                Wgmma<T, D_TILE>::template rs<1>(dk, dsa[kk], advance_descriptor(q_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
+            warpgroup_commit();
+            warpgroup_wait<0>();
+            hold_registers(dk);
+            hold_registers(dv);
+            barrier_arrive(smem_addr(&smem.empty[slot.index]));   // the slot's Q and dO: last read by dK / dV
+            continue;
+        }
         // dS to shared memory in this block's buffer: both consumers' dQ products of two blocks ago
         // read it, and both waited for them before the last block's barrier. dsa[kk] holds four
         // 8 x 8 tiles of dS^T (keys x queries): (query blocks 2kk, 2kk + 1) x (key rows + 0, + 8);
@@ -732,14 +751,14 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
         // this block's dS buffer is rewritten two blocks on, after the next block's barrier.
         barrier_arrive(smem_addr(&smem.empty[slot.index]));
     }
-    if constexpr (DEFER_DQ_ADD) {
+    if constexpr (DEFER_DQ_ADD && ADDS_DQ) {
         if (semaphores == nullptr && order.count() > 0) add_staged_dq(order.count() - 1);   // the last block's piece
     }
     // K and V were last read by this tile's products (complete: wait<0> in the loop): the producer
     // may load the next tile's under the stores below.
     barrier_arrive(smem_addr(&smem.kv_empty));
     ring += order.count();
-    if (semaphores != nullptr) {   // publish the last query block's adds
+    if (ADDS_DQ && semaphores != nullptr) {   // publish the last query block's adds
         if (thread == 0) tma_store_wait_all();
         named_barrier_sync(DQ_BARRIER, 128 * CONSUMERS);
         if (publisher && order.count() > 0) publish_dq(semaphores + order.last() / TURN_BLOCKS);
@@ -756,7 +775,7 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
 // are written). dQ's product is issued first, in a group of its own, so its epilogue (four
 // 32-column pieces through the consumer's staging buffer, each warp's rows a TMA reduce-add) runs
 // under dV's and dK's products.
-template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
+template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES, bool ADDS_DQ>
 __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem,
                                                              const BackwardSm90Maps& maps, const FlashParams& p,
                                                              const BackwardSm90Block& at, int round, int& ring) {
@@ -844,14 +863,16 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
         // dQ (the block's queries x this consumer's columns) = dS K: A is dS^T's tile read M-major
         // (queries contiguous); then dV += P^T dO and dK += dS^T Q, A read K-major.
         float dq[COLUMNS / 2];
-        const unsigned long long ds_n_desc = n_major_descriptor(ds_tile, K_CHUNK_BYTES);
-        const unsigned long long k_desc = n_major_descriptor(k_rows + (column0 / 64) * K_CHUNK_BYTES, K_CHUNK_BYTES);
         warpgroup_arrive();
+        if constexpr (ADDS_DQ) {
+            const unsigned long long ds_n_desc = n_major_descriptor(ds_tile, K_CHUNK_BYTES);
+            const unsigned long long k_desc = n_major_descriptor(k_rows + (column0 / 64) * K_CHUNK_BYTES, K_CHUNK_BYTES);
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-            Wgmma<T, COLUMNS>::template ss<1, 1>(dq, advance_descriptor(ds_n_desc, kk * 2 * SWIZZLE_ATOM_BYTES),
-                                                 advance_descriptor(k_desc, kk * 2 * SWIZZLE_ATOM_BYTES), kk > 0);
-        warpgroup_commit();
+            for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+                Wgmma<T, COLUMNS>::template ss<1, 1>(dq, advance_descriptor(ds_n_desc, kk * 2 * SWIZZLE_ATOM_BYTES),
+                                                     advance_descriptor(k_desc, kk * 2 * SWIZZLE_ATOM_BYTES), kk > 0);
+            warpgroup_commit();
+        }
         const unsigned long long p_desc = k_major_descriptor(p_tile), ds_k_desc = k_major_descriptor(ds_tile);
         const unsigned long long do_desc = n_major_descriptor(do_base + (column0 / 64) * Q_CHUNK_BYTES, Q_CHUNK_BYTES);
         const unsigned long long q_desc = n_major_descriptor(q_base + (column0 / 64) * Q_CHUNK_BYTES, Q_CHUNK_BYTES);
@@ -864,65 +885,67 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
             Wgmma<T, COLUMNS>::template ss<1>(dk, advance_descriptor(ds_k_desc, kk * 32),
                                               advance_descriptor(q_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
         warpgroup_commit();
-        warpgroup_wait<1>();   // dQ
-        hold_registers(dq);
+        if constexpr (ADDS_DQ) {
+            warpgroup_wait<1>();   // dQ
+            hold_registers(dq);
 
-        // Each warp stages its own 16 rows of dQ, a 32-column piece at a time, and adds them with a
-        // TMA reduce-add (boxes of 32 columns x 16 rows, backward_sm90_dq_box_rows), so
-        // the warps never wait for each other here (with a consumer's whole 64 rows a box, as the key
-        // split does, and its two barriers a piece: causal 16k 289 -> 329 TFLOP/s). A packed batch's
-        // last, partial query block of a sequence (a box would add into the next sequence's rows)
-        // adds the staged rows inside the sequence by red.global instead (adding from registers
-        // there spilled 12 bytes with a window).
-        const bool whole_rows = !(FEATURES & FEATURE_VARLEN) || q_start + BLOCK_M <= seq.seqlen_q;
-        static_assert(backward_sm90_dq_rows<D_TILE, BLOCK_M> == 16, "a box is a warp's 16 rows");
-        unsigned char* warp_rows = reinterpret_cast<unsigned char*>(&smem.dq[consumer][0][16 * warp][0]);
-#pragma unroll
-        for (int piece = 0; piece < COLUMNS / PIECE; ++piece) {
-            if (lane == 0) tma_store_wait_read();   // the warp's last reduce has read its rows
-            __syncwarp();
-            // Element (row, col) at row * 128 bytes, its 16-byte unit swizzled by row % 8 (TMA's
-            // 128-byte swizzle), as the key split's halves.
-#pragma unroll
-            for (int i = 0; i < PIECE / 8; ++i)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int row = lane / 4 + 8 * r;   // of the warp's 16 (16 * warp: a multiple of 8)
-                    const unsigned int unit = (unsigned int)(2 * i + (lane % 4) / 2) ^ (unsigned int)(row & 7);
-                    const int reg = 4 * (piece * PIECE / 8 + i) + 2 * r;
-                    *reinterpret_cast<float2*>(warp_rows + row * 128 + unit * 16 + 8 * (lane % 2)) = make_float2(dq[reg], dq[reg + 1]);
+            // Each warp stages its own 16 rows of dQ, a 32-column piece at a time, and adds them with a
+            // TMA reduce-add (boxes of 32 columns x 16 rows, backward_sm90_dq_box_rows), so
+            // the warps never wait for each other here (with a consumer's whole 64 rows a box, as the key
+            // split does, and its two barriers a piece: causal 16k 289 -> 329 TFLOP/s). A packed batch's
+            // last, partial query block of a sequence (a box would add into the next sequence's rows)
+            // adds the staged rows inside the sequence by red.global instead (adding from registers
+            // there spilled 12 bytes with a window).
+            const bool whole_rows = !(FEATURES & FEATURE_VARLEN) || q_start + BLOCK_M <= seq.seqlen_q;
+            static_assert(backward_sm90_dq_rows<D_TILE, BLOCK_M> == 16, "a box is a warp's 16 rows");
+            unsigned char* warp_rows = reinterpret_cast<unsigned char*>(&smem.dq[consumer][0][16 * warp][0]);
+    #pragma unroll
+            for (int piece = 0; piece < COLUMNS / PIECE; ++piece) {
+                if (lane == 0) tma_store_wait_read();   // the warp's last reduce has read its rows
+                __syncwarp();
+                // Element (row, col) at row * 128 bytes, its 16-byte unit swizzled by row % 8 (TMA's
+                // 128-byte swizzle), as the key split's halves.
+    #pragma unroll
+                for (int i = 0; i < PIECE / 8; ++i)
+    #pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int row = lane / 4 + 8 * r;   // of the warp's 16 (16 * warp: a multiple of 8)
+                        const unsigned int unit = (unsigned int)(2 * i + (lane % 4) / 2) ^ (unsigned int)(row & 7);
+                        const int reg = 4 * (piece * PIECE / 8 + i) + 2 * r;
+                        *reinterpret_cast<float2*>(warp_rows + row * 128 + unit * 16 + 8 * (lane % 2)) = make_float2(dq[reg], dq[reg + 1]);
+                    }
+                fence_async_shared();
+                __syncwarp();   // the warp's rows of the piece are written
+                // Deterministic: this key block's turn at m's pair of query blocks (the blocks of the
+                // pair's band before it), at the pair's first block here.
+                if (semaphores != nullptr && piece == 0 && lane == 0 && order.first_of_turn(m)) {
+                    const int pair_start = m / TURN_BLOCKS * TURN_BLOCKS * BLOCK_M;
+                    wait_dq_turn(semaphores + m / TURN_BLOCKS,
+                                 (FEATURES & FEATURE_WINDOW)
+                                     ? block.kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, pair_start, TURN_BLOCKS * BLOCK_M,
+                                                                                             BLOCK_N, band).x
+                                     : block.kv_block);
                 }
-            fence_async_shared();
-            __syncwarp();   // the warp's rows of the piece are written
-            // Deterministic: this key block's turn at m's pair of query blocks (the blocks of the
-            // pair's band before it), at the pair's first block here.
-            if (semaphores != nullptr && piece == 0 && lane == 0 && order.first_of_turn(m)) {
-                const int pair_start = m / TURN_BLOCKS * TURN_BLOCKS * BLOCK_M;
-                wait_dq_turn(semaphores + m / TURN_BLOCKS,
-                             (FEATURES & FEATURE_WINDOW)
-                                 ? block.kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, pair_start, TURN_BLOCKS * BLOCK_M,
-                                                                                         BLOCK_N, band).x
-                                 : block.kv_block);
-            }
-            if (whole_rows) {
-                if (lane == 0) {
-                    tma_reduce_add_4d(&maps.dq_accum, smem_addr(warp_rows), column0 + PIECE * piece,
-                                      seq.q_row0 + q_start + 16 * warp, (int)h, at.batch_coord);
-                    tma_store_commit();
-                }
-            } else {
-                __syncwarp();   // (after the turn)
-                // Lane L: row L / 2 of the warp's, columns 16 (L % 2) + 0..15 of the piece.
-                const int row = lane / 2, query = q_start + 16 * warp + row;
-                float* dq_row = p.dq_accum + tensor_offset(p.dq_accum_strides, b, seq.q_row0, h) +
-                                (long long)query * p.dq_accum_strides[1] + column0 + PIECE * piece;
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const int col = 16 * (lane % 2) + 2 * j;
-                    const unsigned int unit = (unsigned int)(col / 4) ^ (unsigned int)(row & 7);
-                    const float2 x = *reinterpret_cast<const float2*>(warp_rows + row * 128 + unit * 16 + (col % 4) * 4);
-                    if (query < seq.seqlen_q && column0 + PIECE * piece + col < (int)p.head_dim)   // head_dim: a multiple of 8
-                        red_add_f32x2(dq_row + col, x.x, x.y);
+                if (whole_rows) {
+                    if (lane == 0) {
+                        tma_reduce_add_4d(&maps.dq_accum, smem_addr(warp_rows), column0 + PIECE * piece,
+                                          seq.q_row0 + q_start + 16 * warp, (int)h, at.batch_coord);
+                        tma_store_commit();
+                    }
+                } else {
+                    __syncwarp();   // (after the turn)
+                    // Lane L: row L / 2 of the warp's, columns 16 (L % 2) + 0..15 of the piece.
+                    const int row = lane / 2, query = q_start + 16 * warp + row;
+                    float* dq_row = p.dq_accum + tensor_offset(p.dq_accum_strides, b, seq.q_row0, h) +
+                                    (long long)query * p.dq_accum_strides[1] + column0 + PIECE * piece;
+    #pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        const int col = 16 * (lane % 2) + 2 * j;
+                        const unsigned int unit = (unsigned int)(col / 4) ^ (unsigned int)(row & 7);
+                        const float2 x = *reinterpret_cast<const float2*>(warp_rows + row * 128 + unit * 16 + (col % 4) * 4);
+                        if (query < seq.seqlen_q && column0 + PIECE * piece + col < (int)p.head_dim)   // head_dim: a multiple of 8
+                            red_add_f32x2(dq_row + col, x.x, x.y);
+                    }
                 }
             }
         }
@@ -952,4 +975,206 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
     ring += order.count();
 
     store_key_gradients<T, COLUMNS>(dk, dv, p, at, first_key, column0, query_col);   // this consumer's columns
+}
+
+// ---- dQ apart: deterministic calls at d = 256 -------------------------------------------------
+// Deterministic d = 256 calls run the main kernel without dQ (ADDS_DQ false: dK and dV only, no
+// turns, the atomic grid) and then this kernel, which computes dQ with no adds at all: a block per
+// BLOCK_M query rows of one (batch, head), Q and dO resident, the key blocks' K and V streamed
+// through a ring, dQ accumulated in registers over every key the rows see and stored once as T.
+// The sum's order is fixed by the loop, so the result is bitwise reproducible. With the turns the
+// deterministic d = 256 backward took 1.28-1.48x the atomic time; the main kernel without dQ's
+// product and adds measured 0.59-0.69x of the atomic call's time (H200, bf16, 2k-16k).
+//   S  = Q K^T        P  = exp2(S * scale_log2 - lse_log2[query])
+//   dP = dO V^T       dS = P * (dP - delta[query])       dQ += dS K   (times softmax_scale at the end)
+//  - warpgroup 0, the producer: one thread loads Q and dO once, then each key block's K and V
+//    (last first) into a ring of STAGES slots;
+//  - warpgroups 1..CONSUMERS each own 64 query rows: S and dP by wgmma from shared memory, dS in
+//    registers as the A operand of dQ += dS K (K read N-major, as the forward reads V). The next
+//    key block's S and dP are issued right after this one's dQ product, so the tensor cores have
+//    the dQ product to run while the consumer waits for S.
+//  - the epilogue stages each consumer's dQ rows (times softmax_scale, as T) in its own rows of
+//    the Q tile, which only it read, and stores them by TMA (rows past the sequence clipped).
+// Row statistics are the preprocess kernel's (lse_log2 +inf on padded rows and rows that see no
+// key, so their P and dQ are 0); they are padded to a multiple of 128 rows per (batch, head).
+template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, int STAGES>
+struct BackwardDqSm90Storage {
+    static constexpr int CHUNKS = D_TILE / SWIZZLE_ROW_ELEMENTS;
+    alignas(SWIZZLE_ATOM_BYTES) T q[CHUNKS][BLOCK_M][SWIZZLE_ROW_ELEMENTS];   // dQ's staging at the end
+    alignas(SWIZZLE_ATOM_BYTES) T dout[CHUNKS][BLOCK_M][SWIZZLE_ROW_ELEMENTS];
+    alignas(SWIZZLE_ATOM_BYTES) T k[STAGES][CHUNKS][BLOCK_N][SWIZZLE_ROW_ELEMENTS];
+    alignas(SWIZZLE_ATOM_BYTES) T v[STAGES][CHUNKS][BLOCK_N][SWIZZLE_ROW_ELEMENTS];
+    unsigned long long q_full;
+    unsigned long long full[STAGES], empty[STAGES];
+};
+
+// q, dO (boxes of 64 x BLOCK_M), k, v (64 x BLOCK_N) and dq (64 x 64: a consumer's rows), the
+// dtype's 4-D maps with 128-byte swizzle (cupy_flash/_tma.py). The same size as BackwardSm90Maps.
+struct BackwardDqSm90Maps {
+    TensorMap q, k, v, dout, dq;
+};
+
+template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, int STAGES>
+__device__ const unsigned int backward_dq_sm90_smem_bytes =
+    sizeof(BackwardDqSm90Storage<T, D_TILE, BLOCK_M, BLOCK_N, STAGES>) + SWIZZLE_ATOM_BYTES;
+
+template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, int STAGES, bool IS_CAUSAL, int FEATURES>
+__global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1)
+flash_backward_dq_sm90_kernel(const __grid_constant__ BackwardDqSm90Maps maps, const FlashParams p) {
+    using Storage = BackwardDqSm90Storage<T, D_TILE, BLOCK_M, BLOCK_N, STAGES>;
+    constexpr int CONSUMERS = BLOCK_M / 64;
+    constexpr int PRODUCER_REGISTERS = 24, CONSUMER_REGISTERS = 240;
+    constexpr unsigned int Q_CHUNK_BYTES = BLOCK_M * 128, KV_CHUNK_BYTES = BLOCK_N * 128;
+    static_assert(CONSUMERS == 2 && D_TILE % SWIZZLE_ROW_ELEMENTS == 0 && BLOCK_N % 16 == 0, "tile shape");
+    static_assert(FEATURES == 0, "plain and causal calls (the others keep the main kernel's ordered adds)");
+    static_assert(PRODUCER_REGISTERS + CONSUMERS * CONSUMER_REGISTERS <= (1 + CONSUMERS) * 168,
+                  "setmaxnreg split beyond the launch's registers: the block would hang");
+    static_assert(sizeof(Storage) + SWIZZLE_ATOM_BYTES <= 227 * 1024, "shared memory of one sm_90 block");
+    require_dynamic_smem(backward_dq_sm90_smem_bytes<T, D_TILE, BLOCK_M, BLOCK_N, STAGES>);
+    extern __shared__ unsigned char smem_raw[];
+    Storage& smem = aligned_shared_storage<Storage>(smem_raw);
+
+    // The block's query rows: the last query blocks first (under a causal mask they see the most
+    // keys), the last heads' dealt longest first across them (longest_first_tile).
+    const int num_q_blocks = (int)((p.seqlen_q + BLOCK_M - 1) / BLOCK_M);
+    const unsigned int heads = (unsigned int)p.heads;
+    const HeadTile tile = longest_first_tile(blockIdx.x, (unsigned int)num_q_blocks, (unsigned int)(p.batch * p.heads),
+                                             triangular_tiles<IS_CAUSAL, FEATURES>);
+    const long long bh = tile.bh, b = tile.bh / heads, h = tile.bh % heads;
+    const int q_start = (num_q_blocks - 1 - (int)tile.rank) * BLOCK_M;
+    const Sequence seq = sequence_of<FEATURES>(p, b);
+    const Band band = band_of(p, seq);
+    const int2 kv_range = kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start, BLOCK_M, BLOCK_N, band);
+    const int blocks = kv_range.y - kv_range.x;
+
+    if (threadIdx.x == 0) {
+        prefetch_tensor_map(&maps.q);
+        prefetch_tensor_map(&maps.k);
+        prefetch_tensor_map(&maps.v);
+        prefetch_tensor_map(&maps.dout);
+        prefetch_tensor_map(&maps.dq);
+        barrier_init(smem_addr(&smem.q_full), 1);
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            barrier_init(smem_addr(&smem.full[s]), 1);
+            barrier_init(smem_addr(&smem.empty[s]), 4 * CONSUMERS);   // one arrival per consumer warp
+        }
+        barrier_init_fence();
+    }
+    __syncthreads();
+
+    const int warpgroup = threadIdx.x / 128;
+    if (warpgroup == 0) {
+        release_registers<PRODUCER_REGISTERS>();
+        if (threadIdx.x == 0 && blocks > 0) {
+            const int kv_head = (int)kv_head_of(h, p);
+            const unsigned int q_full = smem_addr(&smem.q_full);
+            barrier_arrive_expect(q_full, 2 * BLOCK_M * D_TILE * sizeof(T));
+#pragma unroll
+            for (int c = 0; c < Storage::CHUNKS; ++c) {
+                tma_load_4d(smem_addr(&smem.q[c][0][0]), &maps.q, q_full, c * SWIZZLE_ROW_ELEMENTS, seq.q_row0 + q_start, (int)h, (int)b);
+                tma_load_4d(smem_addr(&smem.dout[c][0][0]), &maps.dout, q_full, c * SWIZZLE_ROW_ELEMENTS, seq.q_row0 + q_start,
+                            (int)h, (int)b);
+            }
+#pragma unroll 1
+            for (int i = 0; i < blocks; ++i) {
+                const RingSlot slot = ring_slot<STAGES>(i);
+                barrier_wait(smem_addr(&smem.empty[slot.index]), slot.parity ^ 1);
+                const unsigned int full = smem_addr(&smem.full[slot.index]);
+                barrier_arrive_expect(full, 2 * BLOCK_N * D_TILE * sizeof(T));
+                const int key_row = seq.k_row0 + (kv_range.y - 1 - i) * BLOCK_N;
+#pragma unroll
+                for (int c = 0; c < Storage::CHUNKS; ++c) {
+                    tma_load_4d(smem_addr(&smem.k[slot.index][c][0][0]), &maps.k, full, c * SWIZZLE_ROW_ELEMENTS, key_row, kv_head, (int)b);
+                    tma_load_4d(smem_addr(&smem.v[slot.index][c][0][0]), &maps.v, full, c * SWIZZLE_ROW_ELEMENTS, key_row, kv_head, (int)b);
+                }
+            }
+        }
+        return;
+    }
+
+    acquire_registers<CONSUMER_REGISTERS>();
+    const int consumer = warpgroup - 1;
+    const int thread = threadIdx.x % 128, warp = thread / 32, lane = thread % 32;
+    const int row_in_block = 64 * consumer + 16 * warp + lane / 4;   // this thread's rows: +0 and +8
+    const int col_in_chunk = 2 * (lane % 4);                         // and columns 8i + this (+1)
+    const int first_query = q_start + row_in_block;
+    // The rows' statistics (padded per (batch, head): in range for every row of the block).
+    const long long stats = bh * p.delta_stride + first_query;
+    const float lse_log2[2] = {p.lse_log2[stats], p.lse_log2[stats + 8]};
+    const float delta[2] = {p.delta[stats], p.delta[stats + 8]};
+
+    float dq[D_TILE / 2];
+#pragma unroll
+    for (int i = 0; i < D_TILE / 2; ++i) dq[i] = 0.f;
+    if (blocks > 0) {
+        const unsigned int q_base = smem_addr(&smem.q[0][64 * consumer][0]);
+        const unsigned int do_base = smem_addr(&smem.dout[0][64 * consumer][0]);
+        float s[BLOCK_N / 2], dp[BLOCK_N / 2];
+        unsigned int dsa[BLOCK_N / 16][4];
+        // S and dP of the key block in `slot`, two groups: issued, not waited for.
+        const auto issue_scores = [&](const RingSlot& slot) {
+            barrier_wait(smem_addr(&smem.full[slot.index]), slot.parity);
+            warpgroup_arrive();
+            mma_k_major<T, BLOCK_N, D_TILE>(s, q_base, Q_CHUNK_BYTES, smem_addr(&smem.k[slot.index][0][0][0]), KV_CHUNK_BYTES);
+            warpgroup_commit();
+            mma_k_major<T, BLOCK_N, D_TILE>(dp, do_base, Q_CHUNK_BYTES, smem_addr(&smem.v[slot.index][0][0][0]), KV_CHUNK_BYTES);
+            warpgroup_commit();
+        };
+        barrier_wait(smem_addr(&smem.q_full), 0);
+#pragma unroll 1
+        for (int i = 0; i < blocks; ++i) {
+            const RingSlot slot = ring_slot<STAGES>(i);
+            issue_scores(slot);
+            warpgroup_wait<1>();   // S of block i (and the last block's dQ product, issued before it)
+            hold_registers(s);
+            if (i > 0 && lane == 0) barrier_arrive(smem_addr(&smem.empty[ring_slot<STAGES>(i - 1).index]));   // its K, V read
+            const int kv_start = (kv_range.y - 1 - i) * BLOCK_N;
+            float prob[BLOCK_N / 2];
+#pragma unroll
+            for (int j = 0; j < BLOCK_N / 2; ++j) prob[j] = exp2f(fmaf(s[j], p.scale_log2, -lse_log2[(j >> 1) & 1]));
+            if (tile_needs_mask<IS_CAUSAL, FEATURES>(q_start + 64 * consumer, 64, kv_start, BLOCK_N, seq.seqlen_k, band)) {
+                const TileMask mask(first_query, kv_start + col_in_chunk, seq.seqlen_k, band);
+#pragma unroll
+                for (int j = 0; j < BLOCK_N / 2; ++j)
+                    if (!mask.visible<IS_CAUSAL, FEATURES>(8 * ((j >> 1) & 1), 8 * (j >> 2) + (j & 1))) prob[j] = 0.f;
+            }
+            warpgroup_wait<0>();   // dP of block i
+            hold_registers(dp);
+#pragma unroll
+            for (int j = 0; j < BLOCK_N / 2; ++j) dp[j] = prob[j] * (dp[j] - delta[(j >> 1) & 1]);
+            accumulator_to_a<T, BLOCK_N>(dsa, dp);
+            const unsigned int k_base = smem_addr(&smem.k[slot.index][0][0][0]);
+            warpgroup_arrive();
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+                Wgmma<T, D_TILE>::template rs<1>(dq, dsa[kk], n_major_descriptor(k_base + kk * 2 * SWIZZLE_ATOM_BYTES, KV_CHUNK_BYTES), 1);
+            warpgroup_commit();
+        }
+        warpgroup_wait<0>();
+        hold_registers(dq);
+    }
+
+    // Epilogue: dQ times softmax_scale as T in this consumer's rows of the Q tile (its products,
+    // the only readers of those rows, are complete; with no key block seen, Q never loaded), then
+    // one TMA store a 64-column chunk.
+    unsigned char* staging = reinterpret_cast<unsigned char*>(&smem.q[0][0][0]);
+#pragma unroll
+    for (int i = 0; i < D_TILE / 8; ++i) {
+        const int col = 8 * i + col_in_chunk, chunk = col / SWIZZLE_ROW_ELEMENTS;
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            *reinterpret_cast<unsigned int*>(staging + chunk * Q_CHUNK_BYTES + swizzled_offset(row_in_block + 8 * r, col % SWIZZLE_ROW_ELEMENTS)) =
+                Mma<T>::pack(dq[4 * i + 2 * r] * p.softmax_scale, dq[4 * i + 2 * r + 1] * p.softmax_scale);
+    }
+    fence_async_shared();   // the staging writes, before the TMA store reads them
+    named_barrier_sync(1 + consumer, 128);
+    if (thread == 0) {
+#pragma unroll
+        for (int c = 0; c < Storage::CHUNKS; ++c)
+            tma_store_4d(&maps.dq, smem_addr(staging + c * Q_CHUNK_BYTES + 64 * consumer * 128), c * SWIZZLE_ROW_ELEMENTS,
+                         seq.q_row0 + q_start + 64 * consumer, (int)h, (int)b);
+        tma_store_commit();
+        tma_store_wait_all();   // the block's shared memory must outlive the store's reads
+    }
 }

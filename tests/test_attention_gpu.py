@@ -34,7 +34,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import cupy_flash
-from cupy_flash import attention_reference, attention_reference_backward
+from cupy_flash import _traits, attention_reference, attention_reference_backward
 
 pytestmark = requires_gpu
 
@@ -538,6 +538,23 @@ def test_scores_rising_across_key_blocks(span, dtype, path):
     v = rng.standard_normal((batch, seqlen_k, heads, head_dim)).astype(numpy.float32)
     q, k, v = (cupy.asarray(x.astype(DTYPES[dtype])) for x in (q, k, v))
     _check_forward_of(q, k, v, lambda: dict(softmax_scale=scale), dtype, head_dim, f"{dtype} span={span}", path)
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_long_deterministic_backward_keeps_the_ordered_adds(head_dim, path):
+    # Past _traits.BACKWARD_SM90_DQ_APART_KEYS' limits, deterministic plain calls at d <= 128 add
+    # dQ in turns in the main kernel rather than compute it apart (the property tests' shapes are
+    # all within the limits): the error rule, and bitwise the same twice.
+    p = dict(dtype="bfloat16", batch=1, heads=2, seqlen_q=2100, seqlen_k=2304, head_dim=head_dim, causal=head_dim == 128,
+             softmax_scale=None, logit_std=1.0, seed=13)
+    assert _traits.backward_sm90_dq_apart(head_dim, 0, True, p["causal"], p["seqlen_k"]) is None
+    _check_backward(p, deterministic=True, path=path)
+    q, k, v, do = make_inputs(p, with_grad=True)
+    o, lse = cupy_flash.flash_forward(q, k, v, causal=p["causal"])
+    with kernel_path(path):
+        first, again = (cupy_flash.flash_backward(do, q, k, v, o, lse, causal=p["causal"], deterministic=True) for _ in range(2))
+    assert all(bool((bitwise(a) == bitwise(b)).all()) for a, b in zip(first, again))
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)

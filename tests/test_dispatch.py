@@ -5,7 +5,7 @@ import types
 import pytest
 from helpers import FakeGpuArray
 
-from cupy_flash import _families
+from cupy_flash import _families, _traits
 from cupy_flash._checks import AttentionShape
 from cupy_flash._features import FEATURE_BIAS, FEATURE_SOFTCAP, FEATURE_VARLEN, FEATURE_WINDOW
 
@@ -68,6 +68,26 @@ def test_the_hopper_backward_runs_where_it_measured_faster():
     assert backward(H100, flags=FEATURE_SOFTCAP) == backward(H100, flags=FEATURE_BIAS) == "backward_tc"
     for device in (A100, L40, B200):
         assert backward(device) == backward(device, setting="experimental") == "backward_tc"
+
+
+def test_the_hopper_backward_computes_dq_apart_where_it_measured_faster():
+    # _traits.BACKWARD_SM90_DQ_APART_KEYS: every plain call at d = 256; deterministic plain calls
+    # at d = 64 (any length with a causal mask, up to 2k keys without) and d = 128 (up to 2k keys);
+    # never a call with variant flags, whose kernels keep the dQ adds.
+    apart = _traits.backward_sm90_dq_apart
+    for causal in (False, True):
+        for keys in (256, 2048, 2049, 16384):
+            assert apart(256, 0, False, causal, keys) == apart(256, 0, True, causal, keys) == _traits.BACKWARD_SM90_DQ_APART[256]
+            assert apart(64, 0, False, causal, keys) is None and apart(128, 0, False, causal, keys) is None
+            for tile in (64, 128, 256):
+                assert apart(tile, FEATURE_WINDOW, True, causal, keys) is None
+        assert apart(128, 0, True, causal, 2048) is not None and apart(128, 0, True, causal, 2049) is None
+    assert apart(64, 0, True, True, 16384) is not None
+    assert apart(64, 0, True, False, 2048) is not None and apart(64, 0, True, False, 2049) is None
+    # What the modules compile: d = 256 plain only the kernels without dQ adds, d = 64 / 128 both.
+    assert _traits.backward_sm90_module_dq_apart(256, 0) == (_traits.BACKWARD_SM90_DQ_APART[256], False)
+    assert _traits.backward_sm90_module_dq_apart(128, 0) == (_traits.BACKWARD_SM90_DQ_APART[128], True)
+    assert _traits.backward_sm90_module_dq_apart(256, FEATURE_WINDOW) == (None, True)
 
 
 def test_the_setting_comes_from_the_environment_or_use_kernels(monkeypatch):

@@ -239,3 +239,10 @@ def test_forward_into_and_backward_into_write_the_given_buffers_and_check_them()
             forward_into(bad, q, k, v, causal=True)
     with pytest.raises(ValueError, match=r"^dk \(an output buffer\)"):
         backward_into((grads[0], grads[0], grads[2]), do, q, k, v, o, lse, causal=True)
+    # 2 bytes off 16-byte alignment: the kernels' vector stores (and the Hopper dQ kernel's tensor
+    # map) would fault, a sticky CUDA error.
+    misaligned = cupy.empty(q.size + 1, q.dtype)[1:].reshape(q.shape)
+    with pytest.raises(ValueError, match=r"^dq \(an output buffer\).*address % 16 = 2"):
+        backward_into((misaligned, grads[1], grads[2]), do, q, k, v, o, lse, causal=True)
+    with pytest.raises(ValueError, match=r"^o \(an output buffer\).*address % 16 = 2"):
+        forward_into((misaligned, lse), q, k, v, causal=True)
