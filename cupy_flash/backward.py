@@ -28,8 +28,10 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
 
     ``deterministic=False`` accumulates dQ with float32 atomics (fast; the summation order, and so
     the last bits, may vary run to run). ``deterministic=True`` sums dQ in a fixed order (float16
-    and bfloat16: the key blocks add in turn; float32: a separate dQ pass): results are bitwise
-    identical run to run.
+    and bfloat16: the key blocks add in turn, or a dQ kernel of its own sums each row's keys in
+    registers; float32: a separate dQ pass): results are bitwise identical run to run. On Hopper,
+    head_dim > 128 calls without a window or packed batches take the dQ kernel either way (it
+    measured faster than the atomics there), so they are deterministic either way.
 
     The variant keywords (window_size, softcap, alibi_slopes, sink, bias, cu_seqlens_q/k,
     max_seqlen_q/k) must be those of the forward. With MQA/GQA, dk and dv sum the gradients of
@@ -217,7 +219,9 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
     k, v, o, lse, dq, dk, dv), ``variant`` on the device. float16 / bfloat16: the Hopper backward
     or backward_tc.cu (_families.backward_family), dQ accumulated in float32 (atomically, or in a
     fixed order when deterministic: semaphores per query block) and then scaled and cast by the
-    convert kernel. float32: backward.cu, dQ by atomics or, deterministic, a separate dQ pass."""
+    convert kernel, or (Hopper, _traits.backward_sm90_dq_apart) computed by a dQ kernel of its own
+    after a main kernel without dQ. float32: backward.cu, dQ by atomics or, deterministic, a
+    separate dQ pass."""
     import cupy
 
     q, k = arrays["q"], arrays["k"]

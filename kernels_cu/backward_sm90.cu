@@ -25,6 +25,10 @@
 //    registers cannot hold dK and dV of 64 keys x 256 columns) each consumer takes 32 of the
 //    query block's queries in S^T and dP^T, writes its half of P^T and dS^T to shared memory,
 //    and owns 128 head-dim columns of dK, dV and dQ, whose products read P^T and dS^T from there.
+// Where _traits.BACKWARD_SM90_DQ_APART_KEYS says so (every plain call at d = 256, short
+// deterministic ones at d <= 128) the kernel runs without dQ (ADDS_DQ false: no dS for dQ, no
+// adds, no turns; the key split then takes dK's A from registers too) and
+// flash_backward_dq_sm90_kernel (at the end of this file) computes dQ with no adds at all.
 // Row statistics are the preprocess kernel's: padded per (batch, head) to a multiple of 128 rows,
 // lse_log2 +inf past the sequence (P = 0) and delta 0, so a query block is always whole; Q and dO
 // rows past the sequence arrive as zeros. Keys past the sequence read zeros from K and V; the mask
