@@ -192,4 +192,21 @@ def describe_backward(device: DeviceInfo, setting: str | None = None) -> str:
     when = from_keys(atomic) + ("; deterministic calls too" if deterministic == atomic
                                 else f"; deterministic: {from_keys(deterministic)}")
     return (f"float16/bfloat16: Hopper kernels {when} (no softcap, ALiBi or bias); "
-            "the others: tensor-core kernels (mma.sync)")
+            f"the others: tensor-core kernels (mma.sync). {describe_dq_apart()}")
+
+
+def describe_dq_apart() -> str:
+    """Which Hopper backward calls compute dQ in a kernel of its own (_traits.BACKWARD_SM90_DQ_APART_KEYS)."""
+    parts = []
+    previous = 0
+    for tile, keys in sorted(_traits.BACKWARD_SM90_DQ_APART_KEYS.items()):
+        dims = f"head_dim {previous + 1}-{tile}"
+        previous = tile
+        kinds = []
+        for (deterministic, causal), limit in sorted(keys.items()):
+            kinds.append(f"{'deterministic' if deterministic else 'atomic'} {'causal' if causal else 'non-causal'}"
+                         + (" (any length)" if limit is None else f" up to {limit} keys"))
+        if len(keys) == 4 and all(limit is None for limit in keys.values()):
+            kinds = ["every call"]
+        parts.append(f"{dims}: {', '.join(kinds)}")
+    return "dQ in a kernel of its own (no window, no packed batch): " + "; ".join(parts)

@@ -113,6 +113,10 @@ def test_info_names_the_path_of_each_dtype():
     assert _families.describe_forward(A100, "auto")[1].startswith("float16: tensor-core")
     assert _families.describe_backward(H100, "auto").startswith(
         "float16/bfloat16: Hopper kernels from 256 keys; deterministic calls too")
+    assert _families.describe_backward(H100, "auto").endswith(
+        "dQ in a kernel of its own (no window, no packed batch): head_dim 1-64: deterministic non-causal up to 2048 "
+        "keys, deterministic causal (any length); head_dim 65-128: deterministic non-causal up to 2048 keys, deterministic causal "
+        "up to 2048 keys; head_dim 129-256: every call")
     assert _families.describe_backward(H100, "portable").startswith("float16/bfloat16: tensor-core")
     assert _families.describe_backward(H100, "experimental").startswith("float16/bfloat16: Hopper kernels")
     assert _families.describe_backward(A100, "experimental") == "float16/bfloat16: tensor-core kernels (mma.sync; sm_80+)"
