@@ -451,6 +451,11 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
     const bool publisher = semaphores != nullptr && consumer == 0 && thread == 0;
     const QueryOrder<TURN_BLOCKS> order{q_range, at.descending};
 
+    // A dQ item's 64-column chunk and first query row of the block (constants where the block has
+    // 64 queries).
+    const auto dq_item_chunk = [](int item) {
+        return make_int2(QUERY_HALVES == 1 ? item : item % CHUNKS, QUERY_HALVES == 1 ? 0 : 64 * (item / CHUNKS));
+    };
     // This consumer's dQ piece, staged in shared memory (its rows from query q_start), added by a TMA
     // reduce that its first thread issues after the proxy fence (which waits for the staging
     // stores) and the consumer's barrier.
@@ -462,13 +467,12 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
                 tma_reduce_add_4d(&maps.dq_accum, smem_addr(&smem.dq[consumer][half][0][0]),
                                   consumer * SWIZZLE_ROW_ELEMENTS + 32 * half, seq.q_row0 + q_start, (int)h, batch_coord);
         } else {
-            // The consumer's item (at most one): its column chunk and first query row.
-            const int c = QUERY_HALVES == 1 ? consumer : consumer % CHUNKS, rows = QUERY_HALVES == 1 ? 0 : 64 * (consumer / CHUNKS);
+            const int2 chunk = dq_item_chunk(consumer);   // the consumer's item (at most one)
             static_assert(backward_sm90_dq_rows<D_TILE, BLOCK_M> == 64, "a box is a consumer's 64 rows");
 #pragma unroll
             for (int half = 0; half < 2; ++half)
                 tma_reduce_add_4d(&maps.dq_accum, smem_addr(&smem.dq[consumer][half][0][0]),
-                                  c * SWIZZLE_ROW_ELEMENTS + 32 * half, seq.q_row0 + q_start + rows, (int)h, batch_coord);
+                                  chunk.x * SWIZZLE_ROW_ELEMENTS + 32 * half, seq.q_row0 + q_start + chunk.y, (int)h, batch_coord);
         }
         tma_store_commit();
     };
@@ -693,8 +697,8 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
         } else {
 #pragma unroll 1
             for (int item = consumer; item < DQ_ITEMS; item += CONSUMERS) {
-                // Its column chunk and first query row (as constants where the block has 64 queries).
-                const int c = QUERY_HALVES == 1 ? item : item % CHUNKS, rows = QUERY_HALVES == 1 ? 0 : 64 * (item / CHUNKS);
+                const int2 chunk = dq_item_chunk(item);
+                const int c = chunk.x, rows = chunk.y;
                 float dq[SWIZZLE_ROW_ELEMENTS / 2];
                 const unsigned long long ds_desc = k_major_descriptor(smem_addr(&smem.ds[(ring + it) & 1][0][rows][0]));
                 const unsigned long long k_desc = n_major_descriptor(smem_addr(&smem.k[c][0][0]), K_CHUNK_BYTES);
