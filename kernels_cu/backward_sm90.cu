@@ -907,15 +907,15 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
             const bool whole_rows = !(FEATURES & FEATURE_VARLEN) || q_start + BLOCK_M <= seq.seqlen_q;
             static_assert(backward_sm90_dq_rows<D_TILE, BLOCK_M> == 16, "a box is a warp's 16 rows");
             unsigned char* warp_rows = reinterpret_cast<unsigned char*>(&smem.dq[consumer][0][16 * warp][0]);
-    #pragma unroll
+#pragma unroll
             for (int piece = 0; piece < COLUMNS / PIECE; ++piece) {
                 if (lane == 0) tma_store_wait_read();   // the warp's last reduce has read its rows
                 __syncwarp();
                 // Element (row, col) at row * 128 bytes, its 16-byte unit swizzled by row % 8 (TMA's
                 // 128-byte swizzle), as the key split's halves.
-    #pragma unroll
+#pragma unroll
                 for (int i = 0; i < PIECE / 8; ++i)
-    #pragma unroll
+#pragma unroll
                     for (int r = 0; r < 2; ++r) {
                         const int row = lane / 4 + 8 * r;   // of the warp's 16 (16 * warp: a multiple of 8)
                         const unsigned int unit = (unsigned int)(2 * i + (lane % 4) / 2) ^ (unsigned int)(row & 7);
@@ -946,7 +946,7 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
                     const int row = lane / 2, query = q_start + 16 * warp + row;
                     float* dq_row = p.dq_accum + tensor_offset(p.dq_accum_strides, b, seq.q_row0, h) +
                                     (long long)query * p.dq_accum_strides[1] + column0 + PIECE * piece;
-    #pragma unroll
+#pragma unroll
                     for (int j = 0; j < 8; ++j) {
                         const int col = 16 * (lane % 2) + 2 * j;
                         const unsigned int unit = (unsigned int)(col / 4) ^ (unsigned int)(row & 7);
@@ -985,14 +985,14 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
     store_key_gradients<T, COLUMNS>(dk, dv, p, at, first_key, column0, query_col);   // this consumer's columns
 }
 
-// ---- dQ apart: deterministic calls at d = 256 -------------------------------------------------
-// Deterministic d = 256 calls run the main kernel without dQ (ADDS_DQ false: dK and dV only, no
-// turns, the atomic grid) and then this kernel, which computes dQ with no adds at all: a block per
-// BLOCK_M query rows of one (batch, head), Q and dO resident, the key blocks' K and V streamed
-// through a ring, dQ accumulated in registers over every key the rows see and stored once as T.
-// The sum's order is fixed by the loop, so the result is bitwise reproducible. With the turns the
-// deterministic d = 256 backward took 1.28-1.48x the atomic time; the main kernel without dQ's
-// product and adds measured 0.59-0.69x of the atomic call's time (H200, bf16, 2k-16k).
+// ---- dQ apart: plain d = 256 calls, short deterministic d <= 128 ones ---------------------------
+// The calls _traits.BACKWARD_SM90_DQ_APART_KEYS names run the main kernel without dQ (ADDS_DQ
+// false: dK and dV only, no turns, the atomic grid) and then this kernel, which computes dQ with
+// no adds at all: a block per BLOCK_M query rows of one (batch, head), Q and dO resident, the key
+// blocks' K and V streamed through a ring, dQ accumulated in registers over every key the rows
+// see and stored once as T. The sum's order is fixed by the loop, so the result is bitwise
+// reproducible. At d = 256 the dQ reduce-adds' kernel spent about 40% of its time on dQ (without
+// it: 0.59-0.69x, H200, bf16, 2k-16k) and its deterministic turns cost 1.28-1.48x the atomic time.
 //   S  = Q K^T        P  = exp2(S * scale_log2 - lse_log2[query])
 //   dP = dO V^T       dS = P * (dP - delta[query])       dQ += dS K   (times softmax_scale at the end)
 //  - warpgroup 0, the producer: one thread loads Q and dO once, then each key block's K and V
