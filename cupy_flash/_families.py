@@ -206,7 +206,7 @@ def describe_dq_apart() -> str:
         for (deterministic, causal), limit in sorted(keys.items()):
             kinds.append(f"{'deterministic' if deterministic else 'atomic'} {'causal' if causal else 'non-causal'}"
                          + (" (any length)" if limit is None else f" up to {limit} keys"))
-        if len(keys) == 4 and all(limit is None for limit in keys.values()):
+        if _traits.backward_sm90_dq_apart_every_call(tile):
             kinds = ["every call"]
         parts.append(f"{dims}: {', '.join(kinds)}")
     return "dQ in a kernel of its own (no window, no packed batch): " + "; ".join(parts)

@@ -132,11 +132,23 @@ BACKWARD_SM90_DQ_APART_KEYS = {
 }
 
 
+def _dq_apart_keys(tile: int, flags: int) -> dict:
+    """BACKWARD_SM90_DQ_APART_KEYS' entry for calls with variant ``flags`` at ``tile`` (none with flags)."""
+    return BACKWARD_SM90_DQ_APART_KEYS.get(tile, {}) if flags == 0 else {}
+
+
+def backward_sm90_dq_apart_every_call(tile: int, flags: int = 0) -> bool:
+    """Whether every call with ``flags`` at ``tile``, atomic or deterministic, causal or not, at
+    any length, computes dQ apart (its module then needs no kernel that adds dQ)."""
+    keys = _dq_apart_keys(tile, flags)
+    return len(keys) == 4 and all(limit is None for limit in keys.values())
+
+
 def backward_sm90_dq_apart(tile: int, flags: int, deterministic: bool, causal: bool,
                            seqlen_k: int) -> tuple[int, int, int] | None:
     """The dQ kernel's (block_m, block_n, stages) where a Hopper backward call computes dQ apart
     (BACKWARD_SM90_DQ_APART_KEYS), else None."""
-    keys = BACKWARD_SM90_DQ_APART_KEYS.get(tile, {}) if flags == 0 else {}
+    keys = _dq_apart_keys(tile, flags)
     if (deterministic, causal) not in keys or (keys[deterministic, causal] or seqlen_k) < seqlen_k:
         return None
     return BACKWARD_SM90_DQ_APART[tile]
@@ -145,9 +157,8 @@ def backward_sm90_dq_apart(tile: int, flags: int, deterministic: bool, causal: b
 def backward_sm90_module_dq_apart(tile: int, flags: int) -> tuple[tuple[int, int, int] | None, bool]:
     """(the dQ kernel's tile or None, whether the main kernel that adds dQ is needed) for the
     module of ``tile`` and variant ``flags``: what it compiles."""
-    keys = BACKWARD_SM90_DQ_APART_KEYS.get(tile, {}) if flags == 0 else {}
-    every_call = len(keys) == 4 and all(limit is None for limit in keys.values())
-    return (BACKWARD_SM90_DQ_APART[tile] if keys else None), not every_call
+    return (BACKWARD_SM90_DQ_APART[tile] if _dq_apart_keys(tile, flags) else None,
+            not backward_sm90_dq_apart_every_call(tile, flags))
 
 
 def backward_sm90_config(tile: int, flags: int = 0) -> tuple[int, int, int, int]:
