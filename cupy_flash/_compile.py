@@ -496,15 +496,16 @@ class CompileReport:
 
     @property
     def speed_warnings(self) -> list[str]:
-        """ptxas warnings that cost speed silently: C7508 (setmaxnreg ignored), C7510-C7515 (wgmma
-        serialised: register shortage, or other instructions touching its registers in flight)."""
+        """ptxas warnings that cost speed silently: C7508 (setmaxnreg ignored), C7510-C7529 (wgmma
+        serialised: register shortage, other instructions touching its registers in flight, or
+        arrives / waits ptxas inserted on a divergent path, C7518-C7520)."""
         return [line.strip() for line in self.log.splitlines() if _SPEED_WARNING.search(line)]
 
 
 _ENTRY = re.compile(r"Compiling entry function '(\S+)' for 'sm_\d+a?'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
-_SPEED_WARNING = re.compile(r"C75(0[89]|1\d)")
+_SPEED_WARNING = re.compile(r"C75(0[89]|[12]\d)")
 _PTX_PARAM = re.compile(r"\.param\s+(?:\.align\s+\d+\s+)?\.([busf])(\d+)\s+\S+?_param_\d+(?:\[(\d+)\])?")
 _PTX_MAXNTID = re.compile(r"\.maxntid\s+(\d+),\s*(\d+),\s*(\d+)")
 _PTX_MEMORY_ACCESS = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld|st)((?:\.[\w:]+)*)\s", re.M)
