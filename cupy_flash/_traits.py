@@ -84,7 +84,9 @@ FORWARD_SM90_FEATURE_SETS = {64: (_SM90_ALL,), 128: (_SM90_ALL,), 256: (_SM90_AL
 # tile, config order (head-dim tile, block_n, block_m, stages); window and packed batches; score
 # modifiers stay on the portable backward. Up to d = 128 its two consumers split a block's 128 keys;
 # at d = 256 (64 keys) they split the head dim, since dK and dV of 64 keys x 256 columns do not fit
-# one warpgroup's registers; its shared memory is then exactly the 227 KB a block may have.
+# one warpgroup's registers; its shared memory is then exactly the 227 KB a block may have. Without
+# dQ (BACKWARD_SM90_DQ_APART_KEYS) d = 256 splits the score products instead: consumer 0 S^T,
+# consumer 1 dP^T, each 64 keys x 64 queries (against 64 x 32 each: 1.02-1.06x, H100, 2026-11-26).
 # d = 64 takes 128 queries a block, so both consumers have a 64-row piece of dQ's product (with 64
 # queries its one 64-column chunk was consumer 0's alone).
 BACKWARD_SM90 = {64: (128, 128, 2), 128: (128, 64, 2), 256: (64, 64, 2)}

@@ -27,8 +27,9 @@
 //    and owns 128 head-dim columns of dK, dV and dQ, whose products read P^T and dS^T from there.
 // Where _traits.BACKWARD_SM90_DQ_APART_KEYS says so (every plain call at d = 256, short
 // deterministic ones at d <= 128) the kernel runs without dQ (ADDS_DQ false: no dS for dQ, no
-// adds, no turns; the key split then takes dK's A from registers too) and
-// flash_backward_dq_sm90_kernel (at the end of this file) computes dQ with no adds at all.
+// adds, no turns; the key split then takes dK's A from registers too; d = 256 takes the product
+// split, backward_sm90_product_split: consumer 0 S^T and consumer 1 dP^T, each for all 64 queries)
+// and flash_backward_dq_sm90_kernel (at the end of this file) computes dQ with no adds at all.
 // Row statistics are the preprocess kernel's: padded per (batch, head) to a multiple of 128 rows,
 // lse_log2 +inf past the sequence (P = 0) and delta 0, so a query block is always whole; Q and dO
 // rows past the sequence arrive as zeros. Keys past the sequence read zeros from K and V; the mask
@@ -57,13 +58,15 @@ struct BackwardSm90Storage {
     // holds consumer c's 64 keys. With two, a consumer writes block m's dS while the other may
     // still be reading block m - 1's, so the consumers meet once a block, not twice.
     // Head-dim split: [0] P^T and [1] dS^T (keys x queries, queries contiguous), each one chunk of
-    // the block's 64 keys, the consumers' 32 queries side by side.
+    // the block's 64 keys, the consumers' 32 queries side by side (the product split: consumer 0
+    // writes P^T, consumer 1 dS^T, all 64 queries each).
     alignas(SWIZZLE_ATOM_BYTES) T ds[2][HEAD_DIM_SPLIT ? 1 : BLOCK_N / 64][HEAD_DIM_SPLIT ? BLOCK_N : BLOCK_M][SWIZZLE_ROW_ELEMENTS];
     // dQ (float32) of 64 query rows x a 64-column chunk per consumer, as two 32-column halves
     // (head-dim split: one 32-column piece of its 128 columns at a time), 128-byte rows, swizzled:
     // the source of the TMA reduce-add into dq_accum.
     // Key split with dQ transposed (dq_transposed): the consumer's 64 columns of dQ for all BLOCK_M
-    // queries, as two 32-column halves.
+    // queries, as two 32-column halves. Unused without dQ (ADDS_DQ false; using it at d = 256 for
+    // a second P^T / dS^T buffer measured +0.4%, docs/wip).
     alignas(SWIZZLE_ATOM_BYTES) float dq[BACKWARD_SM90_CONSUMERS][HEAD_DIM_SPLIT ? 1 : 2][key_split_dq_rows<BLOCK_M>][32];
     alignas(16) float lse_log2[STAGES][BLOCK_M];
     alignas(16) float delta[STAGES][BLOCK_M];
@@ -252,10 +255,14 @@ template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_
 __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem,
                                                         const BackwardSm90Maps& maps, const FlashParams& p,
                                                         const BackwardSm90Block& at, int round, int& ring);
-template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES, bool ADDS_DQ>
+template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
 __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem,
                                                              const BackwardSm90Maps& maps, const FlashParams& p,
                                                              const BackwardSm90Block& at, int round, int& ring);
+template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
+__device__ __forceinline__ void backward_sm90_product_split(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem,
+                                                            const FlashParams& p, const BackwardSm90Block& at, int round,
+                                                            int& ring);
 
 // A persistent grid (one block per SM, the launcher's min(tiles, SMs)) whose blocks take their
 // tiles from a counter (TileHandover, TileCounter: zero at launch, left zero): the next tile's K, V
@@ -325,8 +332,10 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
 #pragma unroll 1
     for (int tile = blockIdx.x, round = 0; tile < num_tiles; ++round) {
         const BackwardSm90Block at = backward_sm90_block<D_TILE, BLOCK_N, BLOCK_M, IS_CAUSAL, FEATURES>(p, tile, num_kv_blocks);
-        if constexpr (Storage::HEAD_DIM_SPLIT)
-            backward_sm90_head_dim_split<T, D_TILE, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FEATURES, ADDS_DQ>(smem, maps, p, at, round, ring);
+        if constexpr (Storage::HEAD_DIM_SPLIT && !ADDS_DQ)
+            backward_sm90_product_split<T, D_TILE, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FEATURES>(smem, p, at, round, ring);
+        else if constexpr (Storage::HEAD_DIM_SPLIT)
+            backward_sm90_head_dim_split<T, D_TILE, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FEATURES>(smem, maps, p, at, round, ring);
         else
             backward_sm90_key_split<T, D_TILE, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FEATURES, ADDS_DQ>(smem, maps, p, at, round, ring);
         tile = smem.tiles.receive_each(round);
@@ -783,7 +792,7 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
 // are written). dQ's product is issued first, in a group of its own, so its epilogue (four
 // 32-column pieces through the consumer's staging buffer, each warp's rows a TMA reduce-add) runs
 // under dV's and dK's products.
-template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES, bool ADDS_DQ>
+template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
 __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem,
                                                              const BackwardSm90Maps& maps, const FlashParams& p,
                                                              const BackwardSm90Block& at, int round, int& ring) {
@@ -872,15 +881,13 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
         // (queries contiguous); then dV += P^T dO and dK += dS^T Q, A read K-major.
         float dq[COLUMNS / 2];
         warpgroup_arrive();
-        if constexpr (ADDS_DQ) {
-            const unsigned long long ds_n_desc = n_major_descriptor(ds_tile, K_CHUNK_BYTES);
-            const unsigned long long k_desc = n_major_descriptor(k_rows + (column0 / 64) * K_CHUNK_BYTES, K_CHUNK_BYTES);
+        const unsigned long long ds_n_desc = n_major_descriptor(ds_tile, K_CHUNK_BYTES);
+        const unsigned long long k_desc = n_major_descriptor(k_rows + (column0 / 64) * K_CHUNK_BYTES, K_CHUNK_BYTES);
 #pragma unroll
-            for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-                Wgmma<T, COLUMNS>::template ss<1, 1>(dq, advance_descriptor(ds_n_desc, kk * 2 * SWIZZLE_ATOM_BYTES),
-                                                     advance_descriptor(k_desc, kk * 2 * SWIZZLE_ATOM_BYTES), kk > 0);
-            warpgroup_commit();
-        }
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+            Wgmma<T, COLUMNS>::template ss<1, 1>(dq, advance_descriptor(ds_n_desc, kk * 2 * SWIZZLE_ATOM_BYTES),
+                                                 advance_descriptor(k_desc, kk * 2 * SWIZZLE_ATOM_BYTES), kk > 0);
+        warpgroup_commit();
         const unsigned long long p_desc = k_major_descriptor(p_tile), ds_k_desc = k_major_descriptor(ds_tile);
         const unsigned long long do_desc = n_major_descriptor(do_base + (column0 / 64) * Q_CHUNK_BYTES, Q_CHUNK_BYTES);
         const unsigned long long q_desc = n_major_descriptor(q_base + (column0 / 64) * Q_CHUNK_BYTES, Q_CHUNK_BYTES);
@@ -893,67 +900,65 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
             Wgmma<T, COLUMNS>::template ss<1>(dk, advance_descriptor(ds_k_desc, kk * 32),
                                               advance_descriptor(q_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
         warpgroup_commit();
-        if constexpr (ADDS_DQ) {
-            warpgroup_wait<1>();   // dQ
-            hold_registers(dq);
+        warpgroup_wait<1>();   // dQ
+        hold_registers(dq);
 
-            // Each warp stages its own 16 rows of dQ, a 32-column piece at a time, and adds them with a
-            // TMA reduce-add (boxes of 32 columns x 16 rows, backward_sm90_dq_box_rows), so
-            // the warps never wait for each other here (with a consumer's whole 64 rows a box, as the key
-            // split does, and its two barriers a piece: causal 16k 289 -> 329 TFLOP/s). A packed batch's
-            // last, partial query block of a sequence (a box would add into the next sequence's rows)
-            // adds the staged rows inside the sequence by red.global instead (adding from registers
-            // there spilled 12 bytes with a window).
-            const bool whole_rows = !(FEATURES & FEATURE_VARLEN) || q_start + BLOCK_M <= seq.seqlen_q;
-            static_assert(backward_sm90_dq_rows<D_TILE, BLOCK_M> == 16, "a box is a warp's 16 rows");
-            unsigned char* warp_rows = reinterpret_cast<unsigned char*>(&smem.dq[consumer][0][16 * warp][0]);
+        // Each warp stages its own 16 rows of dQ, a 32-column piece at a time, and adds them with a
+        // TMA reduce-add (boxes of 32 columns x 16 rows, backward_sm90_dq_box_rows), so
+        // the warps never wait for each other here (with a consumer's whole 64 rows a box, as the key
+        // split does, and its two barriers a piece: causal 16k 289 -> 329 TFLOP/s). A packed batch's
+        // last, partial query block of a sequence (a box would add into the next sequence's rows)
+        // adds the staged rows inside the sequence by red.global instead (adding from registers
+        // there spilled 12 bytes with a window).
+        const bool whole_rows = !(FEATURES & FEATURE_VARLEN) || q_start + BLOCK_M <= seq.seqlen_q;
+        static_assert(backward_sm90_dq_rows<D_TILE, BLOCK_M> == 16, "a box is a warp's 16 rows");
+        unsigned char* warp_rows = reinterpret_cast<unsigned char*>(&smem.dq[consumer][0][16 * warp][0]);
 #pragma unroll
-            for (int piece = 0; piece < COLUMNS / PIECE; ++piece) {
-                if (lane == 0) tma_store_wait_read();   // the warp's last reduce has read its rows
-                __syncwarp();
-                // Element (row, col) at row * 128 bytes, its 16-byte unit swizzled by row % 8 (TMA's
-                // 128-byte swizzle), as the key split's halves.
+        for (int piece = 0; piece < COLUMNS / PIECE; ++piece) {
+            if (lane == 0) tma_store_wait_read();   // the warp's last reduce has read its rows
+            __syncwarp();
+            // Element (row, col) at row * 128 bytes, its 16-byte unit swizzled by row % 8 (TMA's
+            // 128-byte swizzle), as the key split's halves.
 #pragma unroll
-                for (int i = 0; i < PIECE / 8; ++i)
+            for (int i = 0; i < PIECE / 8; ++i)
 #pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const int row = lane / 4 + 8 * r;   // of the warp's 16 (16 * warp: a multiple of 8)
-                        const unsigned int unit = (unsigned int)(2 * i + (lane % 4) / 2) ^ (unsigned int)(row & 7);
-                        const int reg = 4 * (piece * PIECE / 8 + i) + 2 * r;
-                        *reinterpret_cast<float2*>(warp_rows + row * 128 + unit * 16 + 8 * (lane % 2)) = make_float2(dq[reg], dq[reg + 1]);
-                    }
-                fence_async_shared();
-                __syncwarp();   // the warp's rows of the piece are written
-                // Deterministic: this key block's turn at m's pair of query blocks (the blocks of the
-                // pair's band before it), at the pair's first block here.
-                if (semaphores != nullptr && piece == 0 && lane == 0 && order.first_of_turn(m)) {
-                    const int pair_start = m / TURN_BLOCKS * TURN_BLOCKS * BLOCK_M;
-                    wait_dq_turn(semaphores + m / TURN_BLOCKS,
-                                 (FEATURES & FEATURE_WINDOW)
-                                     ? block.kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, pair_start, TURN_BLOCKS * BLOCK_M,
-                                                                                             BLOCK_N, band).x
-                                     : block.kv_block);
+                for (int r = 0; r < 2; ++r) {
+                    const int row = lane / 4 + 8 * r;   // of the warp's 16 (16 * warp: a multiple of 8)
+                    const unsigned int unit = (unsigned int)(2 * i + (lane % 4) / 2) ^ (unsigned int)(row & 7);
+                    const int reg = 4 * (piece * PIECE / 8 + i) + 2 * r;
+                    *reinterpret_cast<float2*>(warp_rows + row * 128 + unit * 16 + 8 * (lane % 2)) = make_float2(dq[reg], dq[reg + 1]);
                 }
-                if (whole_rows) {
-                    if (lane == 0) {
-                        tma_reduce_add_4d(&maps.dq_accum, smem_addr(warp_rows), column0 + PIECE * piece,
-                                          seq.q_row0 + q_start + 16 * warp, (int)h, at.batch_coord);
-                        tma_store_commit();
-                    }
-                } else {
-                    __syncwarp();   // (after the turn)
-                    // Lane L: row L / 2 of the warp's, columns 16 (L % 2) + 0..15 of the piece.
-                    const int row = lane / 2, query = q_start + 16 * warp + row;
-                    float* dq_row = p.dq_accum + tensor_offset(p.dq_accum_strides, b, seq.q_row0, h) +
-                                    (long long)query * p.dq_accum_strides[1] + column0 + PIECE * piece;
+            fence_async_shared();
+            __syncwarp();   // the warp's rows of the piece are written
+            // Deterministic: this key block's turn at m's pair of query blocks (the blocks of the
+            // pair's band before it), at the pair's first block here.
+            if (semaphores != nullptr && piece == 0 && lane == 0 && order.first_of_turn(m)) {
+                const int pair_start = m / TURN_BLOCKS * TURN_BLOCKS * BLOCK_M;
+                wait_dq_turn(semaphores + m / TURN_BLOCKS,
+                             (FEATURES & FEATURE_WINDOW)
+                                 ? block.kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, pair_start, TURN_BLOCKS * BLOCK_M,
+                                                                                         BLOCK_N, band).x
+                                 : block.kv_block);
+            }
+            if (whole_rows) {
+                if (lane == 0) {
+                    tma_reduce_add_4d(&maps.dq_accum, smem_addr(warp_rows), column0 + PIECE * piece,
+                                      seq.q_row0 + q_start + 16 * warp, (int)h, at.batch_coord);
+                    tma_store_commit();
+                }
+            } else {
+                __syncwarp();   // (after the turn)
+                // Lane L: row L / 2 of the warp's, columns 16 (L % 2) + 0..15 of the piece.
+                const int row = lane / 2, query = q_start + 16 * warp + row;
+                float* dq_row = p.dq_accum + tensor_offset(p.dq_accum_strides, b, seq.q_row0, h) +
+                                (long long)query * p.dq_accum_strides[1] + column0 + PIECE * piece;
 #pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        const int col = 16 * (lane % 2) + 2 * j;
-                        const unsigned int unit = (unsigned int)(col / 4) ^ (unsigned int)(row & 7);
-                        const float2 x = *reinterpret_cast<const float2*>(warp_rows + row * 128 + unit * 16 + (col % 4) * 4);
-                        if (query < seq.seqlen_q && column0 + PIECE * piece + col < (int)p.head_dim)   // head_dim: a multiple of 8
-                            red_add_f32x2(dq_row + col, x.x, x.y);
-                    }
+                for (int j = 0; j < 8; ++j) {
+                    const int col = 16 * (lane % 2) + 2 * j;
+                    const unsigned int unit = (unsigned int)(col / 4) ^ (unsigned int)(row & 7);
+                    const float2 x = *reinterpret_cast<const float2*>(warp_rows + row * 128 + unit * 16 + (col % 4) * 4);
+                    if (query < seq.seqlen_q && column0 + PIECE * piece + col < (int)p.head_dim)   // head_dim: a multiple of 8
+                        red_add_f32x2(dq_row + col, x.x, x.y);
                 }
             }
         }
@@ -980,6 +985,139 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
         barrier_arrive(smem_addr(&smem.empty[slot.index]));   // the slot's Q and dO: last read by dK / dV
     }
     barrier_arrive(smem_addr(&smem.kv_empty));   // K and V: last read by this tile's products (wait<0> above)
+    ring += order.count();
+
+    store_key_gradients<T, COLUMNS>(dk, dv, p, at, first_key, column0, query_col);   // this consumer's columns
+}
+
+// The product split (d = 256 without dQ: ADDS_DQ false, the calls that take the dQ kernel). Each
+// consumer computes one of the block's two score products for all 64 queries, so each is a
+// 64 x 64 x 256 wgmma (the head-dim split's two 64 x 32 products a consumer read K or V from
+// shared memory once per 32 queries: a third more operand bytes):
+//   consumer 0: S^T = K Q^T, P^T in registers, written to shared memory as T;
+//   consumer 1: dP^T = V dO^T, P^T read back from there (ldmatrix: the fragments consumer 0 held),
+//               dS^T = P^T (dP^T - delta), written to shared memory as T.
+// Each then owns 128 head-dim columns of dK and dV: the one holding P^T (dS^T) in registers takes
+// it as the A operand of dV (dK), the other reads it from shared memory. dS^T uses P^T rounded to
+// T, as the operand of dV is (the dense reference's form rounds it too).
+// The consumers meet through named barriers in pairs, arrive on one side and sync on the other:
+// P_READY / DS_READY (written), P_FREE / DS_FREE (the other consumer's products of the last block
+// have read it; none before a tile's first block: the next tile's K / V wait covers the last).
+template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
+__device__ __forceinline__ void backward_sm90_product_split(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem,
+                                                            const FlashParams& p, const BackwardSm90Block& at, int round,
+                                                            int& ring) {
+    constexpr int CONSUMERS = BACKWARD_SM90_CONSUMERS;
+    constexpr int COLUMNS = D_TILE / CONSUMERS;   // a consumer's head-dim columns in dK and dV
+    constexpr int P_READY = 1, DS_READY = 2, P_FREE = 3, DS_FREE = 4, PAIR = 128 * CONSUMERS;
+    constexpr unsigned int K_CHUNK_BYTES = BLOCK_N * 128, Q_CHUNK_BYTES = BLOCK_M * 128;
+    static_assert(BLOCK_N == 64 && BLOCK_M == 64 && D_TILE == 256 && CONSUMERS == 2,
+                  "P^T and dS^T one 64 x 64 chunk each; 128 columns a consumer");
+    const int kv_start = at.kv_start;
+    const Sequence& seq = at.seq;
+    const Band& band = at.band;
+
+    const int consumer = threadIdx.x / 128 - 1;
+    const bool scores = consumer == 0;              // S^T and P^T; else dP^T and dS^T
+    const int thread = threadIdx.x % 128, warp = thread / 32, lane = thread % 32;
+    const int first_key = kv_start + 16 * warp + lane / 4;   // this thread's keys: + 0 and + 8
+    const int query_col = 2 * (lane % 4);           // and queries 8i + this (+1), or columns
+    const int column0 = COLUMNS * consumer;
+    const unsigned int p_tile = smem_addr(&smem.ds[0][0][0][0]), ds_tile = smem_addr(&smem.ds[1][0][0][0]);
+    // Lane L's row address of the 8 x 8 tiles of 16-query step kk (stmatrix_x4 / ldmatrix_x4): tile
+    // L / 8 is (key rows + 0, + 8) x (queries + 0, + 8), the accumulator_to_a fragment's order.
+    unsigned int tile_offset[BLOCK_M / 16];
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+        tile_offset[kk] = swizzled_offset(16 * warp + 8 * ((lane / 8) & 1) + lane % 8, 16 * kk + 8 * (lane / 16));
+    const unsigned long long p_desc = k_major_descriptor(p_tile), ds_desc = k_major_descriptor(ds_tile);
+    const QueryOrder<1> order{at.q_range, at.descending};
+
+    float dk[COLUMNS / 2], dv[COLUMNS / 2];
+#pragma unroll
+    for (int i = 0; i < COLUMNS / 2; ++i) dk[i] = dv[i] = 0.f;
+    barrier_wait(smem_addr(&smem.kv_full), round & 1);   // also where no query block sees these keys: the loads must land
+
+#pragma unroll 1
+    for (int it = 0; it < order.count(); ++it) {
+        const int m = order.block(it);
+        const RingSlot slot = ring_slot<STAGES>(ring + it);
+        const int q_start = m * BLOCK_M;
+        const bool last = it + 1 == order.count();
+        barrier_wait(smem_addr(&smem.full[slot.index]), slot.parity);
+        const unsigned int q_base = smem_addr(&smem.q[slot.index][0][0][0]);
+        const unsigned int do_base = smem_addr(&smem.dout[slot.index][0][0][0]);
+        const unsigned long long do_desc = n_major_descriptor(do_base + (column0 / 64) * Q_CHUNK_BYTES, Q_CHUNK_BYTES);
+        const unsigned long long q_desc = n_major_descriptor(q_base + (column0 / 64) * Q_CHUNK_BYTES, Q_CHUNK_BYTES);
+
+        // S^T (consumer 0) or dP^T (consumer 1): the block's 64 keys x 64 queries.
+        float s[BLOCK_M / 2];
+        unsigned int a[BLOCK_M / 16][4];
+        warpgroup_arrive();
+        mma_k_major<T, BLOCK_M, D_TILE>(s, smem_addr(scores ? &smem.k[0][0][0] : &smem.v[0][0][0]), K_CHUNK_BYTES,
+                                        scores ? q_base : do_base, Q_CHUNK_BYTES);
+        warpgroup_commit();
+        warpgroup_wait<0>();
+        hold_registers(s);
+
+        if (scores) {
+            const bool needs_mask = tile_needs_mask<IS_CAUSAL, FEATURES>(q_start, BLOCK_M, kv_start, BLOCK_N, seq.seqlen_k, band);
+            probabilities_in_place<IS_CAUSAL, FEATURES, BLOCK_M>(s, smem.lse_log2[slot.index], p.scale_log2, needs_mask,
+                                                                 first_key, q_start, query_col, seq.seqlen_k, band);
+            accumulator_to_a<T, BLOCK_M>(a, s);
+            if (it > 0) named_barrier_sync(P_FREE, PAIR);   // consumer 1's dV of the last block has read P^T
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_M / 16; ++kk) stmatrix_x4(p_tile + tile_offset[kk], a[kk]);
+            fence_async_shared();   // the writes, before consumer 1's products read them
+            named_barrier_arrive(P_READY, PAIR);
+            // dV += P^T dO (A from registers), then dK += dS^T Q once consumer 1 has written dS^T.
+            warpgroup_arrive();
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+                Wgmma<T, COLUMNS>::template rs<1>(dv, a[kk], advance_descriptor(do_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
+            warpgroup_commit();
+            named_barrier_sync(DS_READY, PAIR);
+            warpgroup_arrive();
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+                Wgmma<T, COLUMNS>::template ss<1>(dk, advance_descriptor(ds_desc, kk * 32),
+                                                  advance_descriptor(q_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
+            warpgroup_commit();
+            warpgroup_wait<0>();
+            if (!last) named_barrier_arrive(DS_FREE, PAIR);
+        } else {
+            named_barrier_sync(P_READY, PAIR);
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_M / 16; ++kk) ldmatrix_x4(a[kk], p_tile + tile_offset[kk]);
+            float prob[BLOCK_M / 2];
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+                unpack(make_uint4(a[kk][0], a[kk][1], a[kk][2], a[kk][3]), prob + 8 * kk, T{});
+            score_gradients_in_place<BLOCK_M>(s, prob, smem.delta[slot.index], query_col);
+            accumulator_to_a<T, BLOCK_M>(a, s);
+            if (it > 0) named_barrier_sync(DS_FREE, PAIR);   // consumer 0's dK of the last block has read dS^T
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_M / 16; ++kk) stmatrix_x4(ds_tile + tile_offset[kk], a[kk]);
+            fence_async_shared();
+            named_barrier_arrive(DS_READY, PAIR);
+            // dK += dS^T Q (A from registers), dV += P^T dO (P^T from shared memory).
+            warpgroup_arrive();
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+                Wgmma<T, COLUMNS>::template rs<1>(dk, a[kk], advance_descriptor(q_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+                Wgmma<T, COLUMNS>::template ss<1>(dv, advance_descriptor(p_desc, kk * 32),
+                                                  advance_descriptor(do_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
+            warpgroup_commit();
+            warpgroup_wait<0>();
+            if (!last) named_barrier_arrive(P_FREE, PAIR);
+        }
+        hold_registers(dk);
+        hold_registers(dv);
+        barrier_arrive(smem_addr(&smem.empty[slot.index]));   // the slot's Q and dO: last read by dK / dV
+    }
+    barrier_arrive(smem_addr(&smem.kv_empty));   // K and V: last read by this tile's products
     ring += order.count();
 
     store_key_gradients<T, COLUMNS>(dk, dv, p, at, first_key, column0, query_col);   // this consumer's columns

@@ -168,8 +168,9 @@ def test_generated_wgmma_operations_are_current_and_cover_the_tiles():
         "kernels_cu/sm90_wgmma_ops.cuh is stale: run python kernels_cu/generate_wgmma_ops.py")
     for tile, (_, block_n, _) in list(_traits.FORWARD_SM90.items()) + list(_traits.FORWARD_SM90_PLAIN.items()):
         assert tile in generator.WIDTHS and block_n in generator.WIDTHS, (tile, block_n)
-    for tile, (_, block_m, _) in list(_traits.BACKWARD_SM90.items()) + list(_traits.BACKWARD_SM90_PLAIN.items()):   # the key split's N, and the head-dim split's halves
-        halves = (tile // _traits.BACKWARD_SM90_CONSUMERS, block_m // _traits.BACKWARD_SM90_CONSUMERS)
+    # the key split's N; the head-dim split's halves, and the product split's whole query block
+    for tile, (_, block_m, _) in list(_traits.BACKWARD_SM90.items()) + list(_traits.BACKWARD_SM90_PLAIN.items()):
+        halves = (tile // _traits.BACKWARD_SM90_CONSUMERS, block_m // _traits.BACKWARD_SM90_CONSUMERS, block_m)
         assert set((tile, block_m) if tile <= 128 else halves) <= set(generator.WIDTHS), tile
 
 
