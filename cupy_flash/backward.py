@@ -255,8 +255,7 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
         ("delta", (bh, padded) if tensor_core else (shape.batch, shape.heads, shape.seqlen_q), cupy.float32,
          0 if tensor_core else None),
         ("lse_log2", (bh, padded), cupy.float32, "inf") if tensor_core else None,
-        # float32 dQ accumulator, zeroed by the preprocess (float32 deterministic: the dQ pass instead)
-        ("dq_accum", q.shape, cupy.float32, None) if (tensor_core and not dq_apart) or not deterministic else None,
+        ("dq_accum", q.shape, cupy.float32, None) if needs_dq_accum(tensor_core, bool(dq_apart), deterministic) else None,
         ("dq_semaphore", (bh * -(-shape.seqlen_q // block_m),), cupy.int32, 0)
         if tensor_core and deterministic and not dq_apart else None,
         # float32, so the group sum rounds once (kernels_cu/preprocess.cu)
@@ -333,6 +332,15 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
     held = tuple(x for x in variant.device_arrays() if x is not None)
     return BackwardPlan(temporaries, records, tuple(launches), held, maps,
                         device_value(sm90, sm90.tile_counter_bytes()) if hopper else 0)
+
+
+def needs_dq_accum(tensor_core: bool, dq_apart: bool, deterministic: bool) -> bool:
+    """Whether a backward sums dQ in a float32 accumulator, which the preprocess zeroes (as many
+    bytes as q twice over): the tensor-core kernels unless dQ is computed apart (summed in
+    registers, stored once), the float32 kernels unless deterministic (their dQ pass writes dq).
+    (Until 2026-11-26 plain d = 256 calls without deterministic=True allocated and zeroed one they
+    never read.)"""
+    return not dq_apart if tensor_core else not deterministic
 
 
 def sm90_grid(tiles: int, deterministic: bool) -> int:

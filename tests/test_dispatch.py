@@ -90,6 +90,19 @@ def test_the_hopper_backward_computes_dq_apart_where_it_measured_faster():
     assert _traits.backward_sm90_module_dq_apart(256, FEATURE_WINDOW) == (None, True)
 
 
+def test_only_calls_that_add_dq_zero_a_float32_accumulator():
+    """The preprocess zeroes dq_accum wherever one is planned: calls that compute dQ apart never
+    read it (measured: a plain d = 256 atomic call planned and zeroed one, as many bytes as q twice)."""
+    from cupy_flash.backward import needs_dq_accum
+
+    assert not needs_dq_accum(tensor_core=True, dq_apart=True, deterministic=False)
+    assert not needs_dq_accum(tensor_core=True, dq_apart=True, deterministic=True)
+    assert needs_dq_accum(tensor_core=True, dq_apart=False, deterministic=False)
+    assert needs_dq_accum(tensor_core=True, dq_apart=False, deterministic=True)   # the ordered adds
+    assert needs_dq_accum(tensor_core=False, dq_apart=False, deterministic=False)
+    assert not needs_dq_accum(tensor_core=False, dq_apart=False, deterministic=True)   # the dQ pass
+
+
 def test_the_setting_comes_from_the_environment_or_use_kernels(monkeypatch):
     monkeypatch.setenv(_families.KERNELS_VARIABLE, "portable")
     assert _families.kernels_setting() == "portable"
