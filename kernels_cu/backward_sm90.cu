@@ -784,7 +784,8 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
     store_key_gradients<T, D_TILE>(dk, dv, p, at, first_key, 0, query_col);
 }
 
-// The head-dim split (d = 256, BLOCK_N = 64): consumer c takes queries [32c, 32c + 32) of each
+// The head-dim split (d = 256, BLOCK_N = 64; the calls that add dQ: a window or a packed batch,
+// others take the product split below): consumer c takes queries [32c, 32c + 32) of each
 // query block in S^T and dP^T, writes them as its half of P^T and dS^T (keys x queries) to shared
 // memory, and owns head-dim columns [128c, 128c + 128) of dK, dV (accumulated across the query
 // loop) and dQ (per query block). Per block the consumers meet twice: before P^T / dS^T are

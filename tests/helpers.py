@@ -213,10 +213,10 @@ def bitwise(x):
 # device run of 2026-11-22); on ordinary shapes it is a small part of the bound
 # (test_reference.py::test_delta_term_leaves_the_rule_tight). Where the tests have the O they pass
 # (our forward's), delta shifts by exactly rowsum(dO * (O - exact O)); the term takes that where it
-# is the larger: that error is the forward's, held to its own rule. In float32 at logits in the hundreds the forward's
-# O is ~1e-4 off (exp2 of scores times a rounded scale * log2(e)), far beyond O's rounding, and dQ
-# inherits it where dP - delta cancels (3 queries, 428 keys, d=248, logit_std 300: dq 6x the dense
-# float32 error, device draw of 2026-11-26).
+# is the larger: that error is the forward's, held to its own rule. In float32 at logits in the
+# hundreds the forward's O is ~1e-4 off (exp2 of scores times a rounded scale * log2(e)), far beyond
+# O's rounding, and dQ inherits it where dP - delta cancels (3 queries, 428 keys, d=248, logit_std
+# 300: dq 6x the dense float32 error, device draw of 2026-11-26).
 # Outputs and gradients are held against the larger error of two dense forms (attention_reference's and
 # attention_reference_backward's rounding="dense" and "flash"): each rounds P once, and on an output of few elements (one key and a
 # sink, d=8) which of them rounds well is a lottery: the kernel's 1.5 ulp against the dense form's
@@ -282,9 +282,11 @@ def gradient_term_scales(do, q, k, v, softmax_scale=None, causal=False, o=None, 
     # The stored-O delta term (see above): a shift of delta_i moves dQ_i by exactly
     # scale * shift * sum_j P_ij f_ij K_j (f: softcap's factor); dK, dsink and dbias add rows.
     unit = {2: 2.0**-8 if _is_bfloat16(q.dtype) else 2.0**-11, 4: 2.0**-24}[q.dtype.itemsize]
-    delta_shift = 3.0 * unit / math.sqrt(3.0) * xp.sqrt(((dO * (P @ V)) ** 2).sum(axis=-1, keepdims=True))
+    exact_o = P @ V
+    delta_shift = 3.0 * unit / math.sqrt(3.0) * xp.sqrt(((dO * exact_o) ** 2).sum(axis=-1, keepdims=True))
     if o is not None:   # or exactly by the given O's own error, rowsum(dO * (O - exact O)), where larger
-        delta_shift = xp.maximum(delta_shift, xp.abs((dO * (_bhnd(_to_float(o, xp, work)) - P @ V)).sum(axis=-1, keepdims=True)))
+        o_shift = xp.abs((dO * (_bhnd(_to_float(o, xp, work)) - exact_o)).sum(axis=-1, keepdims=True))
+        delta_shift = xp.maximum(delta_shift, o_shift)
     dz_shift = P * delta_shift
     ds_shift = dz_shift * (1 - extras["tanh"] ** 2) if "tanh" in extras else dz_shift
     p_factor = P * (1 - extras["tanh"] ** 2) if "tanh" in extras else P

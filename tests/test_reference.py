@@ -215,9 +215,10 @@ def test_delta_term_leaves_the_rule_tight(features):
     # With the O a backward is given (here the flash form's: scores and P in float32, O rounded once,
     # as our forward), whose own error the term takes in exactly.
     o = attention_reference(q, k, v, upcast=False, rounding="flash", **features)[0]
-    for scales in (gradient_term_scales(do, q, k, v, **features), gradient_term_scales(do, q, k, v, o=o, **features)):
-        for index, name in enumerate(("dq", "dk")):
-            dense_error = float(numpy.abs(numpy.asarray(low[index], numpy.float64) - exact[index]).max())
+    both_scales = (gradient_term_scales(do, q, k, v, **features), gradient_term_scales(do, q, k, v, o=o, **features))
+    for index, name in enumerate(("dq", "dk")):
+        dense_error = float(numpy.abs(numpy.asarray(low[index], numpy.float64) - exact[index]).max())
+        for scales in both_scales:
             assert 0 < scales["delta:" + name] < 0.25 * dense_error, (name, scales["delta:" + name], dense_error)
 
 
