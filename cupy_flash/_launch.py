@@ -129,32 +129,6 @@ def launch_buffers(kernel, grid: int, threads: int, shared_mem: int, arguments: 
                            f"{shared_mem} bytes of shared memory)")
 
 
-@functools.lru_cache(maxsize=None)
-def _memset_words_entry():
-    """libcuda's cuMemsetD32Async, or None."""
-    entry = driver_function("cuMemsetD32Async")
-    if entry is None:
-        return None
-    entry.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
-    entry.restype = ctypes.c_int
-    return entry
-
-
-def fill_words(array, word: int) -> None:
-    """Every 32-bit word of the C-contiguous ``array`` set to ``word`` (e.g. 0x7F800000, float32
-    +inf) on the current stream: one driver memset, where CuPy's fill is an elementwise kernel
-    whose launch costs ~30 us of host time (H100 host). Without libcuda's entry, CuPy's fill."""
-    import cupy
-
-    entry = _memset_words_entry()
-    if entry is None:
-        array.view(cupy.uint32).fill(word)
-        return
-    result = entry(array.data.ptr, word, array.nbytes // 4, cupy.cuda.get_current_stream().ptr)
-    if result != 0:
-        raise RuntimeError(f"cuMemsetD32Async failed with CUDA error {result}")
-
-
 def _as_numpy(value):
     import numpy
 

@@ -10,7 +10,7 @@ from . import _checks, _families, _tma, _traits
 from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, device_value, get_kernel
 from ._families import current_device
 from ._features import broadcast_strides
-from ._launch import TileCounters, fill_words, launch_buffers
+from ._launch import TileCounters, launch_buffers
 from ._params import PointerRecord, make_params
 from ._streams import on_stream, record_kernel_arrays
 from .forward import _current_device
@@ -160,7 +160,7 @@ class BackwardPlan:
                  tile_counter_bytes: int = 0):
         import cupy
 
-        self.temporaries = temporaries   # (name, shape, dtype, fill: None, 0 or "inf")
+        self.temporaries = temporaries   # (name, shape, dtype, fill: None or 0)
         self.records = records           # name -> PointerRecord
         self.launches = launches         # (kernel, grid, threads, shared memory, record name, map set or None)
         self.held = held                 # the variant's device arrays the records point at
@@ -180,8 +180,6 @@ class BackwardPlan:
             x = temporaries[name] = cupy.empty(shape, dtype=dtype)
             if fill == 0:
                 cupy.cuda.runtime.memsetAsync(x.data.ptr, 0, x.nbytes, stream)
-            elif fill == "inf":
-                fill_words(x, _FLOAT32_INF)
         arrays = {**arrays, **temporaries}
         record_kernel_arrays(tuple(arrays.values()) + self.held)
         filled = {name: record.filled(arrays) for name, record in self.records.items()}
@@ -206,7 +204,6 @@ class BackwardPlan:
         return ctypes.create_string_buffer(encoded, _SM90_MAPS_BYTES)
 
 
-_FLOAT32_INF = 0x7F800000
 # The arrays the kernels' params point at, by field (the names a plan's arrays go by: the same but
 # dk and dv, which the main kernels write per query head under GQA and the group sum reads).
 _MAIN_BINDINGS = dict(q="q", k="k", v="v", o="o", lse="lse", dout="do", delta="delta", lse_log2="lse_log2",
@@ -241,9 +238,9 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
     else:
         block_m, block_n = _traits.BACKWARD_BLOCKS[shape.tile]
     # Row statistics (tensor cores): padded per (batch, head), padded rows with delta 0 and
-    # lse_log2 +inf (P = 0), to a multiple of ROW_STAT_PADDING and of the Hopper kernel's query
-    # block (80 rows: its last block may end past a multiple of 128), so a block's lse / delta reads
-    # stay in its (batch, head)'s rows. A packed batch uses the same layout (its sequences padded to
+    # lse_log2 +inf (P = 0, written by the preprocess), to a multiple of ROW_STAT_PADDING and of the
+    # Hopper kernel's query block (80 rows: its last block may end past a multiple of 128), so a
+    # block's lse / delta reads stay in its (batch, head)'s rows. A packed batch uses the same layout (its sequences padded to
     # the longest): O(batch x heads x max_seqlen_q) floats, read only where the sequences are.
     padded = shape.seqlen_q
     if tensor_core:
@@ -252,9 +249,8 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
         padded = -(-padded // multiple) * multiple
     expanded = k.shape[:-2] + (shape.heads, shape.head_dim)   # MQA/GQA: per-query-head dK, dV, summed after
     temporaries = (
-        ("delta", (bh, padded) if tensor_core else (shape.batch, shape.heads, shape.seqlen_q), cupy.float32,
-         0 if tensor_core else None),
-        ("lse_log2", (bh, padded), cupy.float32, "inf") if tensor_core else None,
+        ("delta", (bh, padded) if tensor_core else (shape.batch, shape.heads, shape.seqlen_q), cupy.float32, None),
+        ("lse_log2", (bh, padded), cupy.float32, None) if tensor_core else None,
         ("dq_accum", q.shape, cupy.float32, None) if needs_dq_accum(tensor_core, bool(dq_apart), deterministic) else None,
         ("dq_semaphore", (bh * -(-shape.seqlen_q // block_m),), cupy.int32, 0)
         if tensor_core and deterministic and not dq_apart else None,

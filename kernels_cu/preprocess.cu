@@ -5,8 +5,8 @@
 // re-derived inside the backward loop. When dQ is accumulated in float32 (p.dq_accum != null), the
 // same pass zeroes the accumulator row, saving a separate memset over the same rows. For the
 // tensor-core backward (p.lse_log2 != null) it also writes lse * log2(e) (+inf where lse = -inf,
-// so P = exp2(s * scale_log2 - lse_log2) is 0 on rows that see no key); the caller pre-fills the
-// padded rows [seqlen_q, delta_stride) of delta (0) and lse_log2 (+inf).
+// so P = exp2(s * scale_log2 - lse_log2) is 0 on rows that see no key), and it writes the padded
+// rows [a sequence's length, delta_stride) of delta (0) and lse_log2 (+inf) itself.
 //
 // Rows (batch, row, head) are visited in memory order of O, several to a warp (row_group below), so
 // consecutive lanes and warps read consecutive rows; each lane reads 16-byte vectors of dO and O.
@@ -90,6 +90,21 @@ __global__ void __launch_bounds__(256) flash_preprocess_kernel(const FlashParams
                     *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
             }
         }
+    }
+    // The padded rows of the (sequences, heads, delta_stride) statistics: delta 0 and lse_log2 +inf,
+    // so P = 0 and dS = 0 on the rows past a sequence that the attention kernels' query blocks
+    // read. Written here rather than by two fills before this launch: each was an operation of its
+    // own per call, visible at 512 keys. A thread an entry; the grid covers the real rows' warps,
+    // so this is at most a few entries a thread.
+    const bool packed = p.cu_seqlens_q != nullptr;
+    const long long entries = (packed ? p.packed_sequences : p.batch) * p.heads * p.delta_stride;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < entries;
+         e += (long long)gridDim.x * blockDim.x) {
+        const long long row = e % p.delta_stride, sequence = e / (p.heads * p.delta_stride);
+        const long long length = packed ? p.cu_seqlens_q[sequence + 1] - p.cu_seqlens_q[sequence] : p.seqlen_q;
+        if (row < length) continue;
+        p.delta[e] = 0.f;
+        if (p.lse_log2 != nullptr) p.lse_log2[e] = -FLASH_NEG_INF;
     }
 }
 
