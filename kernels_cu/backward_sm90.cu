@@ -505,6 +505,13 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
         if (thread == 0) issue_dq_add(order.block(it) * BLOCK_M);
     };
 
+    // Atomic calls add the previous block's staged piece at the top of the loop. Without dQ there is
+    // none (the dQ kernel computes dQ): adds of the never-written staging went into dq through the
+    // map that stands in for dq_accum, in every deterministic d = 64 / 128 call that takes the dQ
+    // kernel, hidden because that kernel ran after this one and overwrote dq. The runtime half (no
+    // accumulator) is the same fact as !ADDS_DQ; with the branch folded away at compile time ptxas
+    // spilled 4 bytes in the d = 64 kernels without dQ.
+    const bool adds_deferred = (ADDS_DQ || p.dq_accum != nullptr) && semaphores == nullptr;
     float dk[D_TILE / 2], dv[D_TILE / 2];
 #pragma unroll
     for (int i = 0; i < D_TILE / 2; ++i) dk[i] = dv[i] = 0.f;
@@ -527,13 +534,13 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
         mma_k_major<T, BLOCK_M, D_TILE>(s, k_rows, K_CHUNK_BYTES, q_base, Q_CHUNK_BYTES);
         warpgroup_commit();
         if constexpr (DEFER_DQ_ADD && DQ_TRANSPOSED) {
-            if (semaphores == nullptr && it > 0) add_staged_dq(it - 1);   // the last block's piece, under S^T's products
+            if (adds_deferred && it > 0) add_staged_dq(it - 1);   // the last block's piece, under S^T's products
             warpgroup_arrive();
         }
         mma_k_major<T, BLOCK_M, D_TILE>(dp, v_rows, K_CHUNK_BYTES, do_base, Q_CHUNK_BYTES);
         warpgroup_commit();
         if constexpr (DEFER_DQ_ADD && !DQ_TRANSPOSED) {   // d = 64: S^T is short; under dP^T's products
-            if (semaphores == nullptr && it > 0) add_staged_dq(it - 1);
+            if (adds_deferred && it > 0) add_staged_dq(it - 1);
         }
         warpgroup_wait<1>();   // S^T
         hold_registers(s);
