@@ -38,12 +38,12 @@ class LaunchMarks:
             module.launch_buffers = self._wrap(module.launch_buffers)
 
     def _wrap(self, launch):
-        def marked(kernel, grid, threads, smem, arguments):
+        def marked(kernel, grid, threads, smem, arguments, **options):
             if not self.active:
-                return launch(kernel, grid, threads, smem, arguments)
+                return launch(kernel, grid, threads, smem, arguments, **options)
             before, after = cupy.cuda.Event(), cupy.cuda.Event()
             before.record()
-            launch(kernel, grid, threads, smem, arguments)
+            launch(kernel, grid, threads, smem, arguments, **options)
             after.record()
             self.marks.append((before, after))
             return None

@@ -10,7 +10,10 @@ What is gained is the launch and the block start-up (a few microseconds), hidden
 predecessor's tail; results are the same bit for bit.
 
 Only kernels that call ``wait_for_predecessor`` before their first global access may be launched
-early. Elsewhere (before sm_90, no libcuda entry, ``CUPY_FLASH_PDL=0``, a launch the driver
+early, or (the Hopper backward's main kernel behind its dQ kernel) kernels that touch nothing the
+predecessor writes and call it before they end, so that the stream's later work still sees the
+predecessor's writes: there the gain is the predecessor's tail, its last blocks' SMs taken by the
+early kernel's blocks as they free. Elsewhere (before sm_90, no libcuda entry, ``CUPY_FLASH_PDL=0``, a launch the driver
 refuses) the launch is CuPy's ordinary one.
 """
 
@@ -110,13 +113,21 @@ def _plain_entry():
     return entry
 
 
-def launch_buffers(kernel, grid: int, threads: int, shared_mem: int, arguments: tuple) -> None:
+def launch_buffers(kernel, grid: int, threads: int, shared_mem: int, arguments: tuple, *, early: bool = False) -> None:
     """kernel((grid,), (threads,), arguments) on the current stream, each argument a ctypes object
     holding the bytes of one by-value parameter (a params record, tensor maps, a pointer), through the driver's
     cuLaunchKernel: CuPy's launch converts its NumPy arguments again on every call (a third of a
-    cached forward's host time on the H100's host). Without libcuda's entry, CuPy's launch."""
+    cached forward's host time on the H100's host). Without libcuda's entry, CuPy's launch.
+    ``early``: a programmatic dependent launch where possible (as ``launch``)."""
     import cupy
 
+    if early and enabled() and not _refused.is_set():
+        entry = _driver_entry()
+        if entry is not None and _device_supports(cupy.cuda.Device().id):
+            parameters = (ctypes.c_void_p * len(arguments))(*(ctypes.addressof(a) for a in arguments))
+            if _launch_ex(entry, kernel, (grid,), (threads,), shared_mem, parameters) == 0:
+                return
+            _refused.set()
     entry = _plain_entry()
     if entry is None:
         kernel((grid,), (threads,), tuple(_as_numpy(a) for a in arguments), shared_mem=shared_mem)
@@ -137,13 +148,18 @@ def _as_numpy(value):
 
 
 def _launch_early(entry, kernel, grid, block, argument, shared_mem) -> int:
+    parameters = (ctypes.c_void_p * 1)(argument.ctypes.data)   # the struct's bytes, copied at launch
+    return _launch_ex(entry, kernel, grid, block, shared_mem, parameters)
+
+
+def _launch_ex(entry, kernel, grid, block, shared_mem, parameters) -> int:
+    """cuLaunchKernelEx with programmatic stream serialisation allowed: its CUresult."""
     import cupy
 
     grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
     attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
     config = _LaunchConfig(*grid, *block, shared_mem, cupy.cuda.get_current_stream().ptr,
                            ctypes.pointer(attribute), 1)
-    parameters = (ctypes.c_void_p * 1)(argument.ctypes.data)   # the struct's bytes, copied at launch
     return entry(ctypes.byref(config), kernel.kernel.ptr, parameters, None)
 
 

@@ -162,7 +162,7 @@ class BackwardPlan:
 
         self.temporaries = temporaries   # (name, shape, dtype, fill: None or 0)
         self.records = records           # name -> PointerRecord
-        self.launches = launches         # (kernel, grid, threads, shared memory, record name, map set or None)
+        self.launches = launches         # (kernel, grid, threads, shared memory, record name, map set or None, early)
         self.held = held                 # the variant's device arrays the records point at
         self.maps = maps                 # Hopper: map sets, each ((array name, box rows), ...), dtype, packed
         self._encoded: dict = {}         # the Hopper tensor maps by the arrays' addresses
@@ -183,14 +183,14 @@ class BackwardPlan:
         arrays = {**arrays, **temporaries}
         record_kernel_arrays(tuple(arrays.values()) + self.held)
         filled = {name: record.filled(arrays) for name, record in self.records.items()}
-        for kernel, grid, threads, smem, record, map_set in self.launches:
+        for kernel, grid, threads, smem, record, map_set, early in self.launches:
             if map_set is None:
                 arguments = (filled[record],)
             elif map_set == 0:   # the main kernel, with its tile counter
                 arguments = (self._maps_of(arrays, 0), filled[record], ctypes.c_uint64(self._counters.address()))
             else:   # the dQ kernel
                 arguments = (self._maps_of(arrays, map_set), filled[record])
-            launch_buffers(kernel, grid, threads, smem, arguments)
+            launch_buffers(kernel, grid, threads, smem, arguments, early=early)
         return temporaries
 
     def _maps_of(self, arrays: dict, map_set: int):
@@ -282,49 +282,53 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
         records["row"] = PointerRecord(row, bindings)
     rows = "row" if "row" in records else "main"
 
-    launches = [row_kernel(ModuleSpec.preprocess_kernel, row_shape) + (0, rows, None)]
+    launches = [row_kernel(ModuleSpec.preprocess_kernel, row_shape) + (0, rows, None, False)]
     maps = None
     if hopper:
-        smem = device_value(sm90, sm90.backward_sm90_smem())
-        kernel = get_kernel(sm90, sm90.backward_sm90_kernel(variant.causal, adds_dq=not dq_apart), smem)
-        grid = sm90_grid(-(-shape.seqlen_k // block_n) * bh, deterministic and not dq_apart)
-        launches.append((kernel, grid, _traits.backward_sm90_threads(sm90.config), smem, "main", 0))
         packed = variant.packed is not None
         # (Without dQ the main kernel's fifth map is never read: dq's stands in for dq_accum.)
         dq_map = ("dq", _tma.STORE_ROWS) if dq_apart else ("dq_accum", device_value(sm90, sm90.backward_sm90_dq_box_rows()))
         maps = (((("q", block_m), ("k", block_n), ("v", block_n), ("do", block_m), dq_map), shape.dtype, packed),)
         if dq_apart:
+            # The dQ kernel first, the main kernel launched early behind it: the two share no
+            # output, so the main kernel's persistent blocks take each SM as the dQ kernel's last
+            # blocks leave it, and the dQ kernel's tail no longer ends the call on idle SMs
+            # (kernels_cu/backward_sm90.cu: allow_dependents, and the main kernel's wait at its end).
             dq_block_m, dq_block_n, _ = dq_apart
             smem = device_value(sm90, sm90.backward_dq_sm90_smem())
             kernel = get_kernel(sm90, sm90.backward_dq_sm90_kernel(variant.causal), smem)
             launches.append((kernel, -(-shape.seqlen_q // dq_block_m) * bh, _traits.backward_dq_sm90_threads(dq_apart), smem,
-                             "main", 1))
+                             "main", 1, False))
             maps += (((("q", dq_block_m), ("k", dq_block_n), ("v", dq_block_n), ("do", dq_block_m),
                        ("dq", _tma.STORE_ROWS)), shape.dtype, packed),)
+        smem = device_value(sm90, sm90.backward_sm90_smem())
+        kernel = get_kernel(sm90, sm90.backward_sm90_kernel(variant.causal, adds_dq=not dq_apart), smem)
+        grid = sm90_grid(-(-shape.seqlen_k // block_n) * bh, deterministic and not dq_apart)
+        launches.append((kernel, grid, _traits.backward_sm90_threads(sm90.config), smem, "main", 0, bool(dq_apart)))
     elif tensor_core:
         target = current_device().tensor_core_target
         spec = ModuleSpec("backward_tc", shape.dtype, shape.tile, target, variant.backward_flags)
         smem = _traits.backward_tc_smem_bytes(shape.tile, target)
         kernel = get_kernel(spec, spec.backward_tc_kernel(variant.causal), smem)
-        launches.append((kernel, -(-shape.seqlen_k // block_n) * bh, 32 * num_warps, smem, "main", None))
+        launches.append((kernel, -(-shape.seqlen_k // block_n) * bh, 32 * num_warps, smem, "main", None, False))
     else:
         spec = ModuleSpec("backward", shape.dtype, shape.tile, features=variant.backward_flags)
         smem = _traits.backward_smem_bytes(shape.tile)
         kernel = get_kernel(spec, spec.backward_kernel(variant.causal, atomic_dq=not deterministic), smem)
-        launches.append((kernel, -(-shape.seqlen_k // block_n) * bh, _traits.THREADS, smem, "main", None))
+        launches.append((kernel, -(-shape.seqlen_k // block_n) * bh, _traits.THREADS, smem, "main", None, False))
     if not tensor_core and deterministic:
         smem = _traits.backward_dq_smem_bytes(shape.tile)
         kernel = get_kernel(spec, spec.backward_dq_kernel(variant.causal), smem)
-        launches.append((kernel, -(-shape.seqlen_q // block_m) * bh, _traits.THREADS, smem, "main", None))
+        launches.append((kernel, -(-shape.seqlen_q // block_m) * bh, _traits.THREADS, smem, "main", None, False))
     elif not dq_apart:
-        launches.append(row_kernel(ModuleSpec.dq_convert_kernel, row_shape) + (0, rows, None))
+        launches.append(row_kernel(ModuleSpec.dq_convert_kernel, row_shape) + (0, rows, None, False))
     if shape.group > 1:
         records["group"] = PointerRecord(
             make_params(row_shape, scale, dk=arrays["dk"], dv=arrays["dv"], dk_expanded=stand_ins["dk_heads"],
                         dv_expanded=stand_ins["dv_heads"]),
             dict(dk="dk", dv="dv", dk_expanded="dk_heads", dv_expanded="dv_heads"))
         launches.append(row_kernel(ModuleSpec.kv_group_sum_kernel, row_shape,
-                                   rows=row_shape.batch * row_shape.seqlen_k * row_shape.heads_kv) + (0, "group", None))
+                                   rows=row_shape.batch * row_shape.seqlen_k * row_shape.heads_kv) + (0, "group", None, False))
     held = tuple(x for x in variant.device_arrays() if x is not None)
     return BackwardPlan(temporaries, records, tuple(launches), held, maps,
                         device_value(sm90, sm90.tile_counter_bytes()) if hopper else 0)

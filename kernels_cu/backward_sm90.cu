@@ -324,6 +324,12 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
                 tile = smem.tiles.fetch(tile_counter, round);
             }
             release_tile_counter(tile_counter);
+            // Behind the dQ kernel (cupy_flash/backward.py) this kernel is launched early: its
+            // blocks take the SMs the dQ kernel's last blocks leave. It reads nothing that kernel
+            // writes (its lse_log2 / delta are the preprocess's, complete before the dQ kernel
+            // started), but it must not end before it, so that the stream's next work sees dQ:
+            // one thread a block waits for it here (at once after an ordinary launch).
+            wait_for_predecessor();
         }
         return;
     }
@@ -1203,6 +1209,7 @@ flash_backward_dq_sm90_kernel(const __grid_constant__ BackwardDqSm90Maps maps, c
     const int blocks = kv_range.y - kv_range.x;
 
     if (threadIdx.x == 0) {
+        allow_dependents();   // the main kernel, launched early behind this one, may take SMs as they free
         prefetch_tensor_map(&maps.q);
         prefetch_tensor_map(&maps.k);
         prefetch_tensor_map(&maps.v);

@@ -765,6 +765,72 @@ def test_repeated_backward_calls_on_two_streams_compute_every_key_block(path, he
                 assert bool((bitwise(ours) == bitwise(first)).all()), f"{context} call {i}"
 
 
+@pytest.mark.parametrize("head_dim,causal,deterministic", [(256, False, False), (256, True, True), (128, True, True)])
+def test_chained_backward_calls_with_the_dq_kernel_launched_first(monkeypatch, head_dim, causal, deterministic):
+    """Calls that compute dQ in a kernel of its own run it first and launch the main kernel early
+    behind it (cupy_flash/backward.py): the main kernel must not end before the dQ kernel, whose dq
+    the stream's next work reads, and must write nothing into dq. Each call's dO is the previous
+    call's dq (scaled by a kernel of its own), the calls queued behind a long matmul and captured in
+    a graph; the chain equals one of ordinary launches bit for bit, and the first call meets the
+    error rule (dq poisoned before it)."""
+    import cupy
+
+    from cupy_flash import _launch
+
+    rng = numpy.random.default_rng(41)
+    q_shape, kv_shape, dtype, calls = (2, 900, 8, head_dim), (2, 1000, 4, head_dim), "float16", 6
+    q, k, v, do = (random_array(rng, s, dtype) for s in (q_shape, kv_shape, kv_shape, q_shape))
+    o, lse = cupy_flash.flash_forward(q, k, v, causal=causal)
+    if backward_family_of("hopper", q, k, v, deterministic, causal=causal) != "backward_sm90":
+        pytest.skip("the Hopper backward needs compute capability 9.0")
+    if not _traits.backward_sm90_dq_apart(_traits.forward_sm90_tile(head_dim), 0, deterministic, causal, kv_shape[1]):
+        pytest.fail("this call no longer takes the dQ kernel: pick one that does")
+    busy = cupy.ones((8192, 8192), dtype=cupy.float32)
+
+    def chain():
+        outputs, gradient = [], do
+        for _ in range(calls):
+            dq, dk, dv = cupy_flash.flash_backward(gradient, q, k, v, o, lse, causal=causal, deterministic=deterministic)
+            outputs += [dq, dk, dv]
+            gradient = (dq * 8).astype(dq.dtype)   # the next call's dO, read as soon as the call's launches end
+        return outputs
+
+    early = []
+    launch_ex = _launch._launch_ex
+    monkeypatch.setattr(_launch, "_launch_ex", lambda *args: early.append(launch_ex(*args)) or early[-1])
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with kernel_path("hopper"), stream:
+        with poisoned_allocations():
+            first = cupy_flash.flash_backward(do, q, k, v, o, lse, causal=causal, deterministic=deterministic)
+        chain()   # the plan, the pool
+        busy @ busy   # keeps the GPU busy while the chain is queued behind it
+        queued = chain()
+        stream.begin_capture()
+        captured = chain()
+        graph = stream.end_capture()
+        graph.launch()
+        stream.synchronize()
+    assert early and all(result == 0 for result in early), f"early launches refused: {early}"
+    monkeypatch.setenv("CUPY_FLASH_PDL", "0")
+    count = len(early)
+    with kernel_path("hopper"):
+        ordinary = chain()
+    cupy.cuda.Device().synchronize()
+    assert len(early) == count
+    exact = attention_reference_backward(do, q, k, v, causal=causal)
+    low = low_precision_gradients(do, q, k, v, causal=causal)
+    scales = gradient_term_scales(do, q, k, v, causal=causal, o=o)
+    for name, ours, e, lo in zip(("dq", "dk", "dv"), first, exact, low):
+        check_error_rule(name, ours, e, lo, f"first call d={head_dim}", max_finite_abs(lse), scales[name],
+                         scales.get("delta:" + name, 0.0))
+    last = cupy.abs(ordinary[-3].astype(cupy.float32))
+    assert bool(cupy.isfinite(last).all()) and float(last.max()) > 1e-3, "the chain's last dq is not finite or vanished"
+    for i, expected in enumerate(ordinary):
+        label = f"call {i // 3}: {('dq', 'dk', 'dv')[i % 3]}"
+        assert bool((bitwise(queued[i]) == bitwise(expected)).all()), f"queued {label}"
+        assert bool((bitwise(captured[i]) == bitwise(expected)).all()), f"graph {label}"
+
+
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 @pytest.mark.parametrize("dtype,deterministic", [("bfloat16", False), ("bfloat16", True), ("float32", True)])
 def test_repeated_backward_calls_reuse_a_checked_plan_only_where_the_checks_would_pass(path, dtype, deterministic):
