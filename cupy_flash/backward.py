@@ -240,8 +240,9 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
     # Row statistics (tensor cores): padded per (batch, head), padded rows with delta 0 and
     # lse_log2 +inf (P = 0, written by the preprocess), to a multiple of ROW_STAT_PADDING and of the
     # Hopper kernel's query block (80 rows: its last block may end past a multiple of 128), so a
-    # block's lse / delta reads stay in its (batch, head)'s rows. A packed batch uses the same layout (its sequences padded to
-    # the longest): O(batch x heads x max_seqlen_q) floats, read only where the sequences are.
+    # block's lse / delta reads stay in its (batch, head)'s rows. A packed batch uses the same
+    # layout (its sequences padded to the longest): O(batch x heads x max_seqlen_q) floats, read
+    # only where the sequences are.
     padded = shape.seqlen_q
     if tensor_core:
         multiple = math.lcm(_traits.ROW_STAT_PADDING, block_m, dq_apart[0] if dq_apart else 1) if hopper \
