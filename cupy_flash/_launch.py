@@ -13,8 +13,8 @@ Only kernels that call ``wait_for_predecessor`` before their first global access
 early, or (the Hopper backward's main kernel behind its dQ kernel) kernels that touch nothing the
 predecessor writes and call it before they end, so that the stream's later work still sees the
 predecessor's writes: there the gain is the predecessor's tail, its last blocks' SMs taken by the
-early kernel's blocks as they free. Elsewhere (before sm_90, no libcuda entry, ``CUPY_FLASH_PDL=0``, a launch the driver
-refuses) the launch is CuPy's ordinary one.
+early kernel's blocks as they free. Elsewhere (before sm_90, no libcuda entry, ``CUPY_FLASH_PDL=0``,
+a launch the driver refuses) the launch is an ordinary one.
 """
 
 from __future__ import annotations
@@ -89,15 +89,26 @@ _refused = threading.Event()   # the driver refused an early launch once: ordina
 def launch(kernel, grid: tuple, block: tuple, argument, shared_mem: int = 0, *, early: bool = False) -> None:
     """kernel(grid, block, (argument,), shared_mem=...) with ``argument`` one NumPy record (the
     params struct, passed by value); ``early``: a programmatic dependent launch where possible."""
+    if early and _launched_early(lambda entry: _launch_early(entry, kernel, grid, block, argument, shared_mem)):
+        return
+    kernel(grid, block, (argument,), shared_mem=shared_mem)
+
+
+def _launched_early(launch_with) -> bool:
+    """Whether ``launch_with(entry)`` (cuLaunchKernelEx's entry -> its CUresult) launched a kernel
+    early: where early launches are allowed and supported, and the driver took it (a refusal
+    turns them off from then on). False: the caller launches it the ordinary way."""
     import cupy
 
-    if early and enabled() and not _refused.is_set():
-        entry = _driver_entry()
-        if entry is not None and _device_supports(cupy.cuda.Device().id):
-            if _launch_early(entry, kernel, grid, block, argument, shared_mem) == 0:
-                return
-            _refused.set()
-    kernel(grid, block, (argument,), shared_mem=shared_mem)
+    if not enabled() or _refused.is_set():
+        return False
+    entry = _driver_entry()
+    if entry is None or not _device_supports(cupy.cuda.Device().id):
+        return False
+    if launch_with(entry) == 0:
+        return True
+    _refused.set()
+    return False
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,18 +132,13 @@ def launch_buffers(kernel, grid: int, threads: int, shared_mem: int, arguments: 
     ``early``: a programmatic dependent launch where possible (as ``launch``)."""
     import cupy
 
-    if early and enabled() and not _refused.is_set():
-        entry = _driver_entry()
-        if entry is not None and _device_supports(cupy.cuda.Device().id):
-            parameters = (ctypes.c_void_p * len(arguments))(*(ctypes.addressof(a) for a in arguments))
-            if _launch_ex(entry, kernel, (grid,), (threads,), shared_mem, parameters) == 0:
-                return
-            _refused.set()
+    parameters = (ctypes.c_void_p * len(arguments))(*(ctypes.addressof(a) for a in arguments))
+    if early and _launched_early(lambda entry: _launch_ex(entry, kernel, (grid,), (threads,), shared_mem, parameters)):
+        return
     entry = _plain_entry()
     if entry is None:
         kernel((grid,), (threads,), tuple(_as_numpy(a) for a in arguments), shared_mem=shared_mem)
         return
-    parameters = (ctypes.c_void_p * len(arguments))(*(ctypes.addressof(a) for a in arguments))
     result = entry(kernel.kernel.ptr, grid, 1, 1, threads, 1, 1, shared_mem, cupy.cuda.get_current_stream().ptr,
                    parameters, None)
     if result != 0:
