@@ -124,20 +124,28 @@ def _plain_entry():
     return entry
 
 
-def launch_buffers(kernel, grid: int, threads: int, shared_mem: int, arguments: tuple, *, early: bool = False) -> None:
-    """kernel((grid,), (threads,), arguments) on the current stream, each argument a ctypes object
-    holding the bytes of one by-value parameter (a params record, tensor maps, a pointer), through the driver's
-    cuLaunchKernel: CuPy's launch converts its NumPy arguments again on every call (a third of a
-    cached forward's host time on the H100's host). Without libcuda's entry, CuPy's launch.
-    ``early``: a programmatic dependent launch where possible (as ``launch``)."""
+def kernel_parameters(arguments: tuple):
+    """cuLaunchKernel's ``kernelParams`` for ``arguments`` (ctypes objects, each holding the bytes of
+    one by-value parameter: a params record, tensor maps, a pointer): an array of their addresses
+    that holds them, so a launch plan may keep it and launch with it again."""
+    parameters = (ctypes.c_void_p * len(arguments))(*(ctypes.addressof(a) for a in arguments))
+    parameters.arguments = arguments
+    return parameters
+
+
+def launch_buffers(kernel, grid: int, threads: int, shared_mem: int, parameters, *, early: bool = False) -> None:
+    """kernel((grid,), (threads,), arguments) on the current stream, ``parameters`` being
+    kernel_parameters(arguments), through the driver's cuLaunchKernel: CuPy's launch converts its
+    NumPy arguments again on every call (a third of a cached forward's host time on the H100's
+    host). Without libcuda's entry, CuPy's launch. ``early``: a programmatic dependent launch where
+    possible (as ``launch``)."""
     import cupy
 
-    parameters = (ctypes.c_void_p * len(arguments))(*(ctypes.addressof(a) for a in arguments))
     if early and _launched_early(lambda entry: _launch_ex(entry, kernel, (grid,), (threads,), shared_mem, parameters)):
         return
     entry = _plain_entry()
     if entry is None:
-        kernel((grid,), (threads,), tuple(_as_numpy(a) for a in arguments), shared_mem=shared_mem)
+        kernel((grid,), (threads,), tuple(_as_numpy(a) for a in parameters.arguments), shared_mem=shared_mem)
         return
     result = entry(kernel.kernel.ptr, grid, 1, 1, threads, 1, 1, shared_mem, cupy.cuda.get_current_stream().ptr,
                    parameters, None)

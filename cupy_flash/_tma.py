@@ -101,9 +101,10 @@ def maps_supported(x) -> bool:
 
 
 def cached(cache: dict, key, encode):
-    """``cache[key]``, made by ``encode()`` the first time. Keys name everything that enters a map
-    (addresses, shapes, strides, box): repeated calls on the same buffers (a training loop) encode
-    nothing, and memory the pool hands out again finds its map."""
+    """``cache[key]``, made by ``encode()`` the first time. Keys name everything that enters the
+    value (a map's addresses, shapes, strides, box; a plan's launch parameters' addresses, stream,
+    thread): repeated calls on the same buffers (a training loop) encode nothing, and memory the
+    pool hands out again finds its value."""
     value = cache.get(key)
     if value is None:
         if len(cache) >= 256:   # buffers come and go: start again rather than grow

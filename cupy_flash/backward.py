@@ -5,12 +5,13 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import math
+import threading
 
 from . import _checks, _families, _tma, _traits
 from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, device_value, get_kernel
 from ._families import current_device
 from ._features import broadcast_strides
-from ._launch import TileCounters, launch_buffers
+from ._launch import TileCounters, kernel_parameters, launch_buffers
 from ._params import PointerRecord, make_params
 from ._streams import on_stream, record_kernel_arrays
 from .forward import _current_device
@@ -43,8 +44,9 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
     atomic adds, so ``deterministic=True`` with ``return_dbias`` needs a bias that broadcasts over
     no axis (every axis of size 1 is one of size 1 in (batch, heads_q, seqlen_q, seqlen_k) too).
     """
-    return backward_into(None, do, q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal,
-                         deterministic=deterministic, return_dbias=return_dbias, **features)
+    # backward_into's body: this wrapper has taken the stream (as flash_forward)
+    return backward_into.__wrapped__(None, do, q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal,
+                                     deterministic=deterministic, return_dbias=return_dbias, **features)
 
 
 @on_stream
@@ -167,6 +169,7 @@ class BackwardPlan:
         self.maps = maps                 # Hopper: map sets, each ((array name, box rows), ...), dtype, packed
         self._encoded: dict = {}         # the Hopper tensor maps by the arrays' addresses
         self._counters = TileCounters(tile_counter_bytes)  # the Hopper kernel's tile counters
+        self._launched: dict = {}        # _launches_on's results by the arrays' addresses, stream, thread
         self.device = cupy.cuda.runtime.getDevice()
 
     def run(self, arrays: dict) -> dict:
@@ -174,15 +177,28 @@ class BackwardPlan:
         shapes, strides and device); returns the temporaries by name (delta, dbias, ...)."""
         import cupy
 
-        stream = cupy.cuda.get_current_stream().ptr
+        stream = cupy.cuda.get_current_stream()
         temporaries = {}
         for name, shape, dtype, fill in self.temporaries:
             x = temporaries[name] = cupy.empty(shape, dtype=dtype)
             if fill == 0:
-                cupy.cuda.runtime.memsetAsync(x.data.ptr, 0, x.nbytes, stream)
+                cupy.cuda.runtime.memsetAsync(x.data.ptr, 0, x.nbytes, stream.ptr)
         arrays = {**arrays, **temporaries}
         record_kernel_arrays(tuple(arrays.values()) + self.held)
+        if stream.is_capturing():   # the main kernel takes a tile counter of its own (TileCounters)
+            launches = self._launches_on(arrays)
+        else:   # as ForwardPlan.run: packed once per set of addresses, stream and thread
+            key = tuple(x.data.ptr for x in arrays.values()) + (stream.ptr, threading.get_ident())
+            launches = _tma.cached(self._launched, key, lambda: self._launches_on(arrays))
+        for kernel, grid, threads, smem, parameters, early in launches:
+            launch_buffers(kernel, grid, threads, smem, parameters, early=early)
+        return temporaries
+
+    def _launches_on(self, arrays: dict) -> tuple:
+        """self.launches with each launch's kernel_parameters for ``arrays`` in place of its record
+        name and map set."""
         filled = {name: record.filled(arrays) for name, record in self.records.items()}
+        launches = []
         for kernel, grid, threads, smem, record, map_set, early in self.launches:
             if map_set is None:
                 arguments = (filled[record],)
@@ -190,8 +206,8 @@ class BackwardPlan:
                 arguments = (self._maps_of(arrays, 0), filled[record], ctypes.c_uint64(self._counters.address()))
             else:   # the dQ kernel
                 arguments = (self._maps_of(arrays, map_set), filled[record])
-            launch_buffers(kernel, grid, threads, smem, arguments, early=early)
-        return temporaries
+            launches.append((kernel, grid, threads, smem, kernel_parameters(arguments), early))
+        return tuple(launches)
 
     def _maps_of(self, arrays: dict, map_set: int):
         """A Hopper kernel's maps argument (BackwardSm90Maps, BackwardDqSm90Maps), encoded once per

@@ -881,3 +881,77 @@ def test_repeated_backward_calls_reuse_a_checked_plan_only_where_the_checks_woul
         with _families.use_kernels(other):
             grads = cupy_flash.flash_backward(do, q, k, v, o, lse, causal=True, deterministic=deterministic)
         check(grads, do, q, k, v, lse, f" then kernels={other}")
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_calls_on_the_same_buffers_reuse_their_launch_parameters_only_there(path):
+    """A plan packs its launch parameters once per set of addresses, stream and host thread
+    (ForwardPlan.run, BackwardPlan.run). Calls into the same buffers with new contents must equal
+    calls on fresh copies bit for bit, and reuse one packing; another stream packs its own (its tile
+    counter), and a graph capture none (its counter is its own) and replays the same bits."""
+    import cupy
+
+    from cupy_flash import backward, forward
+    from cupy_flash.backward import backward_into
+    from cupy_flash.forward import forward_into
+
+    rng = numpy.random.default_rng(29)
+    shape, causal = (2, 1100, 4, 64), True   # 1100 keys: the Hopper backward's minimum
+    q, k, v, do = (random_array(rng, shape, "bfloat16") for _ in range(4))
+    o, dq, dk, dv = (cupy.empty(shape, dtype=q.dtype) for _ in range(4))
+    lse = cupy.empty((2, 4, 1100), dtype=cupy.float32)
+
+    def poison(*arrays):
+        for x in arrays:
+            x.view(cupy.uint8).fill(0xFF)
+
+    def fresh(x):
+        return cupy.array(x, copy=True)
+
+    def both():
+        poison(o, lse, dq, dk, dv)
+        forward_into((o, lse), q, k, v, causal=causal)
+        backward_into((dq, dk, dv), do, q, k, v, o, lse, causal=causal, deterministic=True)
+        return [x.copy() for x in (o, lse, dq, dk, dv)]
+
+    with kernel_path(path):
+        both()
+        forward_plan = forward._plans[forward._plan_key(q, k, v, None, causal)]
+        backward_plan = backward._plans[backward._plan_key(do, q, k, v, o, lse, None, causal, True)]
+        for step in range(2):   # new contents, the same addresses
+            for x in (q, k, v, do):
+                x[...] = random_array(rng, shape, "bfloat16")
+            got = both()
+            ref_o, ref_lse = cupy_flash.flash_forward(fresh(q), fresh(k), fresh(v), causal=causal)
+            ref_grads = cupy_flash.flash_backward(fresh(do), fresh(q), fresh(k), fresh(v), fresh(ref_o), fresh(ref_lse),
+                                                  causal=causal, deterministic=True)
+            for name, ours, ref in zip(("o", "lse", "dq", "dk", "dv"), got, (ref_o, ref_lse) + tuple(ref_grads)):
+                assert bool((bitwise(ours) == bitwise(ref)).all()), f"{name}, step {step}, kernels={path}"
+        exact = attention_reference(q, k, v, causal=causal)
+        low = attention_reference(q, k, v, causal=causal, upcast=False)
+        check_error_rule("o", got[0], exact[0], low[0], f"reused parameters kernels={path}", max_finite_abs(exact[1]))
+        del got, ref_o, ref_lse, ref_grads
+        both()   # the backward's temporaries: where the pool puts them now, with the references gone
+        packed = len(forward_plan._launches), len(backward_plan._launched)
+        both()
+        assert (len(forward_plan._launches), len(backward_plan._launched)) == packed, "the same buffers packed again"
+        cupy.cuda.Device().synchronize()   # the streams below do not wait for the default one
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            other = both()
+            stream.synchronize()
+        assert len(forward_plan._launches) == packed[0] + 1, "another stream reused this one's tile counter"
+        captured = cupy.cuda.Stream(non_blocking=True)
+        with captured:
+            both()   # the pool's blocks on this stream
+            counts = len(forward_plan._launches), len(backward_plan._launched)
+            captured.begin_capture()
+            poison(o, lse, dq, dk, dv)
+            forward_into((o, lse), q, k, v, causal=causal)
+            backward_into((dq, dk, dv), do, q, k, v, o, lse, causal=causal, deterministic=True)
+            graph = captured.end_capture()
+            assert (len(forward_plan._launches), len(backward_plan._launched)) == counts, "a capture packed into the cache"
+            graph.launch()
+            captured.synchronize()
+        for name, ours, ref in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, dq, dk, dv), other):
+            assert bool((bitwise(ours) == bitwise(ref)).all()), f"{name}: graph replay, kernels={path}"
