@@ -60,9 +60,8 @@ def backward_into(out, do, q, k, v, o, lse, *, softmax_scale=None, causal=False,
     if key is not None:
         plan = _plans.get(key)
         if plan is not None and plan.device == _current_device():
-            dq, dk, dv = _check_gradient_outputs(out, q, k, v)
-            plan.run(dict(do=do, q=q, k=k, v=v, o=o, lse=lse, dq=dq, dk=dk, dv=dv))
-            return dq, dk, dv
+            out = _check_gradient_outputs(out, q, k, v) if out is not None else None
+            return plan.run(dict(do=do, q=q, k=k, v=v, o=o, lse=lse), out)[0]
     _checks.check_no_extra_options("flash_backward", features)
     given = (do, q, k, v, o, lse)
     q, k, v, shape, scale, variant = _checks.prepare_qkv(q, k, v, softmax_scale, causal, features)
@@ -93,8 +92,7 @@ def backward_into(out, do, q, k, v, o, lse, *, softmax_scale=None, causal=False,
             if len(_plans) >= 256:   # shapes come and go: start again rather than grow
                 _plans.clear()
             _plans[key] = plan
-        temporaries = plan.run(arrays)
-        grads = (dq, dk, dv)
+        grads, temporaries = plan.run(dict(do=do, q=q, k=k, v=v, o=o, lse=lse), (dq, dk, dv))
         if variant.sink is not None:
             # The sink's probability in row i is exp(sink - lse_i) and its dP is 0 (it carries no
             # value), so d sink = -sum_i exp(sink - lse_i) * delta_i over batch and rows.
@@ -170,11 +168,17 @@ class BackwardPlan:
         self._encoded: dict = {}         # the Hopper tensor maps by the arrays' addresses
         self._counters = TileCounters(tile_counter_bytes)  # the Hopper kernel's tile counters
         self._launched: dict = {}        # _launches_on's results by the arrays' addresses, stream, thread
+        self._launched_first: dict = {}  # the same for the preprocess (no gradients yet)
         self.device = cupy.cuda.runtime.getDevice()
 
-    def run(self, arrays: dict) -> dict:
-        """Launch on ``arrays`` (do, q, k, v, o, lse, dq, dk, dv: kernel-ready, of the planned
-        shapes, strides and device); returns the temporaries by name (delta, dbias, ...)."""
+    def run(self, inputs: dict, out=None):
+        """Launch on ``inputs`` (do, q, k, v, o, lse: kernel-ready, of the planned shapes, strides
+        and device) into ``out`` = (dq, dk, dv) (checked views; None: allocated); returns
+        ((dq, dk, dv), the temporaries by name (delta, dbias, ...)).
+
+        The first launch, the preprocess, reads the inputs and writes temporaries only (its record's
+        dq, dk, dv are null), so it goes out before the gradients are allocated: three allocations
+        (~7 us of host time, which a short call's GPU waits for) move behind it."""
         import cupy
 
         stream = cupy.cuda.get_current_stream()
@@ -183,31 +187,41 @@ class BackwardPlan:
             x = temporaries[name] = cupy.empty(shape, dtype=dtype)
             if fill == 0:
                 cupy.cuda.runtime.memsetAsync(x.data.ptr, 0, x.nbytes, stream.ptr)
-        arrays = {**arrays, **temporaries}
+        arrays = {**inputs, **temporaries}
+        # As ForwardPlan.run: packed once per set of addresses, stream and thread; a capture packs
+        # its own (the main kernel's tile counter is its own).
+        key = None if stream.is_capturing() else \
+            tuple(x.data.ptr for x in arrays.values()) + (stream.ptr, threading.get_ident())
+        self._launch(self.launches[:1], {**arrays, "dq": None, "dk": None, "dv": None}, key, self._launched_first)
+        if out is None:
+            out = tuple(cupy.empty(inputs[name].shape, dtype=inputs[name].dtype) for name in ("q", "k", "v"))
+        arrays.update(zip(("dq", "dk", "dv"), out))
         record_kernel_arrays(tuple(arrays.values()) + self.held)
-        if stream.is_capturing():   # the main kernel takes a tile counter of its own (TileCounters)
-            launches = self._launches_on(arrays)
-        else:   # as ForwardPlan.run: packed once per set of addresses, stream and thread
-            key = tuple(x.data.ptr for x in arrays.values()) + (stream.ptr, threading.get_ident())
-            launches = _tma.cached(self._launched, key, lambda: self._launches_on(arrays))
-        for kernel, grid, threads, smem, parameters, early in launches:
-            launch_buffers(kernel, grid, threads, smem, parameters, early=early)
-        return temporaries
+        self._launch(self.launches[1:], arrays, key and key + tuple(x.data.ptr for x in out), self._launched)
+        return out, temporaries
 
-    def _launches_on(self, arrays: dict) -> tuple:
-        """self.launches with each launch's kernel_parameters for ``arrays`` in place of its record
+    def _launch(self, launches: tuple, arrays: dict, key, cache: dict) -> None:
+        """``launches`` (entries of self.launches) on ``arrays``, their parameters from ``cache``
+        by ``key`` (None: packed for this launch only)."""
+        packed = self._launches_on(arrays, launches) if key is None else \
+            _tma.cached(cache, key, lambda: self._launches_on(arrays, launches))
+        for kernel, grid, threads, smem, parameters, early in packed:
+            launch_buffers(kernel, grid, threads, smem, parameters, early=early)
+
+    def _launches_on(self, arrays: dict, launches: tuple) -> tuple:
+        """``launches`` with each launch's kernel_parameters for ``arrays`` in place of its record
         name and map set."""
-        filled = {name: record.filled(arrays) for name, record in self.records.items()}
-        launches = []
-        for kernel, grid, threads, smem, record, map_set, early in self.launches:
+        filled = {name: self.records[name].filled(arrays) for name in {launch[4] for launch in launches}}
+        packed = []
+        for kernel, grid, threads, smem, record, map_set, early in launches:
             if map_set is None:
                 arguments = (filled[record],)
             elif map_set == 0:   # the main kernel, with its tile counter
                 arguments = (self._maps_of(arrays, 0), filled[record], ctypes.c_uint64(self._counters.address()))
             else:   # the dQ kernel
                 arguments = (self._maps_of(arrays, map_set), filled[record])
-            launches.append((kernel, grid, threads, smem, kernel_parameters(arguments), early))
-        return tuple(launches)
+            packed.append((kernel, grid, threads, smem, kernel_parameters(arguments), early))
+        return tuple(packed)
 
     def _maps_of(self, arrays: dict, map_set: int):
         """A Hopper kernel's maps argument (BackwardSm90Maps, BackwardDqSm90Maps), encoded once per
