@@ -124,6 +124,32 @@ def _plain_entry():
     return entry
 
 
+def cached(cache: dict, key, make):
+    """``cache[key]``, made by ``make()`` the first time. Keys name everything that enters the value
+    (a tensor map's addresses, shapes, strides and box; packed_once's), so repeated calls on the
+    same buffers (a training loop) make nothing, and memory the pool hands out again finds its
+    value."""
+    value = cache.get(key)
+    if value is None:
+        if len(cache) >= 256:   # buffers come and go: start again rather than grow
+            cache.clear()
+        value = cache[key] = make()
+    return value
+
+
+def packed_once(cache: dict, addresses: tuple, pack):
+    """A plan's launch parameters for its arrays at ``addresses``: ``pack()`` once per those
+    addresses, the current stream and the host thread (the Hopper kernels' tile counter is per
+    thread and stream: TileCounters), everything else in them being the plan's. Under graph
+    capture packed afresh and not kept: a captured launch takes a tile counter of its own."""
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    if stream.is_capturing():
+        return pack()
+    return cached(cache, addresses + (stream.ptr, threading.get_ident()), pack)
+
+
 def kernel_parameters(arguments: tuple):
     """cuLaunchKernel's ``kernelParams`` for ``arguments`` (ctypes objects, each holding the bytes of
     one by-value parameter: a params record, tensor maps, a pointer): an array of their addresses

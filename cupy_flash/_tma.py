@@ -98,16 +98,3 @@ def maps_supported(x) -> bool:
     strides = map_strides(x, packed=x.ndim == 3)
     return (x.data.ptr % 16 == 0 and min(strides) > 0 and max(strides) < 2**40
             and not any(s % 16 for s in strides))
-
-
-def cached(cache: dict, key, encode):
-    """``cache[key]``, made by ``encode()`` the first time. Keys name everything that enters the
-    value (a map's addresses, shapes, strides, box; a plan's launch parameters' addresses, stream,
-    thread): repeated calls on the same buffers (a training loop) encode nothing, and memory the
-    pool hands out again finds its value."""
-    value = cache.get(key)
-    if value is None:
-        if len(cache) >= 256:   # buffers come and go: start again rather than grow
-            cache.clear()
-        value = cache[key] = encode()
-    return value

@@ -5,13 +5,12 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import math
-import threading
 
 from . import _checks, _families, _tma, _traits
 from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, device_value, get_kernel
 from ._families import current_device
 from ._features import broadcast_strides
-from ._launch import TileCounters, kernel_parameters, launch_buffers
+from ._launch import TileCounters, cached, kernel_parameters, launch_buffers, packed_once
 from ._params import PointerRecord, make_params
 from ._streams import on_stream, record_kernel_arrays
 from .forward import _current_device
@@ -167,7 +166,7 @@ class BackwardPlan:
         self.maps = maps                 # Hopper: map sets, each ((array name, box rows), ...), dtype, packed
         self._encoded: dict = {}         # the Hopper tensor maps by the arrays' addresses
         self._counters = TileCounters(tile_counter_bytes)  # the Hopper kernel's tile counters
-        self._launched: dict = {}        # _launches_on's results by the arrays' addresses, stream, thread
+        self._launched: dict = {}        # _launches_on's results (packed_once)
         self._launched_first: dict = {}  # the same for the preprocess (no gradients yet)
         self.device = cupy.cuda.runtime.getDevice()
 
@@ -188,23 +187,19 @@ class BackwardPlan:
             if fill == 0:
                 cupy.cuda.runtime.memsetAsync(x.data.ptr, 0, x.nbytes, stream.ptr)
         arrays = {**inputs, **temporaries}
-        # As ForwardPlan.run: packed once per set of addresses, stream and thread; a capture packs
-        # its own (the main kernel's tile counter is its own).
-        key = None if stream.is_capturing() else \
-            tuple(x.data.ptr for x in arrays.values()) + (stream.ptr, threading.get_ident())
-        self._launch(self.launches[:1], {**arrays, "dq": None, "dk": None, "dv": None}, key, self._launched_first)
+        addresses = tuple(x.data.ptr for x in arrays.values())
+        self._launch(self.launches[:1], {**arrays, "dq": None, "dk": None, "dv": None}, addresses, self._launched_first)
         if out is None:
             out = tuple(cupy.empty(inputs[name].shape, dtype=inputs[name].dtype) for name in ("q", "k", "v"))
         arrays.update(zip(("dq", "dk", "dv"), out))
         record_kernel_arrays(tuple(arrays.values()) + self.held)
-        self._launch(self.launches[1:], arrays, key and key + tuple(x.data.ptr for x in out), self._launched)
+        self._launch(self.launches[1:], arrays, addresses + tuple(x.data.ptr for x in out), self._launched)
         return out, temporaries
 
-    def _launch(self, launches: tuple, arrays: dict, key, cache: dict) -> None:
-        """``launches`` (entries of self.launches) on ``arrays``, their parameters from ``cache``
-        by ``key`` (None: packed for this launch only)."""
-        packed = self._launches_on(arrays, launches) if key is None else \
-            _tma.cached(cache, key, lambda: self._launches_on(arrays, launches))
+    def _launch(self, launches: tuple, arrays: dict, addresses: tuple, cache: dict) -> None:
+        """``launches`` (entries of self.launches) on ``arrays`` (at ``addresses``), packed once
+        (packed_once, in ``cache``)."""
+        packed = packed_once(cache, addresses, lambda: self._launches_on(arrays, launches))
         for kernel, grid, threads, smem, parameters, early in packed:
             launch_buffers(kernel, grid, threads, smem, parameters, early=early)
 
@@ -228,7 +223,7 @@ class BackwardPlan:
         set of addresses (the shapes and strides are the plan's)."""
         boxes, dtype, packed = self.maps[map_set]
         key = (map_set,) + tuple(arrays[name].data.ptr for name, _ in boxes)
-        encoded = _tma.cached(self._encoded, key, lambda: b"".join(
+        encoded = cached(self._encoded, key, lambda: b"".join(
             _tma.attention_map(arrays[name], "float32" if name == "dq_accum" else dtype, rows, packed)
             for name, rows in boxes))
         return ctypes.create_string_buffer(encoded, _SM90_MAPS_BYTES)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import threading
 
 from . import _checks, _families, _tma, _traits
 from ._compile import ModuleSpec, device_value, get_kernel
-from ._launch import TileCounters, kernel_parameters, launch_buffers
+from ._launch import TileCounters, cached, kernel_parameters, launch_buffers, packed_once
 from ._params import PointerRecord, make_params
 from ._streams import on_stream, record_kernel_arrays
 from .decode import check_num_splits, launch_decode, uses_split_path
@@ -38,7 +37,7 @@ class ForwardPlan:
         # thread, stream).
         self._counters = TileCounters(tile_counter_bytes) if tile_counter_bytes else None
         self.device = _current_device()   # the kernel handle's
-        self._launches: dict = {}   # kernel_parameters by the arrays' addresses, stream and thread
+        self._launches: dict = {}   # kernel_parameters by the arrays' addresses (packed_once)
 
     def run(self, q, k, v, out=None):
         """Launch on kernel-ready q, k, v of the planned shapes, strides and device; returns (o, lse),
@@ -51,15 +50,10 @@ class ForwardPlan:
         else:
             o, lse = out
         record_kernel_arrays((q, k, v, o, lse) + self.variant_arrays)
-        stream = cupy.cuda.get_current_stream()
-        if stream.is_capturing():   # the launch takes a tile counter of its own (TileCounters)
-            parameters = self._parameters(q, k, v, o, lse)
-        else:
-            # The parameters are a function of the plan and of these (a tile counter is per host
-            # thread and stream): a training loop's calls, whose buffers the pool hands out again,
-            # pack nothing (~6 us of the host time before the launch, which the GPU waits for).
-            key = (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr, stream.ptr, threading.get_ident())
-            parameters = _tma.cached(self._launches, key, lambda: self._parameters(q, k, v, o, lse))
+        # A training loop's calls pack nothing (~6 us of the host time before the launch, which
+        # the GPU waits for).
+        parameters = packed_once(self._launches, (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr),
+                                 lambda: self._parameters(q, k, v, o, lse))
         launch_buffers(self.kernel, self.grid, self.threads, self.smem, parameters)
         return o, lse
 
@@ -145,10 +139,10 @@ def _sm90_maps(q, k, v, o, dtype: str, block_m: int, block_n: int, packed: bool)
     whose memory the pool hands out again (the last call's o, freed) finds its map."""
     key = (q.data.ptr, q.shape, q.strides, k.data.ptr, k.shape, k.strides, v.data.ptr, v.shape, v.strides, dtype,
            block_m, block_n, packed)
-    inputs = _tma.cached(_maps_cache, key, lambda: (_tma.attention_map(q, dtype, block_m, packed)
+    inputs = cached(_maps_cache, key, lambda: (_tma.attention_map(q, dtype, block_m, packed)
                                                 + _tma.attention_map(k, dtype, block_n, packed)
                                                 + _tma.attention_map(v, dtype, block_n, packed)))
-    output = _tma.cached(_output_maps, (o.data.ptr, o.shape, o.strides, dtype, packed),
+    output = cached(_output_maps, (o.data.ptr, o.shape, o.strides, dtype, packed),
                      lambda: _tma.attention_map(o, dtype, _tma.STORE_ROWS, packed))
     return ctypes.create_string_buffer(inputs + output, _SM90_MAPS_BYTES)
 
