@@ -124,14 +124,14 @@ def _plain_entry():
     return entry
 
 
-def cached(cache: dict, key, make):
+def cached(cache: dict, key, make, limit: int = 256):
     """``cache[key]``, made by ``make()`` the first time. Keys name everything that enters the value
     (a tensor map's addresses, shapes, strides and box; packed_once's), so repeated calls on the
     same buffers (a training loop) make nothing, and memory the pool hands out again finds its
-    value."""
+    value. Past ``limit`` keys (buffers come and go) it starts again rather than grow."""
     value = cache.get(key)
     if value is None:
-        if len(cache) >= 256:   # buffers come and go: start again rather than grow
+        if len(cache) >= limit:
             cache.clear()
         value = cache[key] = make()
     return value
@@ -141,13 +141,15 @@ def packed_once(cache: dict, addresses: tuple, pack):
     """A plan's launch parameters for its arrays at ``addresses``: ``pack()`` once per those
     addresses, the current stream and the host thread (the Hopper kernels' tile counter is per
     thread and stream: TileCounters), everything else in them being the plan's. Under graph
-    capture packed afresh and not kept: a captured launch takes a tile counter of its own."""
+    capture packed afresh and not kept: a captured launch takes a tile counter of its own.
+    At most 32 sets a plan (a training loop's calls find a few; each set holds ~1-4 KB of records
+    and maps, and up to 256 plans are kept)."""
     import cupy
 
     stream = cupy.cuda.get_current_stream()
     if stream.is_capturing():
         return pack()
-    return cached(cache, addresses + (stream.ptr, threading.get_ident()), pack)
+    return cached(cache, addresses + (stream.ptr, threading.get_ident()), pack, limit=32)
 
 
 def kernel_parameters(arguments: tuple):

@@ -52,3 +52,29 @@ def test_a_pointer_record_writes_each_bound_field_and_nothing_else():
     assert bytes(planned.filled(second)) == expected.tobytes()
     assert int(numpy.frombuffer(bytes(planned.filled(second)), numpy.uint64)[PARAMS_DTYPE.names.index("dk")]) == \
         second["dk_heads"].data.ptr
+
+
+def test_kernel_parameters_hold_their_arguments_and_the_cache_starts_again_past_its_limit():
+    """_launch.kernel_parameters: cuLaunchKernel's array of the arguments' addresses, holding the
+    arguments (a plan keeps it across calls); _launch.cached: made once per key, cleared rather
+    than grown past its limit (packed_once's 32 sets a plan)."""
+    import ctypes
+
+    from cupy_flash._launch import cached, kernel_parameters
+
+    arguments = (ctypes.create_string_buffer(b"maps", 16), ctypes.c_uint64(7))
+    parameters = kernel_parameters(arguments)
+    assert [parameters[i] for i in range(2)] == [ctypes.addressof(a) for a in arguments]
+    assert parameters.arguments is arguments
+
+    made = []
+
+    def make(key):
+        return lambda: made.append(key) or f"value {key}"
+
+    cache: dict = {}
+    assert cached(cache, 1, make(1), limit=2) == "value 1"
+    assert cached(cache, 1, make(1), limit=2) == "value 1" and made == [1]
+    cached(cache, 2, make(2), limit=2)
+    assert cached(cache, 3, make(3), limit=2) == "value 3"
+    assert cache == {3: "value 3"} and made == [1, 2, 3]
