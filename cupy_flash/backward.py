@@ -180,12 +180,12 @@ class BackwardPlan:
         (~7 us of host time, which a short call's GPU waits for) move behind it."""
         import cupy
 
-        stream = cupy.cuda.get_current_stream()
+        stream = cupy.cuda.get_current_stream().ptr
         temporaries = {}
         for name, shape, dtype, fill in self.temporaries:
             x = temporaries[name] = cupy.empty(shape, dtype=dtype)
             if fill == 0:
-                cupy.cuda.runtime.memsetAsync(x.data.ptr, 0, x.nbytes, stream.ptr)
+                cupy.cuda.runtime.memsetAsync(x.data.ptr, 0, x.nbytes, stream)
         arrays = {**inputs, **temporaries}
         addresses = tuple(x.data.ptr for x in arrays.values())
         self._launch(self.launches[:1], {**arrays, "dq": None, "dk": None, "dv": None}, addresses, self._launched_first)

@@ -140,10 +140,10 @@ def _sm90_maps(q, k, v, o, dtype: str, block_m: int, block_n: int, packed: bool)
     key = (q.data.ptr, q.shape, q.strides, k.data.ptr, k.shape, k.strides, v.data.ptr, v.shape, v.strides, dtype,
            block_m, block_n, packed)
     inputs = cached(_maps_cache, key, lambda: (_tma.attention_map(q, dtype, block_m, packed)
-                                                + _tma.attention_map(k, dtype, block_n, packed)
-                                                + _tma.attention_map(v, dtype, block_n, packed)))
+                                           + _tma.attention_map(k, dtype, block_n, packed)
+                                           + _tma.attention_map(v, dtype, block_n, packed)))
     output = cached(_output_maps, (o.data.ptr, o.shape, o.strides, dtype, packed),
-                     lambda: _tma.attention_map(o, dtype, _tma.STORE_ROWS, packed))
+                    lambda: _tma.attention_map(o, dtype, _tma.STORE_ROWS, packed))
     return ctypes.create_string_buffer(inputs + output, _SM90_MAPS_BYTES)
 
 
