@@ -124,17 +124,23 @@ def _plain_entry():
     return entry
 
 
-def cached(cache: dict, key, make, limit: int = 256):
-    """``cache[key]``, made by ``make()`` the first time. Keys name everything that enters the value
-    (a tensor map's addresses, shapes, strides and box; packed_once's), so repeated calls on the
-    same buffers (a training loop) make nothing, and memory the pool hands out again finds its
-    value. Past ``limit`` keys (buffers come and go) it starts again rather than grow."""
-    value = cache.get(key)
-    if value is None:
-        if len(cache) >= limit:
-            cache.clear()
-        value = cache[key] = make()
+def kept(cache: dict, key, value, limit: int = 256):
+    """``value``, stored in ``cache`` under ``key``: the one bound of the package's caches (plans,
+    tensor maps, launch parameters, views). Past ``limit`` keys (shapes and buffers come and go) the
+    cache starts again rather than grow."""
+    if len(cache) >= limit:
+        cache.clear()
+    cache[key] = value
     return value
+
+
+def cached(cache: dict, key, make, limit: int = 256):
+    """``cache[key]``, made by ``make()`` the first time (kept). Keys name everything that enters the
+    value (a tensor map's addresses, shapes, strides and box; packed_once's), so repeated calls on
+    the same buffers (a training loop) make nothing, and memory the pool hands out again finds its
+    value."""
+    value = cache.get(key)
+    return kept(cache, key, make(), limit) if value is None else value
 
 
 def packed_once(cache: dict, addresses: tuple, pack):

@@ -10,7 +10,7 @@ from . import _checks, _families, _tma, _traits
 from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, device_value, get_kernel
 from ._families import current_device
 from ._features import broadcast_strides
-from ._launch import TileCounters, cached, kernel_parameters, launch_buffers, packed_once
+from ._launch import TileCounters, cached, kept, kernel_parameters, launch_buffers, packed_once
 from ._params import PointerRecord, make_params
 from ._streams import on_stream, record_kernel_arrays
 from .forward import _current_device
@@ -88,9 +88,7 @@ def backward_into(out, do, q, k, v, o, lse, *, softmax_scale=None, causal=False,
         arrays = dict(do=do, q=q, k=k, v=v, o=o, lse=lse, dq=dq, dk=dk, dv=dv)
         plan = backward_plan(arrays, shape, scale, variant, deterministic, dbias_layout)
         if key is not None and all(x is y for x, y in zip((do, q, k, v, o, lse), given)):   # checked, no copy made
-            if len(_plans) >= 256:   # shapes come and go: start again rather than grow
-                _plans.clear()
-            _plans[key] = plan
+            kept(_plans, key, plan)
         grads, temporaries = plan.run(dict(do=do, q=q, k=k, v=v, o=o, lse=lse), (dq, dk, dv))
         if variant.sink is not None:
             # The sink's probability in row i is exp(sink - lse_i) and its dP is 0 (it carries no

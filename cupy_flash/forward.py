@@ -8,7 +8,7 @@ import functools
 
 from . import _checks, _families, _tma, _traits
 from ._compile import ModuleSpec, device_value, get_kernel
-from ._launch import TileCounters, cached, kernel_parameters, launch_buffers, packed_once
+from ._launch import TileCounters, cached, kept, kernel_parameters, launch_buffers, packed_once
 from ._params import PointerRecord, make_params
 from ._streams import on_stream, record_kernel_arrays
 from .decode import check_num_splits, launch_decode, uses_split_path
@@ -209,9 +209,7 @@ def forward_into(out, q, k, v, *, softmax_scale=None, causal=False, num_splits=N
             return launch_decode(q, k, v, shape, scale, variant, num_splits, out=out)
         plan = forward_plan(q, k, v, shape, scale, variant)
         if key is not None and all(x is y for x, y in zip((q, k, v), given)):   # checked, and no copy made
-            if len(_plans) >= 256:   # shapes come and go: start again rather than grow
-                _plans.clear()
-            _plans[key] = plan
+            kept(_plans, key, plan)
         return plan.run(q, k, v, out)
 
 

@@ -41,6 +41,7 @@ import numpy
 from jax.experimental.buffer_callback import buffer_callback
 
 from . import _checks
+from ._launch import kept
 from .backward import backward_into
 from .forward import forward_into
 
@@ -173,9 +174,7 @@ def _as_cupy(buffer):
         nbytes = int(numpy.prod(shape, dtype=numpy.int64)) * dtype.itemsize
         memory = cupy.cuda.UnownedMemory(pointer, nbytes, None, int(device))
         view = cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
-        if len(_views) >= 1024:   # buffers come and go: start again rather than grow
-            _views.clear()
-        _views[key] = view
+        kept(_views, key, view, limit=1024)
     return view
 
 
