@@ -17,6 +17,12 @@ for dtype in (numpy.float16, ml_dtypes.bfloat16, numpy.float32):
             o, lse = cupy_flash.flash_forward(q, k, v, causal=causal)
             for deterministic in (False, True):
                 cupy_flash.flash_backward(o, q, k, v, o, lse, causal=causal, deterministic=deterministic)
+    # Repeated plain calls on new arrays: the later ones take the kept plans (the short paths of
+    # flash_forward and flash_backward: launches on new addresses, the backward's workspace).
+    for _ in range(3):
+        q, k, v = (cupy.asarray(rng.standard_normal((2, 70, 2, 72), dtype=numpy.float32).astype(dtype)) for _ in range(3))
+        o, lse = cupy_flash.flash_forward(q, k, v, causal=True)
+        cupy_flash.flash_backward(o, q, k, v, o, lse, causal=True)
     # Variants: a broadcast bias with dbias (atomic adds) and a full one (plain stores), and a
     # packed batch with an empty sequence, GQA and a window.
     q = cupy.asarray(rng.standard_normal((2, 70, 2, 64), dtype=numpy.float32).astype(dtype))

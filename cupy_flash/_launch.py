@@ -1,13 +1,21 @@
-"""Launches that may start before their predecessor ends: Hopper's programmatic dependent launch.
+"""How a plan's kernels go out: parameters packed once, the driver's launch, early launches.
 
-CuPy's launch API has no launch attributes, so a kernel launched ``early`` goes through the
-driver's ``cuLaunchKernelEx`` (ctypes, libcuda) with ``programmaticStreamSerializationAllowed``:
-its blocks may become resident while the kernel before it in the stream still runs (from when
-every block of that kernel has executed ``griddepcontrol.launch_dependents``, or exited), and
-they must execute ``griddepcontrol.wait`` (common.cuh's ``wait_for_predecessor``) before they
-touch global memory: it returns once the predecessor has completed and its writes are visible.
-What is gained is the launch and the block start-up (a few microseconds), hidden behind the
-predecessor's tail; results are the same bit for bit.
+A plan (forward.ForwardPlan, backward.BackwardPlan, decode.DecodePlan) holds everything of a call
+but the arrays' addresses. ``packed_once`` packs its kernels' parameters (params records, tensor
+maps, tile counters) once per set of addresses, stream and host thread, into a ``Packed`` whose
+``run`` is the launches alone, through CuPy's binding of ``cuLaunchKernel``; ``ready_stream`` says
+whether a repeated call may take that short path at all; ``kept`` and ``cached`` are the package's
+bounded caches. A plan launches on addresses, so the adapters run it on their frameworks' buffers.
+
+Early launches (Hopper's programmatic dependent launch): CuPy's launch API has no launch
+attributes, so a kernel launched ``early`` goes through the driver's ``cuLaunchKernelEx`` (ctypes,
+libcuda) with ``programmaticStreamSerializationAllowed``: its blocks may become resident while the
+kernel before it in the stream still runs (from when every block of that kernel has executed
+``griddepcontrol.launch_dependents``, or exited), and they must execute ``griddepcontrol.wait``
+(common.cuh's ``wait_for_predecessor``) before they touch global memory: it returns once the
+predecessor has completed and its writes are visible. What is gained is the launch and the block
+start-up (a few microseconds), hidden behind the predecessor's tail; results are the same bit for
+bit.
 
 Only kernels that call ``wait_for_predecessor`` before their first global access may be launched
 early, or (the Hopper backward's main kernel behind its dQ kernel) kernels that touch nothing the
@@ -76,34 +84,18 @@ def _driver_entry():
     return entry
 
 
-@functools.lru_cache(maxsize=None)
-def _device_supports(device: int) -> bool:
-    import cupy
-
-    return int(cupy.cuda.Device(device).compute_capability) >= 90
-
-
 _refused = threading.Event()   # the driver refused an early launch once: ordinary launches from then on
-
-
-def launch(kernel, grid: tuple, block: tuple, argument, shared_mem: int = 0, *, early: bool = False) -> None:
-    """kernel(grid, block, (argument,), shared_mem=...) with ``argument`` one NumPy record (the
-    params struct, passed by value); ``early``: a programmatic dependent launch where possible."""
-    if early and _launched_early(lambda entry: _launch_early(entry, kernel, grid, block, argument, shared_mem)):
-        return
-    kernel(grid, block, (argument,), shared_mem=shared_mem)
 
 
 def _launched_early(launch_with) -> bool:
     """Whether ``launch_with(entry)`` (cuLaunchKernelEx's entry -> its CUresult) launched a kernel
-    early: where early launches are allowed and supported, and the driver took it (a refusal
-    turns them off from then on). False: the caller launches it the ordinary way."""
-    import cupy
-
-    if not enabled() or _refused.is_set():
+    early: where early launches are allowed and the driver has the entry, and the driver took it (a
+    refusal turns them off from then on). False: the caller launches it the ordinary way. (Whether
+    the device supports them is the plan's to know: Packed's ``early`` is false before sm_90.)"""
+    if _refused.is_set() or not enabled():
         return False
     entry = _driver_entry()
-    if entry is None or not _device_supports(cupy.cuda.Device().id):
+    if entry is None:
         return False
     if launch_with(entry) == 0:
         return True
@@ -112,16 +104,11 @@ def _launched_early(launch_with) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _plain_entry():
-    """libcuda's cuLaunchKernel, or None."""
-    entry = driver_function("cuLaunchKernel")
-    if entry is None:
-        return None
-    u32 = ctypes.c_uint
-    entry.argtypes = [ctypes.c_void_p, u32, u32, u32, u32, u32, u32, u32, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
-                      ctypes.c_void_p]
-    entry.restype = ctypes.c_int
-    return entry
+def supports_early(device: int) -> bool:
+    """Whether kernels on ``device`` may be launched early (programmatic dependent launch: sm_90+)."""
+    import cupy
+
+    return int(cupy.cuda.Device(device).compute_capability) >= 90
 
 
 def kept(cache: dict, key, value, limit: int = 256):
@@ -143,19 +130,61 @@ def cached(cache: dict, key, make, limit: int = 256):
     return kept(cache, key, make(), limit) if value is None else value
 
 
-def packed_once(cache: dict, addresses: tuple, pack):
-    """A plan's launch parameters for its arrays at ``addresses``: ``pack()`` once per those
-    addresses, the current stream and the host thread (the Hopper kernels' tile counter is per
-    thread and stream: TileCounters), everything else in them being the plan's. Under graph
-    capture packed afresh and not kept: a captured launch takes a tile counter of its own.
-    At most 32 sets a plan (a training loop's calls find a few; each set holds ~1-4 KB of records
-    and maps, and up to 256 plans are kept)."""
-    import cupy
-
-    stream = cupy.cuda.get_current_stream()
-    if stream.is_capturing():
+def packed_once(cache: dict, addresses: tuple, stream: int, capturing: bool, pack):
+    """A plan's packed launches (``pack()``, a Packed for the stream at ``stream``) for its arrays
+    at ``addresses``: packed once per those addresses, the stream and the host thread (the Hopper
+    kernels' tile counter is per thread and stream: TileCounters), everything else in them being
+    the plan's. Under graph capture (``capturing``) packed afresh and not kept: a captured launch
+    takes a tile counter of its own. At most 32 sets a plan (a training loop's calls find a few;
+    each set holds ~1-4 KB of records and maps, and up to 256 plans are kept)."""
+    if capturing:
         return pack()
-    return cached(cache, addresses + (stream.ptr, threading.get_ident()), pack, limit=32)
+    key = addresses + (stream, threading.get_ident())
+    packed = cache.get(key)
+    return kept(cache, key, pack(), limit=32) if packed is None else packed
+
+
+class CudaCalls:
+    """The CuPy functions a repeated call makes, looked up once: a plan holds them (a function's
+    own ``import cupy`` costs ~0.5 us of host time a call, and the short paths would make several)."""
+
+    def __init__(self):
+        import cupy
+        from cupy.cuda import driver, runtime
+
+        self.get_device = runtime.getDevice
+        self.is_capturing = runtime.streamIsCapturing   # (stream) -> bool
+        self.current_stream = cupy.cuda.get_current_stream
+        self.alloc = cupy.cuda.alloc                    # (bytes) -> MemoryPointer, CuPy's allocator
+        self.ndarray = cupy.ndarray
+        self.memset = runtime.memsetAsync               # (address, value, bytes, stream)
+        self.launch = driver.launchKernel
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_calls() -> CudaCalls:
+    return CudaCalls()
+
+
+def ready_stream(plan, stream: int | None = None) -> int | None:
+    """The stream (a cudaStream_t: ``stream``, or CuPy's current one) on which ``plan`` (one with
+    ``cuda`` and ``device``) may launch as it is, or None: its device must be the current one (its
+    kernels belong to it) and the stream must not be capturing a graph (the checked route keeps a
+    capture's temporaries alive). The repeated calls' short paths ask this first."""
+    cuda = plan.cuda
+    if cuda.get_device() != plan.device:
+        return None
+    if stream is None:
+        stream = cuda.current_stream().ptr
+    return None if cuda.is_capturing(stream) else stream
+
+
+def current_stream() -> tuple[int, bool]:
+    """(CuPy's current stream as a cudaStream_t, whether it is capturing a graph): what a plan's
+    launch needs to know of the stream."""
+    cuda = cuda_calls()
+    stream = cuda.current_stream().ptr
+    return stream, cuda.is_capturing(stream)
 
 
 def kernel_parameters(arguments: tuple):
@@ -167,48 +196,49 @@ def kernel_parameters(arguments: tuple):
     return parameters
 
 
-def launch_buffers(kernel, grid: int, threads: int, shared_mem: int, parameters, *, early: bool = False) -> None:
-    """kernel((grid,), (threads,), arguments) on the current stream, ``parameters`` being
-    kernel_parameters(arguments), through the driver's cuLaunchKernel: CuPy's launch converts its
-    NumPy arguments again on every call (a third of a cached forward's host time on the H100's
-    host). Without libcuda's entry, CuPy's launch. ``early``: a programmatic dependent launch where
-    possible (as ``launch``)."""
-    import cupy
+class Packed:
+    """A call's launches with their parameters packed for one stream: each (CUfunction, grid,
+    threads, shared memory bytes, kernelParams address, the early launch's config or None,
+    kernelParams) from (kernel, grid, threads, shared memory, arguments, early). The arrays of
+    addresses (and configs) are held here, so the addresses stay valid as long as this does.
+    ``early``: a programmatic dependent launch where the driver allows (the plan passes it only on
+    sm_90+)."""
 
-    if early and _launched_early(lambda entry: _launch_ex(entry, kernel, (grid,), (threads,), shared_mem, parameters)):
-        return
-    entry = _plain_entry()
-    if entry is None:
-        kernel((grid,), (threads,), tuple(_as_numpy(a) for a in parameters.arguments), shared_mem=shared_mem)
-        return
-    result = entry(kernel.kernel.ptr, grid, 1, 1, threads, 1, 1, shared_mem, cupy.cuda.get_current_stream().ptr,
-                   parameters, None)
-    if result != 0:
-        raise RuntimeError(f"cuLaunchKernel failed with CUDA error {result} (grid {grid}, {threads} threads, "
-                           f"{shared_mem} bytes of shared memory)")
+    __slots__ = ("launches", "stream", "launch")
 
+    def __init__(self, launches, stream: int):
+        self.launch = cuda_calls().launch
+        packed = []
+        for kernel, grid, threads, shared_mem, arguments, early in launches:
+            parameters = kernel_parameters(arguments)
+            config = _early_config(grid, threads, shared_mem, stream) if early else None
+            packed.append((kernel.kernel.ptr, grid, threads, shared_mem, ctypes.addressof(parameters), config,
+                           parameters))
+        self.launches, self.stream = tuple(packed), stream
 
-def _as_numpy(value):
-    import numpy
-
-    size = ctypes.sizeof(value)
-    return numpy.frombuffer(ctypes.string_at(ctypes.addressof(value), size), dtype=numpy.dtype((numpy.void, size)))
-
-
-def _launch_early(entry, kernel, grid, block, argument, shared_mem) -> int:
-    parameters = (ctypes.c_void_p * 1)(argument.ctypes.data)   # the struct's bytes, copied at launch
-    return _launch_ex(entry, kernel, grid, block, shared_mem, parameters)
+    def run(self) -> None:
+        """Launch each kernel in turn on the stream, through CuPy's binding of the driver's
+        cuLaunchKernel (3.8 us of host time against a ctypes call's 5.6 on the H100's host; CuPy's
+        kernel call converts its arguments again on every call)."""
+        launch, stream = self.launch, self.stream
+        for function, grid, threads, shared_mem, address, config, parameters in self.launches:
+            if config is not None and _launched_early(lambda entry: _launch_ex(entry, function, config, parameters)):
+                continue
+            launch(function, grid, 1, 1, threads, 1, 1, shared_mem, stream, address, 0)
 
 
-def _launch_ex(entry, kernel, grid, block, shared_mem, parameters) -> int:
-    """cuLaunchKernelEx with programmatic stream serialisation allowed: its CUresult."""
-    import cupy
-
-    grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+def _early_config(grid: int, threads: int, shared_mem: int, stream: int):
+    """cuLaunchKernelEx's CUlaunchConfig for a launch on ``stream`` with programmatic stream
+    serialisation allowed, with the attribute it points to (built once per packed launch)."""
     attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-    config = _LaunchConfig(*grid, *block, shared_mem, cupy.cuda.get_current_stream().ptr,
-                           ctypes.pointer(attribute), 1)
-    return entry(ctypes.byref(config), kernel.kernel.ptr, parameters, None)
+    config = _LaunchConfig(grid, 1, 1, threads, 1, 1, shared_mem, stream, ctypes.pointer(attribute), 1)
+    config.attribute = attribute
+    return config
+
+
+def _launch_ex(entry, function: int, config, parameters) -> int:
+    """cuLaunchKernelEx with ``config`` (_early_config's): its CUresult."""
+    return entry(ctypes.byref(config), function, parameters, None)
 
 
 class TileCounters:
@@ -222,20 +252,22 @@ class TileCounters:
         self.nbytes = nbytes
         self._counters: dict = {}   # (host thread, stream) -> counter
 
-    def address(self) -> int:
-        """A counter's address for a launch on the current stream."""
+    def address(self, stream: int, capturing: bool) -> int:
+        """A counter's address for a launch on the stream at ``stream`` (``capturing``: it is
+        capturing a graph). A captured launch's counter comes from CuPy's allocator and is noted
+        for the call (_streams.record_kernel_arrays), so it lives as long as the call's outputs."""
         import cupy
 
         from ._streams import record_kernel_arrays
 
-        stream = cupy.cuda.get_current_stream()
-        if stream.is_capturing():
+        if capturing:
             counter = cupy.empty((self.nbytes,), dtype=cupy.uint8)
-            cupy.cuda.runtime.memsetAsync(counter.data.ptr, 0, counter.nbytes, stream.ptr)
+            cupy.cuda.runtime.memsetAsync(counter.data.ptr, 0, counter.nbytes, stream)
             record_kernel_arrays((counter,))
             return counter.data.ptr
-        key = (threading.get_ident(), stream.ptr)
+        key = (threading.get_ident(), stream)
         counter = self._counters.get(key)
         if counter is None:
-            counter = self._counters[key] = cupy.zeros((self.nbytes,), dtype=cupy.uint8)
+            counter = self._counters[key] = cupy.empty((self.nbytes,), dtype=cupy.uint8)
+            cupy.cuda.runtime.memsetAsync(counter.data.ptr, 0, counter.nbytes, stream)   # on the launches' stream
         return counter.data.ptr

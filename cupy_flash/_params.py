@@ -94,11 +94,12 @@ class PointerRecord:
                 self._runs.append((offset, [bindings[field]]))
         self._runs = tuple((offset, struct.Struct(f"<{len(names)}Q"), tuple(names)) for offset, names in self._runs)
 
-    def filled(self, arrays: dict):
-        """A ctypes buffer of the record with the addresses of ``arrays`` (names to arrays or None)."""
+    def filled(self, addresses: dict):
+        """A ctypes buffer of the record with ``addresses`` (array names to device addresses; None or
+        a name left out: 0) in the bound fields."""
         buffer = ctypes.create_string_buffer(self.bytes, len(self.bytes))
         for offset, layout, names in self._runs:
-            layout.pack_into(buffer, offset, *(0 if arrays[name] is None else arrays[name].data.ptr for name in names))
+            layout.pack_into(buffer, offset, *(addresses.get(name) or 0 for name in names))
         return buffer
 
 

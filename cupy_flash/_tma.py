@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import typing
 
 from ._launch import driver_function
 
@@ -61,17 +62,32 @@ def encode_tiled(dtype: str, address: int, dims: tuple, byte_strides: tuple, box
     return ctypes.string_at(aligned, MAP_BYTES)
 
 
+class Layout(typing.NamedTuple):
+    """What a tensor map takes of an array but its address: shape, byte strides, item size (a plan
+    keeps its arrays' layouts and encodes maps at new addresses)."""
+    shape: tuple
+    strides: tuple
+    itemsize: int
+
+
+def layout_of(x) -> Layout:
+    return Layout(tuple(int(n) for n in x.shape), tuple(int(s) for s in x.strides), x.dtype.itemsize)
+
+
 def map_strides(x, packed: bool) -> tuple:
-    """The byte strides of dims 1.. of attention_map's 4-D view of x: (seqlen, heads, batch). An axis
-    of size one is never stepped along, so whatever stride it has (0 after ``x[None]``, anything
-    from a framework's view) is replaced by a valid one: the driver wants positive multiples of 16."""
+    """The byte strides of dims 1.. of attention_map's 4-D view of x (an array or a Layout):
+    (seqlen, heads, batch). An axis of size one is never stepped along, so whatever stride it has (0
+    after ``x[None]``, anything from a framework's view) is replaced by a valid one: the driver wants
+    positive multiples of 16."""
+    layout = x if isinstance(x, Layout) else layout_of(x)
+    shape, strides = layout.shape, layout.strides
     if packed:
-        total, heads, head_dim = x.shape
-        sizes, strides = (total, heads, 1), (x.strides[0], x.strides[1], x.strides[0] * total)
+        total, heads, head_dim = shape
+        sizes, strides = (total, heads, 1), (strides[0], strides[1], strides[0] * total)
     else:
-        _, seqlen, heads, head_dim = x.shape
-        sizes, strides = (seqlen, heads, x.shape[0]), (x.strides[1], x.strides[2], x.strides[0])
-    row_bytes = -(-head_dim * x.dtype.itemsize // 16) * 16
+        _, seqlen, heads, head_dim = shape
+        sizes, strides = (seqlen, heads, shape[0]), (strides[1], strides[2], strides[0])
+    row_bytes = -(-head_dim * layout.itemsize // 16) * 16
     return tuple(int(s) if n > 1 else row_bytes for n, s in zip(sizes, strides))
 
 
@@ -81,15 +97,19 @@ def attention_map(x, dtype: str, rows: int, packed: bool) -> bytes:
     a 16-bit type, 32 of float32: the backward's dq_accum) x ``rows`` rows of one head: what the
     Hopper kernels load (or store, or add) at once. Past the tensor's edges (head_dim, seqlen,
     batch) a load reads zeros and a store or add writes nothing."""
+    return attention_map_at(x.data.ptr, layout_of(x), dtype, rows, packed)
+
+
+def attention_map_at(address: int, layout: Layout, dtype: str, rows: int, packed: bool) -> bytes:
+    """attention_map of an array of ``layout`` at ``address``."""
     if packed:
-        total, heads, head_dim = x.shape
+        total, heads, head_dim = layout.shape
         dims = (head_dim, total, heads, 1)
     else:
-        batch, seqlen, heads, head_dim = x.shape
+        batch, seqlen, heads, head_dim = layout.shape
         dims = (head_dim, seqlen, heads, batch)
-    assert x.strides[-1] == x.dtype.itemsize
-    return encode_tiled(dtype, x.data.ptr, tuple(int(n) for n in dims), map_strides(x, packed),
-                        (SWIZZLE_BYTES // x.dtype.itemsize, rows, 1, 1))
+    assert layout.strides[-1] == layout.itemsize
+    return encode_tiled(dtype, address, dims, map_strides(layout, packed), (SWIZZLE_BYTES // layout.itemsize, rows, 1, 1))
 
 
 def maps_supported(x) -> bool:

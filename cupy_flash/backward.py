@@ -6,21 +6,22 @@ import ctypes
 import dataclasses
 import math
 
-from . import _checks, _families, _tma, _traits
+import numpy
+
+from . import _checks, _families, _launch, _tma, _traits
 from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, device_value, get_kernel
 from ._families import current_device
 from ._features import broadcast_strides
-from ._launch import TileCounters, cached, kept, kernel_parameters, launch_buffers, packed_once
+from ._launch import Packed, TileCounters, cached, cuda_calls, current_stream, kept, packed_once, ready_stream
 from ._params import PointerRecord, make_params
-from ._streams import on_stream, record_kernel_arrays
+from ._streams import STREAM_DOC, on_stream, record_kernel_arrays
 from .forward import _current_device
 from .forward import _plan_key as forward_plan_key
 from .preprocess import row_kernel
 
 
-@on_stream
 def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, deterministic=False,
-                   return_dbias=False, **features):
+                   return_dbias=False, stream=None, **features):
     """Gradients of ``o = flash_forward(q, k, v)[0]`` given the output gradient ``do``.
 
     ``o`` and ``lse`` are what ``flash_forward`` returned for the same q, k, v and options; the
@@ -43,9 +44,18 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
     atomic adds, so ``deterministic=True`` with ``return_dbias`` needs a bias that broadcasts over
     no axis (every axis of size 1 is one of size 1 in (batch, heads_q, seqlen_q, seqlen_k) too).
     """
-    # backward_into's body: this wrapper has taken the stream (as flash_forward)
-    return backward_into.__wrapped__(None, do, q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal,
-                                     deterministic=deterministic, return_dbias=return_dbias, **features)
+    # A repeated plain call on CuPy arrays takes its checked plan (_plans) and launches (as flash_forward).
+    if stream is None and return_dbias is False and not features:
+        plan = _plans.get(_plan_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic))
+        if plan is not None:
+            result = plan.call(do, q, k, v, o, lse)
+            if result is not None:
+                return result
+    return backward_into(None, do, q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal,
+                         deterministic=deterministic, return_dbias=return_dbias, stream=stream, **features)
+
+
+flash_backward.__doc__ = flash_backward.__doc__.rstrip() + "\n" + STREAM_DOC
 
 
 @on_stream
@@ -147,84 +157,126 @@ def _dbias_layout(bias, shape):
 
 
 class BackwardPlan:
-    """A backward call's launches with everything but the arrays' addresses: the temporaries to
-    allocate (shape, dtype, initial fill), the params records (PointerRecord: filled, addresses
-    written per run) and the kernels with their grids. Built once per checked call by
-    backward_plan; plain calls keep theirs (_plans), so a training loop's repeated call is
-    allocations, memsets and launches."""
+    """A backward call's launches with everything but the arrays' addresses: the temporaries (one
+    workspace: each temporary's offset, shape, dtype and initial fill), the params records
+    (PointerRecord: filled, addresses written per call), the kernels with their grids, and the
+    layouts of the arrays the Hopper kernels' tensor maps read. Built once per checked call by
+    backward_plan; plain calls keep theirs (_plans), so a training loop's repeated call is an
+    allocation or four, memsets where a temporary starts at zero, and launches. It launches on
+    addresses (``launch``), so the adapters run it on their framework's buffers."""
 
     def __init__(self, temporaries: tuple, records: dict, launches: tuple, held: tuple = (), maps=None,
-                 tile_counter_bytes: int = 0):
-        import cupy
-
-        self.temporaries = temporaries   # (name, shape, dtype, fill: None or 0)
+                 tile_counter_bytes: int = 0, gradients: tuple = ()):
+        self.cuda = cuda_calls()
         self.records = records           # name -> PointerRecord
-        self.launches = launches         # (kernel, grid, threads, shared memory, record name, map set or None, early)
         self.held = held                 # the variant's device arrays the records point at
-        self.maps = maps                 # Hopper: map sets, each ((array name, box rows), ...), dtype, packed
+        self.maps = maps                 # Hopper: map sets, each ((array name, box rows), ...), dtype, packed, layouts
+        self.device = self.cuda.get_device()
+        early = _launch.supports_early(self.device)
+        # (kernel, grid, threads, shared memory, record name, map set or None, early)
+        self.launches = tuple(launch[:6] + (launch[6] and early,) for launch in launches)
+        # The temporaries in one workspace, each at a 256-byte boundary: (name, offset, shape, dtype, fill)
+        self.temporaries, offset = [], 0
+        for name, shape, dtype, fill in temporaries:
+            self.temporaries.append((name, offset, shape, numpy.dtype(dtype), fill))
+            offset += -(-math.prod(shape) * numpy.dtype(dtype).itemsize // 256) * 256
+        self.temporaries = tuple(self.temporaries)
+        self.workspace_bytes = offset
+        self.zeroed = tuple((offset, math.prod(shape) * dtype.itemsize)
+                            for _, offset, shape, dtype, fill in self.temporaries if fill == 0)
+        # The names of a launch's addresses: the preprocess's (inputs and temporaries), then the rest's
+        self.first_names = _INPUTS + tuple(name for name, *_ in self.temporaries)
+        self.names = self.first_names + ("dq", "dk", "dv")
+        self.gradients = gradients       # (shape, dtype, bytes) of dq, dk, dv: q's, k's, v's
         self._encoded: dict = {}         # the Hopper tensor maps by the arrays' addresses
         self._counters = TileCounters(tile_counter_bytes)  # the Hopper kernel's tile counters
-        self._launched: dict = {}        # _launches_on's results (packed_once)
+        self._launched: dict = {}        # the main launches, packed (packed_once)
         self._launched_first: dict = {}  # the same for the preprocess (no gradients yet)
-        self.device = cupy.cuda.runtime.getDevice()
+
+    def call(self, do, q, k, v, o, lse):
+        """The repeated plain call (flash_backward's plan cache found this plan): (dq, dk, dv) in new
+        arrays, or None where the plan cannot launch as it is (another current device, a stream
+        capturing a graph: the general path keeps the temporaries alive)."""
+        stream = ready_stream(self)
+        if stream is None:
+            return None
+        inputs = (do.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr)
+        workspace = self.cuda.alloc(self.workspace_bytes)
+        first = self.launch_first(inputs, workspace.ptr, stream, False)
+        gradients = self.outputs()
+        self.launch_rest(first + tuple(g.data.ptr for g in gradients), stream, False)
+        return gradients
+
+    def outputs(self):
+        """New (dq, dk, dv) from CuPy's allocator on the current stream."""
+        ndarray, alloc = self.cuda.ndarray, self.cuda.alloc
+        return tuple(ndarray(shape, dtype, alloc(nbytes)) for shape, dtype, nbytes in self.gradients)
 
     def run(self, inputs: dict, out=None):
         """Launch on ``inputs`` (do, q, k, v, o, lse: kernel-ready, of the planned shapes, strides
-        and device) into ``out`` = (dq, dk, dv) (checked views; None: allocated); returns
-        ((dq, dk, dv), the temporaries by name (delta, dbias, ...)).
-
-        The first launch, the preprocess, reads the inputs and writes temporaries only (its record's
-        dq, dk, dv are null), so it goes out before the gradients are allocated: three allocations
-        (~7 us of host time, which a short call's GPU waits for) move behind it."""
+        and device) into ``out`` = (dq, dk, dv) (checked views; None: allocated), on the current
+        stream; returns ((dq, dk, dv), the temporaries by name (delta, dbias, ...): views of the
+        call's workspace)."""
         import cupy
 
-        stream = cupy.cuda.get_current_stream().ptr
-        temporaries = {}
-        for name, shape, dtype, fill in self.temporaries:
-            x = temporaries[name] = cupy.empty(shape, dtype=dtype)
-            if fill == 0:
-                cupy.cuda.runtime.memsetAsync(x.data.ptr, 0, x.nbytes, stream)
-        arrays = {**inputs, **temporaries}
-        addresses = tuple(x.data.ptr for x in arrays.values())
-        self._launch(self.launches[:1], {**arrays, "dq": None, "dk": None, "dv": None}, addresses, self._launched_first)
-        if out is None:
-            out = tuple(cupy.empty(inputs[name].shape, dtype=inputs[name].dtype) for name in ("q", "k", "v"))
-        arrays.update(zip(("dq", "dk", "dv"), out))
-        record_kernel_arrays(tuple(arrays.values()) + self.held)
-        self._launch(self.launches[1:], arrays, addresses + tuple(x.data.ptr for x in out), self._launched)
+        stream, capturing = current_stream()
+        workspace = cupy.cuda.alloc(self.workspace_bytes)
+        first = self.launch_first(tuple(inputs[name].data.ptr for name in _INPUTS), workspace.ptr, stream, capturing)
+        out = self.outputs() if out is None else out
+        record_kernel_arrays(tuple(inputs.values()) + tuple(out) + (workspace,) + self.held)
+        self.launch_rest(first + tuple(g.data.ptr for g in out), stream, capturing)
+        temporaries = {name: cupy.ndarray(shape, dtype, workspace + offset)
+                       for name, offset, shape, dtype, _ in self.temporaries}
         return out, temporaries
 
-    def _launch(self, launches: tuple, arrays: dict, addresses: tuple, cache: dict) -> None:
-        """``launches`` (entries of self.launches) on ``arrays`` (at ``addresses``), packed once
-        (packed_once, in ``cache``)."""
-        packed = packed_once(cache, addresses, lambda: self._launches_on(arrays, launches))
-        for kernel, grid, threads, smem, parameters, early in packed:
-            launch_buffers(kernel, grid, threads, smem, parameters, early=early)
+    def launch_first(self, inputs: tuple, workspace: int, stream: int, capturing: bool) -> tuple:
+        """Zero the temporaries that start at zero and launch the preprocess, with do, q, k, v, o,
+        lse at ``inputs`` and the temporaries in the workspace at ``workspace``; returns the
+        addresses of first_names. The preprocess reads the inputs and writes temporaries only (its
+        record's dq, dk, dv are null), so it goes out before the gradients are allocated: their
+        allocations (~7 us of host time, which a short call's GPU waits for) move behind it."""
+        for offset, nbytes in self.zeroed:
+            self.cuda.memset(workspace + offset, 0, nbytes, stream)
+        addresses = inputs + tuple(workspace + offset for _, offset, *_ in self.temporaries)
+        packed_once(self._launched_first, addresses, stream, capturing,
+                    lambda: self._packed(self.launches[:1], dict(zip(self.first_names, addresses)), stream,
+                                         capturing)).run()
+        return addresses
 
-    def _launches_on(self, arrays: dict, launches: tuple) -> tuple:
-        """``launches`` with each launch's kernel_parameters for ``arrays`` in place of its record
-        name and map set."""
-        filled = {name: self.records[name].filled(arrays) for name in {launch[4] for launch in launches}}
+    def launch_rest(self, addresses: tuple, stream: int, capturing: bool) -> None:
+        """The launches after the preprocess, with the arrays of ``names`` at ``addresses``."""
+        packed_once(self._launched, addresses, stream, capturing,
+                    lambda: self._packed(self.launches[1:], dict(zip(self.names, addresses)), stream,
+                                         capturing)).run()
+
+    def _packed(self, launches: tuple, addresses: dict, stream: int, capturing: bool) -> Packed:
+        """``launches`` (entries of self.launches) with their parameters for the arrays at
+        ``addresses`` (by name)."""
+        filled = {name: self.records[name].filled(addresses) for name in {launch[4] for launch in launches}}
         packed = []
         for kernel, grid, threads, smem, record, map_set, early in launches:
             if map_set is None:
                 arguments = (filled[record],)
             elif map_set == 0:   # the main kernel, with its tile counter
-                arguments = (self._maps_of(arrays, 0), filled[record], ctypes.c_uint64(self._counters.address()))
+                arguments = (self._maps_of(addresses, 0), filled[record],
+                             ctypes.c_uint64(self._counters.address(stream, capturing)))
             else:   # the dQ kernel
-                arguments = (self._maps_of(arrays, map_set), filled[record])
-            packed.append((kernel, grid, threads, smem, kernel_parameters(arguments), early))
-        return tuple(packed)
+                arguments = (self._maps_of(addresses, map_set), filled[record])
+            packed.append((kernel, grid, threads, smem, arguments, early))
+        return Packed(packed, stream)
 
-    def _maps_of(self, arrays: dict, map_set: int):
+    def _maps_of(self, addresses: dict, map_set: int):
         """A Hopper kernel's maps argument (BackwardSm90Maps, BackwardDqSm90Maps), encoded once per
-        set of addresses (the shapes and strides are the plan's)."""
-        boxes, dtype, packed = self.maps[map_set]
-        key = (map_set,) + tuple(arrays[name].data.ptr for name, _ in boxes)
+        set of addresses (the layouts are the plan's)."""
+        boxes, dtype, packed, layouts = self.maps[map_set]
+        key = (map_set,) + tuple(addresses[name] for name, _ in boxes)
         encoded = cached(self._encoded, key, lambda: b"".join(
-            _tma.attention_map(arrays[name], "float32" if name == "dq_accum" else dtype, rows, packed)
+            _tma.attention_map_at(addresses[name], layouts[name], "float32" if name == "dq_accum" else dtype, rows, packed)
             for name, rows in boxes))
         return ctypes.create_string_buffer(encoded, _SM90_MAPS_BYTES)
+
+
+_INPUTS = ("do", "q", "k", "v", "o", "lse")   # a backward launch's inputs, in the order of its addresses
 
 
 # The arrays the kernels' params point at, by field (the names a plan's arrays go by: the same but
@@ -312,7 +364,8 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
         packed = variant.packed is not None
         # (Without dQ the main kernel's fifth map is never read: dq's stands in for dq_accum.)
         dq_map = ("dq", _tma.STORE_ROWS) if dq_apart else ("dq_accum", device_value(sm90, sm90.backward_sm90_dq_box_rows()))
-        maps = (((("q", block_m), ("k", block_n), ("v", block_n), ("do", block_m), dq_map), shape.dtype, packed),)
+        layouts = {name: _tma.layout_of(stand_ins[name]) for name in ("q", "k", "v", "do", dq_map[0], "dq")}
+        maps = (((("q", block_m), ("k", block_n), ("v", block_n), ("do", block_m), dq_map), shape.dtype, packed, layouts),)
         if dq_apart:
             # The dQ kernel first, the main kernel launched early behind it: the two share no
             # output, so the main kernel's persistent blocks take each SM as the dQ kernel's last
@@ -324,7 +377,7 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
             launches.append((kernel, -(-shape.seqlen_q // dq_block_m) * bh, _traits.backward_dq_sm90_threads(dq_apart), smem,
                              "main", 1, False))
             maps += (((("q", dq_block_m), ("k", dq_block_n), ("v", dq_block_n), ("do", dq_block_m),
-                       ("dq", _tma.STORE_ROWS)), shape.dtype, packed),)
+                       ("dq", _tma.STORE_ROWS)), shape.dtype, packed, layouts),)
         smem = device_value(sm90, sm90.backward_sm90_smem())
         kernel = get_kernel(sm90, sm90.backward_sm90_kernel(variant.causal, adds_dq=not dq_apart), smem)
         grid = sm90_grid(-(-shape.seqlen_k // block_n) * bh, deterministic and not dq_apart)
@@ -354,8 +407,9 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
         launches.append(row_kernel(ModuleSpec.kv_group_sum_kernel, row_shape,
                                    rows=row_shape.batch * row_shape.seqlen_k * row_shape.heads_kv) + (0, "group", None, False))
     held = tuple(x for x in variant.device_arrays() if x is not None)
+    gradients = tuple((tuple(arrays[name].shape), arrays[name].dtype, arrays[name].nbytes) for name in ("q", "k", "v"))
     return BackwardPlan(temporaries, records, tuple(launches), held, maps,
-                        device_value(sm90, sm90.tile_counter_bytes()) if hopper else 0)
+                        device_value(sm90, sm90.tile_counter_bytes()) if hopper else 0, gradients)
 
 
 def needs_dq_accum(tensor_core: bool, dq_apart: bool, deterministic: bool) -> bool:

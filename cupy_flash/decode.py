@@ -4,16 +4,16 @@ against a (paged) K/V cache, and ``merge_attention_states``."""
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 
 import numpy
 
-from . import _checks, _traits
+from . import _checks, _launch, _traits
 from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, get_kernel
 from ._features import DECODE_FEATURES, check_variant
-from ._launch import launch
-from ._params import as_argument, make_params
-from ._streams import on_stream
+from ._params import PointerRecord, as_argument, make_params
+from ._streams import STREAM_DOC, on_stream, record_kernel_arrays
 from .preprocess import row_kernel_grid
 
 # A split covers at least this many keys: below it the partials' write and combine cost more than
@@ -100,19 +100,75 @@ def uses_split_path(shape, variant, num_splits) -> bool:
     return num_splits is not None or shape.group * shape.seqlen_q <= DECODE_MAX_ROWS
 
 
-def launch_decode(q, k, v, shape, scale, variant, num_splits=None, *, cache=None, out=None):
-    """o, lse of the decode kernel (with its combine when split). ``shape.seqlen_k`` is the cache
-    capacity; ``cache`` (flash_decode) holds cache_seqlens, block_table, page_shift, k_new, v_new;
-    ``out``: (o, lse) to write, checked by forward.check_outputs (else allocated)."""
+class DecodePlan:
+    """A decode call's launches with everything but the arrays' addresses (as forward.ForwardPlan):
+    the append kernel where new rows come, the decode kernel, and the combine kernel where the keys
+    are split (its partials in one workspace); the params record with each array's field written
+    per call. flash_decode keeps the plans of its calls without ALiBi or a sink (_plans)."""
+
+    def __init__(self, record, launches: tuple, q, lse_shape: tuple, partials: tuple, held: tuple):
+        self.cuda = _launch.cuda_calls()
+        self.record = record              # a PointerRecord over _NAMES
+        self.device = self.cuda.get_device()
+        early = _launch.supports_early(self.device)
+        self.launches = tuple((kernel, grid, threads, smem, launch_early and early)
+                              for kernel, grid, threads, smem, launch_early in launches)
+        self.o_shape, self.o_dtype, self.o_bytes = tuple(q.shape), q.dtype, q.nbytes
+        self.lse_shape, self.lse_bytes = lse_shape, 4 * math.prod(lse_shape)
+        # o_partial and lse_partial in one workspace (empty when the keys are not split)
+        self.partial_offsets = (0, -(-partials[0] // 256) * 256) if partials else ()
+        self.workspace_bytes = sum(-(-n // 256) * 256 for n in partials)
+        self.held = held                  # the variant's device arrays the record points at
+        self._launched: dict = {}         # Packed by the arrays' addresses, stream and thread
+
+    def outputs(self):
+        cuda = self.cuda
+        return (cuda.ndarray(self.o_shape, self.o_dtype, cuda.alloc(self.o_bytes)),
+                cuda.ndarray(self.lse_shape, _FLOAT32, cuda.alloc(self.lse_bytes)))
+
+    def call(self, arrays: tuple):
+        """The repeated call (flash_decode's plan cache found this plan): (o, lse), or None where the
+        plan cannot launch as it is (another current device, a capturing stream). ``arrays``: q,
+        k, v, cache_seqlens, block_table, k_new, v_new (None where absent)."""
+        stream = _launch.ready_stream(self)
+        return None if stream is None else self._run(arrays, None, stream, False)
+
+    def run(self, arrays: tuple, out=None):
+        """Launch on the current stream (``arrays`` as call's; ``out``: (o, lse) to write, else
+        allocated); returns (o, lse)."""
+        stream, capturing = _launch.current_stream()
+        return self._run(arrays, out, stream, capturing)
+
+    def _run(self, arrays: tuple, out, stream: int, capturing: bool):
+        o, lse = self.outputs() if out is None else out
+        addresses = tuple(0 if x is None else x.data.ptr for x in arrays) + (o.data.ptr, lse.data.ptr)
+        workspace = None
+        if self.workspace_bytes:
+            workspace = self.cuda.alloc(self.workspace_bytes)
+            addresses += tuple(workspace.ptr + offset for offset in self.partial_offsets)
+        if capturing:
+            record_kernel_arrays(arrays + (o, lse, workspace) + self.held)
+        _launch.packed_once(self._launched, addresses, stream, capturing, lambda: self._packed(addresses, stream)).run()
+        return o, lse
+
+    def _packed(self, addresses: tuple, stream: int) -> _launch.Packed:
+        record = self.record.filled(dict(zip(_NAMES, addresses)))
+        return _launch.Packed(tuple((kernel, grid, threads, smem, (record,), early)
+                                    for kernel, grid, threads, smem, early in self.launches), stream)
+
+
+_FLOAT32 = numpy.dtype(numpy.float32)
+# A decode launch's arrays, in the order of its addresses (k and v: the caches).
+_NAMES = ("q", "k", "v", "cache_seqlens", "block_table", "k_new", "v_new", "o", "lse", "o_partial", "lse_partial")
+
+
+def decode_plan(q, k, v, shape, scale, variant, num_splits=None, *, cache=None) -> DecodePlan:
+    """The plan of a checked decode call (or flash_forward's split path): ``shape.seqlen_k`` is the
+    cache capacity; ``cache`` (flash_decode) holds cache_seqlens, block_table, page_shift, k_new,
+    v_new."""
     import cupy
 
-    variant = variant.on_device()
     device = q.device.id
-    if out is None:
-        o = cupy.empty(q.shape, dtype=q.dtype)
-        lse = cupy.empty((shape.batch, shape.heads, shape.seqlen_q), dtype=cupy.float32)
-    else:
-        o, lse = out
     row_blocks = -(-shape.group * shape.seqlen_q // _traits.DECODE_ROWS)
     work_units = shape.batch * shape.heads_kv * row_blocks
     if num_splits is None:
@@ -121,14 +177,17 @@ def launch_decode(q, k, v, shape, scale, variant, num_splits=None, *, cache=None
     grid = num_splits * work_units
     if grid > _checks.MAX_GRID_BLOCKS:
         raise ValueError(f"batch * heads_kv * row blocks * splits is {grid}, over CUDA's grid limit")
-    arrays = dict(q=q, k=k, v=v, o=o, lse=lse)
-    partial_lse = None
+    lse_shape = (shape.batch, shape.heads, shape.seqlen_q)
+    # The record is filled from stand-ins (make_params reads addresses and strides; the plan
+    # writes each call's addresses).
+    arrays = dict(q=q, k=k, v=v, o=cupy.ndarray(q.shape, q.dtype, q.data), lse=cupy.ndarray(lse_shape, numpy.float32, q.data))
+    partials = ()
     if num_splits > 1:
         # Partials: normalised O per split (float32) and its lse; O(splits x outputs), never seqlen^2.
-        arrays["o_partial"] = cupy.empty((num_splits, shape.batch, shape.seqlen_q, shape.heads, shape.head_dim),
-                                         dtype=cupy.float32)
-        arrays["lse_partial"] = partial_lse = cupy.empty((num_splits, shape.batch, shape.heads, shape.seqlen_q),
-                                                         dtype=cupy.float32)
+        partial_shapes = ((num_splits, shape.batch, shape.seqlen_q, shape.heads, shape.head_dim),
+                          (num_splits, shape.batch, shape.heads, shape.seqlen_q))
+        arrays["o_partial"], arrays["lse_partial"] = (cupy.ndarray(s, numpy.float32, q.data) for s in partial_shapes)
+        partials = tuple(4 * math.prod(s) for s in partial_shapes)
     if cache is not None:
         arrays.update(cache_seqlens=cache["cache_seqlens"], block_table=cache.get("block_table"),
                       k_new=cache.get("k_new"), v_new=cache.get("v_new"))
@@ -141,29 +200,39 @@ def launch_decode(q, k, v, shape, scale, variant, num_splits=None, *, cache=None
         if cache.get("block_table") is not None:
             params["block_table_stride"] = cache["block_table"].shape[1]
             params["page_shift"] = cache["page_shift"]
-    argument = as_argument(params)
+    launches = []
     rows_spec = ModuleSpec("decode", shape.dtype)
-    if cache is not None and cache.get("k_new") is not None:
-        append = get_kernel(rows_spec, rows_spec.append_kernel())
-        rows = shape.batch * int(cache["k_new"].shape[1]) * shape.heads_kv
-        append_grid = row_kernel_grid(rows)
-        launch(append, (append_grid,), (_traits.ROW_KERNEL_THREADS,), argument,
-               early=append_grid <= _sm_count(device))
-    spec = ModuleSpec("decode", shape.dtype, shape.tile, features=variant.flags)
-    smem = _traits.decode_smem_bytes(shape.tile)
-    kernel = get_kernel(spec, spec.decode_kernel(variant.causal), smem)
+    sms = _sm_count(device)
     # The kernels may start before the kernel ahead of them ends (_launch.py): the append and the
     # decode kernel only when their grid fits on the SMs. GQA 8:1 batch 1 (128 blocks) on the H100:
     # 32.6 -> 31.4 us a call at 32k keys, 12.9 -> 11.6 us at 4k; with k_new, the append early too:
     # 12.43 -> 11.72 us at 4k. Launched early, a grid of 256 blocks (1:1, batch 8, unsplit) ran 13%
     # slower (1701 against 1488 us a call), and one of 384 blocks 5% slower.
-    early = grid <= _sm_count(device)
-    launch(kernel, (grid,), (32 * _traits.DECODE_WARPS,), argument, smem, early=early)
-    if partial_lse is not None:
-        combine = get_kernel(rows_spec, rows_spec.combine_kernel("float32"))
-        launch(combine, *combine_launch(shape.batch * shape.seqlen_q * shape.heads, num_splits), argument,
-               early=True)
-    return o, lse
+    if cache is not None and cache.get("k_new") is not None:
+        append_grid = row_kernel_grid(shape.batch * int(cache["k_new"].shape[1]) * shape.heads_kv)
+        launches.append((get_kernel(rows_spec, rows_spec.append_kernel()), append_grid, _traits.ROW_KERNEL_THREADS, 0,
+                         append_grid <= sms))
+    spec = ModuleSpec("decode", shape.dtype, shape.tile, features=variant.flags)
+    smem = _traits.decode_smem_bytes(shape.tile)
+    launches.append((get_kernel(spec, spec.decode_kernel(variant.causal), smem), grid, 32 * _traits.DECODE_WARPS, smem,
+                     grid <= sms))
+    if partials:
+        (combine_grid,), (combine_threads,) = combine_launch(shape.batch * shape.seqlen_q * shape.heads, num_splits)
+        launches.append((get_kernel(rows_spec, rows_spec.combine_kernel("float32")), combine_grid, combine_threads, 0,
+                         True))
+    record = PointerRecord(params, {name: name for name in _NAMES if name in arrays and arrays[name] is not None})
+    held = tuple(x for x in variant.device_arrays() if x is not None)
+    return DecodePlan(record, tuple(launches), q, lse_shape, partials, held)
+
+
+def launch_decode(q, k, v, shape, scale, variant, num_splits=None, *, cache=None, out=None):
+    """o, lse of the decode kernel (with its combine when split), as decode_plan plans it; ``out``:
+    (o, lse) to write, checked by forward.check_outputs (else allocated)."""
+    variant = variant.on_device()
+    plan = decode_plan(q, k, v, shape, scale, variant, num_splits, cache=cache)
+    cache = cache or {}
+    return plan.run((q, k, v, cache.get("cache_seqlens"), cache.get("block_table"), cache.get("k_new"),
+                     cache.get("v_new")), out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,10 +320,9 @@ def _in_place_ready(name, x):
     return x
 
 
-@on_stream
 def flash_decode(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
                  softmax_scale=None, causal=False, window_size=None, softcap=0.0, alibi_slopes=None, sink=None,
-                 num_splits=None):
+                 num_splits=None, stream=None):
     """Attention of new queries against a K/V cache, appending k_new/v_new into it first.
 
     q: (batch, seqlen_q, heads_q, head_dim) float16/bfloat16, the new tokens' queries.
@@ -278,6 +346,31 @@ def flash_decode(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, 
 
     Returns (o, lse): o like q; lse float32 (batch, heads_q, seqlen_q).
     """
+    # A repeated call on CuPy arrays without ALiBi or a sink takes its checked plan (_plans) and launches.
+    if stream is None and alibi_slopes is None and sink is None:
+        plan = _plans.get(_plan_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, softmax_scale,
+                                    causal, window_size, softcap, num_splits))
+        if plan is not None:
+            result = plan.call((q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new))
+            if result is not None:
+                return result
+    return _decode_checked(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, softmax_scale, causal,
+                           window_size, softcap, alibi_slopes, sink, num_splits, stream=stream)
+
+
+flash_decode.__doc__ = flash_decode.__doc__.rstrip() + "\n" + STREAM_DOC
+
+
+@on_stream
+def _decode_checked(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, softmax_scale, causal, window_size,
+                    softcap, alibi_slopes, sink, num_splits):
+    """flash_decode with every check, on the stream the wrapper made current; keeps the plan of a
+    call that _plan_key describes and that read every array in place."""
+    given = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
+    key = None
+    if alibi_slopes is None and sink is None:
+        key = _plan_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, softmax_scale, causal,
+                        window_size, softcap, num_splits)
     shape, page_shift = check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     scale = _checks.check_softmax_scale(softmax_scale, shape.head_dim)
     causal = _checks.check_flag("causal", causal)
@@ -301,7 +394,52 @@ def flash_decode(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, 
         k_cache, v_cache = _in_place_ready("k_cache", k_cache), _in_place_ready("v_cache", v_cache)
         cache = dict(cache_seqlens=_contiguous(cache_seqlens), block_table=_contiguous(block_table),
                      page_shift=page_shift, k_new=k_new, v_new=v_new)
-        return launch_decode(q, k_cache, v_cache, shape, scale, variant, num_splits, cache=cache)
+        variant = variant.on_device()
+        plan = decode_plan(q, k_cache, v_cache, shape, scale, variant, num_splits, cache=cache)
+        arrays = (q, k_cache, v_cache, cache["cache_seqlens"], cache["block_table"], k_new, v_new)
+        if key is not None and all(x is y for x, y in zip(arrays, given)):   # checked, and no copy made
+            _launch.kept(_plans, key, plan)
+        return plan.run(arrays)
+
+
+# Plans of decode calls without ALiBi or a sink that passed the checks with every array readable in
+# place, by everything the checks and the plan read (as forward._plans): shapes, strides, dtypes,
+# alignment and devices of the arrays, and the options with their types.
+_plans: dict = {}
+
+
+def _plan_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, softmax_scale, causal, window_size,
+              softcap, num_splits):
+    ndarray = _cupy_ndarray()
+    if type(q) is not ndarray or type(k_cache) is not ndarray or type(v_cache) is not ndarray \
+            or type(cache_seqlens) is not ndarray:
+        return None
+    optional = []
+    aligned = q.data.ptr | k_cache.data.ptr | v_cache.data.ptr   # as read in place (block_table need not be)
+    for x in (k_new, v_new, block_table):
+        if x is None:
+            optional.append(None)
+        elif type(x) is not ndarray:
+            return None
+        else:
+            optional.append((x.shape, x.strides, x.dtype, x.data.device_id))
+            aligned |= x.data.ptr if x is not block_table else 0
+    if window_size is not None:
+        if type(window_size) is not tuple:
+            return None
+        window_size = (window_size, tuple(type(n) for n in window_size))
+    return (q.shape, q.strides, q.dtype, q.data.device_id, k_cache.shape, k_cache.strides, k_cache.dtype,
+            k_cache.data.device_id, v_cache.shape, v_cache.strides, v_cache.dtype, v_cache.data.device_id,
+            cache_seqlens.shape, cache_seqlens.strides, cache_seqlens.dtype, cache_seqlens.data.device_id,
+            *optional, aligned & 15, type(softmax_scale), softmax_scale, type(causal), causal, window_size,
+            type(softcap), softcap, type(num_splits), num_splits)
+
+
+@functools.lru_cache(maxsize=None)
+def _cupy_ndarray():
+    import cupy
+
+    return cupy.ndarray
 
 
 def _contiguous(x):

@@ -5,12 +5,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import math
+
+import numpy
 
 from . import _checks, _families, _tma, _traits
 from ._compile import ModuleSpec, device_value, get_kernel
-from ._launch import TileCounters, cached, kept, kernel_parameters, launch_buffers, packed_once
+from ._launch import Packed, TileCounters, cached, cuda_calls, current_stream, kept, packed_once, ready_stream
 from ._params import PointerRecord, make_params
-from ._streams import on_stream, record_kernel_arrays
+from ._streams import STREAM_DOC, on_stream, record_kernel_arrays
 from .decode import check_num_splits, launch_decode, uses_split_path
 
 _SM90_MAPS_BYTES = 4 * _tma.MAP_BYTES   # kernels_cu/forward_sm90.cu: ForwardSm90Maps (tests/test_compile.py holds them equal)
@@ -21,48 +24,93 @@ _BINDINGS = {name: name for name in ("q", "k", "v", "o", "lse")}   # the pointer
 
 class ForwardPlan:
     """Everything a forward launch needs but the arrays' addresses: the kernel, its grid, block and
-    shared memory, and the params record (a PointerRecord: the q, k, v, o, lse fields written per call). A plan is a
-    function of the checked call (shapes, strides, dtype, options, device), so calls that repeat one
-    (a training loop) reuse it: see flash_forward's plan cache."""
+    shared memory, the params record (a PointerRecord: the q, k, v, o, lse fields written per call)
+    and, on Hopper, the arrays' layouts its tensor maps are encoded from. A plan is a function of
+    the checked call (shapes, strides, dtype, options, device), so calls that repeat one (a training
+    loop) reuse it: see flash_forward's plan cache. It launches on addresses (``launch``), so the
+    adapters run it on their framework's buffers."""
 
-    def __init__(self, kernel, grid: int, threads: int, smem: int, params, lse_shape: tuple, variant,
+    def __init__(self, kernel, grid: int, threads: int, smem: int, params, q, lse_shape: tuple, variant,
                  maps: tuple = (), tile_counter_bytes: int = 0):
+        self.cuda = cuda_calls()
         self.kernel, self.grid, self.threads, self.smem = kernel, grid, threads, smem
         self.record, self.lse_shape = PointerRecord(params, _BINDINGS), lse_shape
+        self.o_shape, self.o_dtype = tuple(q.shape), q.dtype
+        self.o_bytes = q.size * q.dtype.itemsize
+        self.lse_bytes = 4 * math.prod(lse_shape)
         # The variant's device arrays (slopes, sink, bias as float32, cu_seqlens) that params points
         # at: held as long as the plan, so they outlive the launch. Plain plans hold none.
         self.variant_arrays = tuple(x for x in variant.device_arrays() if x is not None)
-        self.maps = maps   # Hopper: _sm90_maps's (dtype, q box rows, k/v box rows, packed); else ()
+        # Hopper: (dtype, q box rows, k/v box rows, packed, the q, k, v, o layouts); else ()
+        self.maps = maps
         # Hopper: blocks take tiles from a counter of this size (0: they do not), one per (host
         # thread, stream).
         self._counters = TileCounters(tile_counter_bytes) if tile_counter_bytes else None
-        self.device = _current_device()   # the kernel handle's
-        self._launches: dict = {}   # kernel_parameters by the arrays' addresses (packed_once)
+        self.device = self.cuda.get_device()   # the kernel handle's
+        self._launches: dict = {}   # Packed by the arrays' addresses, stream and thread (packed_once)
+        self._input_maps: dict = {}    # the q, k, v maps by their addresses
+        self._output_maps: dict = {}   # the o map by its address
 
-    def run(self, q, k, v, out=None):
-        """Launch on kernel-ready q, k, v of the planned shapes, strides and device; returns (o, lse),
-        written into ``out`` = (o, lse) where given (check_outputs' layout), else allocated."""
-        import cupy
-
-        if out is None:
-            o = cupy.empty(q.shape, dtype=q.dtype)
-            lse = cupy.empty(self.lse_shape, dtype=cupy.float32)
-        else:
-            o, lse = out
-        record_kernel_arrays((q, k, v, o, lse) + self.variant_arrays)
-        # A training loop's calls pack nothing (~6 us of the host time before the launch, which
-        # the GPU waits for).
-        parameters = packed_once(self._launches, (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr),
-                                 lambda: self._parameters(q, k, v, o, lse))
-        launch_buffers(self.kernel, self.grid, self.threads, self.smem, parameters)
+    def call(self, q, k, v):
+        """The repeated plain call (flash_forward's plan cache found this plan for q, k, v): (o, lse)
+        in new arrays, or None where the plan cannot launch as it is (another current device, a
+        stream capturing a graph, whose temporaries the general path keeps alive)."""
+        stream = ready_stream(self)
+        if stream is None:
+            return None
+        o, lse = self.outputs()
+        self.launch((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr), stream, False)
         return o, lse
 
-    def _parameters(self, q, k, v, o, lse):
-        record = self.record.filled(dict(q=q, k=k, v=v, o=o, lse=lse))
+    def outputs(self):
+        """New (o, lse) arrays from CuPy's allocator on the current stream: an allocation and a view
+        each (cupy.empty costs ~40% more host time)."""
+        cuda = self.cuda
+        return (cuda.ndarray(self.o_shape, self.o_dtype, cuda.alloc(self.o_bytes)),
+                cuda.ndarray(self.lse_shape, _FLOAT32, cuda.alloc(self.lse_bytes)))
+
+    def run(self, q, k, v, out=None):
+        """Launch on kernel-ready q, k, v of the planned shapes, strides and device, on the current
+        stream; returns (o, lse), written into ``out`` = (o, lse) where given (check_outputs'
+        layout), else allocated."""
+        o, lse = self.outputs() if out is None else out
+        record_kernel_arrays((q, k, v, o, lse) + self.variant_arrays)
+        stream, capturing = current_stream()
+        self.launch((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr), stream, capturing)
+        return o, lse
+
+    def launch(self, addresses: tuple, stream: int, capturing: bool) -> None:
+        """Launch with q, k, v, o, lse at ``addresses`` on the stream at ``stream`` (``capturing``:
+        it is capturing a graph). A training loop's calls pack nothing (~6 us of the host time
+        before the launch, which the GPU waits for)."""
+        packed_once(self._launches, addresses, stream, capturing,
+                    lambda: self._packed(addresses, stream, capturing)).run()
+
+    def _packed(self, addresses: tuple, stream: int, capturing: bool) -> Packed:
+        record = self.record.filled(dict(zip(_NAMES, addresses)))
         if not self.maps:
-            return kernel_parameters((record,))
-        counter = self._counters.address() if self._counters is not None else 0
-        return kernel_parameters((_sm90_maps(q, k, v, o, *self.maps), record, ctypes.c_uint64(counter)))
+            arguments = (record,)
+        else:
+            counter = self._counters.address(stream, capturing) if self._counters is not None else 0
+            arguments = (self._sm90_maps(addresses), record, ctypes.c_uint64(counter))
+        return Packed(((self.kernel, self.grid, self.threads, self.smem, arguments, False),), stream)
+
+    def _sm90_maps(self, addresses: tuple):
+        """The kernel's ForwardSm90Maps argument (q, k, v, o tensor maps), the inputs' and the
+        output's each cached by their addresses (the layouts are the plan's): repeated calls on the
+        same buffers (a training loop) encode nothing, and an output whose memory the pool hands out
+        again (the last call's o, freed) finds its map."""
+        dtype, block_m, block_n, packed, (q, k, v, o) = self.maps
+        q_at, k_at, v_at, o_at = addresses[:4]
+        inputs = cached(self._input_maps, (q_at, k_at, v_at), lambda: (
+            _tma.attention_map_at(q_at, q, dtype, block_m, packed) + _tma.attention_map_at(k_at, k, dtype, block_n, packed)
+            + _tma.attention_map_at(v_at, v, dtype, block_n, packed)))
+        output = cached(self._output_maps, o_at, lambda: _tma.attention_map_at(o_at, o, dtype, _tma.STORE_ROWS, packed))
+        return ctypes.create_string_buffer(inputs + output, _SM90_MAPS_BYTES)
+
+
+_NAMES = ("q", "k", "v", "o", "lse")   # a forward launch's arrays, in the order of its addresses
+_FLOAT32 = numpy.dtype(numpy.float32)
 
 
 def forward_plan(q, k, v, shape, scale, variant, config: tuple = ()) -> ForwardPlan:
@@ -93,8 +141,9 @@ def forward_plan(q, k, v, shape, scale, variant, config: tuple = ()) -> ForwardP
         tiles = -(-shape.seqlen_q // block_m) * shape.batch * shape.heads
         uniform = not variant.causal and variant.window_left is None and variant.packed is None
         grid = min(tiles, device.multiprocessors) if uniform or counter_bytes else tiles
-        return ForwardPlan(kernel, grid, threads, smem, params, lse_shape, variant,
-                           (shape.dtype, block_m, block_n, variant.packed is not None),
+        layouts = tuple(_tma.layout_of(x) for x in (q, k, v, o))
+        return ForwardPlan(kernel, grid, threads, smem, params, q, lse_shape, variant,
+                           (shape.dtype, block_m, block_n, variant.packed is not None, layouts),
                            tile_counter_bytes=counter_bytes)
     if family == "forward_tc":
         target = device.tensor_core_target
@@ -114,7 +163,7 @@ def forward_plan(q, k, v, shape, scale, variant, config: tuple = ()) -> ForwardP
         block_m, _ = _traits.FORWARD_BLOCKS[shape.tile]
         threads = _traits.THREADS
     grid = -(-shape.seqlen_q // block_m) * shape.batch * shape.heads
-    return ForwardPlan(kernel, grid, threads, smem, params, lse_shape, variant)
+    return ForwardPlan(kernel, grid, threads, smem, params, q, lse_shape, variant)
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,26 +178,7 @@ def _sm90_kernel(device: int, dtype: str, tile: int, flags: int, causal: bool, c
             _traits.forward_sm90_threads(spec.config), counter)
 
 
-_maps_cache: dict = {}
-_output_maps: dict = {}
-
-
-def _sm90_maps(q, k, v, o, dtype: str, block_m: int, block_n: int, packed: bool):
-    """The kernel's ForwardSm90Maps argument (q, k, v, o tensor maps), each cached by everything that
-    enters it: repeated calls on the same buffers (a training loop) encode nothing, and an output
-    whose memory the pool hands out again (the last call's o, freed) finds its map."""
-    key = (q.data.ptr, q.shape, q.strides, k.data.ptr, k.shape, k.strides, v.data.ptr, v.shape, v.strides, dtype,
-           block_m, block_n, packed)
-    inputs = cached(_maps_cache, key, lambda: (_tma.attention_map(q, dtype, block_m, packed)
-                                           + _tma.attention_map(k, dtype, block_n, packed)
-                                           + _tma.attention_map(v, dtype, block_n, packed)))
-    output = cached(_output_maps, (o.data.ptr, o.shape, o.strides, dtype, packed),
-                    lambda: _tma.attention_map(o, dtype, _tma.STORE_ROWS, packed))
-    return ctypes.create_string_buffer(inputs + output, _SM90_MAPS_BYTES)
-
-
-@on_stream
-def flash_forward(q, k, v, *, softmax_scale=None, causal=False, num_splits=None, **features):
+def flash_forward(q, k, v, *, softmax_scale=None, causal=False, num_splits=None, stream=None, **features):
     """Exact attention ``softmax(softmax_scale * q k^T) v`` without materialising the scores.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim) with
@@ -181,10 +211,19 @@ def flash_forward(q, k, v, *, softmax_scale=None, causal=False, num_splits=None,
     total_q)), the natural-log logsumexp of the logits (the sink included), -inf (with o = 0) for
     a row that sees no key.
     """
-    # forward_into's body: this wrapper has taken the stream (a second wrapper costs ~1 us of the
-    # host time before the launch)
-    return forward_into.__wrapped__(None, q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                    num_splits=num_splits, **features)
+    # A repeated plain call on CuPy arrays takes its checked plan (_plans) and launches: no checks,
+    # no stream wrapper (the host time before the launch is what a short call's GPU waits for).
+    if stream is None and num_splits is None and not features:
+        plan = _plans.get(_plan_key(q, k, v, softmax_scale, causal))
+        if plan is not None:
+            result = plan.call(q, k, v)
+            if result is not None:
+                return result
+    return forward_into(None, q, k, v, softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
+                        stream=stream, **features)
+
+
+flash_forward.__doc__ = flash_forward.__doc__.rstrip() + "\n" + STREAM_DOC
 
 
 @on_stream
@@ -258,9 +297,10 @@ def _plan_key(q, k, v, softmax_scale, causal):
     if type(q) is not ndarray or type(k) is not ndarray or type(v) is not ndarray:
         return None
     q_data, k_data, v_data = q.data, k.data, v.data
-    return (q.shape, q.strides, q.dtype, q_data.ptr % 16, q_data.device_id,
-            k.shape, k.strides, k.dtype, k_data.ptr % 16, k_data.device_id,
-            v.shape, v.strides, v.dtype, v_data.ptr % 16, v_data.device_id,
+    # The addresses' alignment as one value: a kept plan's arrays were read in place, 16-byte aligned
+    # (_checks.readable_in_place), so only a key whose three are aligned can find one.
+    return (q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype, v.dtype,
+            (q_data.ptr | k_data.ptr | v_data.ptr) & 15, q_data.device_id, k_data.device_id, v_data.device_id,
             type(softmax_scale), softmax_scale, type(causal), causal, _families.kernels_setting())
 
 

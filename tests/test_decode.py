@@ -417,8 +417,8 @@ def test_chained_calls_with_early_launches(monkeypatch):
         return outputs
 
     early = []
-    launch_early = _launch._launch_early
-    monkeypatch.setattr(_launch, "_launch_early", lambda *args: early.append(launch_early(*args)) or early[-1])
+    launch_ex = _launch._launch_ex
+    monkeypatch.setattr(_launch, "_launch_ex", lambda *args: early.append(launch_ex(*args)) or early[-1])
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         reset()

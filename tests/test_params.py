@@ -21,7 +21,7 @@ def test_a_plan_record_with_new_addresses_is_the_record_of_the_new_call():
     planned = make_params(shape, 0.125, variant=variant, **dict(zip(("q", "k", "v", "o", "lse"), first)))
     expected = make_params(shape, 0.125, variant=variant, **dict(zip(("q", "k", "v", "o", "lse"), second)))
     names = ("q", "k", "v", "o", "lse")   # forward.ForwardPlan's record: these five fields per call
-    argument = PointerRecord(planned, {name: name for name in names}).filled(dict(zip(names, second)))
+    argument = PointerRecord(planned, {name: name for name in names}).filled({n: x.data.ptr for n, x in zip(names, second)})
     assert bytes(argument) == expected.tobytes() and len(bytes(argument)) == PARAMS_DTYPE.itemsize
     assert int(numpy.frombuffer(bytes(argument), numpy.uint64)[3]) == second[3].data.ptr
 
@@ -49,8 +49,9 @@ def test_a_pointer_record_writes_each_bound_field_and_nothing_else():
     for r in (planned, expected):   # unbound fields between bound ones (a variant's arrays) keep their bytes
         r["sink"], r["lse_log2"], r["bias"] = 0x5151 << 8, 0x1062 << 8, 0xB1A5 << 8
     planned = PointerRecord(planned, bindings)
-    assert bytes(planned.filled(second)) == expected.tobytes()
-    assert int(numpy.frombuffer(bytes(planned.filled(second)), numpy.uint64)[PARAMS_DTYPE.names.index("dk")]) == \
+    addresses = {name: None if x is None else x.data.ptr for name, x in second.items()}
+    assert bytes(planned.filled(addresses)) == expected.tobytes()
+    assert int(numpy.frombuffer(bytes(planned.filled(addresses)), numpy.uint64)[PARAMS_DTYPE.names.index("dk")]) == \
         second["dk_heads"].data.ptr
 
 
