@@ -1,33 +1,43 @@
-"""PyTorch adapter (imported only when used): ``flash_attn_func`` as ``torch.library`` custom ops.
+"""PyTorch adapter (imported only when used): ``flash_attn_func`` with gradients through autograd.
 
     from cupy_flash.torch_adapter import flash_attn_func
     o = flash_attn_func(q, k, v, causal=True)      # q (batch, seqlen_q, heads_q, d), CUDA tensors
     o.sum().backward()                              # q.grad, k.grad, v.grad (and sink.grad, bias.grad)
 
-The forward and the backward are the custom ops ``torch.ops.cupy_flash.forward`` and
-``torch.ops.cupy_flash.backward``, each with a fake (meta) implementation giving its outputs'
-shapes, and the autograd formula registered on the forward. So ``torch.compile(fullgraph=True)``
-traces a model that calls them without graph breaks, and CUDA graphs capture them.
+Two routes to the same kernels:
+- **Eager** calls go through a ``torch.autograd.Function`` (or no autograd node at all where no
+  input requires grad), whose forward and backward launch the kernels on PyTorch's buffers.
+- **Traced** calls (``torch.compile``, export, fake tensors) see the custom ops
+  ``torch.ops.cupy_flash.forward`` and ``torch.ops.cupy_flash.backward``, each with a fake (meta)
+  implementation giving its outputs' shapes, and the autograd formula registered on the forward.
+  So ``torch.compile(fullgraph=True)`` traces a model that calls them without graph breaks, and
+  CUDA graphs capture them.
+The custom ops' dispatch costs ~20 us of host time a call (bench/host_overhead.py), which eager
+calls do not pay.
 
-Tensors pass both ways through DLPack without a copy; the outputs are PyTorch tensors the op
-allocates and the kernels write into, and the kernels' temporaries come from PyTorch's caching
-allocator (so a CUDA-graph capture keeps them in its private pool). The kernels run on PyTorch's
-current stream. Options are flash_forward's: softmax_scale, causal, window_size, softcap,
-alibi_slopes, sink, bias, cu_seqlens_q/k with max_seqlen_q/k, and the backward's deterministic.
-q, k, v, sink and bias may require grad (bias gets its gradient reduced to its own shape).
+A repeated plain call (no sink, bias, ALiBi, window, softcap or packed batch) finds its checked
+launch plan by the tensors' shapes, strides, dtypes, alignment and device and launches on their
+addresses: no DLPack, no CuPy arrays, no stream objects. Other calls (and the first of each kind)
+take the tensors through DLPack without a copy and run flash_forward's checks; their temporaries
+come from PyTorch's caching allocator (so a CUDA-graph capture keeps them in its private pool). The
+outputs are PyTorch tensors the kernels write into, on PyTorch's current stream. Options are
+flash_forward's: softmax_scale, causal, window_size, softcap, alibi_slopes, sink, bias,
+cu_seqlens_q/k with max_seqlen_q/k, and the backward's deterministic. q, k, v, sink and bias may
+require grad (bias gets its gradient reduced to its own shape).
 """
 
 import contextlib
-from typing import Optional
 
 import torch
 
+from . import _launch, backward, forward
 from .backward import backward_into
 from .forward import forward_into
 
 _TENSOR_OPTIONS = ("alibi_slopes", "cu_seqlens_q", "cu_seqlens_k")
 _STATIC_OPTIONS = ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "window_size", "softcap")
 _OPTIONS = _TENSOR_OPTIONS + _STATIC_OPTIONS + ("deterministic",)
+_OPTION_NAMES = frozenset(_OPTIONS)
 
 
 def to_torch(array):
@@ -42,16 +52,163 @@ def to_torch(array):
 
 def flash_attn_func(q, k, v, *, sink=None, bias=None, deterministic=False, **options):
     """Exact attention with gradients through PyTorch's autograd; options as flash_forward's."""
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
+    if not options.keys() <= _OPTION_NAMES:
+        unknown = sorted(set(options) - _OPTION_NAMES)
         raise TypeError(f"flash_attn_func got unexpected option(s) {unknown}; it takes {sorted(_OPTIONS + ('sink', 'bias'))}")
     window = options.get("window_size")
-    o, _ = torch.ops.cupy_flash.forward(
-        q, k, v, sink, bias, options.get("alibi_slopes"), options.get("cu_seqlens_q"), options.get("cu_seqlens_k"),
-        options.get("max_seqlen_q"), options.get("max_seqlen_k"), options.get("softmax_scale"),
-        bool(options.get("causal", False)), None if window is None else [int(n) for n in window],
-        float(options.get("softcap", 0.0)), bool(deterministic))
-    return o
+    tensors = (sink, bias, options.get("alibi_slopes"), options.get("cu_seqlens_q"), options.get("cu_seqlens_k"))
+    static = (options.get("max_seqlen_q"), options.get("max_seqlen_k"), options.get("softmax_scale"),
+              bool(options.get("causal", False)), None if window is None else [int(n) for n in window],
+              float(options.get("softcap", 0.0)), bool(deterministic))
+    if type(q) is not torch.Tensor or not q.is_cuda or torch.compiler.is_compiling():
+        return torch.ops.cupy_flash.forward(q, k, v, *tensors, *static)[0]   # traced, or not CUDA: the op
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or any(x is not None and x.requires_grad for x in tensors[:2])):
+        return _Attention.apply(q, k, v, *tensors, static)
+    return _forward(q, k, v, *tensors, *static[:-1])[0]
+
+
+class _Attention(torch.autograd.Function):
+    """Eager calls' autograd node: the custom ops' forward and backward without their dispatch."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, static):
+        o, lse = _forward(q, k, v, sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *static[:-1])
+        ctx.save_for_backward(q, k, v, o, lse, sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+        ctx.static = static   # max_seqlen_q/k, softmax_scale, causal, window_size, softcap, deterministic
+        return o
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do):
+        q, k, v, o, lse, sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        want_dbias = bias is not None and ctx.needs_input_grad[4]
+        dq, dk, dv, dsink, dbias = _backward(do, q, k, v, o, lse, sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                             *ctx.static, want_dbias)
+        return (dq, dk, dv, dsink if sink is not None else None, dbias if want_dbias else None) + (None,) * 4
+
+
+# -------------------------------------------------------------------------------------------------
+# The implementations both routes share.
+
+def _forward(q, k, v, sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+             causal, window_size, softcap):
+    """(o, lse) of flash_forward on tensors: a repeated plain call through its plan, else checked."""
+    plain = (sink is None and bias is None and alibi_slopes is None and cu_seqlens_q is None and cu_seqlens_k is None
+             and max_seqlen_q is None and max_seqlen_k is None and window_size is None and not softcap)
+    if plain:
+        key = _forward_key(q, k, v, softmax_scale, causal)
+        plan = _forward_plans.get(key)
+        if plan is not None:
+            stream = _launch.ready_stream(plan, _raw_stream(plan.device))
+            if stream is not None:
+                o, lse = q.new_empty(plan.o_shape), q.new_empty(plan.lse_shape, dtype=torch.float32)
+                plan.launch((q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr()), stream, False)
+                return o, lse
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32, device=q.device)
+    features = _features(sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                         causal, window_size, softcap)
+    with _torch_memory(q.device), _on_torch_stream(q):
+        views = _views(("q", "k", "v"), (q, k, v))
+        forward_into((o, lse), *views, **features)
+        if plain:   # the plan flash_forward kept for these views, found from now on by the tensors
+            plan = forward._plans.get(forward._plan_key(*views, softmax_scale, causal))
+            if plan is not None:
+                _launch.kept(_forward_plans, key, plan)
+    return o, lse
+
+
+def _backward(do, q, k, v, o, lse, sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              softmax_scale, causal, window_size, softcap, deterministic, want_dbias):
+    """(dq, dk, dv, dsink, dbias) of flash_backward on tensors; dsink and dbias are None where not
+    asked for. A repeated plain call through its plan, else checked."""
+    do = do.contiguous()   # an expanded gradient (o.sum()'s) is read once, here, rather than copied per view
+    plain = (sink is None and bias is None and alibi_slopes is None and cu_seqlens_q is None and cu_seqlens_k is None
+             and max_seqlen_q is None and max_seqlen_k is None and window_size is None and not softcap)
+    if plain:
+        key = _backward_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic)
+        plan = _backward_plans.get(key)
+        if plan is not None:
+            stream = _launch.ready_stream(plan, _raw_stream(plan.device))
+            if stream is not None:
+                workspace = q.new_empty(plan.workspace_bytes, dtype=torch.uint8)   # PyTorch's, on this stream
+                first = plan.launch_first((do.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
+                                           lse.data_ptr()), workspace.data_ptr(), stream, False)
+                dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+                plan.launch_rest(first + (dq.data_ptr(), dk.data_ptr(), dv.data_ptr()), stream, False)
+                return dq, dk, dv, None, None
+    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    features = _features(sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         softmax_scale, causal, window_size, softcap)
+    with _torch_memory(q.device), _on_torch_stream(q):
+        views = _views(("do", "q", "k", "v", "o", "lse"), (do, q, k, v, o, lse))
+        grads = backward_into((dq, dk, dv), *views, deterministic=deterministic, return_dbias=want_dbias, **features)
+        # dsink and dbias are CuPy arrays here over memory of PyTorch's (the allocator below):
+        # copied into tensors of their own, as a custom op's outputs must not share memory.
+        dsink = to_torch(grads[3]).clone() if sink is not None else None
+        dbias = to_torch(grads[-1]).clone() if want_dbias else None
+        if plain:
+            plan = backward._plans.get(backward._plan_key(*views, softmax_scale, causal, deterministic))
+            if plan is not None:
+                _launch.kept(_backward_plans, key, plan)
+    return dq, dk, dv, dsink, dbias
+
+
+# Plans of plain calls by what the checks read of the tensors (shapes, strides, dtypes, the
+# addresses' alignment, devices) and the options with their types: the plan flash_forward (or
+# flash_backward) kept for the same call on CuPy views of them, which reads them in place.
+_forward_plans: dict = {}
+_backward_plans: dict = {}
+
+
+def _forward_key(q, k, v, softmax_scale, causal):
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+            (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15, q.get_device(), k.get_device(), v.get_device(),
+            type(softmax_scale), softmax_scale, causal, forward._families.kernels_setting())
+
+
+def _backward_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic):
+    return _forward_key(q, k, v, softmax_scale, causal) + (
+        do.shape, do.stride(), do.dtype, o.shape, o.stride(), o.dtype, lse.shape, lse.stride(), lse.dtype,
+        (do.data_ptr() | o.data_ptr()) & 15, do.get_device(), o.get_device(), lse.get_device(), deterministic)
+
+
+def _raw_stream(device: int) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+if hasattr(torch._C, "_cuda_getCurrentRawStream"):   # PyTorch's own fast accessor (what Inductor's code calls)
+    _raw_stream = torch._C._cuda_getCurrentRawStream  # noqa: F811
+
+
+@contextlib.contextmanager
+def _on_torch_stream(q):
+    """q's device and PyTorch's current stream there, current for CuPy inside: DLPack hands the
+    tensors over on it (no wait between streams, which a capturing stream would refuse) and the
+    kernels launch on it."""
+    import cupy
+
+    from ._streams import as_cupy_stream
+
+    device = q.get_device()
+    pointer = _raw_stream(device)
+    with cupy.cuda.Device(device):
+        stream = _cupy_streams.get(pointer)
+        if stream is None:
+            stream = _launch.kept(_cupy_streams, pointer, as_cupy_stream(pointer))
+        with stream:
+            yield
+
+
+_cupy_streams: dict = {}   # CuPy's objects for PyTorch's streams, by pointer
+
+
+def _views(names: tuple, tensors: tuple) -> tuple:
+    """CuPy views (DLPack, no copy) of tensors: detached, as DLPack refuses tensors that require grad."""
+    from ._checks import as_gpu_array
+
+    return tuple(as_gpu_array(name, x.detach()) for name, x in zip(names, tensors))
 
 
 def _features(sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
@@ -70,53 +227,49 @@ def _lse_shape(q, cu_seqlens_q):
     return (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
 
 
-@torch.library.custom_op("cupy_flash::forward", mutates_args=(), device_types="cuda")
-def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: Optional[torch.Tensor],
-                bias: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
-                cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
-                softmax_scale: Optional[float], causal: bool, window_size: Optional[list[int]], softcap: float,
-                deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) of flash_forward (``deterministic`` is the backward's, kept for it)."""
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32, device=q.device)
-    features = _features(sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         softmax_scale, causal, window_size, softcap)
-    with _torch_memory(q.device):
-        forward_into((o, lse), q.detach(), k.detach(), v.detach(), stream=torch.cuda.current_stream(q.device),
-                     **features)
-    return o, lse
+# -------------------------------------------------------------------------------------------------
+# The custom ops: what torch.compile, export and fake tensors see. Defined through torch.library's
+# Library (schema, CUDA kernel, fake kernel, autograd formula): torch.library.custom_op's wrapper
+# (aliasing checks, a dynamo-disabled frame) doubled a call's dispatch (bench/host_overhead.py).
+
+_LIBRARY = torch.library.Library("cupy_flash", "DEF")
+_OPTIONAL_ARGUMENTS = ("Tensor? sink, Tensor? bias, Tensor? alibi_slopes, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+                       "int? max_seqlen_q, int? max_seqlen_k, float? softmax_scale, bool causal, int[]? window_size, "
+                       "float softcap, bool deterministic")
+_LIBRARY.define(f"forward(Tensor q, Tensor k, Tensor v, {_OPTIONAL_ARGUMENTS}) -> (Tensor, Tensor)")
+_LIBRARY.define(f"backward(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, {_OPTIONAL_ARGUMENTS}, "
+                "bool want_dbias) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
-@_forward_op.register_fake
+def _forward_kernel(q, k, v, sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    softmax_scale, causal, window_size, softcap, deterministic):
+    """cupy_flash::forward: (o, lse) of flash_forward (``deterministic`` is the backward's, kept for it)."""
+    return _forward(q, k, v, sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    softmax_scale, causal, window_size, softcap)
+
+
+def _backward_kernel(do, q, k, v, o, lse, sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, softmax_scale, causal, window_size, softcap, deterministic, want_dbias):
+    """cupy_flash::backward: (dq, dk, dv, dsink, dbias) of flash_backward; dsink and dbias are empty
+    where not asked for (an op's outputs are tensors of their own)."""
+    dq, dk, dv, dsink, dbias = _backward(do, q, k, v, o, lse, sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                         max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap,
+                                         deterministic, want_dbias)
+    return (dq, dk, dv, q.new_empty(0, dtype=torch.float32) if dsink is None else dsink,
+            q.new_empty(0, dtype=torch.float32) if dbias is None else dbias)
+
+
+_LIBRARY.impl("forward", _forward_kernel, "CUDA")
+_LIBRARY.impl("backward", _backward_kernel, "CUDA")
+
+
+@torch.library.register_fake("cupy_flash::forward", lib=_LIBRARY)
 def _(q, k, v, sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
       causal, window_size, softcap, deterministic):
     return q.new_empty(q.shape), q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
 
 
-@torch.library.custom_op("cupy_flash::backward", mutates_args=(), device_types="cuda")
-def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                 lse: torch.Tensor, sink: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                 alibi_slopes: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
-                 cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
-                 softmax_scale: Optional[float], causal: bool, window_size: Optional[list[int]], softcap: float,
-                 deterministic: bool, want_dbias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                 torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dsink, dbias) of flash_backward; dsink and dbias are empty where not asked for."""
-    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    features = _features(sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         softmax_scale, causal, window_size, softcap)
-    with _torch_memory(q.device):
-        grads = backward_into((dq, dk, dv), do.detach().contiguous(), q.detach(), k.detach(), v.detach(), o.detach(),
-                              lse.detach(), stream=torch.cuda.current_stream(q.device), deterministic=deterministic,
-                              return_dbias=want_dbias, **features)
-        # dsink and dbias are CuPy arrays here over memory of PyTorch's (the allocator below):
-        # copied into tensors of their own, as a custom op's outputs must not share memory.
-        dsink = to_torch(grads[3]).clone() if sink is not None else q.new_empty(0, dtype=torch.float32)
-        dbias = to_torch(grads[-1]).clone() if want_dbias else q.new_empty(0, dtype=torch.float32)
-    return dq, dk, dv, dsink, dbias
-
-
-@_backward_op.register_fake
+@torch.library.register_fake("cupy_flash::backward", lib=_LIBRARY)
 def _(do, q, k, v, o, lse, sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
       softmax_scale, causal, window_size, softcap, deterministic, want_dbias):
     dsink = sink.new_empty(sink.shape) if sink is not None else q.new_empty(0, dtype=torch.float32)
@@ -130,19 +283,19 @@ def _setup_context(ctx, inputs, output):
     ctx.static = rest[3:]   # max_seqlen_q/k, softmax_scale, causal, window_size, softcap, deterministic
 
 
-def _backward(ctx, do, _dlse):
+def _backward_formula(ctx, do, _dlse):
     # lse's gradient is not formed (flash_backward takes o's only); the forward's users get lse
     # from the op but flash_attn_func returns o alone.
     q, k, v, o, lse, sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap, deterministic = ctx.static
     want_dbias = bias is not None and ctx.needs_input_grad[4]
     dq, dk, dv, dsink, dbias = torch.ops.cupy_flash.backward(
-        do, q, k, v, o, lse, sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        softmax_scale, causal, window_size, softcap, deterministic, want_dbias)
+        do, q, k, v, o, lse, sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k, softmax_scale, causal, window_size, softcap, deterministic, want_dbias)
     return (dq, dk, dv, dsink if sink is not None else None, dbias if want_dbias else None) + (None,) * 10
 
 
-_forward_op.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd("cupy_flash::forward", _backward_formula, setup_context=_setup_context, lib=_LIBRARY)
 
 
 @contextlib.contextmanager
