@@ -40,7 +40,7 @@ import jax
 import numpy
 from jax.experimental.buffer_callback import buffer_callback
 
-from . import _checks
+from . import _checks, _launch, backward, forward
 from ._launch import kept
 from .backward import backward_into
 from .forward import forward_into
@@ -76,12 +76,11 @@ def _attention(static: tuple):
         lead = q.shape[:-4]
         results = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct(lead + (batch, heads, seqlen_q), numpy.float32))
-        return buffer_callback(functools.partial(_forward_callback, options), results,
-                               vmap_method="broadcast_all")(q, k, v)
+        return buffer_callback(_ForwardCallback(options), results, vmap_method="broadcast_all")(q, k, v)
 
     def backward_call(do, q, k, v, o, lse):
         results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-        return buffer_callback(functools.partial(_backward_callback, options, deterministic), results,
+        return buffer_callback(_BackwardCallback(options, deterministic), results,
                                vmap_method="broadcast_all")(do, q, k, v, o, lse)
 
     @jax.custom_vjp
@@ -102,18 +101,68 @@ def _attention(static: tuple):
 
 
 # -------------------------------------------------------------------------------------------------
-# The callbacks: XLA's buffers as CuPy arrays on XLA's stream.
+# The callbacks: XLA's buffers, launched on by address on XLA's stream.
 
-def _forward_callback(options, context, outputs, q, k, v):
-    o, lse = outputs
-    with _on_xla_stream(context, q):
-        forward_into((_folded(o), _folded(lse, rank=3)), _folded(q), _folded(k), _folded(v), **options)
+class _ForwardCallback:
+    """The forward's buffer_callback: one per traced call, so its shapes, dtypes and options are
+    fixed. The first execution on a stream takes XLA's buffers as CuPy views through flash_forward's
+    checked route and keeps the plan it made; later ones launch that plan on the buffers' addresses
+    (XLA's buffers are row-major and aligned, as the plan read them), the callback's whole cost
+    being the host time XLA waits for."""
+
+    def __init__(self, options: dict):
+        self.options = options
+        self.plans: dict = {}   # XLA's stream -> the plan (one stream per device)
+
+    def __call__(self, context, outputs, q, k, v):
+        stream = int(context.stream)
+        plan = self.plans.get(stream)
+        if plan is not None and _launch.ready_stream(plan, stream) is not None:
+            o, lse = outputs
+            plan.launch((_device_pointer(q), _device_pointer(k), _device_pointer(v), _device_pointer(o),
+                         _device_pointer(lse)), stream, False)
+            return
+        o, lse = outputs
+        with _on_xla_stream(context, q):
+            views = (_folded(q), _folded(k), _folded(v))
+            forward_into((_folded(o), _folded(lse, rank=3)), *views, **self.options)
+            if _plain(self.options):   # flash_forward kept its plan (unless it copied)
+                plan = forward._plans.get(forward._plan_key(*views, self.options["softmax_scale"], self.options["causal"]))
+                if plan is not None:
+                    self.plans[stream] = plan
 
 
-def _backward_callback(options, deterministic, context, outputs, do, q, k, v, o, lse):
-    with _on_xla_stream(context, q):
-        backward_into(tuple(_folded(x) for x in outputs), _folded(do), _folded(q), _folded(k), _folded(v), _folded(o),
-                      _folded(lse, rank=3), deterministic=deterministic, **options)
+class _BackwardCallback:
+    """The backward's buffer_callback (as _ForwardCallback)."""
+
+    def __init__(self, options: dict, deterministic: bool):
+        self.options, self.deterministic = options, deterministic
+        self.plans: dict = {}
+
+    def __call__(self, context, outputs, do, q, k, v, o, lse):
+        stream = int(context.stream)
+        plan = self.plans.get(stream)
+        if plan is not None and _launch.ready_stream(plan, stream) is not None:
+            with _stream(stream):   # CuPy's pool hands the block out again in this stream's order only
+                workspace = plan.cuda.alloc(plan.workspace_bytes)
+            first = plan.launch_first(tuple(_device_pointer(x) for x in (do, q, k, v, o, lse)), workspace.ptr, stream,
+                                      False)
+            plan.launch_rest(first + tuple(_device_pointer(x) for x in outputs), stream, False)
+            return
+        with _on_xla_stream(context, q):
+            views = tuple(_folded(x, rank=3 if x is lse else 4) for x in (do, q, k, v, o, lse))
+            backward_into(tuple(_folded(x) for x in outputs), *views, deterministic=self.deterministic, **self.options)
+            if _plain(self.options):
+                plan = backward._plans.get(backward._plan_key(*views, self.options["softmax_scale"], self.options["causal"],
+                                                              self.deterministic))
+                if plan is not None:
+                    self.plans[stream] = plan
+
+
+def _plain(options: dict) -> bool:
+    """No option but the scale and causal (_attention leaves out the defaults): a call flash_forward
+    keeps the plan of."""
+    return set(options) <= {"softmax_scale", "causal"}
 
 
 class _on_xla_stream:
