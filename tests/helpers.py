@@ -122,6 +122,23 @@ def backward_family_of(path: str, q, k, v, deterministic: bool, **options) -> st
     return "portable" if family == "backward_tc" else family
 
 
+def torch_on_gpu():
+    """PyTorch, or a skip where it is absent or sees no GPU."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("this PyTorch sees no GPU")
+    return torch
+
+
+def jax_on_gpu():
+    """JAX with buffer_callback, or a skip where it is absent or sees no GPU."""
+    jax = pytest.importorskip("jax")
+    pytest.importorskip("jax.experimental.buffer_callback")
+    if not any(device.platform == "gpu" for device in jax.devices()):
+        pytest.skip("this JAX sees no GPU")
+    return jax
+
+
 # ---------------------------------------------------------------------------------------------
 # Figures printed at the end of the run (conftest.pytest_terminal_summary).
 

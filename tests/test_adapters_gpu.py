@@ -4,7 +4,7 @@ torch.compile(fullgraph=True) and CUDA-graph capture. Skipped where jax or torch
 import os
 
 import pytest
-from helpers import bitwise, check_error_rule, requires_gpu
+from helpers import bitwise, check_error_rule, jax_on_gpu, requires_gpu, torch_on_gpu
 
 import cupy_flash
 from cupy_flash import attention_reference, attention_reference_backward
@@ -13,12 +13,6 @@ pytestmark = requires_gpu
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.4")   # leave the rest to CuPy's pool
 
 
-def _jax():
-    jax = pytest.importorskip("jax")
-    pytest.importorskip("jax.experimental.buffer_callback")
-    if not any(device.platform == "gpu" for device in jax.devices()):
-        pytest.skip("this JAX sees no GPU")
-    return jax
 
 
 def _as_cupy(x):
@@ -38,7 +32,7 @@ def _jax_inputs(jax, shape_q, shape_kv, dtype, seed=0):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_jax_jit_values_and_grads_hold_the_error_rule(dtype, causal):
-    jax = _jax()
+    jax = jax_on_gpu()
     import jax.numpy as jnp
 
     from cupy_flash.jax_adapter import flash_attention
@@ -73,7 +67,7 @@ def test_jax_jit_values_and_grads_hold_the_error_rule(dtype, causal):
 
 
 def test_jax_vmap_folds_into_the_batch():
-    jax = _jax()
+    jax = jax_on_gpu()
     import jax.numpy as jnp
 
     from cupy_flash.jax_adapter import flash_attention
@@ -100,7 +94,7 @@ def test_jax_vmap_folds_into_the_batch():
     dict(q=(1, 16, 2, 64), k=(1, 16, 2, 64), options=dict(softmax_scale=float("nan"))),
 ])
 def test_jax_argument_errors_are_the_cupy_apis(bad):
-    jax = _jax()
+    jax = jax_on_gpu()
     import cupy
     import jax.numpy as jnp
 
@@ -117,7 +111,7 @@ def test_jax_argument_errors_are_the_cupy_apis(bad):
 
 
 def test_jax_decode_updates_a_donated_cache_in_place():
-    jax = _jax()
+    jax = jax_on_gpu()
     import jax.numpy as jnp
 
     from cupy_flash.jax_adapter import flash_decode
@@ -140,15 +134,8 @@ def test_jax_decode_updates_a_donated_cache_in_place():
     assert bool((bitwise(_as_cupy(k_cache)) == bitwise(ck)).all()) and bool((bitwise(_as_cupy(v_cache)) == bitwise(cv)).all())
 
 
-def _torch():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("this PyTorch sees no GPU")
-    return torch
-
-
 def test_torch_compile_fullgraph_has_no_graph_breaks_and_equals_eager():
-    torch = _torch()
+    torch = torch_on_gpu()
     from cupy_flash.torch_adapter import flash_attn_func
 
     torch.manual_seed(0)
@@ -174,7 +161,7 @@ def test_torch_compile_fullgraph_has_no_graph_breaks_and_equals_eager():
 
 
 def test_torch_custom_ops_capture_in_a_cuda_graph():
-    torch = _torch()
+    torch = torch_on_gpu()
     from cupy_flash.torch_adapter import flash_attn_func
 
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -210,7 +197,7 @@ def test_torch_custom_ops_capture_in_a_cuda_graph():
 
 
 def test_torch_ops_fake_implementations_give_the_real_shapes():
-    torch = _torch()
+    torch = torch_on_gpu()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import cupy_flash.torch_adapter  # noqa: F401 - registers the ops
