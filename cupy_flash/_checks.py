@@ -15,27 +15,11 @@ import numbers
 import numpy
 
 from . import _traits
+from ._dtypes import bfloat16, dtype_name
+from ._features import Packed, check_variant
 
 MAX_SEQLEN = 2**30       # keeps every in-kernel row index (and row + tile) inside int32
 MAX_GRID_BLOCKS = 2**31 - 1
-
-
-def _bfloat16():
-    import ml_dtypes
-
-    return numpy.dtype(ml_dtypes.bfloat16)
-
-
-def dtype_name(dtype) -> str | None:
-    """'float16', 'bfloat16' or 'float32' for a supported dtype, else None."""
-    dtype = numpy.dtype(dtype)
-    if dtype == numpy.float16:
-        return "float16"
-    if dtype == numpy.float32:
-        return "float32"
-    if dtype == _bfloat16():
-        return "bfloat16"
-    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +167,7 @@ def as_gpu_array(name: str, x):
                         f"or __dlpack__), got {type(x).__name__}")
     # CuPy 14 imports a DLPack bfloat16 tensor as 2-byte void ('|V2'); the source names the dtype.
     if array.dtype.kind == "V" and array.dtype.itemsize == 2 and "bfloat16" in str(getattr(x, "dtype", "")):
-        array = array.view(_bfloat16())
+        array = array.view(bfloat16())
     return array
 
 
@@ -229,8 +213,6 @@ def check_packed(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
     """Shape and ``_features.Packed`` of a packed variable-length batch: q (total_q, heads_q, d),
     k and v (total_k, heads_kv, d), cu_seqlens int32 prefix sums on the GPU (read back once to
     check them: non-decreasing from 0 to the total)."""
-    from ._features import Packed
-
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu is None:
             raise ValueError(f"{name} is missing: packed batches need both cu_seqlens_q and cu_seqlens_k")
@@ -262,8 +244,6 @@ def prepare_qkv(q, k, v, softmax_scale, causal, features=None):
     its arrays on the GPU): the checks shared by the forward and backward entry points. ``features``
     are the feature keywords (window_size, softcap, alibi_slopes, sink, bias, cu_seqlens_q/k,
     max_seqlen_q/k). For a packed batch the shape's seqlens are the longest sequence's."""
-    from ._features import check_variant
-
     features = dict(features or {})
     packed_options = {name: features.pop(name, None) for name in PACKED_KEYWORDS}
     q, k, v = (as_gpu_array(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
@@ -349,8 +329,6 @@ def check_traced_call(caller: str, q, k, v, options: dict) -> tuple:
     causal = check_flag("causal", options.get("causal", False))
     deterministic = check_flag("deterministic", options.get("deterministic", False))
     window_size, softcap = options.get("window_size"), options.get("softcap", 0.0)
-    from ._features import check_variant
-
     check_variant(shape.batch, shape.heads, causal, seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k,
                   window_size=window_size, softcap=softcap)
     window = None if window_size is None else tuple(int(n) for n in window_size)

@@ -18,6 +18,8 @@ import numbers
 
 import numpy
 
+from ._dtypes import dtype_name
+
 FEATURE_WINDOW = 1
 FEATURE_SOFTCAP = 2
 FEATURE_ALIBI = 4
@@ -193,8 +195,6 @@ def check_bias(bias, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int) -> 
     if not (hasattr(bias, "shape") and hasattr(bias, "dtype") and hasattr(bias, "ndim")):
         raise TypeError(f"bias must be an array broadcastable to (batch, heads_q, seqlen_q, seqlen_k) = {full}, "
                         f"got {type(bias).__name__}")
-    from ._checks import dtype_name
-
     if numpy.dtype(bias.dtype).kind != "f" and dtype_name(bias.dtype) != "bfloat16":
         raise TypeError(f"bias has dtype {bias.dtype}; expected a floating dtype (float32, float16, bfloat16)")
     shape = tuple(int(n) for n in bias.shape)

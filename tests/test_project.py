@@ -114,3 +114,41 @@ def test_without_a_gpu_every_entry_point_says_why_in_one_line(command):
     assert done.returncode == 1, done.stdout + done.stderr
     assert len(lines) == 1 and "Traceback" not in done.stderr and "insufficient" not in done.stderr, done.stderr
     assert any(reason in lines[0] for reason in ("needs an NVIDIA GPU: ", "needs JAX", "needs PyTorch")), lines
+
+
+def _package_imports() -> dict:
+    """cupy_flash's modules -> the package modules each imports, at its top or inside a function."""
+    import ast
+
+    package = ROOT / "cupy_flash"
+    modules = {path.stem for path in package.glob("*.py")}
+    graph = {}
+    for path in package.glob("*.py"):
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = [node.module] if node.module else [alias.name for alias in node.names]
+                imported.update(name.split(".")[0] for name in names if name.split(".")[0] in modules)
+        graph[path.stem] = imported - {path.stem}
+    return graph
+
+
+def test_the_package_has_no_import_cycle():
+    """No chain of imports (a function's own included) leads a module of cupy_flash back to itself."""
+    graph = _package_imports()
+    assert graph["_checks"] and graph["forward"], graph   # the walk found the package's imports
+    done, path = set(), []
+
+    def visit(module):
+        if module in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(module):] + [module]))
+        if module in done:
+            return
+        path.append(module)
+        for imported in sorted(graph[module]):
+            visit(imported)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
