@@ -61,7 +61,7 @@ TENSOR_CORE_TARGETS = ("sm8x", "sm80", "sm90")   # the mma.sync families' tables
 # Variant instantiations (score modifiers, windows) take these tiles: all compile spill-free.
 FORWARD_SM90 = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 80, 2)}
 # Plain calls (no variant flag) take these tiles instead, causal ones from FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS.
-# d = 64 192x128, three consumers (H100, 2026-11-25, interleaved against 128x128 on the same inputs,
+# d = 64 192x128, three consumers (H100, interleaved against 128x128 on the same inputs,
 # bf16 and fp16): non-causal 2k-16k +8-17% (16k 444 -> 513 TFLOP/s), 1k 1.01-1.07x, 512 0.97-1.04x;
 # causal 1k 0.91-0.95x, 2k-16k 0.99-1.08x (16k 428 -> 449). Its variant kernels spill 164 bytes.
 # d = 128 128x176 (spill-free now) measured 0.86-0.97x at 1k-4k, 1.01-1.02x at 16k: not taken.
@@ -74,10 +74,9 @@ _SM90_ALL = FEATURE_WINDOW | FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK | FE
 FORWARD_SM90_FEATURE_SETS = {64: (_SM90_ALL,), 128: (_SM90_ALL,), 256: (_SM90_ALL,)}
 
 
-# The Hopper forward runs at every length: causal calls at head_dim <= 64 up to 512 keys once stayed
-# on the mma.sync kernels (0.89-0.92 of their speed at 512, tiles of 128 x 128 mostly straddling
-# the diagonal); since the counter-driven persistent grid it measured 1.22-1.34x them at 128-512
-# keys, bf16 and fp16 (H100, interleaved, 2026-11-24: docs/results/h100_dispatch_short_*_20261124.json).
+# The Hopper forward runs at every length: with the counter-driven persistent grid causal calls at
+# head_dim <= 64 measured 1.22-1.34x the mma.sync kernels at 128-512 keys, bf16 and fp16 (H100,
+# interleaved: docs/results/h100_dispatch_short_*_20261124.json).
 
 
 # The Hopper backward (kernels_cu/backward_sm90.cu): (block_n, block_m, stages) per head-dim
@@ -86,7 +85,7 @@ FORWARD_SM90_FEATURE_SETS = {64: (_SM90_ALL,), 128: (_SM90_ALL,), 256: (_SM90_AL
 # at d = 256 (64 keys) they split the head dim, since dK and dV of 64 keys x 256 columns do not fit
 # one warpgroup's registers; its shared memory is then exactly the 227 KB a block may have. Without
 # dQ (BACKWARD_SM90_DQ_APART_KEYS) d = 256 splits the score products instead: consumer 0 S^T,
-# consumer 1 dP^T, each 64 keys x 64 queries (against 64 x 32 each: 1.02-1.06x, H100, 2026-11-26).
+# consumer 1 dP^T, each 64 keys x 64 queries (against 64 x 32 each: 1.02-1.06x, H100).
 # d = 64 takes 128 queries a block, so both consumers have a 64-row piece of dQ's product (with 64
 # queries its one 64-column chunk was consumer 0's alone).
 BACKWARD_SM90 = {64: (128, 128, 2), 128: (128, 64, 2), 256: (64, 64, 2)}
@@ -94,8 +93,7 @@ _SM90_BACKWARD_FEATURES = _SM90_ALL & ~(FEATURE_SOFTCAP | FEATURE_ALIBI | FEATUR
 BACKWARD_SM90_FEATURE_SETS = {tile: (_SM90_BACKWARD_FEATURES,) for tile in BACKWARD_SM90}
 BACKWARD_SM90_CONSUMERS = 2   # consumer warpgroups of a block (kernels_cu/backward_sm90.cu; test_compile checks the launch)
 # Where the automatic setting runs it (measured, H100, bf16 and fp16, the Hopper backward against
-# the portable one interleaved on the same inputs, 2026-11-24: docs/results/
-# h100_dispatch_short_*_20261124.json; earlier tables, 2026-11-23, had it from 1k keys at d = 128).
+# the portable one interleaved on the same inputs: docs/results/h100_dispatch_short_*_20261124.json).
 # Atomic dQ: 1.04-1.19x from 256 keys at every head dim, 1.19-1.39x at 512; at 128 keys 0.90-1.09x,
 # so from 256. Deterministic: 1.16-1.30x from 256 keys without a causal mask; with one, once the
 # causal deterministic backward visits query blocks last first (QueryOrder in backward_sm90.cu),
@@ -120,7 +118,7 @@ BACKWARD_SM90_PLAIN = {128: (128, 80, 2)}
 # and dP: 7 products against 5.
 BACKWARD_SM90_DQ_APART = {64: (128, 128, 3), 128: (128, 64, 3), 256: (128, 32, 3)}
 # Which calls take it: (deterministic, causal) -> up to how many keys (None: any); absent: none.
-# Measured (H200, bf16, 1k-16k, 2026-11-26, interleaved against the kernel that adds dQ, in
+# Measured (H200, bf16, 1k-16k, interleaved against the kernel that adds dQ, in
 # docs/performance.md): d = 256 1.00-1.05x its atomic calls and 1.31-1.61x its deterministic
 # ones (turns there cost 1.28-1.48x the atomic time); d = 64 and 128 atomic 0.79-0.90x (their
 # main kernel hides its adds), deterministic d = 64 1.12 / 1.03 / 0.96 / 0.93x at 1k / 2k / 4k /

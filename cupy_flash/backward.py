@@ -415,9 +415,7 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
 def needs_dq_accum(tensor_core: bool, dq_apart: bool, deterministic: bool) -> bool:
     """Whether a backward sums dQ in a float32 accumulator, which the preprocess zeroes (as many
     bytes as q twice over): the tensor-core kernels unless dQ is computed apart (summed in
-    registers, stored once), the float32 kernels unless deterministic (their dQ pass writes dq).
-    (Until 2026-11-26 plain d = 256 calls without deterministic=True allocated and zeroed one they
-    never read.)"""
+    registers, stored once), the float32 kernels unless deterministic (their dQ pass writes dq)."""
     return not dq_apart if tensor_core else not deterministic
 
 

@@ -372,7 +372,7 @@ def _attention_reference_dense(q, k, v, *, softmax_scale=None, causal=False, upc
     sum divides the float32 product. Each form rounds P once; on an output of few elements (one
     query, d = 8) which one rounds well is a lottery: the flash form is over 2x the dense form's
     error in about 0.35% of such draws (CPU emulation of bf16 with softcap 0.5 and ALiBi, up to
-    4.7x; a device draw read 2.47x, 2026-11-24)."""
+    4.7x; a device draw read 2.47x)."""
     flash = rounding == "flash" and not upcast
     _, rnd, xp, _, _, _, V, P, lse, extras = _softmax_parts(q, k, v, softmax_scale, causal, upcast,
                                                             round_scores=not flash, **features)

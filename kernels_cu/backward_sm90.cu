@@ -1,8 +1,6 @@
 // Hopper backward (sm_90a) for float16 / bfloat16, on the forward's vocabulary (sm90_mma.cuh,
-// sm90_tma.cuh). Runs by default from 1k keys, at d = 256 from 512 (cupy_flash/_families.
-// backward_family): 1.03-1.79x the portable backward there, 0.71-1.01x cuDNN at 2k-16k
-// (docs/performance.md, "Hopper backward, third / fourth / fifth part"); smoke check, property
-// tests and memcheck/racecheck/synccheck pass on the H100.
+// sm90_tma.cuh). Where it runs: cupy_flash/_families.backward_family; how it is built and why:
+// docs/performance.md ("How each path is built", and the decision record's Hopper backward).
 //
 // A tile is a key block of BLOCK_N keys of one (batch, head); one block per SM walks the tiles,
 // taking the next from a counter (key blocks of one head consecutive: their Q, dO and dQ rows stay
@@ -66,7 +64,7 @@ struct BackwardSm90Storage {
     // the source of the TMA reduce-add into dq_accum.
     // Key split with dQ transposed (dq_transposed): the consumer's 64 columns of dQ for all BLOCK_M
     // queries, as two 32-column halves. Unused without dQ (ADDS_DQ false; using it at d = 256 for
-    // a second P^T / dS^T buffer measured +0.4%, docs/wip).
+    // a second P^T / dS^T buffer measured +0.4%: docs/performance.md, "P^T / dS^T double buffer").
     alignas(SWIZZLE_ATOM_BYTES) float dq[BACKWARD_SM90_CONSUMERS][HEAD_DIM_SPLIT ? 1 : 2][key_split_dq_rows<BLOCK_M>][32];
     alignas(16) float lse_log2[STAGES][BLOCK_M];
     alignas(16) float delta[STAGES][BLOCK_M];
@@ -167,7 +165,7 @@ struct BackwardSm90Block {
 // L2; under a plain causal mask the last heads' dealt longest first across them); deterministic mode (p.dq_semaphore) DETERMINISTIC_KV_GROUP key blocks of a head at a time
 // (key_block_of_tile). Measured (H100, bf16, d = 64 / 128, 2k-16k, against (batch, head)
 // fastest): groups of 4 gave 1.0-1.53x (d = 64 2k 167 -> 224 TFLOP/s, d = 128 2k 203 -> 310).
-// Against 4 (eighteenth session, interleaved, 2k-16k): 2 lost 0-28% and 3 0-12% (the group's
+// Against 4 (interleaved, 2k-16k): 2 lost 0-28% and 3 0-12% (the group's
 // blocks share their head's Q, dO and dQ rows in L2); 6 lost at d = 64 2k causal (0.97x) and
 // gained at d = 128 (2k-16k 0.996-1.023x, causal 2k-4k +2%) and d = 256 (2k-16k 0.993-1.093x,
 // non-causal 2k-8k +5-9%; 1k 0.96-0.98x) in a two-round run; 8 lost 7-9% at d = 64 and d = 256
@@ -179,7 +177,7 @@ __device__ __forceinline__ BackwardSm90Block backward_sm90_block(const FlashPara
     // across them (longest_first_tile; a key block sees fewer queries the later it starts).
     // (This beside key_block_of_tile's head-major branch on purpose: folded into it, with a
     // deal_tail flag, the plain kernels measured 0.97-1.00x at d = 256, 0.99-1.01x at d = 64 / 128:
-    // docs/performance.md, eighteenth session.)
+    // docs/performance.md, "the key block's two constructions kept apart".)
     KeyBlock block;
     if (triangular_tiles<IS_CAUSAL, FEATURES> && p.dq_semaphore == nullptr) {
         const unsigned int heads = (unsigned int)p.heads;
@@ -494,7 +492,7 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
     // Where DEFER_DQ_ADD the fence, the barrier and the add of a block's staged piece wait until the
     // next block's products are issued (d = 128: S^T's; d = 64, whose S^T is short: dP^T's) and run
     // under them, not between this block's products and the next's while the tensor cores idle.
-    // Interleaved A/B (docs/performance.md, seventeenth and eighteenth sessions): d = 128 atomic
+    // Interleaved A/B (docs/performance.md, "deferred dQ add"): d = 128 atomic
     // 2k-16k 1.03-1.09x, d = 64 atomic 2k-16k 1.03-1.08x (d = 64 after S^T instead: 0.92x causal).
     // Deterministic calls add at once, their turn first: deferred, their publish waited for the
     // later add (d = 128 0.94-0.98x at 2k-4k, d = 64 0.95-0.97x at 4k-16k without a mask). No
@@ -984,7 +982,7 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
         // its own publishes the turn. Measured (H100, bf16, interleaved against one thread
         // publishing between the consumers' barriers, its fence holding both): 1.01-1.07x at
         // 2k-16k; a publisher warp in the producer warpgroup polling the count measured 0.73-0.79x
-        // at 4k-16k without a mask (docs/performance.md, fourteenth session). The key split
+        // at 4k-16k without a mask (docs/performance.md, "deterministic publisher warp"). The key split
         // (d <= 128) still publishes from a thread after its dS barrier: not measured this way.
         // The count's eighth arrival of a turn is its last: the consumers' barriers of the next
         // block keep a turn's arrivals ahead of any of the next turn's.

@@ -124,8 +124,8 @@ def test_hopper_launchers_match_their_kernels(reports):
 def test_hopper_kernels_reach_shared_memory_as_shared(reports):
     """No generic loads or stores in the Hopper kernels (PTX): shared storage reached through a
     pointer that lost its address space (an integer cast) compiles to generic LD.E / ST.E, and the
-    backward's dQ staging then waited at its proxy fence (docs/performance.md, "Hopper backward,
-    fifth part": the fix gained 4-11%)."""
+    backward's dQ staging then waited at its proxy fence (docs/performance.md, "shared storage keeps
+    its address space": the fix gained 4-11%)."""
     checked = 0
     for _, kernel in hopper_kernels(reports):
         assert kernel.generic_accesses == 0, f"{kernel.name}: {kernel.generic_accesses} generic loads / stores"
