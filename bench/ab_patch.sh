@@ -4,8 +4,9 @@
 # `python -m bench` of the working tree, of every patched copy, and of the working tree again, one
 # after the other in the same call (their peers timed in each). Logs and the bench JSON go to $OUT; a summary is printed last.
 # Usage on the device machine, from the repository root:
-#   bash bench/ab_patch.sh docs/wip/<a>.patch [docs/wip/<b>.patch ...] [-- bench arguments]
-# A patch file may name several patches joined by '+' (applied in order into one copy).
+#   bash bench/ab_patch.sh <a>.patch [<b>.patch ...] [-- bench arguments]
+# A patch file may name several patches joined by '+' (applied in order into one copy). Patches of
+# work not landed live in git (`git show 2e2ac8f:docs/wip/README.md` lists the earlier ones).
 # (default bench arguments: --modes bwd bwd_det --dtypes bf16 --head-dims 64 128 --seqlens 1024 4096 16384;
 # BENCH="python3 bench/preprocess_rate.py" times that instead, in every tree, without arguments;
 # CHECKS=0 skips the smoke check and the deterministic tests)
@@ -34,7 +35,6 @@ for spec in "${patches[@]}"; do
   IFS='+' read -ra parts <<< "$spec"
   for part in "${parts[@]}"; do
     [ "${part%.patch}" = "$part" ] && part=$part.patch
-    [ -f "$part" ] || part=docs/wip/$(basename "$part")
     (cd "$tree" && patch -p1 -s < "$root/$part") || { echo "$name: $part does not apply"; applied=0; }
   done
   [ $applied = 1 ] || continue
