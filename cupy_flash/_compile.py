@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 from . import _features, _traits
-from ._params import PARAMS_DTYPE
+from ._params import cuda_struct
 
 log = logging.getLogger("cupy_flash")
 if not log.handlers:
@@ -33,7 +33,7 @@ if not log.handlers:
 
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 CTYPES = {"float16": "fa_f16", "bfloat16": "fa_bf16", "float32": "float"}
-OPTIONS = (f"-DFLASH_PARAMS_BYTES={PARAMS_DTYPE.itemsize}",)
+OPTIONS = ()   # NVRTC options of every module beyond CuPy's own
 
 
 def _kernel_dir() -> Path:
@@ -62,11 +62,16 @@ TENSOR_CORE_FAMILIES = tuple(f for f, headers in FAMILY_HEADERS.items() if "tens
 
 @functools.lru_cache(maxsize=None)
 def family_source(family: str) -> str:
-    """The feature bits, the family's headers and its .cu file: the exact text that is compiled (and
+    """The feature bits and configuration values (from Python, their one definition), FlashParams (written from
+    _params.FIELDS), the family's headers and its .cu file: the exact text that is compiled (and
     hashed by the kernel caches, so any edit recompiles)."""
     directory = _kernel_dir()
-    parts = [f"// ---- feature bits (cupy_flash/_features.py) ----\n{_features.cuda_defines()}"]
-    parts += [f"// ---- {name} ----\n{(directory / name).read_text()}" for name in FAMILY_HEADERS[family] + (f"{family}.cu",)]
+    parts = [f"// ---- feature bits (cupy_flash/_features.py) ----\n{_features.cuda_defines()}",
+             f"// ---- configuration (cupy_flash/_traits.py) ----\n{_traits.cuda_defines()}"]
+    for name in FAMILY_HEADERS[family] + (f"{family}.cu",):
+        if name == "common.cuh":   # the kernels' argument, as the launch code's record lays it out
+            parts.append(f"// ---- FlashParams (cupy_flash/_params.py) ----\n{cuda_struct()}")
+        parts.append(f"// ---- {name} ----\n{(directory / name).read_text()}")
     return "\n".join(parts)
 
 

@@ -1,7 +1,10 @@
-"""The kernels' single argument: ``FlashParams`` from ``kernels_cu/common.cuh``, as a NumPy record.
+"""The kernels' single argument, ``FlashParams``: one table of its fields (``FIELDS``), from which
+both the NumPy record the launch code fills (``PARAMS_DTYPE``) and the CUDA struct the kernels read
+(``cuda_struct``, which _compile places before kernels_cu/common.cuh in every module) are made, so
+the two cannot disagree.
 
-Every field is 8 bytes or a pair of 4-byte floats, so NumPy's packed layout equals the C layout;
-``FLASH_PARAMS_BYTES`` is passed to the compiler and checked there with a ``static_assert``.
+Every field is 8 bytes or a pair of 4-byte floats, so NumPy's packed layout equals the C layout.
+All offsets are 64-bit: batch * seqlen * heads * head_dim passes 2^31 at realistic sizes.
 """
 
 from __future__ import annotations
@@ -14,25 +17,74 @@ import numpy
 
 from ._streams import record_kernel_arrays
 
-POINTER_FIELDS = ("q", "k", "v", "o", "lse", "dout", "delta", "dq_accum", "dq", "dk", "dv", "lse_log2",
-                  "dq_semaphore", "alibi_slopes", "sink", "dk_expanded", "dv_expanded", "bias", "dbias",
-                  "cu_seqlens_q", "cu_seqlens_k", "k_new", "v_new", "cache_seqlens", "block_table", "o_partial",
-                  "lse_partial")
-# Tensors of shape (batch, seqlen, heads, head_dim) and their element strides {batch, row, head}
-# (a paged cache: {page, row, head}).
-STRIDED_FIELDS = ("q", "k", "v", "o", "dout", "dq_accum", "dq", "dk", "dv", "k_new", "v_new")
-
-PARAMS_DTYPE = numpy.dtype(
-    [(name, numpy.uint64) for name in POINTER_FIELDS]
-    + [(name + "_strides", numpy.int64, (3,)) for name in STRIDED_FIELDS]
-    + [(name + "_strides", numpy.int64, (4,)) for name in ("bias", "dbias")]
-    + [(name, numpy.int64) for name in ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "delta_stride",
-                                        "group", "window_right", "window_left", "alibi_batch_stride",
-                                        "lse_batch_stride", "lse_head_stride", "delta_batch_stride",
-                                        "dbias_atomic", "packed_sequences", "block_table_stride", "page_shift",
-                                        "cache_capacity", "seqlen_new", "num_splits", "keys_per_split")]
-    + [(name, numpy.float32) for name in ("softmax_scale", "scale_log2", "softcap", "softcap_inv")]
+# FlashParams, in order: (field, C type, elements). Tensors of shape (batch, seqlen, heads,
+# head_dim) carry element strides {batch, row, head} in `<name>_strides` (a paged cache: {page,
+# row, head}); the head_dim stride is 1. lse is float32 (batch, heads, seqlen_q), contiguous; delta
+# and lse_log2 are float32 (batch, heads, delta_stride) with delta_stride >= seqlen_q (padded rows
+# for the tensor-core backward, which loads them in 16-byte chunks).
+FIELDS = (
+    ("q", "const void*", 1), ("k", "const void*", 1), ("v", "const void*", 1), ("o", "void*", 1),
+    ("lse", "float*", 1), ("dout", "const void*", 1), ("delta", "float*", 1),
+    ("dq_accum", "float*", 1),            # float32 (batch, seqlen_q, heads, head_dim); null when unused
+    ("dq", "void*", 1), ("dk", "void*", 1), ("dv", "void*", 1),
+    ("lse_log2", "float*", 1),            # tensor-core backward: lse * log2(e), +inf for rows that see no key
+    ("dq_semaphore", "int*", 1),          # tensor-core backward, deterministic: one counter per query block
+    ("alibi_slopes", "const float*", 1),  # FEATURE_ALIBI: slope of (b, h) at b * alibi_batch_stride + h
+    ("sink", "const float*", 1),          # FEATURE_SINK: one logit per query head
+    ("dk_expanded", "const void*", 1),    # GQA backward: per-query-head dK, dV, float32 (batch, seqlen_k, heads, d)
+    ("dv_expanded", "const void*", 1),
+    ("bias", "const float*", 1),          # FEATURE_BIAS: float32, element (b, h, i, j) at bias_strides . (b, h, i, j)
+    ("dbias", "float*", 1),               # FEATURE_BIAS backward: float32 gradient of the bias; null when not wanted
+    ("cu_seqlens_q", "const int*", 1),    # FEATURE_VARLEN: sequence b has rows [cu[b], cu[b + 1]) of the packed tensors
+    ("cu_seqlens_k", "const int*", 1),
+    ("k_new", "const void*", 1),          # flash_decode: keys / values appended at each sequence's cache end
+    ("v_new", "const void*", 1),
+    ("cache_seqlens", "const int*", 1),   # flash_decode: keys already in sequence b's cache (before k_new)
+    ("block_table", "const int*", 1),     # paged cache: page of key j of b at b * block_table_stride + j / page size
+    ("o_partial", "void*", 1),            # split-KV: per split normalised O (splits, batch, seqlen_q, heads, d)
+    ("lse_partial", "float*", 1),         #   and its lse (splits, batch, heads, seqlen_q); -inf where a split saw no key
+    *((f"{name}_strides", "long long", 3) for name in ("q", "k", "v", "o", "dout", "dq_accum", "dq", "dk", "dv",
+                                                       "k_new", "v_new")),
+    ("bias_strides", "long long", 4),     # 0 along the dimensions the bias broadcasts over
+    ("dbias_strides", "long long", 4),
+    *((name, "long long", 1) for name in ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim")),
+    ("delta_stride", "long long", 1),     # elements between the (batch, head) rows of delta and lse_log2
+    ("group", "long long", 1),            # query heads per K/V head (GQA/MQA; 1 otherwise): K/V head = h / group
+    ("window_right", "long long", 1),     # causal: key j visible from query i only if j - i <= shift + window_right
+    ("window_left", "long long", 1),      # FEATURE_WINDOW: ... and only if j - i >= shift - window_left
+    ("alibi_batch_stride", "long long", 1),   # 0 for slopes of shape (heads,), heads for (batch, heads)
+    ("lse_batch_stride", "long long", 1),     # lse of (b, h, row) at b * lse_batch_stride + h * lse_head_stride + row
+    ("lse_head_stride", "long long", 1),      #   (varlen: batch stride 0, rows packed: (heads, total_q))
+    ("delta_batch_stride", "long long", 1),   # delta, lse_log2 of (b, h, row) at b * this + h * delta_stride + row
+    ("dbias_atomic", "long long", 1),         # nonzero: several (b, h, i, j) share a dbias element
+    ("packed_sequences", "long long", 1),     # row kernels of a packed batch: its number of sequences
+    ("block_table_stride", "long long", 1),   # flash_decode: pages per sequence in block_table (paged cache)
+    ("page_shift", "long long", 1),           #   log2 of the page size (paged cache)
+    ("cache_capacity", "long long", 1),       #   keys one sequence's cache holds (pages x page size, or its rows)
+    ("seqlen_new", "long long", 1),           #   rows of k_new / v_new (0 without them)
+    ("num_splits", "long long", 1),           # split-KV: key ranges per (batch, K/V head, row block)
+    ("keys_per_split", "long long", 1),
+    ("softmax_scale", "float", 1),
+    ("scale_log2", "float", 1),               # softmax_scale * log2(e): scores go straight into exp2
+    ("softcap", "float", 1),                  # FEATURE_SOFTCAP: logits become softcap * tanh(logit / softcap)
+    ("softcap_inv", "float", 1),
 )
+
+POINTER_FIELDS = tuple(name for name, c_type, _ in FIELDS if c_type.endswith("*"))
+# The tensors whose element strides the record carries (_strides fields of 3).
+STRIDED_FIELDS = tuple(name[:-len("_strides")] for name, _, count in FIELDS if name.endswith("_strides") and count == 3)
+_NUMPY_TYPES = {"long long": numpy.int64, "float": numpy.float32}
+PARAMS_DTYPE = numpy.dtype([(name, numpy.uint64) if c_type.endswith("*") else
+                            (name, _NUMPY_TYPES[c_type], (count,)) if count > 1 else (name, _NUMPY_TYPES[c_type])
+                            for name, c_type, count in FIELDS])
+
+
+def cuda_struct() -> str:
+    """FlashParams as CUDA C++, field for field as PARAMS_DTYPE (with its size checked)."""
+    lines = ["struct FlashParams {"]
+    lines += [f"    {c_type} {name}{f'[{count}]' if count > 1 else ''};" for name, c_type, count in FIELDS]
+    lines += ["};", f'static_assert(sizeof(FlashParams) == {PARAMS_DTYPE.itemsize}, "FlashParams is not PARAMS_DTYPE");']
+    return "\n".join(lines) + "\n"
 
 
 def make_params(shape, softmax_scale: float, delta_stride: int | None = None, variant=None,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ._features import FEATURE_ALIBI, FEATURE_SINK, FEATURE_SOFTCAP, FEATURE_VARLEN, FEATURE_WINDOW
 
-THREADS = 128
+THREADS = 128   # every portable attention kernel: 4 warps laid out as 16 rows x 8 columns
 HEAD_DIM_TILES = (32, 64, 96, 128, 160, 192, 224, 256)
 MAX_HEAD_DIM = HEAD_DIM_TILES[-1]
 SMEM_LIMIT_BYTES = 99 * 1024
@@ -45,7 +45,8 @@ FORWARD_TC_TARGETS = {
 # the shared memory a block of that target may use. sm90a is the Hopper family's (wgmma and
 # setmaxnreg exist only in sm_90a code, which runs on compute capability 9.0 alone).
 TARGET_ARCH = {"sm8x": "sm_80", "sm80": "sm_80", "sm90": "sm_90", "sm90a": "sm_90a"}
-TARGET_SMEM_BYTES = {"sm8x": 99 * 1024, "sm80": 163 * 1024, "sm90": 227 * 1024, "sm90a": 227 * 1024}
+SM90_BLOCK_SMEM_BYTES = 227 * 1024   # shared memory one sm_90 block may opt in to (the Hopper kernels' static_asserts read it)
+TARGET_SMEM_BYTES = {"sm8x": 99 * 1024, "sm80": 163 * 1024, "sm90": SM90_BLOCK_SMEM_BYTES, "sm90a": SM90_BLOCK_SMEM_BYTES}
 TENSOR_CORE_TARGETS = ("sm8x", "sm80", "sm90")   # the mma.sync families' tables
 
 # Hopper forward (kernels_cu/forward_sm90.cu, sm_90a): head-dim tile -> (block_m, block_n, stages).
@@ -91,7 +92,7 @@ FORWARD_SM90_FEATURE_SETS = {64: (_SM90_ALL,), 128: (_SM90_ALL,), 256: (_SM90_AL
 BACKWARD_SM90 = {64: (128, 128, 2), 128: (128, 64, 2), 256: (64, 64, 2)}
 _SM90_BACKWARD_FEATURES = _SM90_ALL & ~(FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK)
 BACKWARD_SM90_FEATURE_SETS = {tile: (_SM90_BACKWARD_FEATURES,) for tile in BACKWARD_SM90}
-BACKWARD_SM90_CONSUMERS = 2   # consumer warpgroups of a block (kernels_cu/backward_sm90.cu; test_compile checks the launch)
+BACKWARD_SM90_CONSUMERS = 2   # consumer warpgroups of a Hopper backward block (cuda_defines gives the kernel it)
 # Where the automatic setting runs it (measured, H100, bf16 and fp16, the Hopper backward against
 # the portable one interleaved on the same inputs: docs/results/h100_dispatch_short_*_20261124.json).
 # Atomic dQ: 1.04-1.19x from 256 keys at every head dim, 1.19-1.39x at 512; at 128 keys 0.90-1.09x,
@@ -270,33 +271,49 @@ BACKWARD_BLOCKS = {32: (64, 64), 64: (32, 64), 96: (32, 32), 128: (32, 32),
 DECODE_WARPS = 4
 DECODE_ROWS = 16                      # (token, query head) rows per block
 DECODE_KEYS_PER_CHUNK = 16 * DECODE_WARPS   # keys one pass of the block's warps covers
+# Tiles in flight per warp. Three stages (two blocks per SM instead of three at head_dim 128)
+# measured no faster for 8 query heads per K/V head at batch 1 (1979 against 1986 GB/s at 32k keys)
+# and slower elsewhere (1:1 batch 1: 8%, GQA batch 8: 5%).
+DECODE_STAGES = 2
+# Blocks an SM holds (the kernel's __launch_bounds__ minimum, registers): up to head_dim 128, above.
+DECODE_BLOCKS_PER_SM = {128: 3, 256: 2}
+# The combine kernel: one block per row, each warp loading COMBINE_BATCH splits at a time, at most
+# COMBINE_MAX_WARPS warps.
+COMBINE_BATCH = 4
+COMBINE_MAX_WARPS = 8
 
 
 SM_SHARED_BYTES = 227 * 1024               # per SM for blocks on sm_90 (sm_80: 163 KB)
 
 
-def decode_stages(tile: int) -> int:
-    """Shared-memory stages of each decode warp's tile pipeline (decode.cu's STAGES; three measured
-    no faster, see there)."""
-    return 2
-
-
 def decode_smem_bytes(tile: int) -> int:
     ld = tile + 8
-    loop = 2 * (DECODE_ROWS * ld + DECODE_WARPS * decode_stages(tile) * 2 * 16 * ld)
+    loop = 2 * (DECODE_ROWS * ld + DECODE_WARPS * DECODE_STAGES * 2 * 16 * ld)
     merge = 2 * DECODE_ROWS * ld + 4 * DECODE_WARPS * DECODE_ROWS * (tile + 8)
     return max(loop, merge)
 
 
 def decode_blocks_per_sm(tile: int) -> int:
-    """Decode blocks one SM holds: decode.cu's __launch_bounds__ minimum (registers), within what
+    """Decode blocks one SM holds: the kernel's __launch_bounds__ minimum (registers), within what
     shared memory allows."""
-    bound = 3 if tile <= 128 else 2
+    bound = DECODE_BLOCKS_PER_SM[128 if tile <= 128 else 256]
     return max(1, min(bound, SM_SHARED_BYTES // (decode_smem_bytes(tile) + 1024)))
 
 
-# Row-wise kernels (preprocess, dQ convert): one warp per row.
+# Row-wise kernels (preprocess, dQ convert, GQA sum, decode's append): one warp per row.
 ROW_KERNEL_THREADS = 256
+
+
+def cuda_defines() -> str:
+    """The configuration values the kernels compile with, as #defines: _compile places them at the
+    top of every module's source, so each is stated here only."""
+    values = dict(FLASH_THREADS=THREADS, SM90_BLOCK_SMEM_BYTES=SM90_BLOCK_SMEM_BYTES,
+                  BACKWARD_SM90_CONSUMERS=BACKWARD_SM90_CONSUMERS, ROW_KERNEL_THREADS=ROW_KERNEL_THREADS,
+                  DECODE_ROWS=DECODE_ROWS, DECODE_STAGES=DECODE_STAGES,
+                  DECODE_BLOCKS_PER_SM_TO_128=DECODE_BLOCKS_PER_SM[128],
+                  DECODE_BLOCKS_PER_SM_ABOVE_128=DECODE_BLOCKS_PER_SM[256],
+                  COMBINE_BATCH=COMBINE_BATCH, COMBINE_MAX_WARPS=COMBINE_MAX_WARPS)
+    return "".join(f"#define {name} {value}\n" for name, value in values.items())
 
 
 def head_dim_tile(head_dim: int) -> int:

@@ -30,9 +30,7 @@ MAX_SPLITS = 128
 DECODE_MAX_ROWS = 32
 
 
-# The combine kernel: one block per row, each warp loading COMBINE_BATCH splits at a time.
-COMBINE_BATCH = 4           # mirrors decode.cu's flash_combine_kernel
-COMBINE_MAX_WARPS = 8       # decode.cu's MAX_WARPS
+COMBINE_BATCH, COMBINE_MAX_WARPS = _traits.COMBINE_BATCH, _traits.COMBINE_MAX_WARPS
 
 
 def combine_launch(rows: int, splits: int) -> tuple[tuple[int], tuple[int]]:

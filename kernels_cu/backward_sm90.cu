@@ -33,8 +33,8 @@
 // rows past the sequence arrive as zeros. Keys past the sequence read zeros from K and V; the mask
 // drops their P, and their dK / dV rows are not stored.
 
-// A producer warpgroup and two consumer warpgroups (cupy_flash/_traits.backward_sm90_threads).
-constexpr int BACKWARD_SM90_CONSUMERS = 2;
+// A producer warpgroup and BACKWARD_SM90_CONSUMERS (_traits, defined before this file) consumer
+// warpgroups (cupy_flash/_traits.backward_sm90_threads).
 
 // The key split computes dQ transposed (dQ^T = K^T dS^T, the head dim as wgmma's M) where the query
 // block is not a multiple of wgmma's 64 rows (80: FlashAttention-3's d = 128 tile); its dQ staging
@@ -276,7 +276,7 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
     using Storage = BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>;
     constexpr int CONSUMERS = BACKWARD_SM90_CONSUMERS;
     static_assert(!(FEATURES & (FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_BIAS)), "score modifiers run on the portable backward");
-    static_assert(sizeof(Storage) + SWIZZLE_ATOM_BYTES <= 227 * 1024, "shared memory of one sm_90 block");
+    static_assert(sizeof(Storage) + SWIZZLE_ATOM_BYTES <= SM90_BLOCK_SMEM_BYTES, "shared memory of one sm_90 block");
     require_dynamic_smem(backward_sm90_smem_bytes<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>);
     extern __shared__ unsigned char smem_raw[];
     Storage& smem = aligned_shared_storage<Storage>(smem_raw);
@@ -1188,7 +1188,7 @@ flash_backward_dq_sm90_kernel(const __grid_constant__ BackwardDqSm90Maps maps, c
     static_assert(FEATURES == 0, "plain and causal calls (the others keep the main kernel's ordered adds)");
     static_assert(PRODUCER_REGISTERS + CONSUMERS * CONSUMER_REGISTERS <= (1 + CONSUMERS) * 168,
                   "setmaxnreg split beyond the launch's registers: the block would hang");
-    static_assert(sizeof(Storage) + SWIZZLE_ATOM_BYTES <= 227 * 1024, "shared memory of one sm_90 block");
+    static_assert(sizeof(Storage) + SWIZZLE_ATOM_BYTES <= SM90_BLOCK_SMEM_BYTES, "shared memory of one sm_90 block");
     require_dynamic_smem(backward_dq_sm90_smem_bytes<T, D_TILE, BLOCK_M, BLOCK_N, STAGES>);
     extern __shared__ unsigned char smem_raw[];
     Storage& smem = aligned_shared_storage<Storage>(smem_raw);

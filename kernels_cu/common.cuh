@@ -1,12 +1,13 @@
-// Shared vocabulary of the cupy_flash kernels: element types, the params struct, tile loads/stores.
+// Shared vocabulary of the cupy_flash kernels: element types, tile loads/stores (the params struct
+// comes before this file: see FlashParams below).
 //
 // No CUDA headers are included (not even cuda_fp16.h): the conversions below are single PTX
 // instructions, and leaving the headers out means NVRTC needs no include path, so the same source
 // compiles on a machine with no CUDA toolkit and no GPU (the CI compile check does exactly that).
 // cupy_flash/_compile.py prepends this file to each kernel family's source before compiling.
 
-#define FLASH_THREADS 128        // every attention kernel: 4 warps laid out as 16 rows x 8 columns
-// Attention kernels declare __launch_bounds__(FLASH_THREADS, 1): with the thread count alone, ptxas
+// FLASH_THREADS (_traits.THREADS, defined before this file): every portable attention kernel's
+// threads. Attention kernels declare __launch_bounds__(FLASH_THREADS, 1): with the thread count alone, ptxas
 // for sm_80 capped five instantiations at 128 registers and spilled 8 bytes; with the explicit
 // one-block minimum they use up to ~160 registers and spill nothing (shared memory, not registers,
 // is what limits blocks per SM here).
@@ -41,82 +42,10 @@ template <> __device__ __forceinline__ fa_bf16 from_float<fa_bf16>(float x) {
     return r;
 }
 
-// One params struct for every kernel, mirrored field for field by cupy_flash/_params.py.
-// Tensors of shape (batch, seqlen, heads, head_dim) carry element strides {batch, row, head}; the
-// head_dim stride is 1. lse is float32 (batch, heads, seqlen_q), contiguous; delta and lse_log2
-// are float32 (batch, heads, delta_stride) with delta_stride >= seqlen_q (padded rows for the
-// tensor-core backward, which loads them in 16-byte chunks).
-// All offsets are 64-bit: batch * seqlen * heads * head_dim passes 2^31 at realistic sizes.
-struct FlashParams {
-    const void* q;
-    const void* k;
-    const void* v;
-    void* o;
-    float* lse;
-    const void* dout;
-    float* delta;
-    float* dq_accum;          // float32, (batch, seqlen_q, heads, head_dim); null when unused
-    void* dq;
-    void* dk;
-    void* dv;
-    float* lse_log2;          // tensor-core backward: lse * log2(e), +inf for rows that see no key
-    int* dq_semaphore;        // tensor-core backward, deterministic: one counter per query block
-    const float* alibi_slopes;   // FEATURE_ALIBI: slope of (b, h) at b * alibi_batch_stride + h
-    const float* sink;           // FEATURE_SINK: one logit per query head
-    const void* dk_expanded;     // GQA backward: per-query-head dK, dV, contiguous (batch, seqlen_k, heads, head_dim)
-    const void* dv_expanded;
-    const float* bias;           // FEATURE_BIAS: float32, element (b, h, i, j) at bias_strides . (b, h, i, j)
-    float* dbias;                // FEATURE_BIAS backward: float32 gradient of the bias; null when not wanted
-    const int* cu_seqlens_q;     // FEATURE_VARLEN: sequence b has rows [cu[b], cu[b + 1]) of the packed tensors
-    const int* cu_seqlens_k;
-    const void* k_new;           // flash_decode: keys / values appended at each sequence's cache end
-    const void* v_new;
-    const int* cache_seqlens;    // flash_decode: keys already in sequence b's cache (before k_new)
-    const int* block_table;      // flash_decode, paged cache: page of key j of b at b * block_table_stride + j / page size
-    void* o_partial;             // split-KV: per split normalised O (splits, batch, seqlen_q, heads, head_dim), contiguous
-    float* lse_partial;          //   and its lse (splits, batch, heads, seqlen_q); -inf where a split saw no key
-    long long q_strides[3];
-    long long k_strides[3];
-    long long v_strides[3];
-    long long o_strides[3];
-    long long dout_strides[3];
-    long long dq_accum_strides[3];
-    long long dq_strides[3];
-    long long dk_strides[3];
-    long long dv_strides[3];
-    long long k_new_strides[3];
-    long long v_new_strides[3];
-    long long bias_strides[4];    // 0 along the dimensions the bias broadcasts over
-    long long dbias_strides[4];
-    long long batch;
-    long long heads;
-    long long seqlen_q;
-    long long seqlen_k;
-    long long head_dim;
-    long long delta_stride;   // elements between the (batch, head) rows of delta and lse_log2
-    long long group;          // query heads per K/V head (GQA/MQA; 1 otherwise): K/V head = h / group
-    long long window_right;   // IS_CAUSAL: key j visible from query i only if j - i <= shift + window_right
-    long long window_left;    // FEATURE_WINDOW: ... and only if j - i >= shift - window_left
-    long long alibi_batch_stride;   // 0 for slopes of shape (heads,), heads for (batch, heads)
-    long long lse_batch_stride;     // lse of (b, h, row) at b * lse_batch_stride + h * lse_head_stride + row
-    long long lse_head_stride;      //   (varlen: batch stride 0, rows packed: (heads, total_q))
-    long long delta_batch_stride;   // delta, lse_log2 of (b, h, row) at b * this + h * delta_stride + row
-    long long dbias_atomic;         // nonzero: several (b, h, i, j) share a dbias element (broadcast bias)
-    long long packed_sequences;     // row kernels of a packed batch: its number of sequences
-    long long block_table_stride;   // flash_decode: pages per sequence in block_table (paged cache)
-    long long page_shift;           //   log2 of the page size (paged cache)
-    long long cache_capacity;       //   keys one sequence's cache holds (pages x page size, or its rows)
-    long long seqlen_new;           //   rows of k_new / v_new (0 without them)
-    long long num_splits;           // split-KV: key ranges per (batch, K/V head, row block)
-    long long keys_per_split;
-    float softmax_scale;
-    float scale_log2;         // softmax_scale * log2(e): scores go straight into exp2
-    float softcap;            // FEATURE_SOFTCAP: logits become softcap * tanh(logit / softcap)
-    float softcap_inv;
-};
-#ifdef FLASH_PARAMS_BYTES
-static_assert(sizeof(FlashParams) == FLASH_PARAMS_BYTES, "FlashParams disagrees with cupy_flash/_params.py");
-#endif
+// FlashParams, the one argument of every kernel: its fields (pointers, the tensors' 64-bit element
+// strides {batch, row, head}, sizes, the variants' parameters) are listed once, with what each
+// holds, in cupy_flash/_params.py (FIELDS), which writes the struct (_params.cuda_struct) that
+// cupy_flash/_compile.py places before this header and fills the same record at each launch.
 
 // One sequence of the batch: its lengths and, for packed variable-length batches (FEATURE_VARLEN),
 // the row of the packed tensors where it starts (0 otherwise: the batch stride does the work; under

@@ -106,13 +106,12 @@ __device__ __forceinline__ void prefetch_split_to_l2(const FlashParams& p, long 
 }
 
 template <typename T, int D_TILE, int NUM_WARPS, bool IS_CAUSAL, int FEATURES>
-__global__ void __launch_bounds__(32 * NUM_WARPS, D_TILE > 128 ? 2 : 3) flash_decode_kernel(const FlashParams p) {
-    constexpr int ROWS = 16;                 // (token, head) rows per block: one m16 tile
+__global__ void __launch_bounds__(32 * NUM_WARPS, D_TILE > 128 ? DECODE_BLOCKS_PER_SM_ABOVE_128 : DECODE_BLOCKS_PER_SM_TO_128)
+flash_decode_kernel(const FlashParams p) {
+    constexpr int ROWS = DECODE_ROWS;        // (token, head) rows per block: one m16 tile
+    static_assert(ROWS == 16, "one m16 tile of rows");
     constexpr int KEYS = 16;                 // keys per warp tile: one k16 step of P V
-    // Tiles in flight per warp (_traits.decode_stages mirrors it). Three stages (two blocks per SM
-    // instead of three at head_dim 128) measured no faster for 8 query heads per K/V head at batch 1
-    // (1979 against 1986 GB/s at 32k keys) and slower elsewhere (1:1 batch 1: 8%, GQA batch 8: 5%).
-    constexpr int STAGES = 2;
+    constexpr int STAGES = DECODE_STAGES;    // tiles in flight per warp (_traits.DECODE_STAGES: why 2)
     constexpr int LD = D_TILE + 8;           // padded pitch (see forward_tc.cu)
     constexpr int O_TILES = D_TILE / 8;
     constexpr int CHUNKS = D_TILE / 8;       // 16-byte chunks per row
@@ -421,10 +420,9 @@ __device__ __forceinline__ float4 load_four(const T_IN* row, int c, int head_dim
 // Partials are T_IN, contiguous (splits, batch, seqlen_q, heads, head_dim); lse_partial (splits,
 // batch, heads, seqlen_q). With p.sink the sink's logit joins the merged row (FEATURE_SINK).
 template <typename T_IN, typename T_OUT>
-__global__ void __launch_bounds__(256) flash_combine_kernel(const FlashParams p) {
+__global__ void __launch_bounds__(32 * COMBINE_MAX_WARPS) flash_combine_kernel(const FlashParams p) {
     constexpr int PASSES = 256 / 128;        // head_dim <= 256: 4 columns per lane per pass
-    constexpr int COMBINE_BATCH = 4;
-    constexpr int MAX_WARPS = 8;
+    constexpr int MAX_WARPS = COMBINE_MAX_WARPS;   // COMBINE_BATCH splits a warp at a time (_traits)
     __shared__ float4 warp_sums[MAX_WARPS][PASSES][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int head_dim = (int)p.head_dim;

@@ -27,7 +27,7 @@
 template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES>
 struct ForwardSm90Storage {
     static constexpr int CHUNKS = D_TILE / SWIZZLE_ROW_ELEMENTS;
-    static constexpr bool OWN_O = (2 * BLOCK_M + 2 * STAGES * BLOCK_N) * D_TILE * sizeof(T) + 2 * SWIZZLE_ATOM_BYTES <= 227 * 1024;
+    static constexpr bool OWN_O = (2 * BLOCK_M + 2 * STAGES * BLOCK_N) * D_TILE * sizeof(T) + 2 * SWIZZLE_ATOM_BYTES <= SM90_BLOCK_SMEM_BYTES;
     alignas(SWIZZLE_ATOM_BYTES) T q[CHUNKS][BLOCK_M][SWIZZLE_ROW_ELEMENTS];   // O's staging too where !OWN_O
     alignas(SWIZZLE_ATOM_BYTES) T k[STAGES][CHUNKS][BLOCK_N][SWIZZLE_ROW_ELEMENTS];
     alignas(SWIZZLE_ATOM_BYTES) T v[STAGES][CHUNKS][BLOCK_N][SWIZZLE_ROW_ELEMENTS];
@@ -471,7 +471,7 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
     static_assert(D_TILE % SWIZZLE_ROW_ELEMENTS == 0 && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
     static_assert(!(FEATURES & FEATURE_BIAS), "the bias runs on the portable kernels");
     static_assert(registers_fit_launch<CONSUMERS, DYNAMIC>(), "setmaxnreg split beyond the launch's registers: the block would hang");
-    static_assert(sizeof(Storage) + SWIZZLE_ATOM_BYTES <= 227 * 1024, "shared memory of one sm_90 block");
+    static_assert(sizeof(Storage) + SWIZZLE_ATOM_BYTES <= SM90_BLOCK_SMEM_BYTES, "shared memory of one sm_90 block");
     require_dynamic_smem(forward_sm90_smem_bytes<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>);
     extern __shared__ unsigned char smem_raw[];
     Storage& smem = aligned_shared_storage<Storage>(smem_raw);

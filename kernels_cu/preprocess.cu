@@ -37,7 +37,7 @@ __device__ __forceinline__ float group_sum(float x, int lanes) {
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) flash_preprocess_kernel(const FlashParams p) {
+__global__ void __launch_bounds__(ROW_KERNEL_THREADS) flash_preprocess_kernel(const FlashParams p) {
     constexpr int VEC = Vec<T>::N;
     const RowGroup g = row_group((int)p.head_dim, VEC);
     const long long rows = p.batch * p.seqlen_q * p.heads;
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(256) flash_preprocess_kernel(const FlashParams
 
 // dQ = softmax_scale * dq_accum, cast to T; rows spread over the warp as in the preprocess.
 template <typename T>
-__global__ void __launch_bounds__(256) flash_dq_convert_kernel(const FlashParams p) {
+__global__ void __launch_bounds__(ROW_KERNEL_THREADS) flash_dq_convert_kernel(const FlashParams p) {
     constexpr int VEC = Vec<T>::N;
     const RowGroup g = row_group((int)p.head_dim, VEC);
     const long long rows = p.batch * p.seqlen_q * p.heads;
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(256) flash_dq_convert_kernel(const FlashParams
 // and rounds once into p.dk and p.dv (batch, seqlen_k, heads / group, head_dim). One warp per
 // output row.
 template <typename T>
-__global__ void __launch_bounds__(256) flash_kv_group_sum_kernel(const FlashParams p) {
+__global__ void __launch_bounds__(ROW_KERNEL_THREADS) flash_kv_group_sum_kernel(const FlashParams p) {
     constexpr int VEC = Vec<T>::N;   // T elements per 16-byte store; VEC / 4 float4 loads each
     static_assert(VEC % 4 == 0, "whole float4 loads");
     const int lane = threadIdx.x & 31;

@@ -5,6 +5,7 @@ local memory) and none of ptxas's silent slow-downs (setmaxnreg ignored, wgmma s
 All modules are compiled once per run, in parallel processes (CI has 2 cores); each (module, arch)
 pair is then its own test case."""
 
+import re
 import time
 
 import pytest
@@ -204,3 +205,40 @@ def test_tensor_core_target_follows_the_device():
     assert _traits.tensor_core_target(80, 163 * 1024) == "sm80"
     assert _traits.tensor_core_target(86, 99 * 1024) == "sm8x"
     assert _traits.tensor_core_target(89, 99 * 1024) == "sm8x"
+
+
+def test_flash_params_is_written_from_the_python_record():
+    """FlashParams has one definition, _params.FIELDS: every module's source holds the struct that
+    _params.cuda_struct writes from it, once, before common.cuh, and no file of kernels_cu defines
+    it; the struct's fields are PARAMS_DTYPE's, in order, with their sizes."""
+    from cupy_flash import _params
+
+    struct = _params.cuda_struct()
+    for family in _compile.FAMILY_HEADERS:
+        source = _compile.family_source(family)
+        assert source.count("struct FlashParams {") == 1 and source.index(struct) < source.index("// ---- common.cuh ----")
+    for path in _compile._kernel_dir().iterdir():
+        assert "struct FlashParams {" not in path.read_text(), path.name
+    fields = re.findall(r"^    (.+?) (\w+)(?:\[(\d+)\])?;$", struct, re.M)
+    sizes = {"long long": 8, "float": 4}
+    assert [name for _, name, _ in fields] == list(_params.PARAMS_DTYPE.names)
+    for c_type, name, count in fields:
+        expected = 8 if c_type.endswith("*") else sizes[c_type] * int(count or 1)
+        assert _params.PARAMS_DTYPE.fields[name][0].itemsize == expected, name
+
+
+def test_configuration_values_are_stated_once():
+    """The values both the launch code and the kernels need (threads, consumer warpgroups, the sm_90
+    block's shared memory, the row and decode kernels' shapes) are _traits' and reach every module
+    as #defines before its headers; kernels_cu states none of them itself."""
+    import re
+
+    defines = dict(re.findall(r"#define (\w+) (\d+)", _traits.cuda_defines()))
+    assert defines["SM90_BLOCK_SMEM_BYTES"] == str(227 * 1024) and defines["FLASH_THREADS"] == str(_traits.THREADS)
+    for path in _compile._kernel_dir().glob("*.cu*"):
+        text = path.read_text()
+        assert "227 * 1024" not in text, path.name
+        for name in defines:
+            assert not re.search(rf"(#define|constexpr int)\s+{name}\b", text), (path.name, name)
+    for family in _compile.FAMILY_HEADERS:
+        assert _traits.cuda_defines() in _compile.family_source(family), family
