@@ -61,6 +61,11 @@ TENSOR_CORE_TARGETS = ("sm8x", "sm80", "sm90")   # the mma.sync families' tables
 # spills 44 bytes with variants; d=256 128x80 +7-8% over 128x64 from 4k.
 # Variant instantiations (score modifiers, windows) take these tiles: all compile spill-free.
 FORWARD_SM90 = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 80, 2)}
+# The N of every wgmma a Hopper tile table (or bench/tile_sweep.py) may use: key-block widths (S =
+# Q K^T), head-dim tiles (O += P V), the d = 256 backward's halves of a query block (S^T, 32
+# queries a consumer) and of the head dim (128). m64nNk16 allows any multiple of 8 up to 256 for
+# 16-bit inputs; kernels_cu/sm90_wgmma_ops.cuh has one operation per width (bench/generate_wgmma_ops.py).
+SM90_WGMMA_WIDTHS = (32, 64, 80, 96, 112, 128, 144, 160, 176, 192, 224, 256)
 # Plain calls (no variant flag) take these tiles instead, causal ones from FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS.
 # d = 64 192x128, three consumers (H100, interleaved against 128x128 on the same inputs,
 # bf16 and fp16): non-causal 2k-16k +8-17% (16k 444 -> 513 TFLOP/s), 1k 1.01-1.07x, 512 0.97-1.04x;

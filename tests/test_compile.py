@@ -171,12 +171,13 @@ def test_generated_wgmma_operations_are_current_and_cover_the_tiles():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "kernels_cu" / "generate_wgmma_ops.py"
+    path = Path(__file__).resolve().parents[1] / "bench" / "generate_wgmma_ops.py"
     spec = importlib.util.spec_from_file_location("generate_wgmma_ops", path)
     generator = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generator)
-    assert (path.parent / "sm90_wgmma_ops.cuh").read_text() == generator.source(), (
-        "kernels_cu/sm90_wgmma_ops.cuh is stale: run python kernels_cu/generate_wgmma_ops.py")
+    assert generator.OUTPUT.read_text() == generator.source(), (
+        "kernels_cu/sm90_wgmma_ops.cuh is stale: run python -m bench.generate_wgmma_ops")
+    assert generator.WIDTHS is _traits.SM90_WGMMA_WIDTHS
     for tile, (_, block_n, _) in list(_traits.FORWARD_SM90.items()) + list(_traits.FORWARD_SM90_PLAIN.items()):
         assert tile in generator.WIDTHS and block_n in generator.WIDTHS, (tile, block_n)
     # the key split's N; the head-dim split's halves, and the product split's whole query block

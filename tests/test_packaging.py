@@ -29,6 +29,7 @@ def test_wheel_contains_every_kernel_source(tmp_path):
     metadata = zipfile.ZipFile(wheels[0]).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "License-Expression: BSD-3-Clause" in metadata
     assert not any(name.startswith(("tests/", "bench/", "examples/")) for name in names)
+    assert not [name for name in names if name.startswith("cupy_flash/kernels_cu/") and not name.endswith((".cu", ".cuh"))]
 
 
 def test_package_is_typed():
