@@ -27,7 +27,8 @@ HEADER = """\
 // Wgmma<T, N>::rs<TRANS_B>(d, a, b_desc, accumulate): the same with A from four 32-bit registers a
 // thread (mma.m16n8k16's A fragment, per warp of 16 rows). TRANS_B = 1 reads B stored N-major.
 // Issue between warpgroup_arrive() and warpgroup_commit() (sm90_mma.cuh); the result is there
-// after warpgroup_wait<>().
+// after warpgroup_wait<>(). Written once per width in a macro over the element type (C++ type, PTX
+// name), instantiated for bf16 and f16 at the end.
 
 template <typename T, int N> struct Wgmma;
 """
@@ -37,7 +38,7 @@ def _registers(first: int, count: int) -> str:
     return "{" + ", ".join(f"%{first + i}" for i in range(count)) + "}"
 
 
-def _operation(ptx_type: str, n: int, a_from_registers: bool) -> str:
+def _operation(n: int, a_from_registers: bool) -> str:
     acc = n // 2
     if a_from_registers:
         a_text, b_index = _registers(acc, 4), acc + 4
@@ -47,7 +48,7 @@ def _operation(ptx_type: str, n: int, a_from_registers: bool) -> str:
     # imm-trans-a, imm-trans-b (A from registers has no transpose field)
     trans_fields = f"1, 1, %{trans}" if a_from_registers else f"1, 1, %{trans + 1}, %{trans}"
     ptx = (f'"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{predicate}, 0;\\n"\n'
-           f'                     "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} "\n'
+           f'                     "wgmma.mma_async.sync.aligned.m64n{n}k16.f32." PTX "." PTX " "\n'
            f'                     "{_registers(0, acc)}, "\n'
            f'                     "{a_text}, %{b_index}, p, {trans_fields};\\n}}\\n"')
     outputs = ", ".join(f'"+f"(d[{i}])' for i in range(acc))
@@ -64,12 +65,14 @@ def _operation(ptx_type: str, n: int, a_from_registers: bool) -> str:
 
 
 def source() -> str:
-    parts = [HEADER]
-    for ctype, ptx_type in TYPES.items():
-        for n in WIDTHS:
-            parts.append(f"\ntemplate <> struct Wgmma<{ctype}, {n}> {{\n"
-                         + _operation(ptx_type, n, False) + _operation(ptx_type, n, True) + "};\n")
-    return "".join(parts)
+    """The header: the operations of every width written once, in a macro over the element type (its
+    C++ type and its PTX name), then the macro for each type."""
+    body = "".join(f"template <> struct Wgmma<CTYPE, {n}> {{\n" + _operation(n, False) + _operation(n, True) + "};\n"
+                   for n in WIDTHS)
+    lines = ["#define CUPY_FLASH_WGMMA_OPERATIONS(CTYPE, PTX)"] + body.rstrip("\n").split("\n")
+    macro = "\n".join(line + " \\" for line in lines[:-1]) + "\n" + lines[-1] + "\n"
+    uses = "".join(f'CUPY_FLASH_WGMMA_OPERATIONS({ctype}, "{ptx_type}")\n' for ctype, ptx_type in TYPES.items())
+    return HEADER + "\n" + macro + "\n" + uses + "#undef CUPY_FLASH_WGMMA_OPERATIONS\n"
 
 
 OUTPUT = Path(__file__).resolve().parent.parent / "kernels_cu" / "sm90_wgmma_ops.cuh"
