@@ -104,7 +104,7 @@ def test_hopper_launchers_match_their_kernels(reports):
     backward.py) against the kernel's launch bounds and parameters (its PTX): a block short of a
     warpgroup, or a tensor-map record shorter than the kernel's struct, would fail only on an H100."""
     from cupy_flash import backward, forward
-    from cupy_flash._compile import PARAMS_DTYPE
+    from cupy_flash._params import PARAMS_DTYPE
 
     launches = {"forward_sm90": (_traits.forward_sm90_threads, (forward._SM90_MAPS_BYTES, PARAMS_DTYPE.itemsize, 8)),
                 "backward_sm90": (_traits.backward_sm90_threads, (backward._SM90_MAPS_BYTES, PARAMS_DTYPE.itemsize, 8))}
