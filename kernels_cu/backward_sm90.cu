@@ -362,7 +362,7 @@ __device__ __forceinline__ void probabilities_in_place(float (&s)[N / 2], const 
         const float2 row_lse = *reinterpret_cast<const float2*>(lse + col);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int key = first_key + 8 * (e >> 1), query = first_query + col + (e & 1);
+            const int key = first_key + accumulator_row(e), query = first_query + col + accumulator_col(e);   // S^T: keys are rows
             float prob = exp2f(fmaf(s[4 * i + e], scale_log2, -((e & 1) ? row_lse.y : row_lse.x)));
             if (needs_mask && !key_visible<IS_CAUSAL, FEATURES>(key, query, seqlen_k, band)) prob = 0.f;
             s[4 * i + e] = prob;
@@ -1309,17 +1309,17 @@ flash_backward_dq_sm90_kernel(const __grid_constant__ BackwardDqSm90Maps maps, c
             const int kv_start = (kv_range.y - 1 - i) * BLOCK_N;
             float prob[BLOCK_N / 2];
 #pragma unroll
-            for (int j = 0; j < BLOCK_N / 2; ++j) prob[j] = exp2f(fmaf(s[j], p.scale_log2, -lse_log2[(j >> 1) & 1]));
+            for (int j = 0; j < BLOCK_N / 2; ++j) prob[j] = exp2f(fmaf(s[j], p.scale_log2, -lse_log2[accumulator_half(j)]));
             if (tile_needs_mask<IS_CAUSAL, FEATURES>(q_start + 64 * consumer, 64, kv_start, BLOCK_N, seq.seqlen_k, band)) {
                 const TileMask mask(first_query, kv_start + col_in_chunk, seq.seqlen_k, band);
 #pragma unroll
                 for (int j = 0; j < BLOCK_N / 2; ++j)
-                    if (!mask.visible<IS_CAUSAL, FEATURES>(8 * ((j >> 1) & 1), 8 * (j >> 2) + (j & 1))) prob[j] = 0.f;
+                    if (!mask.visible<IS_CAUSAL, FEATURES>(accumulator_row(j), accumulator_col(j))) prob[j] = 0.f;
             }
             warpgroup_wait<0>();   // dP of block i
             hold_registers(dp);
 #pragma unroll
-            for (int j = 0; j < BLOCK_N / 2; ++j) dp[j] = prob[j] * (dp[j] - delta[(j >> 1) & 1]);
+            for (int j = 0; j < BLOCK_N / 2; ++j) dp[j] = prob[j] * (dp[j] - delta[accumulator_half(j)]);
             accumulator_to_a<T, BLOCK_N>(dsa, dp);
         }
         issue_dq(blocks - 1);

@@ -334,13 +334,13 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
             if (ScoreMod<FEATURES>::active) {
 #pragma unroll
                 for (int j = 0; j < BLOCK_N / 2; ++j)
-                    s[j] = mod.log2_logit(s[j], first_query + 8 * ((j >> 1) & 1), key0 + 8 * (j >> 2) + (j & 1));
+                    s[j] = mod.log2_logit(s[j], first_query + accumulator_row(j), key0 + accumulator_col(j));
             }
             if (tile_needs_mask<IS_CAUSAL, FEATURES>(w.q_start + 64 * consumer, 64, kv_start, BLOCK_N, seqlen_k, w.band)) {
                 const TileMask mask(first_query, key0, seqlen_k, w.band);
 #pragma unroll
                 for (int j = 0; j < BLOCK_N / 2; ++j)
-                    if (!mask.visible<IS_CAUSAL, FEATURES>(8 * ((j >> 1) & 1), 8 * (j >> 2) + (j & 1))) s[j] = FLASH_NEG_INF;
+                    if (!mask.visible<IS_CAUSAL, FEATURES>(accumulator_row(j), accumulator_col(j))) s[j] = FLASH_NEG_INF;
             }
             return softmax.template step<BLOCK_N / 2>(s, score_log2, rescale_o);
         };

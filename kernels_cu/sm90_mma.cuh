@@ -7,6 +7,13 @@
 // holds rows 16w + g and 16w + g + 8 (lane = 4g + t), and register 4i + e holds row
 // 16w + g + 8 * (e >> 1), column 8i + 2t + (e & 1). A from registers is mma.m16n8k16's A fragment.
 
+// ---- the accumulator's layout -----------------------------------------------------------------
+// Register j of a thread's accumulator: which of its two rows (0: 16w + g, 1: 16w + g + 8), and
+// its row and column offsets from the thread's first element (row 16w + g, column 2t).
+__device__ __forceinline__ constexpr int accumulator_half(int j) { return (j >> 1) & 1; }
+__device__ __forceinline__ constexpr int accumulator_row(int j) { return 8 * accumulator_half(j); }
+__device__ __forceinline__ constexpr int accumulator_col(int j) { return 8 * (j >> 2) + (j & 1); }
+
 // ---- ordering --------------------------------------------------------------------------------
 // warpgroup_arrive: the registers (accumulators, A fragments) written by ordinary instructions
 // before it are what the following wgmma's read. commit closes a group of issued wgmma's;
