@@ -498,6 +498,10 @@ class CompileReport:
     cubin_bytes: int
     kernels: list[KernelReport]
     log: str
+    # {name expression: (registers, stack frame bytes)} read from the cubin itself; where ptxas's
+    # report is missing (NVRTC 13 at times), ``kernels`` is built from it (see compile_offline).
+    cubin_kernels: dict = dataclasses.field(default_factory=dict)
+    from_cubin: bool = False
 
     @property
     def speed_warnings(self) -> list[str]:
@@ -579,9 +583,45 @@ def _nvrtc_compile(spec: ModuleSpec, options) -> tuple[bytes, dict, str, str]:
     return cubin, lowered, text, ptx
 
 
-def compile_offline(spec: ModuleSpec, arch: str) -> CompileReport:
-    """Compile every instantiation of ``spec`` to a cubin for ``arch`` with NVRTC (no GPU needed)."""
-    cubin, lowered_names, text, ptx = _nvrtc_compile(spec, compile_options(arch))
+# The cubin's .nv.info attributes (EIATTR_*) that hold a kernel's resources, each (symbol index,
+# value): its register count, and its stack frame (which holds any spill).
+_EIATTR_REGCOUNT, _EIATTR_FRAME_SIZE = 0x2F, 0x11
+_EIFMT_SVAL = 4
+
+
+def cubin_resources(cubin: bytes) -> dict:
+    """{mangled kernel name: (registers, stack frame bytes)} read from a cubin's ELF .nv.info
+    section: the values ptxas's -v report prints, for an NVRTC that returns no report."""
+    import struct
+
+    section_offset = struct.unpack_from("<Q", cubin, 0x28)[0]
+    entry_size, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, section_offset + i * entry_size) for i in range(count)]
+
+    def string(table: int, offset: int) -> str:
+        start = sections[table][4] + offset
+        return cubin[start:cubin.index(0, start)].decode()
+
+    by_name = {string(names_index, s[0]): s for s in sections}
+    symtab = by_name[".symtab"]
+    symbols = [string(symtab[6], struct.unpack_from("<I", cubin, symtab[4] + i * 24)[0])
+               for i in range(symtab[5] // 24)]
+    info = by_name[".nv.info"]
+    registers, frames = {}, {}
+    position, end = info[4], info[4] + info[5]
+    while position < end:
+        form, attribute, size = struct.unpack_from("<BBH", cubin, position)
+        if form == _EIFMT_SVAL and attribute in (_EIATTR_REGCOUNT, _EIATTR_FRAME_SIZE):
+            symbol, value = struct.unpack_from("<II", cubin, position + 4)
+            (registers if attribute == _EIATTR_REGCOUNT else frames)[symbols[symbol]] = value
+        position += 4 + (size if form == _EIFMT_SVAL else 0)
+    return {name: (count, frames.get(name, 0)) for name, count in registers.items()}
+
+
+def compile_offline(spec: ModuleSpec, arch: str, ptxas_report: bool = True) -> CompileReport:
+    """Compile every instantiation of ``spec`` to a cubin for ``arch`` with NVRTC (no GPU needed);
+    without ``ptxas_report``, as an NVRTC that gives none, the kernels' figures come from the cubin."""
+    cubin, lowered_names, text, ptx = _nvrtc_compile(spec, compile_options(arch, ptxas_report))
     entries = _ptx_entries(ptx)
     lowered = {name: expression for expression, name in lowered_names.items()}
     kernels = []
@@ -603,7 +643,19 @@ def compile_offline(spec: ModuleSpec, arch: str) -> CompileReport:
             param_bytes=param_bytes,
             generic_accesses=generic_accesses,
         ))
-    return CompileReport(spec=spec, arch=arch, cubin_bytes=len(cubin), kernels=kernels, log=text)
+    resources = cubin_resources(cubin)
+    cubin_kernels = {expression: resources[name] for expression, name in lowered_names.items() if name in resources}
+    from_cubin = not kernels
+    if from_cubin:
+        # No ptxas report (seen with NVRTC 13): the cubin's registers and stack frame stand in. A
+        # spill lives in the stack frame, so the frame bounds both spill figures.
+        for expression, (registers, frame) in cubin_kernels.items():
+            max_threads, param_bytes, generic_accesses = entries.get(lowered_names[expression], (0, (), 0))
+            kernels.append(KernelReport(name=expression, registers=registers, stack_bytes=frame,
+                                        spill_store_bytes=frame, spill_load_bytes=frame, max_threads=max_threads,
+                                        param_bytes=param_bytes, generic_accesses=generic_accesses))
+    return CompileReport(spec=spec, arch=arch, cubin_bytes=len(cubin), kernels=kernels, log=text,
+                         cubin_kernels=cubin_kernels, from_cubin=from_cubin)
 
 
 def _compile_case(case):
@@ -638,8 +690,9 @@ def compile_all_offline(archs=ALL_ARCHS, specs=None, workers=None, progress=None
             if progress is not None:
                 progress(done, len(cases), case)
     # Seen with NVRTC 13 on the device (not 12.9): a module compiled in a parallel worker came back
-    # with its cubin but an empty ptxas log. Compile such modules again here, one at a time.
+    # with its cubin but an empty ptxas log. Compile such modules again here, one at a time (the
+    # log also carries the speed warnings).
     for case, report in reports.items():
-        if isinstance(report, CompileReport) and not report.kernels:
+        if isinstance(report, CompileReport) and report.from_cubin:
             reports[case] = _compile_case(case)[1]
     return reports
