@@ -8,6 +8,9 @@
              reference (the 2x error rule); exit status 0 when all pass, 1 otherwise
     bench    forward and backward TFLOP/s on a few shapes, with PyTorch SDPA's flash backend timed
              on the same data when PyTorch is installed
+    source   the CUDA text one kernel family compiles from (its .cu with the headers expanded), or
+             with --interface the header Python writes (flash_interface.cuh), to compile a
+             kernels_cu file on its own with nvcc -I
 """
 
 from __future__ import annotations
@@ -330,6 +333,17 @@ def _time(call, runs) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+# source
+
+def command_source(args) -> int:
+    if args.interface == (args.family is not None):
+        print("source: name a family or give --interface", file=sys.stderr)
+        return 2
+    sys.stdout.write(_compile.interface_header() if args.interface else _compile.family_source(args.family))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m cupy_flash", description=__doc__,
@@ -351,6 +365,9 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--heads", type=int, default=16)
     bench.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_NAMES))
     bench.add_argument("--runs", type=int, default=20)
+    source = commands.add_parser("source", help="a kernel family's CUDA text, or the interface header")
+    source.add_argument("family", nargs="?", choices=_compile.FAMILIES)
+    source.add_argument("--interface", action="store_true", help=f"print {_compile.INTERFACE_HEADER}")
     return top
 
 
@@ -361,4 +378,4 @@ def main(argv=None) -> int:
             print(f"head dim {head_dim}: expected 1 to {_traits.MAX_HEAD_DIM}", file=sys.stderr)
             return 2
     return {"info": command_info, "warmup": command_warmup, "check": command_check,
-            "bench": command_bench}[args.command](args)
+            "bench": command_bench, "source": command_source}[args.command](args)

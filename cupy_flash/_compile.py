@@ -45,34 +45,63 @@ def _kernel_dir() -> Path:
     raise FileNotFoundError(f"cupy_flash kernel sources not found next to {here}")
 
 
-# The headers each family's .cu file is prefixed with (NVRTC gets one string: no include path
-# needed). The feature bits come first, written from _features (their one definition).
-FAMILY_HEADERS = {
-    "forward": ("common.cuh",),
-    "backward": ("common.cuh",),
-    "preprocess": ("common.cuh",),
-    "forward_tc": ("common.cuh", "tensor_core.cuh"),
-    "backward_tc": ("common.cuh", "tensor_core.cuh"),
-    "decode": ("common.cuh", "tensor_core.cuh"),
-    "forward_sm90": ("common.cuh", "tensor_core.cuh", "sm90_mma.cuh", "sm90_wgmma_ops.cuh", "sm90_tma.cuh"),
-    "backward_sm90": ("common.cuh", "tensor_core.cuh", "sm90_mma.cuh", "sm90_wgmma_ops.cuh", "sm90_tma.cuh"),
-}
-TENSOR_CORE_FAMILIES = tuple(f for f, headers in FAMILY_HEADERS.items() if "tensor_core.cuh" in headers)
+# The kernel families, one kernels_cu/<family>.cu each; a file names the headers it needs with
+# #include "x.cuh" (each header with #pragma once), so each compiles on its own with NVRTC's
+# in-memory headers or an include path.
+FAMILIES = ("forward", "backward", "preprocess", "forward_tc", "backward_tc", "decode", "forward_sm90", "backward_sm90")
+# The header written from Python (its one definition), which common.cuh includes: the feature bits,
+# the configuration values and FlashParams (python -m cupy_flash source --interface prints it).
+INTERFACE_HEADER = "flash_interface.cuh"
+_INCLUDE = re.compile(r'^#include "([\w.]+)"\n', re.M)
+
+
+def interface_header() -> str:
+    return (f"// ---- feature bits (cupy_flash/_features.py) ----\n{_features.cuda_defines()}"
+            f"\n// ---- configuration (cupy_flash/_traits.py) ----\n{_traits.cuda_defines()}"
+            f"\n// ---- FlashParams (cupy_flash/_params.py) ----\n{cuda_struct()}")
+
+
+@functools.lru_cache(maxsize=None)
+def headers() -> dict:
+    """{name: text} of every header a kernel file may include: kernels_cu's and the interface."""
+    found = {path.name: path.read_text() for path in sorted(_kernel_dir().glob("*.cuh"))}
+    return {INTERFACE_HEADER: interface_header(), **found}
+
+
+def family_headers(family: str) -> tuple[str, ...]:
+    """The headers ``family`` includes, directly or not, in the order they are expanded."""
+    order = []
+
+    def visit(text):
+        for name in _INCLUDE.findall(text):
+            if name not in order:
+                order.append(name)
+                visit(headers()[name])
+
+    visit((_kernel_dir() / f"{family}.cu").read_text())
+    return tuple(order)
+
+
+TENSOR_CORE_FAMILIES = tuple(f for f in FAMILIES if "tensor_core.cuh" in family_headers(f))
 
 
 @functools.lru_cache(maxsize=None)
 def family_source(family: str) -> str:
-    """The feature bits and configuration values (from Python, their one definition), FlashParams (written from
-    _params.FIELDS), the family's headers and its .cu file: the exact text that is compiled (and
-    hashed by the kernel caches, so any edit recompiles)."""
-    directory = _kernel_dir()
-    parts = [f"// ---- feature bits (cupy_flash/_features.py) ----\n{_features.cuda_defines()}",
-             f"// ---- configuration (cupy_flash/_traits.py) ----\n{_traits.cuda_defines()}"]
-    for name in FAMILY_HEADERS[family] + (f"{family}.cu",):
-        if name == "common.cuh":   # the kernels' argument, as the launch code's record lays it out
-            parts.append(f"// ---- FlashParams (cupy_flash/_params.py) ----\n{cuda_struct()}")
-        parts.append(f"// ---- {name} ----\n{(directory / name).read_text()}")
-    return "\n".join(parts)
+    """``family``'s .cu file with its #includes expanded in place, each header once (what #pragma
+    once does): the exact text that is compiled, as one string (CuPy's RawModule takes no headers),
+    and hashed by the kernel caches, so an edit to any part recompiles."""
+    expanded = set()
+
+    def expand(name: str, text: str) -> str:
+        def include(match):
+            header = match.group(1)
+            if header in expanded:
+                return ""
+            expanded.add(header)
+            return expand(header, headers()[header])
+        return f"// ---- {name} ----\n" + _INCLUDE.sub(include, text.replace("#pragma once\n", ""))
+
+    return expand(f"{family}.cu", (_kernel_dir() / f"{family}.cu").read_text())
 
 
 def _flag(value: bool) -> str:

@@ -34,8 +34,8 @@ FEATURE_NAMES = {FEATURE_WINDOW: "window", FEATURE_SOFTCAP: "softcap", FEATURE_A
 
 
 def cuda_defines() -> str:
-    """The FEATURE_* bits as the kernels see them: _compile prepends these lines to every family's
-    source, so this module is their one definition."""
+    """The FEATURE_* bits as the kernels see them: _compile writes these lines into flash_interface.cuh,
+    which every kernel file includes, so this module is their one definition."""
     return "".join(f"#define FEATURE_{name.upper()} {bit}\n" for bit, name in FEATURE_NAMES.items())
 
 # Window sizes are clamped below 2^30 (past any sequence length): the kernels add them to the

@@ -15,6 +15,8 @@
 //
 // CUDA-core version; same 16 x 8 thread layout and padded float32 tiles as the forward kernel.
 
+#include "common.cuh"
+
 // Row-wise softmax statistics of one query block. Rows past seqlen_q and rows that see no key
 // (lse = -inf) get lse = -inf, which makes their P (and so dS) exactly 0.
 template <int BLOCK_M>

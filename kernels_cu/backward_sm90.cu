@@ -33,7 +33,13 @@
 // rows past the sequence arrive as zeros. Keys past the sequence read zeros from K and V; the mask
 // drops their P, and their dK / dV rows are not stored.
 
-// A producer warpgroup and BACKWARD_SM90_CONSUMERS (_traits, defined before this file) consumer
+#include "common.cuh"
+#include "tensor_core.cuh"
+#include "sm90_mma.cuh"
+#include "sm90_wgmma_ops.cuh"
+#include "sm90_tma.cuh"
+
+// A producer warpgroup and BACKWARD_SM90_CONSUMERS (_traits, in flash_interface.cuh) consumer
 // warpgroups (cupy_flash/_traits.backward_sm90_threads).
 
 // The key split computes dQ transposed (dQ^T = K^T dS^T, the head dim as wgmma's M) where the query

@@ -27,6 +27,9 @@
 // drained, so the fence costs little. Publishing right after the adds (every thread fencing) made
 // deterministic mode 1.14-1.53x the atomic path; the fence stalled every warp on the reds' latency.
 
+#include "common.cuh"
+#include "tensor_core.cuh"
+
 template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int STAGES, int S_KEY_WARPS, int KV_KEY_WARPS, bool IS_CAUSAL, int FEATURES>
 __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(const FlashParams p) {
     constexpr int THREADS = 32 * NUM_WARPS;

@@ -1,12 +1,15 @@
-// Shared vocabulary of the cupy_flash kernels: element types, tile loads/stores (the params struct
-// comes before this file: see FlashParams below).
+// Shared vocabulary of the cupy_flash kernels: element types, tile loads/stores. Every kernel file
+// includes it; it includes flash_interface.cuh, which Python writes (cupy_flash/_compile.py): the
+// feature bits, the configuration values and FlashParams.
 //
 // No CUDA headers are included (not even cuda_fp16.h): the conversions below are single PTX
 // instructions, and leaving the headers out means NVRTC needs no include path, so the same source
 // compiles on a machine with no CUDA toolkit and no GPU (the CI compile check does exactly that).
-// cupy_flash/_compile.py prepends this file to each kernel family's source before compiling.
 
-// FLASH_THREADS (_traits.THREADS, defined before this file): every portable attention kernel's
+#pragma once
+#include "flash_interface.cuh"
+
+// FLASH_THREADS (_traits.THREADS, in flash_interface.cuh): every portable attention kernel's
 // threads. Attention kernels declare __launch_bounds__(FLASH_THREADS, 1): with the thread count alone, ptxas
 // for sm_80 capped five instantiations at 128 registers and spilled 8 bytes; with the explicit
 // one-block minimum they use up to ~160 registers and spill nothing (shared memory, not registers,

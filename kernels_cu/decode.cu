@@ -18,6 +18,9 @@
 // merge their partial softmaxes once at the end. Tiles start at multiples of 16 keys, so with pages
 // of 16 or more keys (powers of two) a tile never crosses a page: one block_table read per tile.
 
+#include "common.cuh"
+#include "tensor_core.cuh"
+
 // Row (in elements) of key `key` of batch entry b, K/V head kv_head in a cache with these strides:
 // paged ({page, row, head} strides, the page from block_table) or contiguous ({batch, row, head}).
 __device__ __forceinline__ long long cache_offset(const FlashParams& p, const long long* strides, long long b, int key,

@@ -18,6 +18,8 @@
 // are three shuffles. Shared rows are padded by one float so that the 4 rows (Q) or 8 rows (K) a
 // warp reads at one column fall in distinct banks.
 
+#include "common.cuh"
+
 template <typename T, int D_TILE, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, int FEATURES>
 __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const FlashParams p) {
     constexpr int LD = D_TILE + 1;

@@ -24,6 +24,12 @@
 // from global memory) is not supported here: the dispatch (cupy_flash/_families.py) sends it to
 // the portable kernels.
 
+#include "common.cuh"
+#include "tensor_core.cuh"
+#include "sm90_mma.cuh"
+#include "sm90_wgmma_ops.cuh"
+#include "sm90_tma.cuh"
+
 template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES>
 struct ForwardSm90Storage {
     static constexpr int CHUNKS = D_TILE / SWIZZLE_ROW_ELEMENTS;

@@ -16,6 +16,9 @@
 // g, g+8 and columns 2t, 2t+1. Two adjacent C tiles of S are exactly one A fragment of P, so P
 // goes from the S accumulators to the PV product without leaving registers.
 
+#include "common.cuh"
+#include "tensor_core.cuh"
+
 template <typename T, int D_TILE, int BLOCK_N, int NUM_WARPS, int M_TILES, bool IS_CAUSAL, int FEATURES>
 __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(const FlashParams p) {
     constexpr int THREADS = 32 * NUM_WARPS;

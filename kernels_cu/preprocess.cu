@@ -11,6 +11,8 @@
 // Rows (batch, row, head) are visited in memory order of O, several to a warp (row_group below), so
 // consecutive lanes and warps read consecutive rows; each lane reads 16-byte vectors of dO and O.
 
+#include "common.cuh"
+
 // A warp's rows: head_dim's 16-byte vectors spread over a power-of-two group of lanes (at most 32),
 // so a warp takes 32 / lanes rows at once and every lane loads (16-bit, d = 128: 16 lanes a row; one
 // row a warp left half the lanes idle, 0.76x the copy rate), and ROW_SETS such sets per pass, their

@@ -7,6 +7,10 @@
 // holds rows 16w + g and 16w + g + 8 (lane = 4g + t), and register 4i + e holds row
 // 16w + g + 8 * (e >> 1), column 8i + 2t + (e & 1). A from registers is mma.m16n8k16's A fragment.
 
+#pragma once
+#include "common.cuh"
+#include "tensor_core.cuh"
+
 // ---- the accumulator's layout -----------------------------------------------------------------
 // Register j of a thread's accumulator: which of its two rows (0: 16w + g, 1: 16w + g + 8), and
 // its row and column offsets from the thread's first element (row 16w + g, column 2t).

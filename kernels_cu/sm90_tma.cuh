@@ -2,6 +2,10 @@
 // loads completing on mbarriers with transaction counts, a ring of stages with full/empty
 // barriers, register reallocation between warpgroups, named barriers.
 
+#pragma once
+#include "common.cuh"
+#include "tensor_core.cuh"
+
 // A CUtensorMap (cuda.h: 128 bytes, 64-byte aligned), encoded on the host by
 // cuTensorMapEncodeTiled (cupy_flash/_tma.py) and passed in a __grid_constant__ kernel parameter:
 // TMA reads it from parameter space.

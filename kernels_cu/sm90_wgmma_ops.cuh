@@ -9,6 +9,9 @@
 // after warpgroup_wait<>(). Written once per width in a macro over the element type (C++ type, PTX
 // name), instantiated for bf16 and f16 at the end.
 
+#pragma once
+#include "common.cuh"
+
 template <typename T, int N> struct Wgmma;
 
 #define CUPY_FLASH_WGMMA_OPERATIONS(CTYPE, PTX) \

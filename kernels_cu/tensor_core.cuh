@@ -1,6 +1,8 @@
 // Tensor-core vocabulary shared by the fp16/bf16 kernels (forward_tc.cu, backward_tc.cu), sm_80+:
 // mma.sync.m16n8k16 with fp32 accumulation, ldmatrix fragment loads, 16-byte cp.async tile loads.
-// cupy_flash/_compile.py prepends this file (after common.cuh) to the tensor-core families.
+
+#pragma once
+#include "common.cuh"
 
 template <typename T> struct Mma;
 template <> struct Mma<fa_f16> {

@@ -1,4 +1,4 @@
-"""python -m cupy_flash: info, warmup, check, bench."""
+"""python -m cupy_flash: info, warmup, check, bench, source."""
 
 import subprocess
 import sys
@@ -81,3 +81,11 @@ def test_warmup_check_and_info_on_the_gpu(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "decode kernels (bfloat16, head_dim tile 64) sm_" in out
     assert _cli.main(["check"]) == 0, capsys.readouterr().out
+
+
+def test_source_prints_a_family_and_the_interface(capsys):
+    assert _cli.main(["source", "forward_sm90"]) == 0
+    assert capsys.readouterr().out == _compile.family_source("forward_sm90")
+    assert _cli.main(["source", "--interface"]) == 0
+    assert capsys.readouterr().out == _compile.interface_header()
+    assert _cli.main(["source"]) == 2 and _cli.main(["source", "decode", "--interface"]) == 2

@@ -230,14 +230,15 @@ def test_tensor_core_target_follows_the_device():
 
 def test_flash_params_is_written_from_the_python_record():
     """FlashParams has one definition, _params.FIELDS: every module's source holds the struct that
-    _params.cuda_struct writes from it, once, before common.cuh, and no file of kernels_cu defines
-    it; the struct's fields are PARAMS_DTYPE's, in order, with their sizes."""
+    _params.cuda_struct writes from it, once, in the interface header common.cuh includes before
+    its own code, and no file of kernels_cu defines it; the struct's fields are PARAMS_DTYPE's, in
+    order, with their sizes."""
     from cupy_flash import _params
 
     struct = _params.cuda_struct()
-    for family in _compile.FAMILY_HEADERS:
+    for family in _compile.FAMILIES:
         source = _compile.family_source(family)
-        assert source.count("struct FlashParams {") == 1 and source.index(struct) < source.index("// ---- common.cuh ----")
+        assert source.count("struct FlashParams {") == 1 and source.index(struct) < source.index("struct fa_f16")
     for path in _compile._kernel_dir().iterdir():
         assert "struct FlashParams {" not in path.read_text(), path.name
     fields = re.findall(r"^    (.+?) (\w+)(?:\[(\d+)\])?;$", struct, re.M)
@@ -251,7 +252,7 @@ def test_flash_params_is_written_from_the_python_record():
 def test_configuration_values_are_stated_once():
     """The values both the launch code and the kernels need (threads, consumer warpgroups, the sm_90
     block's shared memory, the row and decode kernels' shapes) are _traits' and reach every module
-    as #defines before its headers; kernels_cu states none of them itself."""
+    as #defines in the interface header; kernels_cu states none of them itself."""
     import re
 
     defines = dict(re.findall(r"#define (\w+) (\d+)", _traits.cuda_defines()))
@@ -261,5 +262,50 @@ def test_configuration_values_are_stated_once():
         assert "227 * 1024" not in text, path.name
         for name in defines:
             assert not re.search(rf"(#define|constexpr int)\s+{name}\b", text), (path.name, name)
-    for family in _compile.FAMILY_HEADERS:
+    for family in _compile.FAMILIES:
         assert _traits.cuda_defines() in _compile.family_source(family), family
+
+
+def test_every_kernel_file_is_a_family_or_a_header_and_includes_what_it_uses():
+    """kernels_cu holds the families' .cu files and the headers they include; each file is expanded
+    into its source once, and no #include is left over."""
+    names = {path.name for path in _compile._kernel_dir().iterdir()}
+    used = {header for family in _compile.FAMILIES for header in _compile.family_headers(family)}
+    assert names == {f"{family}.cu" for family in _compile.FAMILIES} | (used - {_compile.INTERFACE_HEADER})
+    for family in _compile.FAMILIES:
+        source = _compile.family_source(family)
+        assert "#include" not in source and "#pragma once" not in source
+        for header in _compile.family_headers(family):
+            assert source.count(f"// ---- {header} ----") == 1, (family, header)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", sorted(set(_compile.headers()) - {_compile.INTERFACE_HEADER}) + [f"{f}.cu" for f in _compile.FAMILIES])
+def test_each_kernel_file_compiles_on_its_own(name):
+    """Each header and each family's file compiles alone through NVRTC's in-memory headers (the
+    #includes it names, nothing prepended), to the same PTX as the source the package compiles."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    headers = _compile.headers()
+    family = name[:-3] if name.endswith(".cu") else None
+    spec = next(s for s in _compile.all_module_specs() if s.family == family) if family else None
+    arch = "compute_90a" if family and family.endswith("sm90") else "compute_80"
+
+    def ptx(text, with_headers):
+        program = nvrtc.createProgram(text, name, [h.encode() for h in headers.values()] if with_headers else [],
+                                      [h.encode() for h in headers] if with_headers else [])
+        try:
+            for expression in (spec.name_expressions if spec else ()):
+                nvrtc.addNameExpression(program, expression)
+            try:
+                nvrtc.compileProgram(program, list(_compile.compile_options(arch, report=False)))
+            except nvrtc.NVRTCError:
+                raise AssertionError(f"{name} does not compile alone:\n{nvrtc.getProgramLog(program)}") from None
+            return nvrtc.getPTX(program)
+        finally:
+            nvrtc.destroyProgram(program)
+
+    text = headers[name] if family is None else (_compile._kernel_dir() / name).read_text()
+    alone = ptx(text, True)
+    if family is not None:
+        assert alone == ptx(_compile.family_source(family), False)
