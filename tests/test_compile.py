@@ -309,3 +309,23 @@ def test_each_kernel_file_compiles_on_its_own(name):
     alone = ptx(text, True)
     if family is not None:
         assert alone == ptx(_compile.family_source(family), False)
+
+
+@pytest.mark.compile
+def test_cubin_identity_hashes_each_kernels_sass():
+    """bench/cubin_identity.py (the proof that a change leaves the kernels alone) finds one SASS
+    section per kernel of a module, and the same hashes for the same source."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "cubin_identity.py"
+    loader = importlib.util.spec_from_file_location("cubin_identity", path)
+    tool = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(tool)
+    spec = next(s for s in _compile.all_module_specs() if s.family == "preprocess")
+    name, first = tool._module((spec, "sm_80"))
+    _, second = tool._module((spec, "sm_80"))
+    lowered = _compile._nvrtc_compile(spec, _compile.compile_options("sm_80", report=False))[1]
+    assert set(first["sass"]) == {f".text.{mangled}" for mangled in lowered.values()}
+    assert first == second and tool.compare({name: first}, {name: second}) == 0
+    assert tool.compare({name: first}, {name: {**second, "sass": {}}}) == 1
