@@ -22,7 +22,7 @@ from cupy_flash import _compile
 def main(family, dtype, tile, arch, features="0"):
     if family == "forward_sm90":
         target = "sm90a"
-    elif family in _compile.TENSOR_CORE_FAMILIES:
+    elif "tensor_core.cuh" in _compile.family_headers(family):
         target = "sm90" if int(arch.rstrip("a")) >= 90 else "sm80"
     else:
         target = None

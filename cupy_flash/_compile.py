@@ -82,9 +82,6 @@ def family_headers(family: str) -> tuple[str, ...]:
     return tuple(order)
 
 
-TENSOR_CORE_FAMILIES = tuple(f for f in FAMILIES if "tensor_core.cuh" in family_headers(f))
-
-
 @functools.lru_cache(maxsize=None)
 def family_source(family: str) -> str:
     """``family``'s .cu file with its #includes expanded in place, each header once (what #pragma
