@@ -1,7 +1,7 @@
 """The kernels' single argument, ``FlashParams``: one table of its fields (``FIELDS``), from which
 both the NumPy record the launch code fills (``PARAMS_DTYPE``) and the CUDA struct the kernels read
-(``cuda_struct``, which _compile places before kernels_cu/common.cuh in every module) are made, so
-the two cannot disagree.
+(``cuda_struct``, which _compile writes into flash_interface.cuh, included by kernels_cu/common.cuh)
+are made, so the two cannot disagree.
 
 Every field is 8 bytes or a pair of 4-byte floats, so NumPy's packed layout equals the C layout.
 All offsets are 64-bit: batch * seqlen * heads * head_dim passes 2^31 at realistic sizes.

@@ -310,8 +310,8 @@ ROW_KERNEL_THREADS = 256
 
 
 def cuda_defines() -> str:
-    """The configuration values the kernels compile with, as #defines: _compile places them at the
-    top of every module's source, so each is stated here only."""
+    """The configuration values the kernels compile with, as #defines: _compile writes them into
+    flash_interface.cuh, which every kernel file includes, so each is stated here only."""
     values = dict(FLASH_THREADS=THREADS, SM90_BLOCK_SMEM_BYTES=SM90_BLOCK_SMEM_BYTES,
                   BACKWARD_SM90_CONSUMERS=BACKWARD_SM90_CONSUMERS, ROW_KERNEL_THREADS=ROW_KERNEL_THREADS,
                   DECODE_ROWS=DECODE_ROWS, DECODE_STAGES=DECODE_STAGES,

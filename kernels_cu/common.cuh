@@ -47,8 +47,8 @@ template <> __device__ __forceinline__ fa_bf16 from_float<fa_bf16>(float x) {
 
 // FlashParams, the one argument of every kernel: its fields (pointers, the tensors' 64-bit element
 // strides {batch, row, head}, sizes, the variants' parameters) are listed once, with what each
-// holds, in cupy_flash/_params.py (FIELDS), which writes the struct (_params.cuda_struct) that
-// cupy_flash/_compile.py places before this header and fills the same record at each launch.
+// holds, in cupy_flash/_params.py (FIELDS), which writes the struct (_params.cuda_struct) into
+// flash_interface.cuh (included above) and fills the same record at each launch.
 
 // One sequence of the batch: its lengths and, for packed variable-length batches (FEATURE_VARLEN),
 // the row of the packed tensors where it starts (0 otherwise: the batch stride does the work; under
