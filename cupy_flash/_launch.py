@@ -29,9 +29,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import sys
 import threading
+
+import numpy
 
 # CUlaunchAttributeID CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6
@@ -139,9 +142,7 @@ def packed_once(cache: dict, addresses: tuple, stream: int, capturing: bool, pac
     each set holds ~1-4 KB of records and maps, and up to 256 plans are kept)."""
     if capturing:
         return pack()
-    key = addresses + (stream, threading.get_ident())
-    packed = cache.get(key)
-    return kept(cache, key, pack(), limit=32) if packed is None else packed
+    return cached(cache, addresses + (stream, threading.get_ident()), pack, limit=32)
 
 
 class CudaCalls:
@@ -164,6 +165,24 @@ class CudaCalls:
 @functools.lru_cache(maxsize=None)
 def cuda_calls() -> CudaCalls:
     return CudaCalls()
+
+
+FLOAT32 = numpy.dtype(numpy.float32)
+
+
+class OutputAndLse:
+    """Base of the forward's and decode's plans: their outputs, o (q's shape and dtype) and lse
+    (float32), new from CuPy's allocator on each call: an allocation and a view each (cupy.empty
+    costs ~40% more host time)."""
+
+    def plan_outputs(self, q, lse_shape: tuple) -> None:
+        self.o_shape, self.o_dtype, self.o_bytes = tuple(q.shape), q.dtype, q.nbytes
+        self.lse_shape, self.lse_bytes = lse_shape, 4 * math.prod(lse_shape)
+
+    def outputs(self):
+        cuda = self.cuda
+        return (cuda.ndarray(self.o_shape, self.o_dtype, cuda.alloc(self.o_bytes)),
+                cuda.ndarray(self.lse_shape, FLOAT32, cuda.alloc(self.lse_bytes)))
 
 
 def ready_stream(plan, stream: int | None = None) -> int | None:
@@ -256,18 +275,22 @@ class TileCounters:
         """A counter's address for a launch on the stream at ``stream`` (``capturing``: it is
         capturing a graph). A captured launch's counter comes from CuPy's allocator and is noted
         for the call (_streams.record_kernel_arrays), so it lives as long as the call's outputs."""
-        import cupy
-
         from ._streams import record_kernel_arrays
 
         if capturing:
-            counter = cupy.empty((self.nbytes,), dtype=cupy.uint8)
-            cupy.cuda.runtime.memsetAsync(counter.data.ptr, 0, counter.nbytes, stream)
+            counter = self._zeroed(stream)
             record_kernel_arrays((counter,))
             return counter.data.ptr
         key = (threading.get_ident(), stream)
         counter = self._counters.get(key)
         if counter is None:
-            counter = self._counters[key] = cupy.empty((self.nbytes,), dtype=cupy.uint8)
-            cupy.cuda.runtime.memsetAsync(counter.data.ptr, 0, counter.nbytes, stream)   # on the launches' stream
+            counter = self._counters[key] = self._zeroed(stream)
         return counter.data.ptr
+
+    def _zeroed(self, stream: int):
+        """A new counter, zeroed on the launches' stream."""
+        import cupy
+
+        counter = cupy.empty((self.nbytes,), dtype=cupy.uint8)
+        cupy.cuda.runtime.memsetAsync(counter.data.ptr, 0, counter.nbytes, stream)
+        return counter

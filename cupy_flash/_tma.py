@@ -75,7 +75,7 @@ def layout_of(x) -> Layout:
 
 
 def map_strides(x, packed: bool) -> tuple:
-    """The byte strides of dims 1.. of attention_map's 4-D view of x (an array or a Layout):
+    """The byte strides of dims 1.. of attention_map_at's 4-D view of x (an array or a Layout):
     (seqlen, heads, batch). An axis of size one is never stepped along, so whatever stride it has (0
     after ``x[None]``, anything from a framework's view) is replaced by a valid one: the driver wants
     positive multiples of 16."""
@@ -91,17 +91,12 @@ def map_strides(x, packed: bool) -> tuple:
     return tuple(int(s) if n > 1 else row_bytes for n, s in zip(sizes, strides))
 
 
-def attention_map(x, dtype: str, rows: int, packed: bool) -> bytes:
-    """The map of q, k, v or o (batch, seqlen, heads, head_dim), or packed (total, heads, head_dim), as
-    a 4-D tensor (head_dim, seqlen, heads, batch) in boxes of 128 bytes of head_dim (64 elements of
-    a 16-bit type, 32 of float32: the backward's dq_accum) x ``rows`` rows of one head: what the
-    Hopper kernels load (or store, or add) at once. Past the tensor's edges (head_dim, seqlen,
-    batch) a load reads zeros and a store or add writes nothing."""
-    return attention_map_at(x.data.ptr, layout_of(x), dtype, rows, packed)
-
-
 def attention_map_at(address: int, layout: Layout, dtype: str, rows: int, packed: bool) -> bytes:
-    """attention_map of an array of ``layout`` at ``address``."""
+    """The map of q, k, v or o (batch, seqlen, heads, head_dim), or packed (total, heads, head_dim), of
+    ``layout`` at ``address``, as a 4-D tensor (head_dim, seqlen, heads, batch) in boxes of 128 bytes
+    of head_dim (64 elements of a 16-bit type, 32 of float32: the backward's dq_accum) x ``rows``
+    rows of one head: what the Hopper kernels load (or store, or add) at once. Past the tensor's
+    edges (head_dim, seqlen, batch) a load reads zeros and a store or add writes nothing."""
     if packed:
         total, heads, head_dim = layout.shape
         dims = (head_dim, total, heads, 1)
@@ -113,7 +108,7 @@ def attention_map_at(address: int, layout: Layout, dtype: str, rows: int, packed
 
 
 def maps_supported(x) -> bool:
-    """Whether TMA can read x as attention_map does: a 16-byte-aligned base and strides that are
+    """Whether TMA can read x as attention_map_at does: a 16-byte-aligned base and strides that are
     positive multiples of 16 bytes below 2^40 (the driver refuses others)."""
     strides = map_strides(x, packed=x.ndim == 3)
     return (x.data.ptr % 16 == 0 and min(strides) > 0 and max(strides) < 2**40

@@ -98,7 +98,7 @@ def uses_split_path(shape, variant, num_splits) -> bool:
     return num_splits is not None or shape.group * shape.seqlen_q <= DECODE_MAX_ROWS
 
 
-class DecodePlan:
+class DecodePlan(_launch.OutputAndLse):
     """A decode call's launches with everything but the arrays' addresses (as forward.ForwardPlan):
     the append kernel where new rows come, the decode kernel, and the combine kernel where the keys
     are split (its partials in one workspace); the params record with each array's field written
@@ -111,18 +111,12 @@ class DecodePlan:
         early = _launch.supports_early(self.device)
         self.launches = tuple((kernel, grid, threads, smem, launch_early and early)
                               for kernel, grid, threads, smem, launch_early in launches)
-        self.o_shape, self.o_dtype, self.o_bytes = tuple(q.shape), q.dtype, q.nbytes
-        self.lse_shape, self.lse_bytes = lse_shape, 4 * math.prod(lse_shape)
+        self.plan_outputs(q, lse_shape)
         # o_partial and lse_partial in one workspace (empty when the keys are not split)
         self.partial_offsets = (0, -(-partials[0] // 256) * 256) if partials else ()
         self.workspace_bytes = sum(-(-n // 256) * 256 for n in partials)
         self.held = held                  # the variant's device arrays the record points at
         self._launched: dict = {}         # Packed by the arrays' addresses, stream and thread
-
-    def outputs(self):
-        cuda = self.cuda
-        return (cuda.ndarray(self.o_shape, self.o_dtype, cuda.alloc(self.o_bytes)),
-                cuda.ndarray(self.lse_shape, _FLOAT32, cuda.alloc(self.lse_bytes)))
 
     def call(self, arrays: tuple):
         """The repeated call (flash_decode's plan cache found this plan): (o, lse), or None where the
@@ -155,7 +149,6 @@ class DecodePlan:
                                     for kernel, grid, threads, smem, early in self.launches), stream)
 
 
-_FLOAT32 = numpy.dtype(numpy.float32)
 # A decode launch's arrays, in the order of its addresses (k and v: the caches).
 _NAMES = ("q", "k", "v", "cache_seqlens", "block_table", "k_new", "v_new", "o", "lse", "o_partial", "lse_partial")
 

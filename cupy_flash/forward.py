@@ -5,24 +5,20 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import math
-
-import numpy
 
 from . import _checks, _families, _tma, _traits
 from ._compile import ModuleSpec, device_value, get_kernel
-from ._launch import Packed, TileCounters, cached, cuda_calls, current_stream, kept, packed_once, ready_stream
+from ._launch import OutputAndLse, Packed, TileCounters, cached, cuda_calls, current_stream, kept, packed_once, ready_stream
 from ._params import PointerRecord, make_params
 from ._streams import STREAM_DOC, on_stream, record_kernel_arrays
 from .decode import check_num_splits, launch_decode, uses_split_path
 
 _SM90_MAPS_BYTES = 4 * _tma.MAP_BYTES   # kernels_cu/forward_sm90.cu: ForwardSm90Maps (tests/test_compile.py holds them equal)
+_NAMES = ("q", "k", "v", "o", "lse")   # a forward launch's arrays, in the order of its addresses
+_BINDINGS = {name: name for name in _NAMES}   # the pointer fields a forward call fills
 
 
-_BINDINGS = {name: name for name in ("q", "k", "v", "o", "lse")}   # the pointer fields a forward call fills
-
-
-class ForwardPlan:
+class ForwardPlan(OutputAndLse):
     """Everything a forward launch needs but the arrays' addresses: the kernel, its grid, block and
     shared memory, the params record (a PointerRecord: the q, k, v, o, lse fields written per call)
     and, on Hopper, the arrays' layouts its tensor maps are encoded from. A plan is a function of
@@ -34,10 +30,8 @@ class ForwardPlan:
                  maps: tuple = (), tile_counter_bytes: int = 0):
         self.cuda = cuda_calls()
         self.kernel, self.grid, self.threads, self.smem = kernel, grid, threads, smem
-        self.record, self.lse_shape = PointerRecord(params, _BINDINGS), lse_shape
-        self.o_shape, self.o_dtype = tuple(q.shape), q.dtype
-        self.o_bytes = q.size * q.dtype.itemsize
-        self.lse_bytes = 4 * math.prod(lse_shape)
+        self.record = PointerRecord(params, _BINDINGS)
+        self.plan_outputs(q, lse_shape)
         # The variant's device arrays (slopes, sink, bias as float32, cu_seqlens) that params points
         # at: held as long as the plan, so they outlive the launch. Plain plans hold none.
         self.variant_arrays = tuple(x for x in variant.device_arrays() if x is not None)
@@ -61,13 +55,6 @@ class ForwardPlan:
         o, lse = self.outputs()
         self.launch((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr), stream, False)
         return o, lse
-
-    def outputs(self):
-        """New (o, lse) arrays from CuPy's allocator on the current stream: an allocation and a view
-        each (cupy.empty costs ~40% more host time)."""
-        cuda = self.cuda
-        return (cuda.ndarray(self.o_shape, self.o_dtype, cuda.alloc(self.o_bytes)),
-                cuda.ndarray(self.lse_shape, _FLOAT32, cuda.alloc(self.lse_bytes)))
 
     def run(self, q, k, v, out=None):
         """Launch on kernel-ready q, k, v of the planned shapes, strides and device, on the current
@@ -107,10 +94,6 @@ class ForwardPlan:
             + _tma.attention_map_at(v_at, v, dtype, block_n, packed)))
         output = cached(self._output_maps, o_at, lambda: _tma.attention_map_at(o_at, o, dtype, _tma.STORE_ROWS, packed))
         return ctypes.create_string_buffer(inputs + output, _SM90_MAPS_BYTES)
-
-
-_NAMES = ("q", "k", "v", "o", "lse")   # a forward launch's arrays, in the order of its addresses
-_FLOAT32 = numpy.dtype(numpy.float32)
 
 
 def forward_plan(q, k, v, shape, scale, variant, config: tuple = ()) -> ForwardPlan:

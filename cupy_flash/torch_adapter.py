@@ -94,8 +94,7 @@ class _Attention(torch.autograd.Function):
 def _forward(q, k, v, sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
              causal, window_size, softcap):
     """(o, lse) of flash_forward on tensors: a repeated plain call through its plan, else checked."""
-    plain = (sink is None and bias is None and alibi_slopes is None and cu_seqlens_q is None and cu_seqlens_k is None
-             and max_seqlen_q is None and max_seqlen_k is None and window_size is None and not softcap)
+    plain = _plain(sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_size, softcap)
     if plain:
         key = _forward_key(q, k, v, softmax_scale, causal)
         plan = _forward_plans.get(key)
@@ -124,8 +123,7 @@ def _backward(do, q, k, v, o, lse, sink, bias, alibi_slopes, cu_seqlens_q, cu_se
     """(dq, dk, dv, dsink, dbias) of flash_backward on tensors; dsink and dbias are None where not
     asked for. A repeated plain call through its plan, else checked."""
     do = do.contiguous()   # an expanded gradient (o.sum()'s) is read once, here, rather than copied per view
-    plain = (sink is None and bias is None and alibi_slopes is None and cu_seqlens_q is None and cu_seqlens_k is None
-             and max_seqlen_q is None and max_seqlen_k is None and window_size is None and not softcap)
+    plain = _plain(sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_size, softcap)
     if plain:
         key = _backward_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic)
         plan = _backward_plans.get(key)
@@ -153,6 +151,12 @@ def _backward(do, q, k, v, o, lse, sink, bias, alibi_slopes, cu_seqlens_q, cu_se
             if plan is not None:
                 _launch.kept(_backward_plans, key, plan)
     return dq, dk, dv, dsink, dbias
+
+
+def _plain(sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_size, softcap):
+    """Whether a call has none of the options a plan's key leaves out (it may take the short path)."""
+    return (sink is None and bias is None and alibi_slopes is None and cu_seqlens_q is None and cu_seqlens_k is None
+            and max_seqlen_q is None and max_seqlen_k is None and window_size is None and not softcap)
 
 
 # Plans of plain calls by what the checks read of the tensors (shapes, strides, dtypes, the

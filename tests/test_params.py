@@ -79,3 +79,59 @@ def test_kernel_parameters_hold_their_arguments_and_the_cache_starts_again_past_
     cached(cache, 2, make(2), limit=2)
     assert cached(cache, 3, make(3), limit=2) == "value 3"
     assert cache == {3: "value 3"} and made == [1, 2, 3]
+
+
+def test_packed_once_keeps_one_pack_per_addresses_stream_and_thread_but_none_under_capture():
+    """_launch.packed_once: a plan's parameters are packed once per (addresses, stream, host thread),
+    through cached's bound; a capturing stream's launch is packed afresh and not kept."""
+    import threading
+
+    from cupy_flash._launch import packed_once
+
+    packs = []
+
+    def pack():
+        packs.append(object())
+        return packs[-1]
+
+    cache: dict = {}
+    first = packed_once(cache, (1, 2), 7, False, pack)
+    assert packed_once(cache, (1, 2), 7, False, pack) is first and len(packs) == 1
+    assert packed_once(cache, (1, 2), 8, False, pack) is not first and len(packs) == 2
+    assert packed_once(cache, (1, 3), 7, False, pack) is not first and len(packs) == 3
+    other_thread = []
+    thread = threading.Thread(target=lambda: other_thread.append(packed_once(cache, (1, 2), 7, False, pack)))
+    thread.start()
+    thread.join()
+    assert other_thread[0] is not first and len(packs) == 4
+    captured = packed_once(cache, (1, 2), 7, True, pack)
+    assert captured is not first and len(packs) == 5 and captured not in cache.values()
+    for n in range(40):
+        packed_once(cache, (n,), 7, False, pack)
+    assert len(cache) <= 32
+
+
+def test_forward_and_decode_plans_allocate_o_like_q_and_a_float32_lse():
+    """_launch.OutputAndLse, the forward's and decode's plans' base: o of q's shape, dtype and bytes,
+    lse float32 of the plan's shape, each from one allocation of its size."""
+    from cupy_flash import decode, forward
+    from cupy_flash._launch import OutputAndLse
+
+    assert issubclass(forward.ForwardPlan, OutputAndLse) and issubclass(decode.DecodePlan, OutputAndLse)
+    q = numpy.zeros((2, 5, 3, 40), numpy.float16)
+
+    class Cuda:
+        @staticmethod
+        def alloc(nbytes):
+            return ("memory", nbytes)
+
+        @staticmethod
+        def ndarray(shape, dtype, memory):
+            return shape, numpy.dtype(dtype), memory
+
+    plan = OutputAndLse()
+    plan.cuda = Cuda()
+    plan.plan_outputs(q, (2, 3, 5))
+    o, lse = plan.outputs()
+    assert o == ((2, 5, 3, 40), numpy.dtype(numpy.float16), ("memory", q.nbytes))
+    assert lse == ((2, 3, 5), numpy.dtype(numpy.float32), ("memory", 4 * 2 * 3 * 5))
