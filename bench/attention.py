@@ -34,7 +34,7 @@ import ml_dtypes
 import numpy
 
 import cupy_flash
-from cupy_flash._families import SETTINGS
+from cupy_flash.families import SETTINGS
 
 DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": numpy.float16}
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -75,7 +75,7 @@ def make_sets(batch, seqlen, heads, head_dim, dtype, count, seed=0):
 
 def ours(mode, causal, kernels="auto"):
     """Our call for ``mode``, dispatched as CUPY_FLASH_KERNELS=``kernels`` would."""
-    from cupy_flash._families import use_kernels
+    from cupy_flash.families import use_kernels
 
     call = _ours(mode, causal)
 

@@ -49,7 +49,11 @@ def _module(case):
 def hash_tree(families) -> dict:
     from cupy_flash import _compile
 
-    cases = [(spec, arch) for spec in _compile.all_module_specs() for arch in _compile.ALL_ARCHS
+    try:   # the families package (older trees: _compile's list)
+        from cupy_flash.families import all_module_specs
+    except ImportError:
+        all_module_specs = _compile.all_module_specs
+    cases = [(spec, arch) for spec in all_module_specs() for arch in _compile.ALL_ARCHS
              if arch in spec.archs and (not families or spec.family in families)]
     # spawned workers import the parent's sys.path, so --tree's copy in them too
     with concurrent.futures.ProcessPoolExecutor(mp_context=multiprocessing.get_context("spawn")) as pool:

@@ -13,7 +13,7 @@ import numpy
 from bench.attention import time_calls
 from cupy_flash import _checks, _traits
 from cupy_flash._params import make_params
-from cupy_flash.preprocess import launch_preprocess
+from cupy_flash.families.rows import launch_preprocess
 
 
 def main():

@@ -16,9 +16,9 @@ import ml_dtypes
 import numpy
 
 import cupy_flash
-from cupy_flash import _families, forward
+from cupy_flash import families, forward
 
-if _families.current_device().compute_capability != 90:
+if families.current_device().compute_capability != 90:
     raise SystemExit("the Hopper kernels need a compute capability 9.0 GPU")
 rng = numpy.random.default_rng(0)
 
@@ -55,7 +55,7 @@ for dtype in (numpy.float16, ml_dtypes.bfloat16) if sys.argv[1:] != ["backward"]
 # The Hopper backward (kernels_cu/backward_sm90.cu; opted into with CUPY_FLASH_KERNELS=experimental):
 # every head-dim tile (96 pads to 128, 192 to 256: the head-dim split), key blocks past the
 # sequence, GQA, a window, packed batches.
-with _families.use_kernels("experimental"):
+with families.use_kernels("experimental"):
     for dtype in (numpy.float16, ml_dtypes.bfloat16):
         for d in (64, 96, 128, 192, 256):
             for causal in (False, True):

@@ -20,13 +20,12 @@ from cupy_flash import _compile
 
 
 def main(family, dtype, tile, arch, features="0"):
-    if family == "forward_sm90":
-        target = "sm90a"
-    elif "tensor_core.cuh" in _compile.family_headers(family):
-        target = "sm90" if int(arch.rstrip("a")) >= 90 else "sm80"
-    else:
-        target = None
-    spec = _compile.ModuleSpec(family, dtype, int(tile) if tile != "None" else None, target, int(features))
+    from cupy_flash import families
+
+    arch_name = f"sm_{arch}"
+    spec = next(s for s in families.all_module_specs((0, int(features)))
+                if s.family == family and s.dtype == dtype and str(s.tile) == tile and s.features == int(features)
+                and arch_name in s.archs and s.target in (None, "sm90a", "sm90" if int(arch.rstrip("a")) >= 90 else "sm80"))
     cubin, _, log, _ = _compile._nvrtc_compile(spec, _compile.compile_options(f"sm_{arch}"))
     print(f"cubin {len(cubin)} bytes, starts {cubin[:4]!r}; ptxas log {len(log)} chars")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

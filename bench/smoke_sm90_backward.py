@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy
 
 import cupy_flash
-from cupy_flash import _families
+from cupy_flash import families
 
 rng = numpy.random.default_rng(2)
 
@@ -36,5 +36,5 @@ for d in (64, 128, 96, 256, 192):
             worst = max(worst, *ratios)
             print(f"d={d} causal={causal} {(batch, nq, nk, heads, heads_kv)} dq/dk/dv err/low "
                   + " ".join(f"{r:.2f}" for r in ratios), flush=True)
-device = _families.current_device()
-print("WORST", round(worst, 3), "setting", _families.kernels_setting(), "compute capability", device.compute_capability)
+device = families.current_device()
+print("WORST", round(worst, 3), "setting", families.kernels_setting(), "compute capability", device.compute_capability)

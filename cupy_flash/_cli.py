@@ -22,7 +22,7 @@ import time
 
 import numpy
 
-from . import __version__, _compile, _device, _families, _features, _traits
+from . import __version__, _compile, _device, _features, _traits, families
 
 DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
                "fp32": "float32", "float32": "float32"}
@@ -62,9 +62,9 @@ def command_info(args) -> int:
             print(f"GPU {device}: {props['name'].decode()}, sm_{props['major']}{props['minor']}, "
                   f"{props['multiProcessorCount']} SMs, {props['totalGlobalMem'] / 2**30:.0f} GiB")
             with cupy.cuda.Device(device):
-                for line in _families.describe_forward(_families.current_device()):
+                for line in families.describe_forward(families.current_device()):
                     print(f"  forward, {line}")
-                print(f"  backward, {_families.describe_backward(_families.current_device())}")
+                print(f"  backward, {families.describe_backward(families.current_device())}")
     else:
         print(f"GPU: none: {reason}")
     index = _compile.read_index()
@@ -94,9 +94,10 @@ def _safe_digest(family):
 # ---------------------------------------------------------------------------------------------
 # warmup
 
-def warmup_specs(dtypes, head_dims, features, families, device) -> list:
+def warmup_specs(dtypes, head_dims, features, kinds, device) -> list:
     """The ModuleSpecs that calls with these dtypes, head dims and feature names run on ``device``
-    (a _families.DeviceInfo): the forward's family as the dispatch rule picks it."""
+    (a families.DeviceInfo), short and long, as the dispatch rule picks their families; ``kinds``:
+    "forward", "backward", "decode"."""
     import types
 
     from ._checks import AttentionShape
@@ -104,30 +105,22 @@ def warmup_specs(dtypes, head_dims, features, families, device) -> list:
     flags = 0
     for name in features:
         flags |= FEATURE_BY_NAME[name]
-    target = device.tensor_core_target
+    variant = types.SimpleNamespace(flags=flags, backward_flags=flags & ~_features.FORWARD_ONLY_FEATURES, causal=False)
     specs = []
     for dtype in dtypes:
-        tensor_core = dtype in _compile.TENSOR_CORE_DTYPES
-        if "backward" in families:
-            specs.append(_compile.ModuleSpec("preprocess", dtype))
-        if "decode" in families or "forward" in families:
-            specs.append(_compile.ModuleSpec("decode", dtype))   # combine (split path, merges)
+        if "backward" in kinds:
+            specs.append(families.rows.module_spec(dtype))
+        if "decode" in kinds or "forward" in kinds:
+            specs.append(families.decode.module_spec(dtype))   # combine (split path, merges)
         for head_dim in head_dims:
-            tile = _traits.head_dim_tile(head_dim)
-            if "forward" in families:
-                shape = AttentionShape(1, 1024, 1024, 1, head_dim, dtype)
-                family = _families.forward_family(device, shape, types.SimpleNamespace(flags=flags))
-                if family == "forward_sm90":   # every tile config such calls take (causal or not, any length)
-                    sm90_tile = _traits.forward_sm90_tile(head_dim)
-                    specs.extend(_compile.ModuleSpec(family, dtype, sm90_tile, "sm90a", flags, config=config)
-                                 for config in _traits.forward_sm90_configs(sm90_tile, flags))
-                else:
-                    specs.append(_compile.ModuleSpec(family, dtype, tile, target if tensor_core else None, flags))
-            if "backward" in families:
-                specs.append(_compile.ModuleSpec("backward_tc", dtype, tile, target, flags) if tensor_core
-                             else _compile.ModuleSpec("backward", dtype, tile, features=flags))
-            if ("decode" in families or "forward" in families) and tensor_core:
-                specs.append(_compile.ModuleSpec("decode", dtype, tile, features=flags & _features.DECODE_FEATURES))
+            for seqlen in (128, 16384):   # each family a short or a long call may take
+                shape = AttentionShape(1, seqlen, seqlen, 1, head_dim, dtype)
+                if "forward" in kinds:
+                    specs += families.forward_family(device, shape, variant).warmup_specs(device, shape, flags)
+                if "backward" in kinds:
+                    specs += families.backward_family(device, shape, variant).warmup_specs(device, shape, flags)
+            if ("decode" in kinds or "forward" in kinds) and dtype in _compile.TENSOR_CORE_DTYPES:
+                specs.append(families.decode.module_spec(dtype, _traits.head_dim_tile(head_dim), flags))
     return list(dict.fromkeys(specs))
 
 
@@ -144,7 +137,7 @@ def command_warmup(args) -> int:
         print(f"warmup needs an NVIDIA GPU: {reason} (CuPy loads each module it compiles)", file=sys.stderr)
         return 1
     specs = warmup_specs([DTYPE_NAMES[d] for d in args.dtypes], args.head_dims, args.features, args.families,
-                         _families.current_device())
+                         families.current_device())
     started = time.time()
     for i, spec in enumerate(specs):
         _progress(i, len(specs), spec.describe(), started)

@@ -101,34 +101,24 @@ def family_source(family: str) -> str:
     return expand(f"{family}.cu", (_kernel_dir() / f"{family}.cu").read_text())
 
 
-def _flag(value: bool) -> str:
-    return "true" if value else "false"
-
-
 @dataclasses.dataclass(frozen=True)
 class ModuleSpec:
-    """One compiled module: a kernel family for one dtype and (except preprocess) one head-dim tile;
-    the tensor-core families also for one target (a tile table of _traits: sm8x, sm80, sm90, and
-    sm90a for the Hopper family)."""
+    """One compiled module: a kernels_cu/<family>.cu file for one dtype and (except the row
+    kernels) one head-dim tile; the tensor-core families also for one target (a tile table of
+    _traits: sm8x, sm80, sm90, and sm90a for the Hopper family). A family of cupy_flash.families
+    builds it (``families.module_spec``), naming the template instantiations to compile:
+    ``kernels``, and the device variables its launcher reads, ``variables``."""
 
     family: str
     dtype: str
     tile: int | None = None
     target: str | None = None
     features: int = 0   # _features.FEATURE_* bits: the variant instantiations of the module
-    # Tile arguments of the families that take them whole (forward_sm90: block_m, head-dim tile,
-    # block_n, stages), part of the module's identity; by default the tile table's entry.
+    # Tile arguments of the families that take them whole (the Hopper family's), part of the
+    # module's identity.
     config: tuple = ()
-
-    def __post_init__(self):
-        if self.family == "forward_sm90" and not self.config:
-            object.__setattr__(self, "config", _traits.forward_sm90_config(self.tile, self.features))
-        if self.family == "backward_sm90" and not self.config:
-            object.__setattr__(self, "config", _traits.backward_sm90_config(self.tile, self.features))
-        if self.family in ("backward", "backward_tc", "backward_sm90"):   # the backward kernels never see the sink
-            object.__setattr__(self, "features", self.features & ~_features.FORWARD_ONLY_FEATURES)
-        if self.family == "decode":
-            object.__setattr__(self, "features", self.features & _features.DECODE_FEATURES)
+    kernels: tuple[str, ...] = ()
+    variables: tuple[str, ...] = ()
 
     @property
     def archs(self) -> tuple[str, ...]:
@@ -145,135 +135,14 @@ class ModuleSpec:
     def ctype(self) -> str:
         return CTYPES[self.dtype]
 
-    def forward_kernel(self, causal: bool) -> str:
-        block_m, block_n = _traits.FORWARD_BLOCKS[self.tile]
-        return (f"flash_forward_kernel<{self.ctype}, {self.tile}, {block_m}, {block_n}, {_flag(causal)}, "
-                f"{self.features}>")
-
-    def forward_tc_kernel(self, causal: bool) -> str:
-        block_n, num_warps, m_tiles = _traits.forward_tc_config(self.tile, self.target)
-        return (f"flash_forward_tc_kernel<{self.ctype}, {self.tile}, {block_n}, {num_warps}, {m_tiles}, "
-                f"{_flag(causal)}, {self.features}>")
-
-    def forward_sm90_kernel(self, causal: bool) -> str:
-        config = ", ".join(str(x) for x in self.config)
-        return f"flash_forward_sm90_kernel<{self.ctype}, {config}, {_flag(causal)}, {self.features}>"
-
-    def backward_sm90_kernel(self, causal: bool, adds_dq: bool = True) -> str:
-        config = ", ".join(str(x) for x in self.config)
-        return f"flash_backward_sm90_kernel<{self.ctype}, {config}, {_flag(causal)}, {self.features}, {_flag(adds_dq)}>"
-
-    @property
-    def backward_dq_sm90_config(self) -> tuple[int, int, int] | None:
-        """The dQ kernel's tile where some of this module's calls compute dQ apart, else None."""
-        return _traits.backward_sm90_module_dq_apart(self.tile, self.features)[0]
-
-    def backward_dq_sm90_kernel(self, causal: bool) -> str:
-        block_m, block_n, stages = self.backward_dq_sm90_config
-        return (f"flash_backward_dq_sm90_kernel<{self.ctype}, {self.tile}, {block_m}, {block_n}, {stages}, "
-                f"{_flag(causal)}, {self.features}>")
-
-    def backward_dq_sm90_smem(self) -> str:
-        block_m, block_n, stages = self.backward_dq_sm90_config
-        return f"&backward_dq_sm90_smem_bytes<{self.ctype}, {self.tile}, {block_m}, {block_n}, {stages}>"
-
-    def backward_sm90_smem(self) -> str:
-        return f"&backward_sm90_smem_bytes<{self.ctype}, {', '.join(str(x) for x in self.config)}>"
-
-    def backward_sm90_dq_box_rows(self) -> str:
-        """The device variable holding the rows of the dq_accum tensor map's box."""
-        return f"&backward_sm90_dq_box_rows<{self.ctype}, {', '.join(str(x) for x in self.config)}>"
-
-    def forward_sm90_smem(self) -> str:
-        """The device variable holding the kernel's dynamic shared memory (sizeof its storage)."""
-        return f"&forward_sm90_smem_bytes<{self.ctype}, {', '.join(str(x) for x in self.config)}>"
-
-    @staticmethod
-    def tile_counter_bytes() -> str:
-        """The device variable holding the size of the Hopper kernels' tile counter (sm90_tma.cuh)."""
-        return "&tile_counter_bytes"
-
-    def forward_sm90_dynamic_tiles(self, causal: bool) -> str:
-        """The device variable saying whether the kernel takes its tiles from a counter (1) or by
-        the grid's stride (0)."""
-        return f"&forward_sm90_dynamic_tiles<{self.tile}, {_flag(causal)}, {self.features}>"
-
-    def backward_tc_kernel(self, causal: bool) -> str:
-        config = ", ".join(str(x) for x in _traits.backward_tc_config(self.tile, self.target))
-        return f"flash_backward_tc_kernel<{self.ctype}, {self.tile}, {config}, {_flag(causal)}, {self.features}>"
-
-    def backward_kernel(self, causal: bool, atomic_dq: bool) -> str:
-        block_m, block_n = _traits.BACKWARD_BLOCKS[self.tile]
-        return (f"flash_backward_kernel<{self.ctype}, {self.tile}, {block_m}, {block_n}, "
-                f"{_flag(causal)}, {_flag(atomic_dq)}, {self.features}>")
-
-    def backward_dq_kernel(self, causal: bool) -> str:
-        block_m, block_n = _traits.BACKWARD_BLOCKS[self.tile]
-        return (f"flash_backward_dq_kernel<{self.ctype}, {self.tile}, {block_m}, {block_n}, {_flag(causal)}, "
-                f"{self.features}>")
-
-    def decode_kernel(self, causal: bool) -> str:
-        return (f"flash_decode_kernel<{self.ctype}, {self.tile}, {_traits.DECODE_WARPS}, {_flag(causal)}, "
-                f"{self.features}>")
-
-    def append_kernel(self) -> str:
-        return f"flash_append_kernel<{self.ctype}>"
-
-    def combine_kernel(self, partial_dtype: str) -> str:
-        return f"flash_combine_kernel<{CTYPES[partial_dtype]}, {self.ctype}>"
-
-    def dq_convert_kernel(self) -> str:
-        return f"flash_dq_convert_kernel<{self.ctype}>"
-
-    def preprocess_kernel(self) -> str:
-        return f"flash_preprocess_kernel<{self.ctype}>"
-
-    def kv_group_sum_kernel(self) -> str:
-        return f"flash_kv_group_sum_kernel<{self.ctype}>"
-
     @property
     def name_expressions(self) -> tuple[str, ...]:
         """The kernels, then the device variables the launcher reads (kernel_expressions: kernels only)."""
-        if self.family == "forward_sm90":
-            return (self.kernel_expressions + (self.forward_sm90_smem(), self.tile_counter_bytes())
-                    + tuple(self.forward_sm90_dynamic_tiles(c) for c in (False, True)))
-        if self.family == "backward_sm90":
-            dq_apart = (self.backward_dq_sm90_smem(),) if self.backward_dq_sm90_config else ()
-            return self.kernel_expressions + (self.backward_sm90_smem(), self.backward_sm90_dq_box_rows(),
-                                              self.tile_counter_bytes()) + dq_apart
-        return self.kernel_expressions
+        return self.kernels + self.variables
 
     @property
     def kernel_expressions(self) -> tuple[str, ...]:
-        if self.family == "forward_sm90":
-            return tuple(self.forward_sm90_kernel(c) for c in (False, True))
-        if self.family == "backward_sm90":
-            dq_config, adds_dq = _traits.backward_sm90_module_dq_apart(self.tile, self.features)
-            kernels = tuple(self.backward_sm90_kernel(c) for c in (False, True)) if adds_dq else ()
-            if dq_config:   # dQ apart: the main kernel without dQ, then the dQ kernel
-                kernels += (tuple(self.backward_sm90_kernel(c, adds_dq=False) for c in (False, True))
-                            + tuple(self.backward_dq_sm90_kernel(c) for c in (False, True)))
-            return kernels
-        if self.family == "forward":
-            return tuple(self.forward_kernel(c) for c in (False, True))
-        if self.family == "forward_tc":
-            return tuple(self.forward_tc_kernel(c) for c in (False, True))
-        if self.family == "backward_tc":
-            return tuple(self.backward_tc_kernel(c) for c in (False, True))
-        if self.family == "preprocess":
-            return (self.preprocess_kernel(), self.dq_convert_kernel(), self.kv_group_sum_kernel())
-        if self.family == "backward":
-            return (tuple(self.backward_kernel(c, a) for c in (False, True) for a in (False, True))
-                    + tuple(self.backward_dq_kernel(c) for c in (False, True)))
-        if self.family == "decode":
-            if self.tile is not None:
-                return tuple(self.decode_kernel(c) for c in (False, True))
-            # Row kernels: the combine of split partials (float32) and of merge_attention_states'
-            # inputs (the dtype itself); the append for the tensor-core dtypes flash_decode takes.
-            partials = ("float32",) if self.dtype == "float32" else ("float32", self.dtype)
-            append = (self.append_kernel(),) if self.dtype in TENSOR_CORE_DTYPES else ()
-            return append + tuple(self.combine_kernel(d) for d in partials)
-        raise ValueError(f"unknown kernel family {self.family!r}")
+        return self.kernels
 
     def describe(self) -> str:
         tile = f", head_dim tile {self.tile}" if self.tile is not None else ""
@@ -281,42 +150,6 @@ class ModuleSpec:
         target += f" {'x'.join(str(x) for x in self.config)}" if self.config else ""
         features = f", {_features.describe(self.features)}" if self.features else ""
         return f"{self.family} kernels ({self.dtype}{tile}{target}{features})"
-
-
-# The feature sets CI builds besides the plain one: every flag that can be combined at once. bias
-# and varlen exclude each other (the API refuses the pair), so the two largest reachable sets.
-LARGEST_FEATURE_SETS = (_features.ALL_FEATURES & ~_features.FEATURE_VARLEN,
-                        _features.ALL_FEATURES & ~_features.FEATURE_BIAS)
-
-
-def all_module_specs(features=(0,) + LARGEST_FEATURE_SETS) -> list[ModuleSpec]:
-    """The modules CI's compile check builds: every plain module the package can compile, and the
-    same with the largest combinations of feature flags (each flag's code is independent of the
-    others', so the combinations cover them; 2^6 feature sets per module would be too many to
-    build in CI)."""
-    specs = []
-    for dtype in CTYPES:
-        specs.append(ModuleSpec("preprocess", dtype))
-        specs.append(ModuleSpec("decode", dtype))
-        for tile in _traits.HEAD_DIM_TILES:
-            for flags in features:
-                specs.append(ModuleSpec("forward", dtype, tile, features=flags))
-                if dtype in TENSOR_CORE_DTYPES:
-                    for target in _traits.TENSOR_CORE_TARGETS:
-                        specs.append(ModuleSpec("forward_tc", dtype, tile, target, flags))
-                        specs.append(ModuleSpec("backward_tc", dtype, tile, target, flags))
-                    specs.append(ModuleSpec("decode", dtype, tile, features=flags))
-                else:   # the CUDA-core backward runs float32 only
-                    specs.append(ModuleSpec("backward", dtype, tile, features=flags))
-        if dtype in TENSOR_CORE_DTYPES:
-            for tile, feature_sets in _traits.FORWARD_SM90_FEATURE_SETS.items():
-                for flags in (0,) + feature_sets if features != (0,) else (0,):
-                    for config in _traits.forward_sm90_configs(tile, flags):   # plain calls: two (FORWARD_SM90_PLAIN)
-                        specs.append(ModuleSpec("forward_sm90", dtype, tile, "sm90a", flags, config=config))
-            for tile, feature_sets in _traits.BACKWARD_SM90_FEATURE_SETS.items():
-                for flags in (0,) + feature_sets if features != (0,) else (0,):
-                    specs.append(ModuleSpec("backward_sm90", dtype, tile, "sm90a", flags))
-    return list(dict.fromkeys(specs))   # the decode family keeps fewer flags: equal specs once
 
 
 # ---------------------------------------------------------------------------------------------
@@ -695,15 +528,15 @@ def _compile_case(case):
 ALL_ARCHS = ("sm_80", "sm_90", "sm_90a")
 
 
-def compile_all_offline(archs=ALL_ARCHS, specs=None, workers=None, progress=None) -> dict:
-    """Compile ``specs`` (default: every module) for each of its archs among ``archs``, in parallel
+def compile_all_offline(specs, archs=ALL_ARCHS, workers=None, progress=None) -> dict:
+    """Compile ``specs`` (families.all_module_specs(): every module) for each of its archs among ``archs``, in parallel
     worker processes; ``progress(done, total, case)`` is called as each finishes.
     Returns {(spec, arch): CompileReport or the exception raised}. Workers are spawned, not
     forked: the caller may already run CUDA or JAX threads, which a fork can deadlock."""
     import concurrent.futures
     import multiprocessing
 
-    cases = [(spec, arch) for spec in (specs or all_module_specs()) for arch in archs if arch in spec.archs]
+    cases = [(spec, arch) for spec in specs for arch in archs if arch in spec.archs]
     # The slowest first (the Hopper modules take longest): fewer workers idle at the end.
     cases.sort(key=lambda case: not case[0].arch_specific)
     workers = max(1, min(len(cases), workers or os.cpu_count() or 1))

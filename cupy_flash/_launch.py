@@ -27,12 +27,14 @@ a launch the driver refuses) the launch is an ordinary one.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import math
 import os
 import sys
 import threading
+import typing
 
 import numpy
 
@@ -198,6 +200,39 @@ def ready_stream(plan, stream: int | None = None) -> int | None:
     return None if cuda.is_capturing(stream) else stream
 
 
+class Launch(typing.NamedTuple):
+    """One kernel of a plan, as its family describes it: ``name`` is its template instantiation
+    (what tests see through ``recording``), ``record`` the params record it takes (a plan's
+    records by name), ``maps`` which of the plan's tensor-map sets it takes (None: none), ``early``
+    whether it may be launched early (Hopper's programmatic dependent launch)."""
+
+    name: str
+    kernel: object
+    grid: int
+    threads: int
+    smem: int = 0
+    record: str = "main"
+    maps: int | None = None
+    early: bool = False
+
+
+# Where not None, each plan launch appends (family, kernel names) here: tests see which kernels a
+# call ran (recording()).
+recorded: list | None = None
+
+
+@contextlib.contextmanager
+def recording():
+    """Inside, the plans' launches are noted: yields the list of (family, (kernel name, ...)) of each
+    call's launches, in order."""
+    global recorded
+    saved, recorded = recorded, []
+    try:
+        yield recorded
+    finally:
+        recorded = saved
+
+
 def current_stream() -> tuple[int, bool]:
     """(CuPy's current stream as a cudaStream_t, whether it is capturing a graph): what a plan's
     launch needs to know of the stream."""
@@ -223,10 +258,11 @@ class Packed:
     ``early``: a programmatic dependent launch where the driver allows (the plan passes it only on
     sm_90+)."""
 
-    __slots__ = ("launches", "stream", "launch")
+    __slots__ = ("launches", "stream", "launch", "names")
 
-    def __init__(self, launches, stream: int):
+    def __init__(self, launches, stream: int, names: tuple = ()):
         self.launch = cuda_calls().launch
+        self.names = names   # (family, (kernel name, ...)): what recording() notes
         packed = []
         for kernel, grid, threads, shared_mem, arguments, early in launches:
             parameters = kernel_parameters(arguments)
@@ -240,6 +276,8 @@ class Packed:
         cuLaunchKernel (3.8 us of host time against a ctypes call's 5.6 on the H100's host; CuPy's
         kernel call converts its arguments again on every call)."""
         launch, stream = self.launch, self.stream
+        if recorded is not None:
+            recorded.append(self.names)
         for function, grid, threads, shared_mem, address, config, parameters in self.launches:
             if config is not None and _launched_early(lambda entry: _launch_ex(entry, function, config, parameters)):
                 continue

@@ -12,6 +12,8 @@ smallest sm_80+ parts (sm_86/sm_89), so one table serves A100, RTX 30/40 and H10
 
 from __future__ import annotations
 
+import contextvars
+
 from ._features import FEATURE_ALIBI, FEATURE_SINK, FEATURE_SOFTCAP, FEATURE_VARLEN, FEATURE_WINDOW
 
 THREADS = 128   # every portable attention kernel: 4 warps laid out as 16 rows x 8 columns
@@ -73,6 +75,8 @@ SM90_WGMMA_WIDTHS = (32, 64, 80, 96, 112, 128, 144, 160, 176, 192, 224, 256)
 # d = 128 128x176 (spill-free now) measured 0.86-0.97x at 1k-4k, 1.01-1.02x at 16k: not taken.
 FORWARD_SM90_PLAIN = {64: (192, 128, 2)}
 FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS = {64: 2048}
+# Where set, the threshold of every tile instead (forward.plain_causal_tiles_from: the GPU tests).
+plain_causal_min_keys: contextvars.ContextVar = contextvars.ContextVar("plain_causal_min_keys", default=None)
 # The variant flags each tile's kernels are built with (the largest sets; a variant runs here when
 # its flags are a subset of one). The bias stays on the portable kernels (a float32 tile per key
 # block would not fit beside the K/V ring).
@@ -189,7 +193,9 @@ def forward_sm90_tile(head_dim: int) -> int:
 def forward_sm90_config(tile: int, flags: int = 0, causal: bool = False, seqlen_k: int = 0) -> tuple[int, int, int, int]:
     """(block_m, head-dim tile, block_n, stages): the Hopper forward's template tile arguments for a
     call with variant ``flags`` (_features.FEATURE_* bits), a causal mask or not, and ``seqlen_k`` keys."""
-    plain = flags == 0 and (not causal or seqlen_k >= FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS.get(tile, 0))
+    min_keys = plain_causal_min_keys.get()
+    min_keys = FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS.get(tile, 0) if min_keys is None else min_keys
+    plain = flags == 0 and (not causal or seqlen_k >= min_keys)
     block_m, block_n, stages = FORWARD_SM90_PLAIN.get(tile, FORWARD_SM90[tile]) if plain else FORWARD_SM90[tile]
     return block_m, tile, block_n, stages
 

@@ -8,16 +8,14 @@ import math
 
 import numpy
 
-from . import _checks, _families, _launch, _tma, _traits
-from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, device_value, get_kernel
-from ._families import current_device
+from . import _checks, _launch, _tma, families
 from ._features import broadcast_strides
 from ._launch import Packed, TileCounters, cached, cuda_calls, current_stream, kept, packed_once, ready_stream
 from ._params import PointerRecord, make_params
 from ._streams import STREAM_DOC, on_stream, record_kernel_arrays
+from .families import rows
 from .forward import _current_device
 from .forward import _plan_key as forward_plan_key
-from .preprocess import row_kernel
 
 
 def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, deterministic=False,
@@ -165,16 +163,16 @@ class BackwardPlan:
     allocation or four, memsets where a temporary starts at zero, and launches. It launches on
     addresses (``launch``), so the adapters run it on their framework's buffers."""
 
-    def __init__(self, temporaries: tuple, records: dict, launches: tuple, held: tuple = (), maps=None,
+    def __init__(self, family: str, temporaries: tuple, records: dict, launches: tuple, held: tuple = (), maps=None,
                  tile_counter_bytes: int = 0, gradients: tuple = ()):
         self.cuda = cuda_calls()
+        self.family = family
         self.records = records           # name -> PointerRecord
         self.held = held                 # the variant's device arrays the records point at
         self.maps = maps                 # Hopper: map sets, each ((array name, box rows), ...), dtype, packed, layouts
         self.device = self.cuda.get_device()
         early = _launch.supports_early(self.device)
-        # (kernel, grid, threads, shared memory, record name, map set or None, early)
-        self.launches = tuple(launch[:6] + (launch[6] and early,) for launch in launches)
+        self.launches = tuple(launch._replace(early=launch.early and early) for launch in launches)   # _launch.Launch
         # The temporaries in one workspace, each at a 256-byte boundary: (name, offset, shape, dtype, fill)
         self.temporaries, offset = [], 0
         for name, shape, dtype, fill in temporaries:
@@ -252,18 +250,18 @@ class BackwardPlan:
     def _packed(self, launches: tuple, addresses: dict, stream: int, capturing: bool) -> Packed:
         """``launches`` (entries of self.launches) with their parameters for the arrays at
         ``addresses`` (by name)."""
-        filled = {name: self.records[name].filled(addresses) for name in {launch[4] for launch in launches}}
+        filled = {name: self.records[name].filled(addresses) for name in {launch.record for launch in launches}}
         packed = []
-        for kernel, grid, threads, smem, record, map_set, early in launches:
-            if map_set is None:
-                arguments = (filled[record],)
-            elif map_set == 0:   # the main kernel, with its tile counter
-                arguments = (self._maps_of(addresses, 0), filled[record],
-                             ctypes.c_uint64(self._counters.address(stream, capturing)))
+        for launch in launches:
+            record = filled[launch.record]
+            if launch.maps is None:
+                arguments = (record,)
+            elif launch.maps == 0:   # the main kernel, with its tile counter
+                arguments = (self._maps_of(addresses, 0), record, ctypes.c_uint64(self._counters.address(stream, capturing)))
             else:   # the dQ kernel
-                arguments = (self._maps_of(addresses, map_set), filled[record])
-            packed.append((kernel, grid, threads, smem, arguments, early))
-        return Packed(packed, stream)
+                arguments = (self._maps_of(addresses, launch.maps), record)
+            packed.append((launch.kernel, launch.grid, launch.threads, launch.smem, arguments, launch.early))
+        return Packed(packed, stream, (self.family, tuple(launch.name for launch in launches)))
 
     def _maps_of(self, addresses: dict, map_set: int):
         """A Hopper kernel's maps argument (BackwardSm90Maps, BackwardDqSm90Maps), encoded once per
@@ -288,48 +286,30 @@ _MAIN_BINDINGS = dict(q="q", k="k", v="v", o="o", lse="lse", dout="do", delta="d
 
 def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbias_layout) -> BackwardPlan:
     """The plan of a checked call: ``arrays`` its kernel-ready inputs and outputs by name (do, q,
-    k, v, o, lse, dq, dk, dv), ``variant`` on the device. float16 / bfloat16: the Hopper backward
-    or backward_tc.cu (_families.backward_family), dQ accumulated in float32 (atomically, or in a
-    fixed order when deterministic: semaphores per query block) and then scaled and cast by the
-    convert kernel, or (Hopper, _traits.backward_sm90_dq_apart) computed by a dQ kernel of its own
-    after a main kernel without dQ. float32: backward.cu, dQ by atomics or, deterministic, a
-    separate dQ pass."""
+    k, v, o, lse, dq, dk, dv), ``variant`` on the device, on the family families.backward_family
+    picks. Around the family's launches: the preprocess (delta, lse in log2, the dQ accumulator
+    zeroed), the scale-and-cast of the dQ accumulator where the family sums dQ in one
+    (BackwardSchedule.dq_convert), and the GQA sum of per-query-head dK, dV."""
     import cupy
 
     q, k = arrays["q"], arrays["k"]
-    tensor_core = shape.dtype in TENSOR_CORE_DTYPES
     bh = shape.batch * shape.heads
-    hopper = tensor_core and _families.backward_family(
-        current_device(), shape, variant, deterministic, (q, k, arrays["v"], arrays["do"])) == "backward_sm90"
-    dq_apart = None
-    if hopper:   # the semaphores count the Hopper kernel's query blocks
-        sm90 = ModuleSpec("backward_sm90", shape.dtype, _traits.forward_sm90_tile(shape.head_dim), "sm90a",
-                          variant.backward_flags)
-        _, block_n, block_m, _ = sm90.config
-        # Calls that compute dQ in a kernel of its own: no float32 accumulator, no turns, no convert kernel.
-        dq_apart = _traits.backward_sm90_dq_apart(sm90.tile, sm90.features, deterministic, variant.causal, shape.seqlen_k)
-    elif tensor_core:
-        block_m, block_n, num_warps, *_ = _traits.backward_tc_config(shape.tile, current_device().tensor_core_target)
-    else:
-        block_m, block_n = _traits.BACKWARD_BLOCKS[shape.tile]
-    # Row statistics (tensor cores): padded per (batch, head), padded rows with delta 0 and
-    # lse_log2 +inf (P = 0, written by the preprocess), to a multiple of ROW_STAT_PADDING and of the
-    # Hopper kernel's query block (80 rows: its last block may end past a multiple of 128), so a
-    # block's lse / delta reads stay in its (batch, head)'s rows. A packed batch uses the same
-    # layout (its sequences padded to the longest): O(batch x heads x max_seqlen_q) floats, read
-    # only where the sequences are.
-    padded = shape.seqlen_q
-    if tensor_core:
-        multiple = math.lcm(_traits.ROW_STAT_PADDING, block_m, dq_apart[0] if dq_apart else 1) if hopper \
-            else _traits.ROW_STAT_PADDING
-        padded = -(-padded // multiple) * multiple
+    device = families.current_device()
+    family = families.backward_family(device, shape, variant, deterministic, (q, k, arrays["v"], arrays["do"]))
+    schedule = family.backward_schedule(device, shape, variant, deterministic)
+    # Row statistics (tensor cores): padded per (batch, head) to the schedule's multiple, padded rows
+    # with delta 0 and lse_log2 +inf (P = 0, written by the preprocess), so a block's lse / delta
+    # reads stay in its (batch, head)'s rows. A packed batch uses the same layout (its sequences
+    # padded to the longest): O(batch x heads x max_seqlen_q) floats, read only where the
+    # sequences are.
+    row_stats = schedule.row_multiple is not None
+    padded = -(-shape.seqlen_q // schedule.row_multiple) * schedule.row_multiple if row_stats else shape.seqlen_q
     expanded = k.shape[:-2] + (shape.heads, shape.head_dim)   # MQA/GQA: per-query-head dK, dV, summed after
     temporaries = (
-        ("delta", (bh, padded) if tensor_core else (shape.batch, shape.heads, shape.seqlen_q), cupy.float32, None),
-        ("lse_log2", (bh, padded), cupy.float32, None) if tensor_core else None,
-        ("dq_accum", q.shape, cupy.float32, None) if needs_dq_accum(tensor_core, bool(dq_apart), deterministic) else None,
-        ("dq_semaphore", (bh * -(-shape.seqlen_q // block_m),), cupy.int32, 0)
-        if tensor_core and deterministic and not dq_apart else None,
+        ("delta", (bh, padded) if row_stats else (shape.batch, shape.heads, shape.seqlen_q), cupy.float32, None),
+        ("lse_log2", (bh, padded), cupy.float32, None) if row_stats else None,
+        ("dq_accum", q.shape, cupy.float32, None) if schedule.dq_accum else None,
+        ("dq_semaphore", (bh * -(-shape.seqlen_q // schedule.block_m),), cupy.int32, 0) if schedule.dq_semaphores else None,
         # float32, so the group sum rounds once (kernels_cu/preprocess.cu)
         ("dk_heads", expanded, cupy.float32, None) if shape.group > 1 else None,
         ("dv_heads", expanded, cupy.float32, None) if shape.group > 1 else None,
@@ -356,78 +336,23 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
         row = make_params(row_shape, scale, delta_stride=padded, cu_seqlens_q=variant.packed.cu_seqlens_q, **fields)
         row["packed_sequences"] = shape.batch
         records["row"] = PointerRecord(row, bindings)
-    rows = "row" if "row" in records else "main"
+    row_record = "row" if "row" in records else "main"
 
-    launches = [row_kernel(ModuleSpec.preprocess_kernel, row_shape) + (0, rows, None, False)]
-    maps = None
-    if hopper:
-        packed = variant.packed is not None
-        # (Without dQ the main kernel's fifth map is never read: dq's stands in for dq_accum.)
-        dq_map = ("dq", _tma.STORE_ROWS) if dq_apart else ("dq_accum", device_value(sm90, sm90.backward_sm90_dq_box_rows()))
-        layouts = {name: _tma.layout_of(stand_ins[name]) for name in ("q", "k", "v", "do", dq_map[0], "dq")}
-        maps = (((("q", block_m), ("k", block_n), ("v", block_n), ("do", block_m), dq_map), shape.dtype, packed, layouts),)
-        if dq_apart:
-            # The dQ kernel first, the main kernel launched early behind it: the two share no
-            # output, so the main kernel's persistent blocks take each SM as the dQ kernel's last
-            # blocks leave it, and the dQ kernel's tail no longer ends the call on idle SMs
-            # (kernels_cu/backward_sm90.cu: allow_dependents, and the main kernel's wait at its end).
-            dq_block_m, dq_block_n, _ = dq_apart
-            smem = device_value(sm90, sm90.backward_dq_sm90_smem())
-            kernel = get_kernel(sm90, sm90.backward_dq_sm90_kernel(variant.causal), smem)
-            launches.append((kernel, -(-shape.seqlen_q // dq_block_m) * bh, _traits.backward_dq_sm90_threads(dq_apart), smem,
-                             "main", 1, False))
-            maps += (((("q", dq_block_m), ("k", dq_block_n), ("v", dq_block_n), ("do", dq_block_m),
-                       ("dq", _tma.STORE_ROWS)), shape.dtype, packed, layouts),)
-        smem = device_value(sm90, sm90.backward_sm90_smem())
-        kernel = get_kernel(sm90, sm90.backward_sm90_kernel(variant.causal, adds_dq=not dq_apart), smem)
-        grid = sm90_grid(-(-shape.seqlen_k // block_n) * bh, deterministic and not dq_apart)
-        launches.append((kernel, grid, _traits.backward_sm90_threads(sm90.config), smem, "main", 0, bool(dq_apart)))
-    elif tensor_core:
-        target = current_device().tensor_core_target
-        spec = ModuleSpec("backward_tc", shape.dtype, shape.tile, target, variant.backward_flags)
-        smem = _traits.backward_tc_smem_bytes(shape.tile, target)
-        kernel = get_kernel(spec, spec.backward_tc_kernel(variant.causal), smem)
-        launches.append((kernel, -(-shape.seqlen_k // block_n) * bh, 32 * num_warps, smem, "main", None, False))
-    else:
-        spec = ModuleSpec("backward", shape.dtype, shape.tile, features=variant.backward_flags)
-        smem = _traits.backward_smem_bytes(shape.tile)
-        kernel = get_kernel(spec, spec.backward_kernel(variant.causal, atomic_dq=not deterministic), smem)
-        launches.append((kernel, -(-shape.seqlen_k // block_n) * bh, _traits.THREADS, smem, "main", None, False))
-    if not tensor_core and deterministic:
-        smem = _traits.backward_dq_smem_bytes(shape.tile)
-        kernel = get_kernel(spec, spec.backward_dq_kernel(variant.causal), smem)
-        launches.append((kernel, -(-shape.seqlen_q // block_m) * bh, _traits.THREADS, smem, "main", None, False))
-    elif not dq_apart:
-        launches.append(row_kernel(ModuleSpec.dq_convert_kernel, row_shape) + (0, rows, None, False))
+    launches = [rows.row_launch(rows.PREPROCESS, row_shape, record=row_record)]
+    main, maps, counter_bytes = family.backward_launches(schedule, device, shape, variant, deterministic, stand_ins)
+    launches += main
+    if schedule.dq_convert:
+        launches.append(rows.row_launch(rows.DQ_CONVERT, row_shape, record=row_record))
     if shape.group > 1:
         records["group"] = PointerRecord(
             make_params(row_shape, scale, dk=arrays["dk"], dv=arrays["dv"], dk_expanded=stand_ins["dk_heads"],
                         dv_expanded=stand_ins["dv_heads"]),
             dict(dk="dk", dv="dv", dk_expanded="dk_heads", dv_expanded="dv_heads"))
-        launches.append(row_kernel(ModuleSpec.kv_group_sum_kernel, row_shape,
-                                   rows=row_shape.batch * row_shape.seqlen_k * row_shape.heads_kv) + (0, "group", None, False))
+        launches.append(rows.row_launch(rows.KV_GROUP_SUM, row_shape, record="group",
+                                        rows=row_shape.batch * row_shape.seqlen_k * row_shape.heads_kv))
     held = tuple(x for x in variant.device_arrays() if x is not None)
     gradients = tuple((tuple(arrays[name].shape), arrays[name].dtype, arrays[name].nbytes) for name in ("q", "k", "v"))
-    return BackwardPlan(temporaries, records, tuple(launches), held, maps,
-                        device_value(sm90, sm90.tile_counter_bytes()) if hopper else 0, gradients)
-
-
-def needs_dq_accum(tensor_core: bool, dq_apart: bool, deterministic: bool) -> bool:
-    """Whether a backward sums dQ in a float32 accumulator, which the preprocess zeroes (as many
-    bytes as q twice over): the tensor-core kernels unless dQ is computed apart (summed in
-    registers, stored once), the float32 kernels unless deterministic (their dQ pass writes dq)."""
-    return not dq_apart if tensor_core else not deterministic
-
-
-def sm90_grid(tiles: int, deterministic: bool) -> int:
-    """The Hopper backward's grid for ``tiles`` key blocks (kernels_cu/backward_sm90.cu). Atomic
-    dQ: a persistent grid, one block per SM taking key blocks from a counter. Deterministic: a
-    block per key block (each takes its own, then finds the counter past the end): a persistent
-    block claims its next key block as it issues this one's last loads, and under the turns a
-    claimed key block that has not started holds up those waiting for it: causal 512-2k took
-    1.2-1.4x longer (H100, bf16 and fp16, d = 64-256). (``tiles`` is below 2^31: _checks bounds
-    the portable kernels' grid, of smaller blocks, by it.)"""
-    return tiles if deterministic else min(tiles, current_device().multiprocessors)
+    return BackwardPlan(family.name, temporaries, records, tuple(launches), held, maps, counter_bytes, gradients)
 
 
 _SM90_MAPS_BYTES = 5 * _tma.MAP_BYTES   # kernels_cu/backward_sm90.cu: BackwardSm90Maps (tests/test_compile.py holds them equal)

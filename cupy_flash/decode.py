@@ -10,11 +10,12 @@ import numbers
 import numpy
 
 from . import _checks, _launch, _traits
-from ._compile import TENSOR_CORE_DTYPES, ModuleSpec, get_kernel
+from ._compile import TENSOR_CORE_DTYPES
 from ._features import DECODE_FEATURES, check_variant
 from ._params import PointerRecord, as_argument, make_params
 from ._streams import STREAM_DOC, on_stream, record_kernel_arrays
-from .preprocess import row_kernel_grid
+from .families import decode as family
+from .families import device_info
 
 # A split covers at least this many keys: below it the partials' write and combine cost more than
 # the parallelism gains. num_splits= takes up to MAX_SPLITS; the automatic choice stops at
@@ -30,23 +31,6 @@ MAX_SPLITS = 128
 DECODE_MAX_ROWS = 32
 
 
-COMBINE_BATCH, COMBINE_MAX_WARPS = _traits.COMBINE_BATCH, _traits.COMBINE_MAX_WARPS
-
-
-def combine_launch(rows: int, splits: int) -> tuple[tuple[int], tuple[int]]:
-    """(grid, block) of flash_combine_kernel: one block per row (the kernel loops past the grid),
-    as many warps as keep each one COMBINE_BATCH splits deep, up to COMBINE_MAX_WARPS."""
-    warps = min(COMBINE_MAX_WARPS, max(1, -(-splits // COMBINE_BATCH)))
-    return (min(rows, 2**31 - 1),), (32 * warps,)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: int) -> int:
-    import cupy
-
-    return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
-
-
 def choose_splits(work_units: int, keys: int, tile: int, device: int) -> int:
     """Splits of the keys over ``work_units`` blocks (batch x K/V heads x row blocks): while the
     work fits on the SMs, as many as keep one block per SM; past that, about one wave of the
@@ -59,14 +43,14 @@ def choose_splits(work_units: int, keys: int, tile: int, device: int) -> int:
     with 2 splits against 2583 with 7; 96 units 2850 unsplit against 2710 with 5; head_dim 256,
     32 units: 2866 with 4 against 2303 with 5 (160 blocks, one per SM: two waves). Past the SMs,
     192 units: 2855 with 2 splits, 2806 with 3, 2687 unsplit."""
-    sms = _sm_count(device)
+    sms = device_info(device).multiprocessors
     if work_units <= sms:
         wanted = sms // work_units
     else:
         wanted = sms * _traits.decode_blocks_per_sm(tile) // work_units
     # Past one pass of the combine's warps, whole passes only: 33 splits (all 132 SMs) ran slower
     # than 32 (2001 against 2041 GB/s, GQA 8:1 batch 1 at 32k keys).
-    combine_pass = COMBINE_BATCH * COMBINE_MAX_WARPS
+    combine_pass = _traits.COMBINE_BATCH * _traits.COMBINE_MAX_WARPS
     if wanted > combine_pass:
         wanted -= wanted % combine_pass
     return max(1, min(wanted, keys // MIN_KEYS_PER_SPLIT, MAX_AUTO_SPLITS))
@@ -109,8 +93,7 @@ class DecodePlan(_launch.OutputAndLse):
         self.record = record              # a PointerRecord over _NAMES
         self.device = self.cuda.get_device()
         early = _launch.supports_early(self.device)
-        self.launches = tuple((kernel, grid, threads, smem, launch_early and early)
-                              for kernel, grid, threads, smem, launch_early in launches)
+        self.launches = tuple(launch._replace(early=launch.early and early) for launch in launches)   # _launch.Launch
         self.plan_outputs(q, lse_shape)
         # o_partial and lse_partial in one workspace (empty when the keys are not split)
         self.partial_offsets = (0, -(-partials[0] // 256) * 256) if partials else ()
@@ -145,8 +128,9 @@ class DecodePlan(_launch.OutputAndLse):
 
     def _packed(self, addresses: tuple, stream: int) -> _launch.Packed:
         record = self.record.filled(dict(zip(_NAMES, addresses)))
-        return _launch.Packed(tuple((kernel, grid, threads, smem, (record,), early)
-                                    for kernel, grid, threads, smem, early in self.launches), stream)
+        return _launch.Packed(tuple((launch.kernel, launch.grid, launch.threads, launch.smem, (record,), launch.early)
+                                    for launch in self.launches), stream,
+                              ("decode", tuple(launch.name for launch in self.launches)))
 
 
 # A decode launch's arrays, in the order of its addresses (k and v: the caches).
@@ -191,26 +175,8 @@ def decode_plan(q, k, v, shape, scale, variant, num_splits=None, *, cache=None) 
         if cache.get("block_table") is not None:
             params["block_table_stride"] = cache["block_table"].shape[1]
             params["page_shift"] = cache["page_shift"]
-    launches = []
-    rows_spec = ModuleSpec("decode", shape.dtype)
-    sms = _sm_count(device)
-    # The kernels may start before the kernel ahead of them ends (_launch.py): the append and the
-    # decode kernel only when their grid fits on the SMs. GQA 8:1 batch 1 (128 blocks) on the H100:
-    # 32.6 -> 31.4 us a call at 32k keys, 12.9 -> 11.6 us at 4k; with k_new, the append early too:
-    # 12.43 -> 11.72 us at 4k. Launched early, a grid of 256 blocks (1:1, batch 8, unsplit) ran 13%
-    # slower (1701 against 1488 us a call), and one of 384 blocks 5% slower.
-    if cache is not None and cache.get("k_new") is not None:
-        append_grid = row_kernel_grid(shape.batch * int(cache["k_new"].shape[1]) * shape.heads_kv)
-        launches.append((get_kernel(rows_spec, rows_spec.append_kernel()), append_grid, _traits.ROW_KERNEL_THREADS, 0,
-                         append_grid <= sms))
-    spec = ModuleSpec("decode", shape.dtype, shape.tile, features=variant.flags)
-    smem = _traits.decode_smem_bytes(shape.tile)
-    launches.append((get_kernel(spec, spec.decode_kernel(variant.causal), smem), grid, 32 * _traits.DECODE_WARPS, smem,
-                     grid <= sms))
-    if partials:
-        (combine_grid,), (combine_threads,) = combine_launch(shape.batch * shape.seqlen_q * shape.heads, num_splits)
-        launches.append((get_kernel(rows_spec, rows_spec.combine_kernel("float32")), combine_grid, combine_threads, 0,
-                         True))
+    new_rows = 0 if cache is None or cache.get("k_new") is None else int(cache["k_new"].shape[1])
+    launches = family.decode_launches(device_info(device), shape, variant, grid, num_splits, new_rows)
     record = PointerRecord(params, {name: name for name in _NAMES if name in arrays and arrays[name] is not None})
     held = tuple(x for x in variant.device_arrays() if x is not None)
     return DecodePlan(record, tuple(launches), q, lse_shape, partials, held)
@@ -506,9 +472,8 @@ def merge_attention_states(outputs, lses):
         shape = _checks.AttentionShape(batch, seqlen_q, 1, heads, head_dim, kind)
         params = make_params(shape, 1.0, o=o, lse=lse, o_partial=stacked, lse_partial=stacked_lse)
         params["num_splits"] = count
-        spec = ModuleSpec("decode", kind)
-        kernel = get_kernel(spec, spec.combine_kernel(kind))
+        _, kernel = family.combine(kind, kind)
         rows = batch * seqlen_q * heads
         if rows:
-            kernel(*combine_launch(rows, count), (as_argument(params),))
+            kernel(*family.combine_launch(rows, count), (as_argument(params),))
         return o, lse

@@ -6,9 +6,19 @@ import contextlib
 import ctypes
 import functools
 
-from . import _checks, _families, _tma, _traits
-from ._compile import ModuleSpec, device_value, get_kernel
-from ._launch import OutputAndLse, Packed, TileCounters, cached, cuda_calls, current_stream, kept, packed_once, ready_stream
+from . import _checks, _tma, _traits, families
+from ._launch import (
+    Launch,
+    OutputAndLse,
+    Packed,
+    TileCounters,
+    cached,
+    cuda_calls,
+    current_stream,
+    kept,
+    packed_once,
+    ready_stream,
+)
 from ._params import PointerRecord, make_params
 from ._streams import STREAM_DOC, on_stream, record_kernel_arrays
 from .decode import check_num_splits, launch_decode, uses_split_path
@@ -26,10 +36,10 @@ class ForwardPlan(OutputAndLse):
     loop) reuse it: see flash_forward's plan cache. It launches on addresses (``launch``), so the
     adapters run it on their framework's buffers."""
 
-    def __init__(self, kernel, grid: int, threads: int, smem: int, params, q, lse_shape: tuple, variant,
-                 maps: tuple = (), tile_counter_bytes: int = 0):
+    def __init__(self, family: str, launch: Launch, params, q, lse_shape: tuple, variant, maps: tuple = (),
+                 tile_counter_bytes: int = 0):
         self.cuda = cuda_calls()
-        self.kernel, self.grid, self.threads, self.smem = kernel, grid, threads, smem
+        self.family, self.kernel_launch = family, launch
         self.record = PointerRecord(params, _BINDINGS)
         self.plan_outputs(q, lse_shape)
         # The variant's device arrays (slopes, sink, bias as float32, cu_seqlens) that params points
@@ -80,7 +90,9 @@ class ForwardPlan(OutputAndLse):
         else:
             counter = self._counters.address(stream, capturing) if self._counters is not None else 0
             arguments = (self._sm90_maps(addresses), record, ctypes.c_uint64(counter))
-        return Packed(((self.kernel, self.grid, self.threads, self.smem, arguments, False),), stream)
+        launch = self.kernel_launch
+        return Packed(((launch.kernel, launch.grid, launch.threads, launch.smem, arguments, False),), stream,
+                      (self.family, (launch.name,)))
 
     def _sm90_maps(self, addresses: tuple):
         """The kernel's ForwardSm90Maps argument (q, k, v, o tensor maps), the inputs' and the
@@ -97,9 +109,8 @@ class ForwardPlan(OutputAndLse):
 
 
 def forward_plan(q, k, v, shape, scale, variant, config: tuple = ()) -> ForwardPlan:
-    """The plan of a checked call on kernel-ready arrays. The family is _families.forward_family's
-    choice: Hopper (wgmma) or tensor cores (mma.sync) for float16 and bfloat16, CUDA cores for
-    float32; ``variant`` (a checked ``_features.Variant``) selects the instantiation by its flags.
+    """The plan of a checked call on kernel-ready arrays, on the family families.forward_family
+    picks; ``variant`` (a checked ``_features.Variant``) selects the instantiation by its flags.
     ``config`` (block_m, tile, block_n, stages) overrides the Hopper tile table (bench/tile_sweep.py)."""
     import cupy
 
@@ -110,55 +121,11 @@ def forward_plan(q, k, v, shape, scale, variant, config: tuple = ()) -> ForwardP
     o = cupy.ndarray(q.shape, dtype=q.dtype, memptr=q.data)
     lse = cupy.ndarray(lse_shape, dtype=cupy.float32, memptr=q.data)
     params = make_params(shape, scale, variant=variant, q=q, k=k, v=v, o=o, lse=lse)
-    device = _families.current_device()
-    family = _families.forward_family(device, shape, variant, arrays=(q, k, v))
-    if family == "forward_sm90":
-        tile = _traits.forward_sm90_tile(shape.head_dim)
-        kernel, smem, (block_m, _, block_n, _), threads, counter_bytes = _sm90_kernel(
-            cupy.cuda.runtime.getDevice(), shape.dtype, tile, variant.flags, variant.causal,
-            config or _traits.forward_sm90_config(tile, variant.flags, variant.causal, shape.seqlen_k))
-        # A persistent grid where tiles cost the same, or where blocks take them from a counter;
-        # else a block per tile (kernels_cu/forward_sm90.cu, TileScheduler, which states which).
-        # (The tile count is below 2^31: _checks bounds the portable kernels' grid, of smaller
-        # blocks, by it.)
-        tiles = -(-shape.seqlen_q // block_m) * shape.batch * shape.heads
-        uniform = not variant.causal and variant.window_left is None and variant.packed is None
-        grid = min(tiles, device.multiprocessors) if uniform or counter_bytes else tiles
-        layouts = tuple(_tma.layout_of(x) for x in (q, k, v, o))
-        return ForwardPlan(kernel, grid, threads, smem, params, q, lse_shape, variant,
-                           (shape.dtype, block_m, block_n, variant.packed is not None, layouts),
-                           tile_counter_bytes=counter_bytes)
-    if family == "forward_tc":
-        target = device.tensor_core_target
-        spec = ModuleSpec("forward_tc", shape.dtype, shape.tile, target, variant.flags)
-        smem = _traits.forward_tc_smem_bytes(shape.tile, target, bias=variant.bias is not None)
-        if smem > _traits.TARGET_SMEM_BYTES[target]:
-            raise ValueError(f"bias with head_dim {shape.head_dim} needs {smem} bytes of shared memory per block; "
-                             f"this GPU allows {_traits.TARGET_SMEM_BYTES[target]} (use head_dim <= 128, or an "
-                             "sm_80/sm_90-class GPU)")
-        kernel = get_kernel(spec, spec.forward_tc_kernel(variant.causal), smem)
-        block_m = _traits.forward_tc_block_m(shape.tile, target)
-        threads = 32 * _traits.forward_tc_config(shape.tile, target)[1]   # 32 x num_warps
-    else:
-        spec = ModuleSpec("forward", shape.dtype, shape.tile, features=variant.flags)
-        smem = _traits.forward_smem_bytes(shape.tile)
-        kernel = get_kernel(spec, spec.forward_kernel(variant.causal), smem)
-        block_m, _ = _traits.FORWARD_BLOCKS[shape.tile]
-        threads = _traits.THREADS
-    grid = -(-shape.seqlen_q // block_m) * shape.batch * shape.heads
-    return ForwardPlan(kernel, grid, threads, smem, params, q, lse_shape, variant)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm90_kernel(device: int, dtype: str, tile: int, flags: int, causal: bool, config: tuple):
-    """(kernel, shared memory bytes, tile arguments, threads, the size of the tile counter it takes
-    its tiles from or 0 where it takes none) of a Hopper forward instantiation on ``device``, looked
-    up once."""
-    spec = ModuleSpec("forward_sm90", dtype, tile, "sm90a", flags, config=config)
-    smem = device_value(spec, spec.forward_sm90_smem())
-    counter = device_value(spec, spec.tile_counter_bytes()) if device_value(spec, spec.forward_sm90_dynamic_tiles(causal)) else 0
-    return (get_kernel(spec, spec.forward_sm90_kernel(causal), smem), smem, spec.config,
-            _traits.forward_sm90_threads(spec.config), counter)
+    device = families.current_device()
+    family = families.forward_family(device, shape, variant, arrays=(q, k, v))
+    options = {"config": config} if config else {}
+    launch, maps, counter_bytes = family.forward_launch(device, shape, variant, (q, k, v, o), **options)
+    return ForwardPlan(family.name, launch, params, q, lse_shape, variant, maps, counter_bytes)
 
 
 def flash_forward(q, k, v, *, softmax_scale=None, causal=False, num_splits=None, stream=None, **features):
@@ -260,18 +227,16 @@ _plans: dict = {}
 
 @contextlib.contextmanager
 def plain_causal_tiles_from(keys: int):
-    """Inside: plain causal Hopper forward calls take _traits.FORWARD_SM90_PLAIN's tiles from ``keys``
-    keys instead of FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS (the GPU tests and the sanitizer workload, so
-    short causal calls run both tile shapes). A plan's key does not hold the rule, so the plans made
-    under either are dropped on the way in and out."""
-    thresholds = _traits.FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS
-    saved = dict(thresholds)
+    """Inside (this thread or task): plain causal Hopper forward calls take _traits.FORWARD_SM90_PLAIN's
+    tiles from ``keys`` keys instead of FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS (the GPU tests and the
+    sanitizer workload, so short causal calls run both tile shapes). A plan's key does not hold the
+    rule, so the plans made under either are dropped on the way in and out."""
     _plans.clear()
-    thresholds.update(dict.fromkeys(saved, keys))
+    token = _traits.plain_causal_min_keys.set(keys)
     try:
         yield
     finally:
-        thresholds.update(saved)
+        _traits.plain_causal_min_keys.reset(token)
         _plans.clear()
 
 
@@ -284,7 +249,7 @@ def _plan_key(q, k, v, softmax_scale, causal):
     # (_checks.readable_in_place), so only a key whose three are aligned can find one.
     return (q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype, v.dtype,
             (q_data.ptr | k_data.ptr | v_data.ptr) & 15, q_data.device_id, k_data.device_id, v_data.device_id,
-            type(softmax_scale), softmax_scale, type(causal), causal, _families.kernels_setting())
+            type(softmax_scale), softmax_scale, type(causal), causal, families.kernels_setting())
 
 
 @functools.lru_cache(maxsize=None)

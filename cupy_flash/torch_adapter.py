@@ -169,7 +169,7 @@ _backward_plans: dict = {}
 def _forward_key(q, k, v, softmax_scale, causal):
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
             (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15, q.get_device(), k.get_device(), v.get_device(),
-            type(softmax_scale), softmax_scale, causal, forward._families.kernels_setting())
+            type(softmax_scale), softmax_scale, causal, forward.families.kernels_setting())
 
 
 def _backward_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic):

@@ -1,5 +1,5 @@
 // Hopper backward (sm_90a) for float16 / bfloat16, on the forward's vocabulary (sm90_mma.cuh,
-// sm90_tma.cuh). Where it runs: cupy_flash/_families.backward_family; how it is built and why:
+// sm90_tma.cuh). Where it runs: cupy_flash/families/sm90.py, Backward.supports; how it is built and why:
 // docs/performance.md ("How each path is built", and the decision record's Hopper backward).
 //
 // A tile is a key block of BLOCK_N keys of one (batch, head); one block per SM walks the tiles,
@@ -274,7 +274,7 @@ __device__ __forceinline__ void backward_sm90_product_split(BackwardSm90Storage<
 // (barriers, the first loads) and its end (the stores, the last dQ adds) on an SM doing nothing
 // else: 2,048 such blocks of a d = 128 2k causal call took 171 us with no query block to visit.
 // Deterministic mode waits only for lower tiles, which blocks fetched earlier and finish first;
-// its launches give a block per tile (cupy_flash/backward.py: the turns' chains were slower with
+// its launches give a block per tile (cupy_flash/families/sm90.py, grid_of: the turns' chains were slower with
 // tiles claimed ahead), so each block's fetch finds the counter past the end.
 template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES, bool ADDS_DQ>
 __global__ void __launch_bounds__(128 * (1 + BACKWARD_SM90_CONSUMERS), 1)
@@ -328,7 +328,7 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
                 tile = smem.tiles.fetch(tile_counter, round);
             }
             release_tile_counter(tile_counter);
-            // Behind the dQ kernel (cupy_flash/backward.py) this kernel is launched early: its
+            // Behind the dQ kernel (cupy_flash/families/sm90.py) this kernel is launched early: its
             // blocks take the SMs the dQ kernel's last blocks leave. It reads nothing that kernel
             // writes (its lse_log2 / delta are the preprocess's, complete before the dQ kernel
             // started), but it must not end before it, so that the stream's next work sees dQ:

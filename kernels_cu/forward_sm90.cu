@@ -21,7 +21,7 @@
 //
 // Masks and score modifiers are those of every other kernel (Band, ScoreMod in common.cuh), given
 // each accumulator's (query, key) from wgmma's layout (sm90_mma.cuh). The bias (a tile per key block
-// from global memory) is not supported here: the dispatch (cupy_flash/_families.py) sends it to
+// from global memory) is not supported here: the dispatch (cupy_flash/families/) sends it to
 // the portable kernels.
 
 #include "common.cuh"

@@ -37,9 +37,8 @@ def _is_hopper() -> bool:
 # Kernel paths the forward tests run: "portable" (mma.sync / CUDA cores, on every GPU) and "hopper"
 # (the sm_90a family, on compute capability 9.0 only). Each test asserts that a call it expects on
 # the Hopper family did run there, so a dispatch change cannot turn the hopper runs into portable ones.
-KERNEL_PATHS = [pytest.param("portable", id="portable"),
-                pytest.param("hopper", id="hopper",
-                             marks=pytest.mark.skipif(not _is_hopper(), reason="the Hopper kernels need compute capability 9.0"))]
+requires_hopper = pytest.mark.skipif(not _is_hopper(), reason="the Hopper kernels need compute capability 9.0")
+KERNEL_PATHS = [pytest.param("portable", id="portable"), pytest.param("hopper", id="hopper", marks=requires_hopper)]
 
 
 # Under "hopper", plain causal forward calls take the plain tiles (_traits.FORWARD_SM90_PLAIN) from
@@ -54,35 +53,24 @@ def kernel_path(path: str):
     with CUPY_FLASH_KERNELS=experimental included (the backward; the forward dispatches the same
     under "auto" and "experimental"), plain causal calls from HOPPER_TEST_PLAIN_CAUSAL_MIN_KEYS keys on
     the plain tiles."""
-    from cupy_flash import _families, forward
+    from cupy_flash import families, forward
 
     tiles = forward.plain_causal_tiles_from(HOPPER_TEST_PLAIN_CAUSAL_MIN_KEYS) if path == "hopper" else contextlib.nullcontext()
-    with tiles, _families.use_kernels("portable" if path == "portable" else "experimental"):
+    with tiles, families.use_kernels("portable" if path == "portable" else "experimental"):
         yield
 
 
-def _prepared(q, k, v, options):
-    """q, k, v, shape and variant of a call with these options, as the entry points check them."""
-    from cupy_flash import _checks
-
-    features = {n: x for n, x in options.items() if n not in ("softmax_scale", "causal")}
-    q, k, v, shape, _, variant = _checks.prepare_qkv(q, k, v, options.get("softmax_scale"), options.get("causal", False),
-                                                   features)
-    return q, k, v, shape, variant
+def launched_family(launched) -> str:
+    """The family that ran a call's kernels, as families.recording() noted them: a forward family's
+    name, "decode" (the split-KV path of few query rows per K/V head), or a backward family's."""
+    names = {family for family, _ in launched}
+    assert len(names) == 1, launched
+    return names.pop()
 
 
-def forward_family_of(path: str, q, k, v, **options) -> str:
-    """The kernels a flash_forward call with these arguments runs under ``path``: "decode" (the
-    split-KV path of few query rows per K/V head) or a forward family of _families."""
-    from cupy_flash import _checks, _families
-    from cupy_flash.decode import uses_split_path
-
-    q, k, v, shape, variant = _prepared(q, k, v, options)
-    if uses_split_path(shape, variant, None):
-        return "decode"
-    with kernel_path(path):
-        return _families.forward_family(_families.current_device(), shape, variant,
-                                        arrays=tuple(_checks.kernel_ready(x) for x in (q, k, v)))
+def launched_kernels(launched) -> list:
+    """The kernels a call launched (template instantiations), in order, as families.recording() noted them."""
+    return [name for _, names in launched for name in names]
 
 
 def expect_hopper_family(path: str, family: str, dtype: str, head_dim: int, features: dict) -> None:
@@ -97,7 +85,7 @@ def expect_hopper_family(path: str, family: str, dtype: str, head_dim: int, feat
 
 
 def expect_hopper_backward(path: str, family: str, dtype: str, head_dim: int, features: dict,
-                           deterministic: bool) -> None:
+                           deterministic: bool) -> None:   # family: launched_family's
     """Under "hopper", every float16/bfloat16 backward with no softcap, ALiBi or
     bias runs the Hopper backward (deterministic too) (a sink enters only through lse and
     dsink, outside the kernel), stated apart from the dispatch code."""
@@ -106,20 +94,8 @@ def expect_hopper_backward(path: str, family: str, dtype: str, head_dim: int, fe
         return
     modified = features.get("softcap", 0.0) != 0.0 or any(features.get(n) is not None for n in ("alibi_slopes", "bias"))
     hopper = dtype != "float32" and not modified
-    assert family == ("backward_sm90" if hopper else "portable"), (family, dtype, head_dim, sorted(features), deterministic)
-
-
-def backward_family_of(path: str, q, k, v, deterministic: bool, **options) -> str:
-    """"backward_sm90" or "portable": the main kernel a flash_backward call runs under ``path``."""
-    from cupy_flash import _checks, _families
-
-    q, k, v, shape, variant = _prepared(q, k, v, options)
-    if shape.dtype == "float32":
-        return "portable"
-    with kernel_path(path):
-        family = _families.backward_family(_families.current_device(), shape, variant.on_device(), deterministic,
-                                           tuple(_checks.kernel_ready(x) for x in (q, k, v)))
-    return "portable" if family == "backward_tc" else family
+    portable = family in ("backward_tc", "backward")
+    assert family == "backward_sm90" if hopper else portable, (family, dtype, head_dim, sorted(features), deterministic)
 
 
 def torch_on_gpu():

@@ -13,16 +13,15 @@ from helpers import (
     KERNEL_PATHS,
     NOTES,
     as_float64,
-    backward_family_of,
     bitwise,
     check_error_rule,
     count_example,
     expect_hopper_backward,
     expect_hopper_family,
-    forward_family_of,
     gradient_term_scales,
     input_magnitude,
     kernel_path,
+    launched_family,
     low_precision_gradients,
     low_precision_outputs,
     max_finite_abs,
@@ -34,7 +33,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import cupy_flash
-from cupy_flash import _traits, attention_reference, attention_reference_backward
+from cupy_flash import _traits, attention_reference, attention_reference_backward, families
 
 pytestmark = requires_gpu
 
@@ -216,9 +215,9 @@ def _check_forward_of(q, k, v, make_options, dtype, head_dim, context, path):
     """flash_forward on q, k, v under ``path`` against the reference (the 2x rule); make_options()
     gives the call's keywords afresh for each use."""
     opts = make_options()
-    expect_hopper_family(path, forward_family_of(path, q, k, v, **opts), dtype, head_dim, opts)
-    with poisoned_allocations(), kernel_path(path):
+    with poisoned_allocations(), kernel_path(path), families.recording() as launched:
         o, lse = cupy_flash.flash_forward(q, k, v, **opts)
+    expect_hopper_family(path, launched_family(launched), dtype, head_dim, opts)
     assert o.shape == q.shape and o.dtype == q.dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == numpy.float32
     o_exact, lse_exact = attention_reference(q, k, v, **make_options())
@@ -256,10 +255,9 @@ def _check_backward(p, deterministic, path="portable"):
     o, lse = cupy_flash.flash_forward(q, k, v, **opts)
     # dbias when there is a bias (with deterministic=True only for one that does not broadcast).
     return_dbias = "bias" in opts and not (deterministic and bias_broadcasts(p))
-    expect_hopper_backward(path, backward_family_of(path, q, k, v, deterministic, **opts), p["dtype"], p["head_dim"],
-                           opts, deterministic)
-    with poisoned_allocations(), kernel_path(path):
+    with poisoned_allocations(), kernel_path(path), families.recording() as launched:
         grads = cupy_flash.flash_backward(do, q, k, v, o, lse, deterministic=deterministic, return_dbias=return_dbias, **opts)
+    expect_hopper_backward(path, launched_family(launched), p["dtype"], p["head_dim"], opts, deterministic)
     exact = attention_reference_backward(do, q, k, v, return_dbias=return_dbias, **opts)
     low = low_precision_gradients(do, q, k, v, return_dbias=return_dbias, **opts)
     context = describe(p) + f" deterministic={deterministic} kernels={path}"
@@ -407,19 +405,18 @@ def test_packed_batches_match_reference(path, p, deterministic):
     count_example("packed_batches_match_reference")
     q, k, v, do, opts = packed_inputs(p)
     context = describe(p) + f" lens_q={p['lens_q']} lens_k={p['lens_k']} deterministic={deterministic} kernels={path}"
-    expect_hopper_family(path, forward_family_of(path, q, k, v, **opts), p["dtype"], p["head_dim"], opts)
-    with poisoned_allocations(), kernel_path(path):
+    with poisoned_allocations(), kernel_path(path), families.recording() as launched:
         o, lse = cupy_flash.flash_forward(q, k, v, **opts)
+    expect_hopper_family(path, launched_family(launched), p["dtype"], p["head_dim"], opts)
     assert o.shape == q.shape and lse.shape == (p["heads"], q.shape[0])
     o_exact, lse_exact = attention_reference(q, k, v, **opts)
     o_low, lse_low = low_precision_outputs(q, k, v, **opts)
     lse_magnitude = max_finite_abs(lse_exact)
     check_error_rule("o", o, o_exact, o_low, context, lse_magnitude)
     check_error_rule("lse", lse, lse_exact, lse_low, context, lse_magnitude)
-    expect_hopper_backward(path, backward_family_of(path, q, k, v, deterministic, **opts), p["dtype"], p["head_dim"],
-                           opts, deterministic)
-    with poisoned_allocations(), kernel_path(path):
+    with poisoned_allocations(), kernel_path(path), families.recording() as launched:
         grads = cupy_flash.flash_backward(do, q, k, v, o, lse, deterministic=deterministic, **opts)
+    expect_hopper_backward(path, launched_family(launched), p["dtype"], p["head_dim"], opts, deterministic)
     exact = attention_reference_backward(do, q, k, v, **opts)
     low = low_precision_gradients(do, q, k, v, **opts)
     assert len(grads) == len(exact)
@@ -469,15 +466,15 @@ def test_packed_batch_equals_separate_calls(path):
     cu_k = cupy.asarray(numpy.cumsum([0] + [nk for _, nk in lens]).astype(numpy.int32))
     packed = dict(causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     q, k, v = cupy.concatenate(qs), cupy.concatenate(ks), cupy.concatenate(vs)
-    packed_family = forward_family_of(path, q, k, v, **packed)
-    with kernel_path(path):
+    with kernel_path(path), families.recording() as launched:
         o, lse = cupy_flash.flash_forward(q, k, v, **packed)
+    packed_family = launched_family(launched)
     bitwise_sequences = 0
     for i, (q, k, v) in enumerate(zip(qs, ks, vs)):
-        with kernel_path(path):
+        with kernel_path(path), families.recording() as launched:
             o_one, lse_one = cupy_flash.flash_forward(q[None], k[None], v[None], causal=True)
         rows = slice(int(cu_q[i]), int(cu_q[i + 1]))
-        if forward_family_of(path, q[None], k[None], v[None], causal=True) != packed_family:
+        if launched_family(launched) != packed_family:
             exact = attention_reference(q[None], k[None], v[None], causal=True)
             low = attention_reference(q[None], k[None], v[None], causal=True, upcast=False)
             for name, ours, e, lo in (("o", o[rows][None], exact[0], low[0]), ("lse", lse[:, rows][None], exact[1], low[1])):
@@ -658,7 +655,7 @@ def test_repeated_calls_reuse_a_checked_plan_only_where_the_checks_would_pass(pa
     first call on the new data, and whatever the plan's key does not hold must still be checked:
     arguments equal but of another type (True == 1.0), another alignment, other strides, another
     kernels setting."""
-    from cupy_flash import _families, forward
+    from cupy_flash import families, forward
 
     rng = numpy.random.default_rng(17)
     shape = (2, 700, 4, 128)
@@ -691,7 +688,7 @@ def test_repeated_calls_reuse_a_checked_plan_only_where_the_checks_would_pass(pa
         assert bool((bitwise(again) == bitwise(calls[0][3])).all())
         # Another kernels setting: the other family on a Hopper GPU, and the same function.
         other = "portable" if path == "hopper" else "auto"
-        with _families.use_kernels(other):
+        with families.use_kernels(other):
             o_other, lse_other = cupy_flash.flash_forward(q, k, v, softmax_scale=1.0, causal=True)
         exact = attention_reference(q, k, v, softmax_scale=1.0, causal=True)
         low = attention_reference(q, k, v, softmax_scale=1.0, causal=True, upcast=False)
@@ -743,15 +740,14 @@ def test_repeated_backward_calls_on_two_streams_compute_every_key_block(path, he
     dtype = "bfloat16"
     q, k, v, do = (random_array(rng, s, dtype) for s in (q_shape, kv_shape, kv_shape, q_shape))
     o, lse = cupy_flash.flash_forward(q, k, v, causal=causal)
-    expect_hopper_backward(path, backward_family_of(path, q, k, v, deterministic, causal=causal), dtype, head_dim, {},
-                           deterministic)
     streams = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream.null)
     results = []
-    with kernel_path(path):
+    with kernel_path(path), families.recording() as launched:
         for i in range(4):
             with streams[i % 2], poisoned_allocations():
                 results.append(cupy_flash.flash_backward(do, q, k, v, o, lse, causal=causal, deterministic=deterministic))
             streams[i % 2].synchronize()
+    expect_hopper_backward(path, launched_family(launched), dtype, head_dim, {}, deterministic)
     exact = attention_reference_backward(do, q, k, v, causal=causal)
     low = low_precision_gradients(do, q, k, v, causal=causal)
     scales = gradient_term_scales(do, q, k, v, causal=causal, o=o)
@@ -781,7 +777,9 @@ def test_chained_backward_calls_with_the_dq_kernel_launched_first(monkeypatch, h
     q_shape, kv_shape, dtype, calls = (2, 900, 8, head_dim), (2, 1000, 4, head_dim), "float16", 6
     q, k, v, do = (random_array(rng, s, dtype) for s in (q_shape, kv_shape, kv_shape, q_shape))
     o, lse = cupy_flash.flash_forward(q, k, v, causal=causal)
-    if backward_family_of("hopper", q, k, v, deterministic, causal=causal) != "backward_sm90":
+    with kernel_path("hopper"), families.recording() as launched:
+        cupy_flash.flash_backward(do, q, k, v, o, lse, causal=causal, deterministic=deterministic)
+    if launched_family(launched) != "backward_sm90":
         pytest.skip("the Hopper backward needs compute capability 9.0")
     if not _traits.backward_sm90_dq_apart(_traits.forward_sm90_tile(head_dim), 0, deterministic, causal, kv_shape[1]):
         pytest.fail("this call no longer takes the dQ kernel: pick one that does")
@@ -838,7 +836,7 @@ def test_repeated_backward_calls_reuse_a_checked_plan_only_where_the_checks_woul
     temporaries, records and launches planned once): each call on new data must meet the error rule,
     GQA's group sum included, and what the key does not hold must still be checked (deterministic=1,
     a misaligned do, another kernels setting)."""
-    from cupy_flash import _families, backward
+    from cupy_flash import backward, families
 
     rng = numpy.random.default_rng(23)
     q_shape, kv_shape = (2, 300, 4, 64), (2, 1100, 2, 64)   # GQA group 2; 1100 keys: the Hopper backward's minimum
@@ -878,7 +876,7 @@ def test_repeated_backward_calls_reuse_a_checked_plan_only_where_the_checks_woul
             for ours, before in zip(again, first):
                 assert bool((bitwise(ours) == bitwise(before)).all()), context
         other = "portable" if path == "hopper" else "auto"
-        with _families.use_kernels(other):
+        with families.use_kernels(other):
             grads = cupy_flash.flash_backward(do, q, k, v, o, lse, causal=True, deterministic=deterministic)
         check(grads, do, q, k, v, lse, f" then kernels={other}")
 
@@ -955,3 +953,4 @@ def test_calls_on_the_same_buffers_reuse_their_launch_parameters_only_there(path
             captured.synchronize()
         for name, ours, ref in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, dq, dk, dv), other):
             assert bool((bitwise(ours) == bitwise(ref)).all()), f"{name}: graph replay, kernels={path}"
+

@@ -6,7 +6,7 @@ import sys
 import pytest
 from helpers import HAS_GPU, requires_gpu
 
-from cupy_flash import _cli, _compile, _families
+from cupy_flash import _cli, _compile, families
 
 
 def test_info_runs_anywhere():
@@ -40,19 +40,21 @@ def test_warmup_specs_cover_what_calls_run():
     """The modules warmup compiles for dtypes x head dims x features x families: the tensor-core
     families for 16-bit types (for the given target), the CUDA-core ones for float32, the decode
     family (and its row kernels) with forward or decode, the preprocess module with backward."""
-    h100 = _families.DeviceInfo(90, 227 * 1024, 132)
+    h100 = families.DeviceInfo(90, 227 * 1024, 132)
     specs = _cli.warmup_specs(["bfloat16", "float32"], [64, 100], ["sink", "window"], ["forward", "backward"], h100)
     described = {s.describe() for s in specs}
     assert "forward_sm90 kernels (bfloat16, head_dim tile 64, sm90a tiles 128x64x128x2, window+sink)" in described
     assert "forward_sm90 kernels (bfloat16, head_dim tile 128, sm90a tiles 128x128x128x2, window+sink)" in described
-    assert "backward_tc kernels (bfloat16, head_dim tile 128, sm90 tiles, window)" in described   # no sink in backward
+    # Short backward calls take the tensor-core family, long ones the Hopper one (no sink in either).
+    assert "backward_tc kernels (bfloat16, head_dim tile 128, sm90 tiles, window)" in described
+    assert "backward_sm90 kernels (bfloat16, head_dim tile 128, sm90a tiles 128x128x64x2, window)" in described
     assert "forward kernels (float32, head_dim tile 64, window+sink)" in described
     assert "preprocess kernels (float32)" in described and "decode kernels (bfloat16)" in described
     assert len(specs) == len(set(specs))
     for spec in specs:   # every one is a module CuPy can be asked to build
         assert spec.name_expressions
     # Elsewhere (an A100), and with a bias on the H100, the forward is the mma.sync family's.
-    a100 = _cli.warmup_specs(["bfloat16"], [64], [], ["forward"], _families.DeviceInfo(80, 163 * 1024, 108))
+    a100 = _cli.warmup_specs(["bfloat16"], [64], [], ["forward"], families.DeviceInfo(80, 163 * 1024, 108))
     assert "forward_tc kernels (bfloat16, head_dim tile 64, sm80 tiles)" in {s.describe() for s in a100}
     # Plain calls at d = 64 take two tile shapes (three consumers, and 128 rows for short causal calls).
     plain = {s.describe() for s in _cli.warmup_specs(["bfloat16"], [64], [], ["forward"], h100)}
@@ -65,7 +67,7 @@ def test_warmup_specs_cover_what_calls_run():
 def test_index_records_compiled_modules(tmp_path, monkeypatch):
     """The index beside CuPy's cache lists a module once compiled, keyed to its source digest."""
     monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
-    spec = _compile.ModuleSpec("decode", "float16")
+    spec = families.decode.module_spec("float16")
     _compile.record_in_index(spec, 90)
     index = _compile.read_index()
     assert list(index) == [f"{spec.describe()} sm_90"]

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from cupy_flash import _compile, _traits
+from cupy_flash import _compile, _traits, families
 
 ARCHS = _compile.ALL_ARCHS
 
@@ -29,7 +29,7 @@ def spill_limit(spec) -> int:
     return VARLEN_BACKWARD_SPILL_LIMIT if spec.family == "backward_tc" and spec.features & FEATURE_VARLEN else 0
 
 
-CASES = [(spec, arch) for spec in _compile.all_module_specs() for arch in ARCHS if arch in spec.archs]
+CASES = [(spec, arch) for spec in families.all_module_specs() for arch in ARCHS if arch in spec.archs]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def reports(request):
                 terminal.write_line(f"compile check: {done}/{total} modules built ({time.time() - started:.0f} s; "
                                     f"last {spec.describe()} for {arch})")
 
-    return _compile.compile_all_offline(ARCHS, progress=progress)
+    return _compile.compile_all_offline([spec for spec, _ in CASES], ARCHS, progress=progress)
 
 
 @pytest.mark.compile
@@ -82,9 +82,9 @@ def test_kernel_figures_come_from_the_cubin_without_a_ptxas_report():
     from cupy_flash._features import FEATURE_VARLEN
 
     # a module whose kernels spill (a non-zero frame to read), and a Hopper one
-    spilling = next(s for s in _compile.all_module_specs()
+    spilling = next(s for s in families.all_module_specs()
                     if s.family == "backward_tc" and s.target == "sm80" and s.features & FEATURE_VARLEN)
-    hopper = next(s for s in _compile.all_module_specs() if s.family == "forward_sm90")
+    hopper = next(s for s in families.all_module_specs() if s.family == "forward_sm90")
     for spec in (spilling, hopper):
         arch = spec.archs[0]
         reported = _compile.compile_offline(spec, arch)
@@ -132,13 +132,13 @@ def test_hopper_launchers_match_their_kernels(reports):
     for spec, kernel in hopper_kernels(reports):
         threads, record = launches[spec.family]
         if kernel.name.startswith("flash_backward_dq_sm90_kernel"):   # dQ apart: no tile counter
-            expected = (_traits.backward_dq_sm90_threads(spec.backward_dq_sm90_config),
+            expected = (_traits.backward_dq_sm90_threads(_traits.backward_sm90_module_dq_apart(spec.tile, spec.features)[0]),
                         (backward._SM90_MAPS_BYTES, PARAMS_DTYPE.itemsize))
         else:
             expected = (threads(spec.config), record)
         assert (kernel.max_threads, kernel.param_bytes) == expected, kernel.name
         checked += 1
-    assert checked == sum(len(spec.kernel_expressions) for spec in _compile.all_module_specs() if spec.family in launches)
+    assert checked == sum(len(spec.kernel_expressions) for spec in families.all_module_specs() if spec.family in launches)
 
 
 @pytest.mark.compile
@@ -176,7 +176,7 @@ def test_every_hopper_instantiation_is_built_by_ci():
     """Each Hopper module CI builds has its tile table's config (the forward's for causal calls and
     the others; the backward's for plain and variant calls), and every feature set the dispatch
     accepts is among them (a flag set the rule sends to sm_90a is compiled and checked)."""
-    built = {(s.family, s.dtype, s.tile, s.features, s.config) for s in _compile.all_module_specs()}
+    built = {(s.family, s.dtype, s.tile, s.features, s.config) for s in families.all_module_specs()}
     for dtype in _compile.TENSOR_CORE_DTYPES:
         for tile, sets in _traits.FORWARD_SM90_FEATURE_SETS.items():
             for flags in (0,) + sets:
@@ -288,7 +288,7 @@ def test_each_kernel_file_compiles_on_its_own(name):
 
     headers = _compile.headers()
     family = name[:-3] if name.endswith(".cu") else None
-    spec = next(s for s in _compile.all_module_specs() if s.family == family) if family else None
+    spec = next(s for s in families.all_module_specs() if s.family == family) if family else None
     arch = "compute_90a" if family and family.endswith("sm90") else "compute_80"
 
     def ptx(text, with_headers):
@@ -322,7 +322,7 @@ def test_cubin_identity_hashes_each_kernels_sass():
     loader = importlib.util.spec_from_file_location("cubin_identity", path)
     tool = importlib.util.module_from_spec(loader)
     loader.loader.exec_module(tool)
-    spec = next(s for s in _compile.all_module_specs() if s.family == "preprocess")
+    spec = next(s for s in families.all_module_specs() if s.family == "preprocess")
     name, first = tool._module((spec, "sm_80"))
     _, second = tool._module((spec, "sm_80"))
     lowered = _compile._nvrtc_compile(spec, _compile.compile_options("sm_80", report=False))[1]

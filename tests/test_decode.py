@@ -66,9 +66,9 @@ def test_choose_splits(monkeypatch):
     keep one block per SM; past that, about one wave of the blocks an SM holds (three at head_dim
     128, one at 256 by shared memory); past 32, whole passes of the combine (32 splits each); 128 keys
     or more per split, at most MAX_AUTO_SPLITS."""
-    from cupy_flash import decode
+    from cupy_flash import decode, families
 
-    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(decode, "device_info", lambda device: families.DeviceInfo(90, 227 * 1024, 132))
     assert decode.choose_splits(4, 32768, 128, 0) == 32                               # GQA 8:1, batch 1
     assert decode.choose_splits(2, 32768, 128, 0) == 64                               # MQA, batch 1
     assert decode.choose_splits(1, 32768, 128, 0) == decode.MAX_AUTO_SPLITS == 64

@@ -1,23 +1,23 @@
-"""CPU: the dispatch rule (cupy_flash/_families.py, README "Which kernels run") on made-up devices."""
+"""CPU: the dispatch rule (cupy_flash/families/, README "Which kernels run") on made-up devices."""
 
 import types
 
 import pytest
 from helpers import FakeGpuArray
 
-from cupy_flash import _families, _traits
+from cupy_flash import _traits, families
 from cupy_flash._checks import AttentionShape
 from cupy_flash._features import FEATURE_BIAS, FEATURE_SOFTCAP, FEATURE_VARLEN, FEATURE_WINDOW
 
-H100 = _families.DeviceInfo(90, 227 * 1024, 132)
-A100 = _families.DeviceInfo(80, 163 * 1024, 108)
-L40 = _families.DeviceInfo(89, 99 * 1024, 142)
-B200 = _families.DeviceInfo(100, 227 * 1024, 148)   # sm_90a code does not run on sm_100
+H100 = families.DeviceInfo(90, 227 * 1024, 132)
+A100 = families.DeviceInfo(80, 163 * 1024, 108)
+L40 = families.DeviceInfo(89, 99 * 1024, 142)
+B200 = families.DeviceInfo(100, 227 * 1024, 148)   # sm_90a code does not run on sm_100
 
 
 def family(device, dtype="bfloat16", head_dim=128, flags=0, setting="auto", causal=False, seqlen=1000):
     shape = AttentionShape(2, seqlen, seqlen, 8, head_dim, dtype)
-    return _families.forward_family(device, shape, types.SimpleNamespace(flags=flags, causal=causal), setting)
+    return families.forward_family(device, shape, types.SimpleNamespace(flags=flags, causal=causal), setting).name
 
 
 @pytest.mark.parametrize("head_dim", [8, 64, 72, 128, 136, 200, 256])
@@ -48,8 +48,8 @@ def test_the_rest_runs_the_portable_kernels():
 
 def backward(device, head_dim=128, seqlen=4096, deterministic=False, flags=0, setting="auto", causal=False):
     shape = AttentionShape(2, seqlen, seqlen, 8, head_dim, "bfloat16")
-    return _families.backward_family(device, shape, types.SimpleNamespace(backward_flags=flags, causal=causal),
-                                     deterministic, setting=setting)
+    return families.backward_family(device, shape, types.SimpleNamespace(backward_flags=flags, causal=causal),
+                                    deterministic, setting=setting).name
 
 
 def test_the_hopper_backward_runs_where_it_measured_faster():
@@ -91,48 +91,58 @@ def test_the_hopper_backward_computes_dq_apart_where_it_measured_faster():
 
 
 def test_only_calls_that_add_dq_zero_a_float32_accumulator():
-    """The preprocess zeroes dq_accum wherever one is planned: calls that compute dQ apart never
-    read it (measured: a plain d = 256 atomic call planned and zeroed one, as many bytes as q twice)."""
-    from cupy_flash.backward import needs_dq_accum
+    """Each family's schedule plans a float32 dQ accumulator (which the preprocess zeroes) only where
+    its kernels add into one: calls that compute dQ apart never read it (measured: a plain d = 256
+    atomic call planned and zeroed one, as many bytes as q twice)."""
+    from cupy_flash.families import cuda_core, sm90, tensor_core
 
-    assert not needs_dq_accum(tensor_core=True, dq_apart=True, deterministic=False)
-    assert not needs_dq_accum(tensor_core=True, dq_apart=True, deterministic=True)
-    assert needs_dq_accum(tensor_core=True, dq_apart=False, deterministic=False)
-    assert needs_dq_accum(tensor_core=True, dq_apart=False, deterministic=True)   # the ordered adds
-    assert needs_dq_accum(tensor_core=False, dq_apart=False, deterministic=False)
-    assert not needs_dq_accum(tensor_core=False, dq_apart=False, deterministic=True)   # the dQ pass
+    plain = types.SimpleNamespace(backward_flags=0, causal=False)
+    for deterministic in (False, True):   # d = 256: dQ apart for every plain call
+        apart = sm90.Backward.backward_schedule(H100, AttentionShape(2, 4096, 4096, 8, 256, "bfloat16"), plain, deterministic)
+        assert apart.dq_apart and not (apart.dq_accum or apart.dq_convert or apart.dq_semaphores)
+    adds = sm90.Backward.backward_schedule(H100, AttentionShape(2, 4096, 4096, 8, 128, "bfloat16"), plain, True)
+    assert adds.dq_apart is None and adds.dq_accum and adds.dq_convert and adds.dq_semaphores   # the ordered adds
+    shape = AttentionShape(2, 1000, 1000, 8, 128, "bfloat16")
+    for deterministic in (False, True):
+        tc = tensor_core.Backward.backward_schedule(A100, shape, plain, deterministic)
+        assert tc.dq_accum and tc.dq_convert and tc.dq_semaphores == deterministic
+        assert tc.row_multiple == _traits.ROW_STAT_PADDING
+    fp32 = AttentionShape(2, 1000, 1000, 8, 128, "float32")
+    atomic, ordered = (cuda_core.Backward.backward_schedule(A100, fp32, plain, d) for d in (False, True))
+    assert atomic.dq_accum and atomic.dq_convert
+    assert not (ordered.dq_accum or ordered.dq_convert)   # the dQ pass writes dq
 
 
 def test_the_setting_comes_from_the_environment_or_use_kernels(monkeypatch):
-    monkeypatch.setenv(_families.KERNELS_VARIABLE, "portable")
-    assert _families.kernels_setting() == "portable"
-    monkeypatch.setenv(_families.KERNELS_VARIABLE, "auto")
-    with _families.use_kernels("portable"):
-        assert _families.kernels_setting() == "portable"
-    assert _families.kernels_setting() == "auto"
-    monkeypatch.setenv(_families.KERNELS_VARIABLE, "fast")
+    monkeypatch.setenv(families.KERNELS_VARIABLE, "portable")
+    assert families.kernels_setting() == "portable"
+    monkeypatch.setenv(families.KERNELS_VARIABLE, "auto")
+    with families.use_kernels("portable"):
+        assert families.kernels_setting() == "portable"
+    assert families.kernels_setting() == "auto"
+    monkeypatch.setenv(families.KERNELS_VARIABLE, "fast")
     with pytest.raises(ValueError, match="CUPY_FLASH_KERNELS"):
-        _families.kernels_setting()
+        families.kernels_setting()
     with pytest.raises(ValueError, match="kernels setting"):
-        with _families.use_kernels("hopper"):
+        with families.use_kernels("hopper"):
             pass
 
 
 def test_info_names_the_path_of_each_dtype():
-    lines = _families.describe_forward(H100, "auto")
+    lines = families.describe_forward(H100, "auto")
     assert lines[0].startswith("bfloat16: Hopper kernels") and "with a bias: tensor-core" in lines[0]
     assert lines[2].startswith("float32: CUDA-core")
-    assert _families.describe_forward(H100, "portable")[0].startswith("bfloat16: tensor-core")
-    assert _families.describe_forward(A100, "auto")[1].startswith("float16: tensor-core")
-    assert _families.describe_backward(H100, "auto").startswith(
+    assert families.describe_forward(H100, "portable")[0].startswith("bfloat16: tensor-core")
+    assert families.describe_forward(A100, "auto")[1].startswith("float16: tensor-core")
+    assert families.describe_backward(H100, "auto").startswith(
         "float16/bfloat16: Hopper kernels from 256 keys; deterministic calls too")
-    assert _families.describe_backward(H100, "auto").endswith(
+    assert families.describe_backward(H100, "auto").endswith(
         "dQ in a kernel of its own (no window, no packed batch): head_dim 1-64: deterministic non-causal up to 2048 "
         "keys, deterministic causal (any length); head_dim 65-128: deterministic non-causal up to 2048 keys, deterministic causal "
         "up to 2048 keys; head_dim 129-256: every call")
-    assert _families.describe_backward(H100, "portable").startswith("float16/bfloat16: tensor-core")
-    assert _families.describe_backward(H100, "experimental").startswith("float16/bfloat16: Hopper kernels")
-    assert _families.describe_backward(A100, "experimental") == "float16/bfloat16: tensor-core kernels (mma.sync; sm_80+)"
+    assert families.describe_backward(H100, "portable").startswith("float16/bfloat16: tensor-core")
+    assert families.describe_backward(H100, "experimental").startswith("float16/bfloat16: Hopper kernels")
+    assert families.describe_backward(A100, "experimental") == "float16/bfloat16: tensor-core kernels (mma.sync; sm_80+)"
 
 
 def test_tma_takes_any_stride_on_axes_of_size_one():
@@ -163,6 +173,7 @@ def test_plain_causal_tiles_from_moves_the_threshold_and_drops_plans():
     from cupy_flash import _traits, forward
 
     tile = next(iter(_traits.FORWARD_SM90_PLAIN))
+    table_before = dict(_traits.FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS)
     plain, table = _traits.forward_sm90_config(tile), _traits.forward_sm90_config(tile, causal=True, seqlen_k=100)
     assert plain != table   # 100 keys is under the threshold
     forward._plans["made outside"] = object()
@@ -174,6 +185,7 @@ def test_plain_causal_tiles_from_moves_the_threshold_and_drops_plans():
         forward._plans["made inside"] = object()
     assert not forward._plans
     assert _traits.forward_sm90_config(tile, causal=True, seqlen_k=100) == table
+    assert _traits.FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS == table_before   # never written
 
 
 def test_plain_backward_calls_take_the_plain_tiles():
@@ -191,24 +203,23 @@ def test_backward_row_kernels_take_a_grid_the_multiprocessors_hold(monkeypatch):
     """The row kernels' warps loop over the rows: a large call gets a grid sized to the device (the
     grid of a warp per row left most blocks without a row), a small one no more blocks than rows
     need."""
-    from cupy_flash import preprocess
-    from cupy_flash._compile import ModuleSpec
+    from cupy_flash.families import rows
 
-    monkeypatch.setattr(_families, "current_device", lambda: H100)
-    monkeypatch.setattr(preprocess, "get_kernel", lambda spec, name: name)
+    monkeypatch.setattr(rows, "current_device", lambda: H100)
+    monkeypatch.setattr(rows, "get_kernel", lambda spec, name: name)
     large = AttentionShape(8, 2048, 2048, 16, 128, "bfloat16")   # 262,144 rows
-    _, grid, threads = preprocess.row_kernel(ModuleSpec.preprocess_kernel, large)
-    assert (grid, threads) == (preprocess._ROW_BLOCKS_PER_SM * H100.multiprocessors, 256)
+    launch = rows.row_launch(rows.PREPROCESS, large)
+    assert (launch.grid, launch.threads) == (rows._ROW_BLOCKS_PER_SM * H100.multiprocessors, 256)
+    assert launch.name == "flash_preprocess_kernel<fa_bf16>"
     small = AttentionShape(1, 100, 100, 2, 64, "bfloat16")   # 200 rows: 25 blocks of 8 warps
-    assert preprocess.row_kernel(ModuleSpec.dq_convert_kernel, small)[1] == 25
+    assert rows.row_launch(rows.DQ_CONVERT, small).grid == 25
 
 
-def test_hopper_backward_grid_is_persistent_for_atomic_calls(monkeypatch):
-    """backward.sm90_grid: atomic calls one block per SM at most (blocks take key blocks from the
+def test_hopper_backward_grid_is_persistent_for_atomic_calls():
+    """sm90.grid_of: atomic calls one block per SM at most (blocks take key blocks from the
     kernel's counter), deterministic calls a block per key block."""
-    from cupy_flash import backward
+    from cupy_flash.families import sm90
 
-    monkeypatch.setattr(backward, "current_device", lambda: H100)
-    assert backward.sm90_grid(4096, False) == H100.multiprocessors
-    assert backward.sm90_grid(40, False) == 40
-    assert backward.sm90_grid(4096, True) == 4096
+    assert sm90.grid_of(4096, False, H100) == H100.multiprocessors
+    assert sm90.grid_of(40, False, H100) == 40
+    assert sm90.grid_of(4096, True, H100) == 4096

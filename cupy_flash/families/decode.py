@@ -1,0 +1,86 @@
+"""The decode family (kernels_cu/decode.cu, float16 / bfloat16, sm_80+): few query rows over many
+keys, split over the keys (flash_decode, and flash_forward's split path). Each head-dim tile's
+module holds the decode kernel; a dtype's row module holds the append of new K/V rows into the
+cache and the combine of split partials (also merge_attention_states', every dtype)."""
+
+from __future__ import annotations
+
+from .. import _features, _traits
+from .._compile import CTYPES, TENSOR_CORE_DTYPES, ModuleSpec, get_kernel
+from .._launch import Launch
+from ._base import spec_with, template
+from .rows import row_kernel_grid
+
+
+def module_spec(dtype: str, tile: int | None = None, features: int = 0) -> ModuleSpec:
+    """The decode kernels of a head-dim tile, or (``tile`` None) the dtype's append and combines."""
+    if tile is not None:
+        spec = ModuleSpec("decode", dtype, tile, features=features & _features.DECODE_FEATURES)
+        return spec_with(spec, (decode_kernel(spec, causal) for causal in (False, True)))
+    spec = ModuleSpec("decode", dtype)
+    # The combine of split partials (float32) and of merge_attention_states' inputs (the dtype
+    # itself); the append for the tensor-core dtypes flash_decode takes.
+    partials = ("float32",) if dtype == "float32" else ("float32", dtype)
+    append = (append_kernel(spec),) if dtype in TENSOR_CORE_DTYPES else ()
+    return spec_with(spec, append + tuple(combine_kernel(spec, p) for p in partials))
+
+
+def decode_kernel(spec: ModuleSpec, causal: bool) -> str:
+    return template("flash_decode_kernel", spec.ctype, spec.tile, _traits.DECODE_WARPS, causal, spec.features)
+
+
+def append_kernel(spec: ModuleSpec) -> str:
+    return template("flash_append_kernel", spec.ctype)
+
+
+def combine_kernel(spec: ModuleSpec, partial_dtype: str) -> str:
+    return template("flash_combine_kernel", CTYPES[partial_dtype], spec.ctype)
+
+
+def combine_launch(rows: int, splits: int) -> tuple[tuple[int], tuple[int]]:
+    """(grid, block) of flash_combine_kernel: one block per row (the kernel loops past the grid),
+    as many warps as keep each one COMBINE_BATCH splits deep, up to COMBINE_MAX_WARPS."""
+    warps = min(_traits.COMBINE_MAX_WARPS, max(1, -(-splits // _traits.COMBINE_BATCH)))
+    return (min(rows, 2**31 - 1),), (32 * warps,)
+
+
+def combine(dtype: str, partial_dtype: str) -> tuple:
+    """(name, kernel) of the combine of ``partial_dtype`` partials into ``dtype`` outputs."""
+    spec = module_spec(dtype)
+    name = combine_kernel(spec, partial_dtype)
+    return name, get_kernel(spec, name)
+
+
+def decode_launches(device, shape, variant, grid: int, num_splits: int, new_rows: int) -> list:
+    """The launches of a decode call of ``grid`` blocks: the append where ``new_rows`` new K/V rows
+    come, the decode kernel, and the combine where the keys are split in ``num_splits``."""
+    rows_spec = module_spec(shape.dtype)
+    sms = device.multiprocessors
+    launches = []
+    # The kernels may start before the kernel ahead of them ends (_launch.py): the append and the
+    # decode kernel only when their grid fits on the SMs. GQA 8:1 batch 1 (128 blocks) on the H100:
+    # 32.6 -> 31.4 us a call at 32k keys, 12.9 -> 11.6 us at 4k; with k_new, the append early too:
+    # 12.43 -> 11.72 us at 4k. Launched early, a grid of 256 blocks (1:1, batch 8, unsplit) ran 13%
+    # slower (1701 against 1488 us a call), and one of 384 blocks 5% slower.
+    if new_rows:
+        append_grid = row_kernel_grid(shape.batch * new_rows * shape.heads_kv)
+        name = append_kernel(rows_spec)
+        launches.append(Launch(name, get_kernel(rows_spec, name), append_grid, _traits.ROW_KERNEL_THREADS,
+                               early=append_grid <= sms))
+    spec = module_spec(shape.dtype, shape.tile, variant.flags)
+    smem = _traits.decode_smem_bytes(shape.tile)
+    name = decode_kernel(spec, variant.causal)
+    launches.append(Launch(name, get_kernel(spec, name, smem), grid, 32 * _traits.DECODE_WARPS, smem, early=grid <= sms))
+    if num_splits > 1:
+        (combine_grid,), (combine_threads,) = combine_launch(shape.batch * shape.seqlen_q * shape.heads, num_splits)
+        name, kernel = combine(shape.dtype, "float32")
+        launches.append(Launch(name, kernel, combine_grid, combine_threads, early=True))
+    return launches
+
+
+def module_specs(dtype: str, features) -> list:
+    """The row module of ``dtype``, and for the tensor-core dtypes each tile's decode kernels."""
+    specs = [module_spec(dtype)]
+    if dtype in TENSOR_CORE_DTYPES:
+        specs += [module_spec(dtype, tile, flags) for tile in _traits.HEAD_DIM_TILES for flags in features]
+    return list(dict.fromkeys(specs))

@@ -1,0 +1,55 @@
+"""The row kernels (kernels_cu/preprocess.cu, every dtype, any GPU): a warp per row, looping over
+the rows. The backward's preprocess (delta = rowsum(dO * O), lse in log2, the dQ accumulator
+zeroed), the scale-and-cast of the dQ accumulator, and the GQA sum of per-query-head dK/dV."""
+
+from __future__ import annotations
+
+from .. import _traits
+from .._compile import ModuleSpec, get_kernel
+from .._launch import Launch
+from ._base import current_device, spec_with, template
+
+_MAX_ROW_BLOCKS = 1 << 16   # the row kernels loop over rows, so the grid never needs to be larger
+
+# Blocks of a backward row kernel per multiprocessor (256 threads each; the warps loop over the
+# rows). A grid of a warp per row (capped at 2^16 blocks) left most warps without a row once a warp
+# took several (preprocess.cu's row groups: 2-8 rows a pass at d = 256-64), so most blocks started
+# only to exit. Measured (H100, bf16, 16k tokens x 2048 features, per launch, queued): preprocess /
+# convert d = 64 150 / 105 -> 107 / 72 us, d = 128 123 / 85 -> 103 / 72, d = 256 107 / 74 -> 101 / 73;
+# 4, 8, 16 and 64 blocks an SM: 113 / 75, 115 / 78, 106 / 73, 107 / 71 at d = 64.
+_ROW_BLOCKS_PER_SM = 32
+
+PREPROCESS, DQ_CONVERT, KV_GROUP_SUM = "flash_preprocess_kernel", "flash_dq_convert_kernel", "flash_kv_group_sum_kernel"
+
+
+def module_spec(dtype: str) -> ModuleSpec:
+    spec = ModuleSpec("preprocess", dtype)
+    return spec_with(spec, (template(kernel, spec.ctype) for kernel in (PREPROCESS, DQ_CONVERT, KV_GROUP_SUM)))
+
+
+def row_kernel_grid(rows: int) -> int:
+    warps_per_block = _traits.ROW_KERNEL_THREADS // 32
+    return min(-(-rows // warps_per_block), _MAX_ROW_BLOCKS)
+
+
+def row_launch(kernel: str, shape, rows: int | None = None, record: str = "main") -> Launch:
+    """The Launch of row kernel ``kernel`` (PREPROCESS, DQ_CONVERT, KV_GROUP_SUM) over ``rows`` rows
+    (default: every query row of ``shape``), taking params record ``record``."""
+    spec = module_spec(shape.dtype)
+    rows = shape.batch * shape.seqlen_q * shape.heads if rows is None else rows
+    grid = min(row_kernel_grid(rows), _ROW_BLOCKS_PER_SM * current_device().multiprocessors)
+    name = template(kernel, spec.ctype)
+    return Launch(name, get_kernel(spec, name), grid, _traits.ROW_KERNEL_THREADS, record=record)
+
+
+def launch_preprocess(params, shape):
+    """Fill params' delta (and lse_log2 when set) and zero its dq_accum when set (bench/preprocess_rate.py;
+    the backward launches it through its plan)."""
+    from .._params import as_argument
+
+    launch = row_launch(PREPROCESS, shape)
+    launch.kernel((launch.grid,), (launch.threads,), (as_argument(params),))
+
+
+def module_specs(dtype: str, features) -> list:
+    return [module_spec(dtype)]
