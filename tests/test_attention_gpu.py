@@ -22,12 +22,14 @@ from helpers import (
     input_magnitude,
     kernel_path,
     launched_family,
+    launched_kernels,
     low_precision_gradients,
     low_precision_outputs,
     max_finite_abs,
     poisoned_allocations,
     random_array,
     requires_gpu,
+    requires_hopper,
 )
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -954,3 +956,57 @@ def test_calls_on_the_same_buffers_reuse_their_launch_parameters_only_there(path
         for name, ours, ref in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, dq, dk, dv), other):
             assert bool((bitwise(ours) == bitwise(ref)).all()), f"{name}: graph replay, kernels={path}"
 
+
+# The Hopper backward's sub-kernels, each named (kernels_cu/backward_sm90.cu; _traits.BACKWARD_SM90,
+# BACKWARD_SM90_DQ_APART_KEYS): (head_dim, causal, deterministic, keys, window, dQ apart, split).
+# "keys": the key split (two consumers, 64 keys each); "head_dim": d = 256's head-dim split;
+# "products": d = 256 without dQ adds, one consumer S^T, the other dP^T.
+HOPPER_BACKWARD_KERNELS = [
+    (64, False, False, 700, None, False, "keys"),
+    (64, False, True, 700, None, True, "keys"),
+    (64, False, True, 2500, None, False, "keys"),      # in turns
+    (64, True, True, 700, None, True, "keys"),
+    (128, True, False, 700, None, False, "keys"),
+    (128, True, True, 700, None, True, "keys"),
+    (128, True, True, 2500, None, False, "keys"),      # in turns
+    (128, False, False, 700, (200, 50), False, "keys"),   # the variant tiles
+    (256, False, False, 700, None, True, "products"),
+    (256, True, True, 700, None, True, "products"),
+    (256, True, False, 700, (200, -1), False, "head_dim"),
+    (256, False, True, 700, (200, 50), False, "head_dim"),   # in turns
+]
+
+
+@requires_hopper
+@pytest.mark.parametrize("head_dim,causal,deterministic,keys,window,dq_apart,split", HOPPER_BACKWARD_KERNELS,
+                         ids=[f"d{c[0]}-{'causal' if c[1] else 'full'}-{'det' if c[2] else 'atomic'}-{c[3]}"
+                              f"{'-window' if c[4] else ''}-{c[6]}" for c in HOPPER_BACKWARD_KERNELS])
+def test_each_hopper_backward_kernel(head_dim, causal, deterministic, keys, window, dq_apart, split):
+    """Each Hopper backward sub-kernel, chosen by the call's shape (not left to the property draws),
+    as recorded at launch: the dQ kernel runs where dQ is apart and the main kernel then adds no dQ;
+    gradients meet the error rule with outputs poisoned, and deterministic calls repeat bitwise."""
+    rng = numpy.random.default_rng(head_dim + keys)
+    q_shape, kv_shape, dtype = (2, 640, 4, head_dim), (2, keys, 2, head_dim), "bfloat16"
+    q, k, v, do = (random_array(rng, s, dtype) for s in (q_shape, kv_shape, kv_shape, q_shape))
+    opts = dict(causal=causal, **({"window_size": window} if window else {}))
+    o, lse = cupy_flash.flash_forward(q, k, v, **opts)
+    results = []
+    for _ in range(2 if deterministic else 1):
+        with kernel_path("hopper"), poisoned_allocations(), families.recording() as launched:
+            results.append(cupy_flash.flash_backward(do, q, k, v, o, lse, deterministic=deterministic, **opts))
+        assert launched_family(launched) == "backward_sm90", launched
+        kernels = launched_kernels(launched)
+        main = [name for name in kernels if name.startswith("flash_backward_sm90_kernel")]
+        assert len(main) == 1 and main[0].endswith(", false>" if dq_apart else ", true>"), kernels
+        assert any(name.startswith("flash_backward_dq_sm90_kernel") for name in kernels) == dq_apart, kernels
+        assert any(name.startswith("flash_dq_convert_kernel") for name in kernels) != dq_apart, kernels
+    # The split follows from the tile and whether dQ is added (kernels_cu/backward_sm90.cu).
+    assert split == ("keys" if head_dim <= 128 else "products" if dq_apart else "head_dim")
+    exact = attention_reference_backward(do, q, k, v, **opts)
+    low = low_precision_gradients(do, q, k, v, **opts)
+    scales = gradient_term_scales(do, q, k, v, o=o, **opts)
+    for name, ours, e, lo in zip(("dq", "dk", "dv"), results[0], exact, low):
+        check_error_rule(name, ours, e, lo, f"hopper backward {split} d={head_dim}", max_finite_abs(lse), scales[name],
+                         scales.get("delta:" + name, 0.0))
+    for ours, first in zip(results[-1], results[0]):
+        assert bool((bitwise(ours) == bitwise(first)).all())
