@@ -34,6 +34,7 @@ import ml_dtypes
 import numpy
 
 import cupy_flash
+from cupy_flash._cli import event_milliseconds
 from cupy_flash.families import SETTINGS
 
 DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": numpy.float16}
@@ -54,12 +55,7 @@ def time_calls(fn, input_sets, min_calls=10, max_calls=100, budget_s=0.6, warmup
     started = time.perf_counter()
     while len(times) < max_calls and (len(times) < min_calls or time.perf_counter() - started < budget_s):
         inputs = input_sets[len(times) % len(input_sets)]
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fn(inputs)
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
+        times.append(event_milliseconds(lambda: fn(inputs)))
     return statistics.median(times)
 
 

@@ -308,21 +308,23 @@ def command_bench(args) -> int:
     return 0
 
 
-def _time(call, runs) -> float:
-    """Median milliseconds of call(i) with CUDA events, after warm-up calls."""
+def event_milliseconds(call) -> float:
+    """Milliseconds of one ``call()`` on the current stream, between two CUDA events (bench/ times so too)."""
     import cupy
 
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    call()
+    stop.record()
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop)
+
+
+def _time(call, runs) -> float:
+    """Median milliseconds of call(i) with CUDA events, after warm-up calls."""
     for i in range(3):
         call(i)
-    times = []
-    for i in range(runs):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        call(i)
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return float(numpy.median(times))
+    return float(numpy.median([event_milliseconds(lambda: call(i)) for i in range(runs)]))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import types
 import ml_dtypes
 import numpy
 import pytest
+from hypothesis import strategies as st
 
 DTYPES = {"float16": numpy.dtype(numpy.float16), "bfloat16": numpy.dtype(ml_dtypes.bfloat16),
           "float32": numpy.dtype(numpy.float32)}
@@ -332,3 +333,21 @@ def _array_module(x):
     from cupy_flash.reference import _xp
 
     return _xp(x)
+
+
+def draw_window_and_softcap(draw, longest_window: int) -> dict:
+    """Hypothesis: half the time each, a window (each side unbounded, short or up to
+    ``longest_window``) and a softcap."""
+    features = {}
+    if draw(st.booleans()):
+        size = st.one_of(st.just(-1), st.integers(0, 40), st.integers(40, longest_window))
+        features["window_size"] = (draw(size), draw(size))
+    if draw(st.booleans()):
+        features["softcap"] = draw(st.sampled_from([0.5, 5.0, 30.0]))
+    return features
+
+
+def draw_alibi_slopes(draw, count: int) -> list:
+    """Hypothesis: ``count`` ALiBi slopes, powers of two from 1 to 2^-8."""
+    return draw(st.lists(st.sampled_from([2.0**-e for e in range(9)]), min_size=count, max_size=count))
+

@@ -7,6 +7,8 @@ from helpers import (
     bitwise,
     check_error_rule,
     count_example,
+    draw_alibi_slopes,
+    draw_window_and_softcap,
     input_magnitude,
     max_finite_abs,
     poisoned_allocations,
@@ -140,14 +142,9 @@ def decode_problems(draw):
     lengths = draw(st.lists(st.integers(0, capacity - new), min_size=batch, max_size=batch))
     features = {}
     if draw(st.booleans()):
+        features.update(draw_window_and_softcap(draw, 1000))
         if draw(st.booleans()):
-            size = st.one_of(st.just(-1), st.integers(0, 40), st.integers(40, 1000))
-            features["window_size"] = (draw(size), draw(size))
-        if draw(st.booleans()):
-            features["softcap"] = draw(st.sampled_from([0.5, 5.0, 30.0]))
-        if draw(st.booleans()):
-            features["alibi_slopes"] = draw(st.lists(st.sampled_from([2.0**-e for e in range(9)]),
-                                                     min_size=heads_kv * group, max_size=heads_kv * group))
+            features["alibi_slopes"] = draw_alibi_slopes(draw, heads_kv * group)
         if draw(st.booleans()):
             features["sink"] = draw(st.lists(st.floats(-4.0, 4.0), min_size=heads_kv * group, max_size=heads_kv * group))
     return dict(dtype=draw(st.sampled_from(["float16", "bfloat16"])), batch=batch, heads_kv=heads_kv, heads=heads_kv * group,
