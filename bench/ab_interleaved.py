@@ -24,9 +24,13 @@ import argparse
 import json
 import statistics
 
+import numpy
+
 import cupy_flash
 from bench.attention import DTYPES, flops, make_sets, time_calls
 from bench.variants import load_baseline
+
+AB_DTYPES = {**DTYPES, "fp32": numpy.float32}   # float32: the CUDA-core kernels (no peer to time)
 
 
 def call(module, mode, causal):
@@ -41,7 +45,7 @@ def main(argv=None):
     parser.add_argument("--base", required=True, help="directory with another checkout's cupy_flash/ and kernels_cu/ (A)")
     parser.add_argument("--tree", help="the same for B (default: the cupy_flash that import finds)")
     parser.add_argument("--modes", nargs="+", default=["fwd"], choices=["fwd", "bwd", "bwd_det"])
-    parser.add_argument("--dtypes", nargs="+", default=["bf16"], choices=sorted(DTYPES))
+    parser.add_argument("--dtypes", nargs="+", default=["bf16"], choices=sorted(AB_DTYPES))
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256])
     parser.add_argument("--seqlens", nargs="+", type=int, default=[1024, 4096, 16384])
     parser.add_argument("--causal", nargs="+", type=int, default=[0, 1], choices=[0, 1])
@@ -59,7 +63,7 @@ def main(argv=None):
             for seqlen in args.seqlens:
                 for causal in args.causal:
                     batch, heads = max(1, args.tokens // seqlen), args.features // head_dim
-                    sets = make_sets(batch, seqlen, heads, head_dim, DTYPES[dtype], 3)
+                    sets = make_sets(batch, seqlen, heads, head_dim, AB_DTYPES[dtype], 3)
                     sets = [s + list(cupy_flash.flash_forward(s[0], s[1], s[2], causal=bool(causal))) for s in sets]
                     for mode in args.modes:
                         work = flops(batch, heads, seqlen, head_dim, causal, "bwd" if mode == "bwd_det" else mode)

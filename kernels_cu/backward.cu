@@ -104,27 +104,10 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_kernel(const 
         for (int i = 0; i < KROWS; ++i)
 #pragma unroll
             for (int j = 0; j < QCOLS; ++j) st[i][j] = dpt[i][j] = 0.f;
-#pragma unroll 2
-        for (int d = 0; d < D_TILE; ++d) {
-            float kr[KROWS], vr[KROWS], qc[QCOLS], doc[QCOLS];
-#pragma unroll
-            for (int i = 0; i < KROWS; ++i) {
-                kr[i] = k_tile[(ty * KROWS + i) * LD + d];
-                vr[i] = v_tile[(ty * KROWS + i) * LD + d];
-            }
-#pragma unroll
-            for (int j = 0; j < QCOLS; ++j) {
-                qc[j] = q_tile[(tx + 8 * j) * LD + d];
-                doc[j] = do_tile[(tx + 8 * j) * LD + d];
-            }
-#pragma unroll
-            for (int i = 0; i < KROWS; ++i)
-#pragma unroll
-                for (int j = 0; j < QCOLS; ++j) {
-                    st[i][j] = fmaf(kr[i], qc[j], st[i][j]);
-                    dpt[i][j] = fmaf(vr[i], doc[j], dpt[i][j]);
-                }
-        }
+        const auto key_row = [&](const float* tile) { return [=](int i, int d) { return tile[(ty * KROWS + i) * LD + d]; }; };
+        const auto query_col = [&](const float* tile) { return [=](int j, int d) { return tile[(tx + 8 * j) * LD + d]; }; };
+        accumulate<D_TILE, 2>(outer_product(st, key_row(k_tile), query_col(q_tile)),
+                              outer_product(dpt, key_row(v_tile), query_col(do_tile)));
 #pragma unroll
         for (int i = 0; i < KROWS; ++i) {
             const int key_local = ty * KROWS + i;
@@ -143,27 +126,10 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_kernel(const 
         __syncthreads();
 
         // dV += P^T dO, dK += dS^T Q (scale applied once at the end).
-#pragma unroll 2
-        for (int r = 0; r < BLOCK_M; ++r) {
-            float pr[KROWS], dsr[KROWS], doc[DCOLS], qc[DCOLS];
-#pragma unroll
-            for (int i = 0; i < KROWS; ++i) {
-                pr[i] = pt_tile[(ty * KROWS + i) * T_LD + r];
-                dsr[i] = dst_tile[(ty * KROWS + i) * T_LD + r];
-            }
-#pragma unroll
-            for (int j = 0; j < DCOLS; ++j) {
-                doc[j] = do_tile[r * LD + tx + 8 * j];
-                qc[j] = q_tile[r * LD + tx + 8 * j];
-            }
-#pragma unroll
-            for (int i = 0; i < KROWS; ++i)
-#pragma unroll
-                for (int j = 0; j < DCOLS; ++j) {
-                    dv_acc[i][j] = fmaf(pr[i], doc[j], dv_acc[i][j]);
-                    dk_acc[i][j] = fmaf(dsr[i], qc[j], dk_acc[i][j]);
-                }
-        }
+        const auto key_col = [&](const float* tile) { return [=](int i, int r) { return tile[(ty * KROWS + i) * T_LD + r]; }; };
+        const auto dim_col = [&](const float* tile) { return [=](int j, int r) { return tile[r * LD + tx + 8 * j]; }; };
+        accumulate<BLOCK_M, 2>(outer_product(dv_acc, key_col(pt_tile), dim_col(do_tile)),
+                               outer_product(dk_acc, key_col(dst_tile), dim_col(q_tile)));
 
         if (ATOMIC_DQ) {
             // This key block's share of dQ = dS K, added into the float32 accumulator (unscaled).
@@ -172,18 +138,8 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_kernel(const 
             for (int i = 0; i < QROWS; ++i)
 #pragma unroll
                 for (int j = 0; j < DCOLS; ++j) dq[i][j] = 0.f;
-#pragma unroll 2
-            for (int c = 0; c < BLOCK_N; ++c) {
-                float dsc[QROWS], kc[DCOLS];
-#pragma unroll
-                for (int i = 0; i < QROWS; ++i) dsc[i] = dst_tile[c * T_LD + ty * QROWS + i];
-#pragma unroll
-                for (int j = 0; j < DCOLS; ++j) kc[j] = k_tile[c * LD + tx + 8 * j];
-#pragma unroll
-                for (int i = 0; i < QROWS; ++i)
-#pragma unroll
-                    for (int j = 0; j < DCOLS; ++j) dq[i][j] = fmaf(dsc[i], kc[j], dq[i][j]);
-            }
+            accumulate<BLOCK_N, 2>(outer_product(dq, [&](int i, int c) { return dst_tile[c * T_LD + ty * QROWS + i]; },
+                                                 [&](int j, int c) { return k_tile[c * LD + tx + 8 * j]; }));
 #pragma unroll
             for (int i = 0; i < QROWS; ++i) {
                 const int query = q_start + ty * QROWS + i;
@@ -235,25 +191,18 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_dq_kernel(con
     float* lse_tile = ds_tile + BLOCK_M * S_LD;
     float* delta_tile = lse_tile + BLOCK_M;
 
+    const QueryBlockScope<T, FEATURES> at(p, BLOCK_M);
+    if (at.past_sequence()) return;
+    const auto& [b, h, seq, band, mod, q, k, v] = at.head;
+    const int q_start = at.q_start, seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, head_dim = (int)p.head_dim;
     const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3;
-    const int head_dim = (int)p.head_dim;
-    const QueryBlock block = query_block_of(p, BLOCK_M);
-    const long long b = block.b, h = block.h;
-    const int q_start = block.q_block * BLOCK_M;
-    const Sequence seq = sequence_of<FEATURES>(p, b);
-    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
-    if ((FEATURES & FEATURE_VARLEN) && q_start >= seqlen_q) return;   // the grid covers the longest sequence
-    const Band band = band_of(p, seq);
-    const ScoreMod<FEATURES> mod(p, b, h, seq);
     const long long q_row = seq.q_row0 + q_start;
 
-    load_tile<T, BLOCK_M, D_TILE, LD>(q_tile, static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, q_row, h), p.q_strides[1], seqlen_q - q_start, head_dim);
+    load_tile<T, BLOCK_M, D_TILE, LD>(q_tile, q + q_start * p.q_strides[1], p.q_strides[1], seqlen_q - q_start, head_dim);
     load_tile<T, BLOCK_M, D_TILE, LD>(do_tile, static_cast<const T*>(p.dout) + tensor_offset(p.dout_strides, b, q_row, h), p.dout_strides[1], seqlen_q - q_start, head_dim);
     load_row_stats<BLOCK_M>(lse_tile, delta_tile, p, b, h, seq, q_start);
 
     const int2 kv_range = kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start, BLOCK_M, BLOCK_N, band);
-    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, seq.k_row0, kv_head_of(h, p));
-    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, seq.k_row0, kv_head_of(h, p));
 
     float dq_acc[ROWS][DCOLS];
 #pragma unroll
@@ -273,27 +222,10 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_dq_kernel(con
         for (int i = 0; i < ROWS; ++i)
 #pragma unroll
             for (int j = 0; j < SCOLS; ++j) s[i][j] = dp[i][j] = 0.f;
-#pragma unroll 2
-        for (int d = 0; d < D_TILE; ++d) {
-            float qr[ROWS], dor[ROWS], kc[SCOLS], vc[SCOLS];
-#pragma unroll
-            for (int i = 0; i < ROWS; ++i) {
-                qr[i] = q_tile[(ty * ROWS + i) * LD + d];
-                dor[i] = do_tile[(ty * ROWS + i) * LD + d];
-            }
-#pragma unroll
-            for (int j = 0; j < SCOLS; ++j) {
-                kc[j] = k_tile[(tx + 8 * j) * LD + d];
-                vc[j] = v_tile[(tx + 8 * j) * LD + d];
-            }
-#pragma unroll
-            for (int i = 0; i < ROWS; ++i)
-#pragma unroll
-                for (int j = 0; j < SCOLS; ++j) {
-                    s[i][j] = fmaf(qr[i], kc[j], s[i][j]);
-                    dp[i][j] = fmaf(dor[i], vc[j], dp[i][j]);
-                }
-        }
+        const auto query_row = [&](const float* tile) { return [=](int i, int d) { return tile[(ty * ROWS + i) * LD + d]; }; };
+        const auto key_row = [&](const float* tile) { return [=](int j, int d) { return tile[(tx + 8 * j) * LD + d]; }; };
+        accumulate<D_TILE, 2>(outer_product(s, query_row(q_tile), key_row(k_tile)),
+                              outer_product(dp, query_row(do_tile), key_row(v_tile)));
 #pragma unroll
         for (int i = 0; i < ROWS; ++i) {
             const int query_local = ty * ROWS + i;
@@ -308,18 +240,8 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_dq_kernel(con
         }
         __syncthreads();
 
-#pragma unroll 2
-        for (int c = 0; c < BLOCK_N; ++c) {
-            float dsr[ROWS], kc[DCOLS];
-#pragma unroll
-            for (int i = 0; i < ROWS; ++i) dsr[i] = ds_tile[(ty * ROWS + i) * S_LD + c];
-#pragma unroll
-            for (int j = 0; j < DCOLS; ++j) kc[j] = k_tile[c * LD + tx + 8 * j];
-#pragma unroll
-            for (int i = 0; i < ROWS; ++i)
-#pragma unroll
-                for (int j = 0; j < DCOLS; ++j) dq_acc[i][j] = fmaf(dsr[i], kc[j], dq_acc[i][j]);
-        }
+        accumulate<BLOCK_N, 2>(outer_product(dq_acc, [&](int i, int c) { return ds_tile[(ty * ROWS + i) * S_LD + c]; },
+                                             [&](int j, int c) { return k_tile[c * LD + tx + 8 * j]; }));
     }
 
     __syncthreads();   // Q tile free for staging (also when the loop ran zero times)

@@ -199,10 +199,8 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
                     ldmatrix_x4(b_do, do_base + at);
 #pragma unroll
                     for (int m = 0; m < S_M; ++m) {
-                        Mma<T>::mma(s[m][j], a_k[m], b_q);
-                        Mma<T>::mma(s[m][j + 1], a_k[m], b_q + 2);
-                        Mma<T>::mma(dp[m][j], a_v[m], b_do);
-                        Mma<T>::mma(dp[m][j + 1], a_v[m], b_do + 2);
+                        mma_two_tiles<T>(s[m][j], s[m][j + 1], a_k[m], b_q);
+                        mma_two_tiles<T>(dp[m][j], dp[m][j + 1], a_v[m], b_do);
                     }
                 }
             }
@@ -258,10 +256,8 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
                 ldmatrix_x4_trans(b_q, q_base + qdo_bt + 2u * (kk * 16 * LD + j * 8));
 #pragma unroll
                 for (int m = 0; m < KV_M; ++m) {
-                    Mma<T>::mma(dv_acc[m][j], a_p[m], b_do);
-                    Mma<T>::mma(dv_acc[m][j + 1], a_p[m], b_do + 2);
-                    Mma<T>::mma(dk_acc[m][j], a_ds[m], b_q);
-                    Mma<T>::mma(dk_acc[m][j + 1], a_ds[m], b_q + 2);
+                    mma_two_tiles<T>(dv_acc[m][j], dv_acc[m][j + 1], a_p[m], b_do);
+                    mma_two_tiles<T>(dk_acc[m][j], dk_acc[m][j + 1], a_ds[m], b_q);
                 }
             }
         }
@@ -301,8 +297,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
                     if (DQ_TILES % DQ_PASS_TILES == 0 || pass_tile + j < DQ_TILES) {
                         unsigned int b_k[4];
                         ldmatrix_x4_trans(b_k, k_bt + 2u * (kk * 16 * LD + (pass_tile + j) * 8));
-                        Mma<T>::mma(dq[j], a_ds, b_k);
-                        Mma<T>::mma(dq[j + 1], a_ds, b_k + 2);
+                        mma_two_tiles<T>(dq[j], dq[j + 1], a_ds, b_k);
                     }
                 }
             }

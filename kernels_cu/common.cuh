@@ -212,6 +212,42 @@ __device__ __forceinline__ float row_group_max(float x) {
     return x;
 }
 
+// The CUDA-core kernels' products, a thread's ROWS x COLS outputs at a time: acc[i][j] += a(i, k) *
+// b(j, k) over k, the operands read from shared memory by a and b. Products over the same k (S^T
+// and dP^T; dV and dK) step together: accumulate<K, UNROLL>(outer_product(...), outer_product(...))
+// issues every operand load of a step before its multiply-adds.
+template <int ROWS, int COLS, typename A, typename B>
+struct OuterProduct {
+    float (&acc)[ROWS][COLS];
+    A a;
+    B b;
+    float a_k[ROWS], b_k[COLS];
+    __device__ __forceinline__ void load(int k) {
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) a_k[i] = a(i, k);
+#pragma unroll
+        for (int j = 0; j < COLS; ++j) b_k[j] = b(j, k);
+    }
+    __device__ __forceinline__ void add() {
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+            for (int j = 0; j < COLS; ++j) acc[i][j] = fmaf(a_k[i], b_k[j], acc[i][j]);
+    }
+};
+template <int ROWS, int COLS, typename A, typename B>
+__device__ __forceinline__ OuterProduct<ROWS, COLS, A, B> outer_product(float (&acc)[ROWS][COLS], A a, B b) {
+    return {acc, a, b};
+}
+template <int K, int UNROLL, typename... Products>
+__device__ __forceinline__ void accumulate(Products... products) {
+#pragma unroll UNROLL
+    for (int k = 0; k < K; ++k) {
+        (products.load(k), ...);
+        (products.add(), ...);
+    }
+}
+
 // Blocks of a 1-D grid are handed out roughly in index order. For query-block kernels, index i
 // maps to the last query blocks first (under the causal mask they see the most keys and would
 // otherwise finish last), with (batch, head) varying fastest.
@@ -468,6 +504,37 @@ struct ScoreMod {
         const float th = tanhf(raw * scale * inv_cap);
         return 1.f - th * th;
     }
+};
+
+// A block's (batch, head) as the portable kernels see it: its sequence (a packed batch's own rows),
+// the band of keys its queries see, the score modifier, and where the head's rows start: its first
+// query row of q, its K/V head's first key row of k and v.
+template <typename T, int FEATURES>
+struct HeadScope {
+    long long b, h;
+    Sequence seq;
+    Band band;
+    ScoreMod<FEATURES> mod;
+    const T *q, *k, *v;
+    __device__ __forceinline__ HeadScope(const FlashParams& p, long long batch, long long head)
+        : b(batch), h(head), seq(sequence_of<FEATURES>(p, batch)), band(band_of(p, seq)), mod(p, batch, head, seq),
+          q(static_cast<const T*>(p.q) + tensor_offset(p.q_strides, batch, seq.q_row0, head)),
+          k(static_cast<const T*>(p.k) + tensor_offset(p.k_strides, batch, seq.k_row0, kv_head_of(head, p))),
+          v(static_cast<const T*>(p.v) + tensor_offset(p.v_strides, batch, seq.k_row0, kv_head_of(head, p))) {}
+};
+
+// A query-block kernel's block (query_block_of's order): its first query and its head. A packed
+// batch's grid covers the longest sequence, so a block may lie past its own (past_sequence). The
+// key-block kernels keep their own prologue, which builds the band and score modifier after that
+// exit (docs/performance.md, portable backward: "a small vocabulary").
+template <typename T, int FEATURES>
+struct QueryBlockScope {
+    int q_start;
+    HeadScope<T, FEATURES> head;
+    __device__ __forceinline__ QueryBlockScope(const FlashParams& p, int block_m) : QueryBlockScope(p, query_block_of(p, block_m), block_m) {}
+    __device__ __forceinline__ QueryBlockScope(const FlashParams& p, QueryBlock block, int block_m)
+        : q_start(block.q_block * block_m), head(p, block.b, block.h) {}
+    __device__ __forceinline__ bool past_sequence() const { return (FEATURES & FEATURE_VARLEN) && q_start >= head.seq.seqlen_q; }
 };
 
 // FEATURE_BIAS backward: the gradient of the logit (dS, before the softcap factor) is the bias's

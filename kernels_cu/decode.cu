@@ -254,8 +254,7 @@ flash_decode_kernel(const FlashParams p) {
             unsigned int a[4], bfrag[4];
             ldmatrix_x4(a, q_lane + 2u * kk * 16);
             ldmatrix_x4(bfrag, k_lane + 2u * kk * 16);
-            Mma<T>::mma(s[0], a, bfrag);
-            Mma<T>::mma(s[1], a, bfrag + 2);
+            mma_two_tiles<T>(s[0], s[1], a, bfrag);
         }
         // Logits (log2 units with a modifier), then the mask: the split's range and the band.
 #pragma unroll
@@ -305,8 +304,7 @@ flash_decode_kernel(const FlashParams p) {
         for (int j = 0; j < O_TILES; j += 2) {
             unsigned int bfrag[4];
             ldmatrix_x4_trans(bfrag, v_lane + 2u * j * 8);
-            Mma<T>::mma(o_acc[j], a, bfrag);
-            Mma<T>::mma(o_acc[j + 1], a, bfrag + 2);
+            mma_two_tiles<T>(o_acc[j], o_acc[j + 1], a, bfrag);
         }
         __syncwarp();   // every lane is done with this stage before the next iteration refills it
     }

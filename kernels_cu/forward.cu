@@ -36,23 +36,14 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const F
     float* kv_tile = q_tile + BLOCK_M * LD;    // [BLOCK_N][LD], K then V
     float* p_tile = kv_tile + BLOCK_N * LD;    // [BLOCK_M][P_LD]
 
+    const QueryBlockScope<T, FEATURES> at(p, BLOCK_M);
+    if (at.past_sequence()) return;
+    const auto& [b, h, seq, band, mod, q, k, v] = at.head;
+    const int q_start = at.q_start, seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, head_dim = (int)p.head_dim;
     const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3;
-    const int head_dim = (int)p.head_dim;
-    const QueryBlock block = query_block_of(p, BLOCK_M);
-    const long long b = block.b, h = block.h;
-    const int q_start = block.q_block * BLOCK_M;
-    const Sequence seq = sequence_of<FEATURES>(p, b);
-    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
-    if ((FEATURES & FEATURE_VARLEN) && q_start >= seqlen_q) return;   // the grid covers the longest sequence
-    const Band band = band_of(p, seq);
-    const ScoreMod<FEATURES> mod(p, b, h, seq);
     const float score_log2 = score_to_log2<FEATURES>(p);
 
-    const T* q = static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, seq.q_row0 + q_start, h);
-    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, seq.k_row0, kv_head_of(h, p));
-    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, seq.k_row0, kv_head_of(h, p));
-
-    load_tile<T, BLOCK_M, D_TILE, LD>(q_tile, q, p.q_strides[1], seqlen_q - q_start, head_dim);
+    load_tile<T, BLOCK_M, D_TILE, LD>(q_tile, q + q_start * p.q_strides[1], p.q_strides[1], seqlen_q - q_start, head_dim);
 
     const int2 kv_range = kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start, BLOCK_M, BLOCK_N, band);
 
@@ -80,18 +71,8 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const F
         for (int i = 0; i < ROWS; ++i)
 #pragma unroll
             for (int j = 0; j < SCOLS; ++j) s[i][j] = 0.f;
-#pragma unroll 4
-        for (int d = 0; d < D_TILE; ++d) {
-            float qv[ROWS], kv[SCOLS];
-#pragma unroll
-            for (int i = 0; i < ROWS; ++i) qv[i] = q_tile[(ty * ROWS + i) * LD + d];
-#pragma unroll
-            for (int j = 0; j < SCOLS; ++j) kv[j] = kv_tile[(tx + 8 * j) * LD + d];
-#pragma unroll
-            for (int i = 0; i < ROWS; ++i)
-#pragma unroll
-                for (int j = 0; j < SCOLS; ++j) s[i][j] = fmaf(qv[i], kv[j], s[i][j]);
-        }
+        accumulate<D_TILE, 4>(outer_product(s, [&](int i, int d) { return q_tile[(ty * ROWS + i) * LD + d]; },
+                                            [&](int j, int d) { return kv_tile[(tx + 8 * j) * LD + d]; }));
 
 #pragma unroll
         for (int i = 0; i < ROWS; ++i) {
@@ -121,18 +102,8 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const F
         load_tile<T, BLOCK_N, D_TILE, LD>(kv_tile, v + kv_start * p.v_strides[1], p.v_strides[1], seqlen_k - kv_start, head_dim);
         __syncthreads();
 
-#pragma unroll 2
-        for (int c = 0; c < BLOCK_N; ++c) {
-            float pv[ROWS], vv[DCOLS];
-#pragma unroll
-            for (int i = 0; i < ROWS; ++i) pv[i] = p_tile[(ty * ROWS + i) * P_LD + c];
-#pragma unroll
-            for (int j = 0; j < DCOLS; ++j) vv[j] = kv_tile[c * LD + tx + 8 * j];
-#pragma unroll
-            for (int i = 0; i < ROWS; ++i)
-#pragma unroll
-                for (int j = 0; j < DCOLS; ++j) o_acc[i][j] = fmaf(pv[i], vv[j], o_acc[i][j]);
-        }
+        accumulate<BLOCK_N, 2>(outer_product(o_acc, [&](int i, int c) { return p_tile[(ty * ROWS + i) * P_LD + c]; },
+                                             [&](int j, int c) { return kv_tile[c * LD + tx + 8 * j]; }));
     }
 
     // Normalise once, stage O through the Q tile, store it in 16-byte vectors. The barrier matters

@@ -127,8 +127,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
                 ldmatrix_x4(bfrag, k_lane + 2u * (j * 8 * LD + kk * 16));
 #pragma unroll
                 for (int m = 0; m < M_TILES; ++m) {
-                    Mma<T>::mma(s[m][j], a[m], bfrag);
-                    Mma<T>::mma(s[m][j + 1], a[m], bfrag + 2);
+                    mma_two_tiles<T>(s[m][j], s[m][j + 1], a[m], bfrag);
                 }
             }
         }
@@ -216,8 +215,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
                 ldmatrix_x4_trans(bfrag, v_lane + 2u * (kk * 16 * LD + j * 8));
 #pragma unroll
                 for (int m = 0; m < M_TILES; ++m) {
-                    Mma<T>::mma(o_acc[m][j], a[m], bfrag);
-                    Mma<T>::mma(o_acc[m][j + 1], a[m], bfrag + 2);
+                    mma_two_tiles<T>(o_acc[m][j], o_acc[m][j + 1], a[m], bfrag);
                 }
             }
         }

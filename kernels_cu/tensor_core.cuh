@@ -5,30 +5,32 @@
 #include "common.cuh"
 
 template <typename T> struct Mma;
-template <> struct Mma<fa_f16> {
-    static __device__ __forceinline__ unsigned int pack(float lo, float hi) {
-        unsigned int r;
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-        return r;
-    }
-    static __device__ __forceinline__ void mma(float* d, const unsigned int* a, const unsigned int* b) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
-};
-template <> struct Mma<fa_bf16> {
-    static __device__ __forceinline__ unsigned int pack(float lo, float hi) {
-        unsigned int r;
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-        return r;
-    }
-    static __device__ __forceinline__ void mma(float* d, const unsigned int* a, const unsigned int* b) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
-};
+// Mma<T>: two floats packed into a pair of T, and D += A B by mma.sync.m16n8k16 with fp32 accumulation.
+#define FA_MMA_OF(T, PTX_TYPE)                                                                          \
+    template <> struct Mma<T> {                                                                          \
+        static __device__ __forceinline__ unsigned int pack(float lo, float hi) {                        \
+            unsigned int r;                                                                              \
+            asm("cvt.rn." PTX_TYPE "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));                   \
+            return r;                                                                                    \
+        }                                                                                                \
+        static __device__ __forceinline__ void mma(float* d, const unsigned int* a, const unsigned int* b) { \
+            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE                  \
+                         ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"                    \
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));            \
+        }                                                                                                \
+    };
+FA_MMA_OF(fa_f16, "f16")
+FA_MMA_OF(fa_bf16, "bf16")
+#undef FA_MMA_OF
+
+// D0 += A B0 and D1 += A B1 for two 8-column n-tiles whose B fragments one ldmatrix_x4 loads
+// (b: {b0, b1} of the first, then of the second).
+template <typename T>
+__device__ __forceinline__ void mma_two_tiles(float* d0, float* d1, const unsigned int* a, const unsigned int* b) {
+    Mma<T>::mma(d0, a, b);
+    Mma<T>::mma(d1, a, b + 2);
+}
 
 __device__ __forceinline__ unsigned int smem_addr(const void* p) {
     return (unsigned int)__cvta_generic_to_shared(p);
