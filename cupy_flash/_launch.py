@@ -216,21 +216,22 @@ class Launch(typing.NamedTuple):
     early: bool = False
 
 
-# Where not None, each plan launch appends (family, kernel names) here: tests see which kernels a
-# call ran (recording()).
-recorded: list | None = None
-
-
 @contextlib.contextmanager
 def recording():
     """Inside, the plans' launches are noted: yields the list of (family, (kernel name, ...)) of each
-    call's launches, in order."""
-    global recorded
-    saved, recorded = recorded, []
+    Packed's launches, in order (a backward call has two: the preprocess, then the rest). For tests:
+    it swaps Packed.run for the block (every thread's launches), so launches outside one pay nothing."""
+    launched, run = [], Packed.run
+
+    def noting_run(packed) -> None:
+        launched.append(packed.names)
+        run(packed)
+
+    Packed.run = noting_run
     try:
-        yield recorded
+        yield launched
     finally:
-        recorded = saved
+        Packed.run = run
 
 
 def current_stream() -> tuple[int, bool]:
@@ -276,8 +277,6 @@ class Packed:
         cuLaunchKernel (3.8 us of host time against a ctypes call's 5.6 on the H100's host; CuPy's
         kernel call converts its arguments again on every call)."""
         launch, stream = self.launch, self.stream
-        if recorded is not None:
-            recorded.append(self.names)
         for function, grid, threads, shared_mem, address, config, parameters in self.launches:
             if config is not None and _launched_early(lambda entry: _launch_ex(entry, function, config, parameters)):
                 continue
