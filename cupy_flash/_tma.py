@@ -24,7 +24,8 @@ L2_PROMOTION_128B = 2
 OOB_FILL_ZEROS = 0   # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: elements outside the tensor read as zero
 
 SWIZZLE_BYTES = 128     # a swizzled row: 64 elements of a 16-bit type (kernels_cu/sm90_mma.cuh)
-STORE_ROWS = 64         # rows of an O (or dQ) store box: one consumer warpgroup's (kernels_cu/forward_sm90.cu, backward_sm90.cu)
+# Rows of an O (or dQ) store box: one consumer warpgroup's (kernels_cu/forward_sm90.cu, backward_dq_sm90.cuh).
+STORE_ROWS = 64
 
 
 class TensorMapError(RuntimeError):

@@ -122,7 +122,7 @@ BACKWARD_SM90_PLAIN = {128: (128, 80, 2)}
 
 
 # dQ apart: plain calls (no variant flags) that run the main kernel without dQ (dK and dV only, the
-# atomic grid, no turns) and then flash_backward_dq_sm90_kernel (kernels_cu/backward_sm90.cu) with
+# atomic grid, no turns) and then flash_backward_dq_sm90_kernel (kernels_cu/backward_dq_sm90.cuh) with
 # this tile (block_m, block_n, stages): each block holds BLOCK_M query rows' Q and dO and streams
 # the keys, so dQ takes no adds and the call is deterministic whether asked or not. It recomputes S
 # and dP: 7 products against 5.

@@ -286,6 +286,95 @@ __device__ __forceinline__ void rescale_rows(float (&o)[N], float2 rescale) {
     }
 }
 
+// The epilogue of one consumer warpgroup's 64 rows of a tile: lse, then O normalised, staged in
+// the warpgroup's 64 rows of the staging tile and stored. A tile that sees no key (blocks == 0: its
+// Q never loaded) stores zeros without staging: where O is staged in the Q tile, that may already
+// hold the next tile's rows.
+template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, int FEATURES>
+__device__ __forceinline__ void store_output(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>& smem,
+                                             const ForwardSm90Maps& maps, const FlashParams& p, const ForwardSm90Work& w,
+                                             int consumer, const float (&o)[D_TILE / 2], const RowSoftmax& softmax,
+                                             int blocks, int& q_round) {
+    constexpr int CONSUMERS = BLOCK_M / 64;
+    constexpr bool OWN_O = ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>::OWN_O;
+    constexpr bool TMA_STORE = !(FEATURES & FEATURE_VARLEN);
+    constexpr unsigned int Q_CHUNK_BYTES = BLOCK_M * 128;
+    const int thread = threadIdx.x % 128, warp = thread / 32, lane = thread % 32;
+    const int row_in_block = 64 * consumer + 16 * warp + lane / 4;   // this thread's rows: +0 and +8
+    const int col_in_chunk = 2 * (lane % 4);                         // and columns 8i + this (+1)
+    const int first_query = w.q_start + row_in_block;
+    float inv[2];
+    float* lse = p.lse + w.block.b * p.lse_batch_stride + w.block.h * p.lse_head_stride + w.seq.q_row0;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float total = softmax.row_sum[r];
+        total += __shfl_xor_sync(0xffffffffu, total, 1);
+        total += __shfl_xor_sync(0xffffffffu, total, 2);
+        const float2 lse_inv = finish_row<FEATURES>(p, w.block.h, softmax.row_max[r], softmax.row_max_scaled[r], total);
+        inv[r] = lse_inv.y;
+        const int query = first_query + 8 * r;
+        if (lane % 4 == 0 && query < w.seq.seqlen_q) lse[query] = lse_inv.x;
+    }
+    unsigned char* staging = reinterpret_cast<unsigned char*>(OWN_O ? &smem.o[0][0][0] : &smem.q[0][0][0]);
+    if (blocks > 0) {
+        // The staging rows are free: with OWN_O the previous tile's store has read them once its
+        // issuing thread's wait below is passed (the store is waited for here, a tile later, not
+        // right after it is issued, where warp 0 then held up the warpgroup's next issue turn);
+        // else they are this tile's Q rows, whose products are complete.
+        if (OWN_O) {
+            if (TMA_STORE && thread == 0) tma_store_wait_read();
+            named_barrier_sync(epilogue_barrier<CONSUMERS>(consumer), 128);
+        }
+#pragma unroll
+        for (int i = 0; i < D_TILE / 8; ++i) {
+            const int col = 8 * i + col_in_chunk, chunk = col / SWIZZLE_ROW_ELEMENTS;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = row_in_block + 8 * r;
+                *reinterpret_cast<unsigned int*>(staging + chunk * Q_CHUNK_BYTES + swizzled_offset(row, col % SWIZZLE_ROW_ELEMENTS)) =
+                    Mma<T>::pack(o[4 * i + 2 * r] * inv[r], o[4 * i + 2 * r + 1] * inv[r]);
+            }
+        }
+        if (TMA_STORE) fence_async_shared();   // the staging writes, before the TMA store reads them
+        named_barrier_sync(epilogue_barrier<CONSUMERS>(consumer), 128);
+        if (TMA_STORE) {
+            if (thread == 0) {
+#pragma unroll
+                for (int c = 0; c < D_TILE / SWIZZLE_ROW_ELEMENTS; ++c)
+                    tma_store_4d(&maps.o, smem_addr(staging + c * Q_CHUNK_BYTES + 64 * consumer * 128), c * SWIZZLE_ROW_ELEMENTS,
+                                 w.seq.q_row0 + w.q_start + 64 * consumer, (int)w.block.h, w.batch_coord);
+                tma_store_commit();
+                if (!OWN_O) {
+                    tma_store_wait_read();
+                    barrier_arrive(smem_addr(&smem.q_empty), 4);   // for the warpgroup's 4 warps
+                }
+            }
+            ++q_round;
+            return;
+        }
+    }
+    constexpr int UNITS = D_TILE / 8;   // 16-byte units per row
+    const int head_dim = (int)p.head_dim;
+    T* out = static_cast<T*>(p.o) + tensor_offset(p.o_strides, w.block.b, w.seq.q_row0 + w.q_start, w.block.h);
+#pragma unroll 4
+    for (int idx = thread; idx < 64 * UNITS; idx += 128) {
+        const int row = 64 * consumer + idx / UNITS, col = (idx % UNITS) * 8;
+        if (w.q_start + row < w.seq.seqlen_q && col < head_dim)
+            *reinterpret_cast<uint4*>(out + row * p.o_strides[1] + col) = blocks > 0 ? *reinterpret_cast<const uint4*>(
+                staging + (col / SWIZZLE_ROW_ELEMENTS) * Q_CHUNK_BYTES + swizzled_offset(row, col % SWIZZLE_ROW_ELEMENTS))
+                : make_uint4(0, 0, 0, 0);
+    }
+    if (blocks > 0) {
+        if (!OWN_O) {
+            // The staging reads (generic proxy) come before the next Q's TMA writes (async proxy).
+            fence_async_shared();
+            __syncwarp();
+            if (lane == 0) barrier_arrive(smem_addr(&smem.q_empty));
+        }
+        ++q_round;
+    }
+}
+
 // One consumer warpgroup's part of a tile: its 64 rows' main loop and epilogue. `ring` and
 // `q_round` advance as the producer's do.
 template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, bool IS_CAUSAL, int FEATURES>
@@ -294,7 +383,6 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
                                              int consumer, int& ring, int& q_round) {
     constexpr int CONSUMERS = BLOCK_M / 64;
     constexpr bool OWN_O = ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>::OWN_O;
-    constexpr bool TMA_STORE = !(FEATURES & FEATURE_VARLEN);
     constexpr unsigned int Q_CHUNK_BYTES = BLOCK_M * 128, KV_CHUNK_BYTES = BLOCK_N * 128;
     const int thread = threadIdx.x % 128, warp = thread / 32, lane = thread % 32;
     const int row_in_block = 64 * consumer + 16 * warp + lane / 4;   // this thread's rows: +0 and +8
@@ -392,79 +480,7 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
         ring += blocks;
     }
 
-    // Epilogue: lse, then O normalised, staged in this warpgroup's 64 rows of the staging tile and
-    // stored. A tile that sees no key (its Q never loaded) stores zeros without staging: where O is
-    // staged in the Q tile, that may already hold the next tile's rows.
-    float inv[2];
-    float* lse = p.lse + w.block.b * p.lse_batch_stride + w.block.h * p.lse_head_stride + w.seq.q_row0;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float total = softmax.row_sum[r];
-        total += __shfl_xor_sync(0xffffffffu, total, 1);
-        total += __shfl_xor_sync(0xffffffffu, total, 2);
-        const float2 lse_inv = finish_row<FEATURES>(p, w.block.h, softmax.row_max[r], softmax.row_max_scaled[r], total);
-        inv[r] = lse_inv.y;
-        const int query = first_query + 8 * r;
-        if (lane % 4 == 0 && query < w.seq.seqlen_q) lse[query] = lse_inv.x;
-    }
-    unsigned char* staging = reinterpret_cast<unsigned char*>(OWN_O ? &smem.o[0][0][0] : &smem.q[0][0][0]);
-    if (blocks > 0) {
-        // The staging rows are free: with OWN_O the previous tile's store has read them once its
-        // issuing thread's wait below is passed (the store is waited for here, a tile later, not
-        // right after it is issued, where warp 0 then held up the warpgroup's next issue turn);
-        // else they are this tile's Q rows, whose products are complete.
-        if (OWN_O) {
-            if (TMA_STORE && thread == 0) tma_store_wait_read();
-            named_barrier_sync(epilogue_barrier<CONSUMERS>(consumer), 128);
-        }
-#pragma unroll
-        for (int i = 0; i < D_TILE / 8; ++i) {
-            const int col = 8 * i + col_in_chunk, chunk = col / SWIZZLE_ROW_ELEMENTS;
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = row_in_block + 8 * r;
-                *reinterpret_cast<unsigned int*>(staging + chunk * Q_CHUNK_BYTES + swizzled_offset(row, col % SWIZZLE_ROW_ELEMENTS)) =
-                    Mma<T>::pack(o[4 * i + 2 * r] * inv[r], o[4 * i + 2 * r + 1] * inv[r]);
-            }
-        }
-        if (TMA_STORE) fence_async_shared();   // the staging writes, before the TMA store reads them
-        named_barrier_sync(epilogue_barrier<CONSUMERS>(consumer), 128);
-        if (TMA_STORE) {
-            if (thread == 0) {
-#pragma unroll
-                for (int c = 0; c < D_TILE / SWIZZLE_ROW_ELEMENTS; ++c)
-                    tma_store_4d(&maps.o, smem_addr(staging + c * Q_CHUNK_BYTES + 64 * consumer * 128), c * SWIZZLE_ROW_ELEMENTS,
-                                 w.seq.q_row0 + w.q_start + 64 * consumer, (int)w.block.h, w.batch_coord);
-                tma_store_commit();
-                if (!OWN_O) {
-                    tma_store_wait_read();
-                    barrier_arrive(smem_addr(&smem.q_empty), 4);   // for the warpgroup's 4 warps
-                }
-            }
-            ++q_round;
-            return;
-        }
-    }
-    constexpr int UNITS = D_TILE / 8;   // 16-byte units per row
-    const int head_dim = (int)p.head_dim;
-    T* out = static_cast<T*>(p.o) + tensor_offset(p.o_strides, w.block.b, w.seq.q_row0 + w.q_start, w.block.h);
-#pragma unroll 4
-    for (int idx = thread; idx < 64 * UNITS; idx += 128) {
-        const int row = 64 * consumer + idx / UNITS, col = (idx % UNITS) * 8;
-        if (w.q_start + row < w.seq.seqlen_q && col < head_dim)
-            *reinterpret_cast<uint4*>(out + row * p.o_strides[1] + col) = blocks > 0 ? *reinterpret_cast<const uint4*>(
-                staging + (col / SWIZZLE_ROW_ELEMENTS) * Q_CHUNK_BYTES + swizzled_offset(row, col % SWIZZLE_ROW_ELEMENTS))
-                : make_uint4(0, 0, 0, 0);
-    }
-    if (blocks > 0) {
-        if (!OWN_O) {
-            // The staging reads (generic proxy) come before the next Q's TMA writes (async proxy).
-            fence_async_shared();
-            __syncwarp();
-            if (lane == 0) barrier_arrive(smem_addr(&smem.q_empty));
-        }
-        ++q_round;
-    }
+    store_output<T, BLOCK_M, D_TILE, BLOCK_N, STAGES, FEATURES>(smem, maps, p, w, consumer, o, softmax, blocks, q_round);
 }
 
 template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, bool IS_CAUSAL, int FEATURES>
