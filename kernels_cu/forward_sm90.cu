@@ -293,16 +293,13 @@ __device__ __forceinline__ void rescale_rows(float (&o)[N], float2 rescale) {
 template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, int FEATURES>
 __device__ __forceinline__ void store_output(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>& smem,
                                              const ForwardSm90Maps& maps, const FlashParams& p, const ForwardSm90Work& w,
-                                             int consumer, const float (&o)[D_TILE / 2], const RowSoftmax& softmax,
+                                             int consumer, int thread, int lane, int row_in_block, int col_in_chunk,
+                                             int first_query, const float (&o)[D_TILE / 2], const RowSoftmax& softmax,
                                              int blocks, int& q_round) {
     constexpr int CONSUMERS = BLOCK_M / 64;
     constexpr bool OWN_O = ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>::OWN_O;
     constexpr bool TMA_STORE = !(FEATURES & FEATURE_VARLEN);
     constexpr unsigned int Q_CHUNK_BYTES = BLOCK_M * 128;
-    const int thread = threadIdx.x % 128, warp = thread / 32, lane = thread % 32;
-    const int row_in_block = 64 * consumer + 16 * warp + lane / 4;   // this thread's rows: +0 and +8
-    const int col_in_chunk = 2 * (lane % 4);                         // and columns 8i + this (+1)
-    const int first_query = w.q_start + row_in_block;
     float inv[2];
     float* lse = p.lse + w.block.b * p.lse_batch_stride + w.block.h * p.lse_head_stride + w.seq.q_row0;
 #pragma unroll
@@ -480,7 +477,8 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
         ring += blocks;
     }
 
-    store_output<T, BLOCK_M, D_TILE, BLOCK_N, STAGES, FEATURES>(smem, maps, p, w, consumer, o, softmax, blocks, q_round);
+    store_output<T, BLOCK_M, D_TILE, BLOCK_N, STAGES, FEATURES>(smem, maps, p, w, consumer, thread, lane, row_in_block,
+                                                                col_in_chunk, first_query, o, softmax, blocks, q_round);
 }
 
 template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, bool IS_CAUSAL, int FEATURES>
