@@ -4,6 +4,7 @@ heads = 2048 / head_dim), in one run.
 
     python -m bench.torch_adapter                              # bf16, d 64 / 128 / 256, 512-16k, both masks
     python -m bench.torch_adapter --head-dims 128 --seqlens 1024 4096 --compiled 0
+    python -m bench.torch_adapter --compiled 1 --mode reduce-overhead     # compiled calls as CUDA graphs
 
 Timed as bench/attention.py times a call: CUDA events around one call with the GPU idle before it
 (so the host time before the launch counts, as it does for a short call in a real step), warm-up
@@ -25,8 +26,9 @@ from cupy_flash.torch_adapter import flash_attn_func
 from .attention import flops, time_calls
 
 
-def calls(causal: bool, compiled: bool):
-    """{name: (forward, forward + backward)} of ours and cuDNN's, each taking one input set."""
+def calls(causal: bool, compiled: bool, mode: str = "default"):
+    """{name: (forward, forward + backward)} of ours and cuDNN's, each taking one input set;
+    ``mode``: torch.compile's (reduce-overhead: the compiled calls replay as CUDA graphs)."""
 
     def ours(q, k, v):
         return flash_attn_func(q, k, v, causal=causal)
@@ -38,13 +40,22 @@ def calls(causal: bool, compiled: bool):
     result = {}
     for name, fn in (("ours", ours), ("cudnn", cudnn)):
         if compiled:
-            fn = torch.compile(fn, fullgraph=True)
+            fn = torch.compile(fn, fullgraph=True, mode=mode)
+
+        # Under reduce-overhead, each call is a new step (a training loop marks them so): the last
+        # replay's outputs may be overwritten.
+        step = torch.compiler.cudagraph_mark_step_begin if compiled and mode == "reduce-overhead" else (lambda: None)
 
         def forward(s, fn=fn):
+            step()
             with torch.no_grad():
                 fn(s[0], s[1], s[2])
 
         def both(s, fn=fn):
+            step()
+            if compiled and mode == "reduce-overhead":   # .grad of a replay is the graph's memory: not added into
+                for x in s[4:7]:
+                    x.grad = None
             fn(s[4], s[5], s[6]).backward(s[3])
         result[name] = (forward, both)
     return result
@@ -57,6 +68,8 @@ def main(argv=None):
     parser.add_argument("--seqlens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--causal", nargs="+", type=int, default=[0, 1], choices=[0, 1])
     parser.add_argument("--compiled", nargs="+", type=int, default=[0, 1], choices=[0, 1])
+    parser.add_argument("--mode", default="default", choices=["default", "reduce-overhead"],
+                        help="torch.compile's mode for the compiled route (both libraries)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--features", type=int, default=2048)
@@ -75,7 +88,7 @@ def main(argv=None):
         for causal in args.causal:
             # One compiled function per mask for every shape: from the second shape on, dynamo
             # traces it with dynamic sizes, so the table costs a few compiles, not one per shape.
-            routes = calls(bool(causal), bool(compiled))
+            routes = calls(bool(causal), bool(compiled), args.mode)
             for d in args.head_dims:
                 for seqlen in args.seqlens:
                     batch, heads = max(1, args.tokens // seqlen), args.features // d
@@ -97,7 +110,8 @@ def main(argv=None):
                     for mode in ("fwd", "fwd_bwd"):
                         ours, peer = rates[("ours", mode)], rates[("cudnn", mode)]
                         cells += [f"{ours:.0f}", f"{peer:.0f}", f"{ours / peer:.2f}"]
-                    print(f"| {d} | {seqlen} | {causal} | {'compiled' if compiled else 'eager'} | " + " | ".join(cells) + " |",
+                    route = ("compiled" + ("" if args.mode == "default" else f" {args.mode}")) if compiled else "eager"
+                    print(f"| {d} | {seqlen} | {causal} | {route} | " + " | ".join(cells) + " |",
                           flush=True)
                     del sets
                     torch.cuda.empty_cache()

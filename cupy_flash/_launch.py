@@ -321,13 +321,19 @@ class TileCounters:
         key = (threading.get_ident(), stream)
         counter = self._counters.get(key)
         if counter is None:
-            counter = self._counters[key] = self._zeroed(stream)
+            counter = self._counters[key] = self._zeroed(stream, kept=True)
         return counter.data.ptr
 
-    def _zeroed(self, stream: int):
-        """A new counter, zeroed on the launches' stream."""
+    def _zeroed(self, stream: int, kept: bool = False):
+        """A new counter, zeroed on the launches' stream. One ``kept`` across calls comes from CuPy's
+        own pool whatever allocator the caller set: the PyTorch adapter routes allocations into
+        PyTorch's, and a CUDA-graph pool of PyTorch's may hold nothing past a call (torch.compile's
+        reduce-overhead warms up inside one, and refused the counter kept there: "tensor(s) in the
+        cudagraph pool not tracked as outputs")."""
         import cupy
 
-        counter = cupy.empty((self.nbytes,), dtype=cupy.uint8)
+        pool = cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc) if kept else contextlib.nullcontext()
+        with pool:
+            counter = cupy.empty((self.nbytes,), dtype=cupy.uint8)
         cupy.cuda.runtime.memsetAsync(counter.data.ptr, 0, counter.nbytes, stream)
         return counter

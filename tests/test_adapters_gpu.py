@@ -196,6 +196,36 @@ def test_torch_custom_ops_capture_in_a_cuda_graph():
     assert not torch.equal(captured[0], eager[0])
 
 
+def test_torch_compile_reduce_overhead_replays_equal_eager():
+    """torch.compile(mode="reduce-overhead") runs the ops inside CUDA graphs whose memory pool may hold
+    nothing past a call: a tile counter kept from a warm-up inside the pool stopped it ("tensor(s) in
+    the cudagraph pool not tracked as outputs"). Warm-up, recording and replays on new inputs each
+    equal eager calls bit for bit, forward and backward (deterministic), on the Hopper path and the
+    portable one."""
+    torch = torch_on_gpu()
+    from cupy_flash import families
+    from cupy_flash.torch_adapter import flash_attn_func
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for setting in ("auto", "portable"):
+        torch._dynamo.reset()
+        attention = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True, deterministic=True),
+                                  fullgraph=True, mode="reduce-overhead")
+        for call in range(4):   # warm-up, recording, replays
+            q, k, v = (torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+                       for _ in range(3))
+            do = torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+            with families.use_kernels(setting):
+                o = attention(q, k, v)
+                o.backward(do)
+                got = (o.detach().clone(), q.grad.clone(), k.grad.clone(), v.grad.clone())
+                again = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+                o_eager = flash_attn_func(*again, causal=True, deterministic=True)
+                o_eager.backward(do)
+            for a, b, label in zip(got, (o_eager.detach(), *(x.grad for x in again)), ("o", "dq", "dk", "dv")):
+                assert torch.equal(a, b), (setting, call, label)
+
+
 def test_torch_ops_fake_implementations_give_the_real_shapes():
     torch = torch_on_gpu()
     from torch._subclasses.fake_tensor import FakeTensorMode
