@@ -141,7 +141,7 @@ def command_warmup(args) -> int:
     started = time.time()
     for i, spec in enumerate(specs):
         _progress(i, len(specs), spec.describe(), started)
-        for name in spec.kernel_expressions:
+        for name in spec.kernels:
             _compile.get_kernel(spec, name)
         _compile.record_in_index(spec)   # also when this process had already loaded it
     _progress(len(specs), len(specs), "done", started)

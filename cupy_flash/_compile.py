@@ -137,12 +137,8 @@ class ModuleSpec:
 
     @property
     def name_expressions(self) -> tuple[str, ...]:
-        """The kernels, then the device variables the launcher reads (kernel_expressions: kernels only)."""
+        """The kernels, then the device variables the launcher reads."""
         return self.kernels + self.variables
-
-    @property
-    def kernel_expressions(self) -> tuple[str, ...]:
-        return self.kernels
 
     def describe(self) -> str:
         tile = f", head_dim tile {self.tile}" if self.tile is not None else ""

@@ -57,14 +57,14 @@ def test_instantiations_compile_without_spills(reports, spec, arch):
     if isinstance(report, Exception):
         raise report
     assert report.cubin_bytes > 0
-    assert set(report.cubin_kernels) == set(spec.kernel_expressions), f"cubin holds {set(report.cubin_kernels)}"
+    assert set(report.cubin_kernels) == set(spec.kernels), f"cubin holds {set(report.cubin_kernels)}"
     if not report.from_cubin:
         # Where ptxas reports (NVRTC 12), the cubin reads the same: the stand-in for an NVRTC that
         # gives no report (13, at times) is held to it on every module.
         for kernel in report.kernels:
             assert report.cubin_kernels[kernel.name] == (kernel.registers, kernel.stack_bytes), kernel.name
     names = {k.name for k in report.kernels}
-    assert names == set(spec.kernel_expressions), f"ptxas reported {names}; its log:\n{report.log[-3000:]}"
+    assert names == set(spec.kernels), f"ptxas reported {names}; its log:\n{report.log[-3000:]}"
     limit = spill_limit(spec)
     for kernel in report.kernels:
         assert kernel.spill_store_bytes <= limit and kernel.spill_load_bytes <= limit, (
@@ -138,7 +138,7 @@ def test_hopper_launchers_match_their_kernels(reports):
             expected = (threads(spec.config), record)
         assert (kernel.max_threads, kernel.param_bytes) == expected, kernel.name
         checked += 1
-    assert checked == sum(len(spec.kernel_expressions) for spec in families.all_module_specs() if spec.family in launches)
+    assert checked == sum(len(spec.kernels) for spec in families.all_module_specs() if spec.family in launches)
 
 
 @pytest.mark.compile

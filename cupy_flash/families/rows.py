@@ -7,6 +7,7 @@ from __future__ import annotations
 from .. import _traits
 from .._compile import ModuleSpec, get_kernel
 from .._launch import Launch
+from .._params import as_argument
 from ._base import current_device, spec_with, template
 
 _MAX_ROW_BLOCKS = 1 << 16   # the row kernels loop over rows, so the grid never needs to be larger
@@ -45,8 +46,6 @@ def row_launch(kernel: str, shape, rows: int | None = None, record: str = "main"
 def launch_preprocess(params, shape):
     """Fill params' delta (and lse_log2 when set) and zero its dq_accum when set (bench/preprocess_rate.py;
     the backward launches it through its plan)."""
-    from .._params import as_argument
-
     launch = row_launch(PREPROCESS, shape)
     launch.kernel((launch.grid,), (launch.threads,), (as_argument(params),))
 
