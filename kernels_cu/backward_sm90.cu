@@ -282,6 +282,7 @@ template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_
 __global__ void __launch_bounds__(128 * (1 + BACKWARD_SM90_CONSUMERS), 1)
 flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const FlashParams p, TileCounter* tile_counter) {
     using Storage = BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>;
+    using Tiles = PersistentTiles<true, true>;   // from the counter; a consumer thread receives its own
     constexpr int CONSUMERS = BACKWARD_SM90_CONSUMERS;
     static_assert(!(FEATURES & (FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_BIAS)), "score modifiers run on the portable backward");
     static_assert(sizeof(Storage) + SWIZZLE_ATOM_BYTES <= SM90_BLOCK_SMEM_BYTES, "shared memory of one sm_90 block");
@@ -327,9 +328,9 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
                 const int kv_blocks = *static_cast<volatile int*>(&smem.num_kv_blocks);
                 backward_sm90_produce(smem, maps, p, backward_sm90_block<D_TILE, BLOCK_N, BLOCK_M, IS_CAUSAL, FEATURES>(p, tile, kv_blocks),
                                       round, ring);
-                tile = smem.tiles.fetch(tile_counter, round);
+                tile = Tiles::producer_next(tile, tile_counter, smem.tiles, round);
             }
-            release_tile_counter(tile_counter);
+            Tiles::release_counter(tile_counter);
             // Behind the dQ kernel (cupy_flash/families/sm90.py) this kernel is launched early: its
             // blocks take the SMs the dQ kernel's last blocks leave. It reads nothing that kernel
             // writes (its lse_log2 / delta are the preprocess's, complete before the dQ kernel
@@ -350,7 +351,7 @@ flash_backward_sm90_kernel(const __grid_constant__ BackwardSm90Maps maps, const 
             backward_sm90_head_dim_split<T, D_TILE, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FEATURES>(smem, maps, p, at, round, ring);
         else
             backward_sm90_key_split<T, D_TILE, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FEATURES, ADDS_DQ>(smem, maps, p, at, round, ring);
-        tile = smem.tiles.receive_each(round);
+        tile = Tiles::consumer_next(tile, smem.tiles, round);
     }
     // The dQ reduces (each consumer's first thread's; at d = 256 each warp's first lane's) are done
     // before the block's shared memory goes.

@@ -118,32 +118,21 @@ template <int D_TILE, bool IS_CAUSAL, int FEATURES>
 struct DynamicTiles {
     static constexpr bool value = (IS_CAUSAL || (FEATURES & (FEATURE_WINDOW | FEATURE_VARLEN))) && D_TILE <= 128;
 };
-// Read by the launcher, which gives a counter (TileCounter, zero at launch) and a grid of one block
-// per SM where this is 1, else no counter and a grid of one block per SM (uniform tiles) or per tile.
+// The grid the launcher gives, read from the module: 2, one block per SM with a counter
+// (TileCounter, zero at launch: DynamicTiles); 1, one block per SM striding over tiles of equal
+// work (no mask, window or packed batch); 0, a block per tile.
 template <int D_TILE, bool IS_CAUSAL, int FEATURES>
-__device__ const unsigned int forward_sm90_dynamic_tiles = DynamicTiles<D_TILE, IS_CAUSAL, FEATURES>::value;
+__device__ const unsigned int forward_sm90_tile_order =
+    DynamicTiles<D_TILE, IS_CAUSAL, FEATURES>::value ? 2 : (!IS_CAUSAL && !(FEATURES & (FEATURE_WINDOW | FEATURE_VARLEN))) ? 1 : 0;
 
+// The forward's tiles: query blocks of (batch, head)s, in PersistentTiles' order (sm90_tma.cuh;
+// the consumers receive a tile per warp).
 template <int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, int FEATURES, bool DYNAMIC>
-struct TileScheduler {
+struct TileScheduler : PersistentTiles<DYNAMIC, false> {
     int num_q_blocks;
     int num_tiles;   // < 2^31: the launcher's grid limit
     __device__ __forceinline__ explicit TileScheduler(const FlashParams& p)
         : num_q_blocks((int)((p.seqlen_q + BLOCK_M - 1) / BLOCK_M)), num_tiles(num_q_blocks * (int)(p.batch * p.heads)) {}
-
-    // The tile after `tile` for the producer (round: how many it has handed over before).
-    template <typename Storage>
-    __device__ __forceinline__ int producer_next(int tile, TileCounter* tile_counter, Storage& smem, int round) const {
-        return DYNAMIC ? smem.tiles.fetch(tile_counter, round) : tile + (int)gridDim.x;
-    }
-    // After the producer's last fetch (sm90_tma.cuh: the kernel leaves the counter zero).
-    __device__ __forceinline__ void release_counter(TileCounter* tile_counter) const {
-        if (DYNAMIC) release_tile_counter(tile_counter);
-    }
-    // The same tile, for a consumer warp.
-    template <typename Storage>
-    __device__ __forceinline__ int consumer_next(int tile, const TileCounter* tile_counter, Storage& smem, int round) const {
-        return DYNAMIC ? smem.tiles.receive(round) : tile + (int)gridDim.x;
-    }
 
     __device__ __forceinline__ ForwardSm90Work work(const FlashParams& p, int tile) const {
         ForwardSm90Work w;
@@ -524,7 +513,7 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
 #pragma unroll 1
             for (int tile = blockIdx.x, round = 0; tile < scheduler.num_tiles; ++round) {
                 produce_tile(smem, maps, scheduler.work(p, tile), ring, q_round);
-                tile = scheduler.producer_next(tile, tile_counter, smem, round);
+                tile = scheduler.producer_next(tile, tile_counter, smem.tiles, round);
             }
             scheduler.release_counter(tile_counter);
         }
@@ -539,7 +528,7 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
         for (int tile = blockIdx.x, round = 0; tile < scheduler.num_tiles; ++round) {
             const ForwardSm90Work w = scheduler.work(p, tile);
             if (w.valid) consume_tile<T, BLOCK_M, D_TILE, BLOCK_N, STAGES, IS_CAUSAL, FEATURES>(smem, maps, p, w, consumer, ring, q_round);
-            tile = scheduler.consumer_next(tile, tile_counter, smem, round);
+            tile = scheduler.consumer_next(tile, smem.tiles, round);
         }
         // The last store is still reading its staging rows: the block's shared memory must outlive it.
         if (threadIdx.x % 128 == 0) tma_store_wait_all();

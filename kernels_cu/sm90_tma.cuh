@@ -194,3 +194,25 @@ __device__ __forceinline__ void release_tile_counter(TileCounter* tile_counter) 
         tile_counter->released = 0;
     }
 }
+
+// The persistent grid's tile order, one for the Hopper forward and backward: block b starts with
+// tile b and takes each next one from the counter (DYNAMIC: the producer thread fetches it and
+// hands it over, TileHandover) or by the grid's stride. The consumers receive a handed-over tile
+// per warp (receive) or, where EACH_THREAD, per thread (receive_each).
+template <bool DYNAMIC, bool EACH_THREAD>
+struct PersistentTiles {
+    // The tile after `tile` for the producer thread (round: how many it has handed over before).
+    static __device__ __forceinline__ int producer_next(int tile, TileCounter* tile_counter, TileHandover& handover, int round) {
+        return DYNAMIC ? handover.fetch(tile_counter, round) : tile + (int)gridDim.x;
+    }
+    // After the producer's last fetch (the kernel leaves the counter zero).
+    static __device__ __forceinline__ void release_counter(TileCounter* tile_counter) {
+        if (DYNAMIC) release_tile_counter(tile_counter);
+    }
+    // The same tile, for a consumer.
+    static __device__ __forceinline__ int consumer_next(int tile, TileHandover& handover, int round) {
+        if constexpr (!DYNAMIC) return tile + (int)gridDim.x;
+        else if constexpr (EACH_THREAD) return handover.receive_each(round);
+        else return handover.receive(round);
+    }
+};

@@ -28,12 +28,13 @@ from ._base import (
     BackwardSchedule,
     DeviceInfo,
     current_device,
+    current_device_id,
     device_info,
     kernels_setting,
     use_kernels,
 )
 
-__all__ = ["KERNELS_VARIABLE", "SETTINGS", "BackwardSchedule", "DeviceInfo", "current_device", "device_info",
+__all__ = ["KERNELS_VARIABLE", "SETTINGS", "BackwardSchedule", "DeviceInfo", "current_device", "current_device_id", "device_info",
            "kernels_setting", "use_kernels", "FORWARD", "BACKWARD", "forward_family", "backward_family",
            "all_module_specs", "recording"]
 

@@ -56,11 +56,17 @@ class DeviceInfo:
         return _traits.tensor_core_target(self.compute_capability, self.smem_per_block)
 
 
-def current_device() -> DeviceInfo:
-    """The current CUDA device's DeviceInfo (the one way the package asks about the device)."""
+def current_device_id() -> int:
+    """The current CUDA device's ordinal: the one way the package asks which device is current (the
+    plans' short paths call the same function, looked up once: _launch.CudaCalls.get_device)."""
     import cupy
 
-    return device_info(cupy.cuda.runtime.getDevice())
+    return cupy.cuda.runtime.getDevice()
+
+
+def current_device() -> DeviceInfo:
+    """The current CUDA device's DeviceInfo."""
+    return device_info(current_device_id())
 
 
 @functools.lru_cache(maxsize=None)

@@ -3,9 +3,10 @@ backward_sm90.cu, float16 and bfloat16 on a GPU of compute capability exactly 9.
 runs there only), head_dim <= 256, inputs TMA can read (16-byte-aligned base and strides).
 
 Tiles: _traits.FORWARD_SM90 / FORWARD_SM90_PLAIN, BACKWARD_SM90 / BACKWARD_SM90_PLAIN,
-BACKWARD_SM90_DQ_APART. The kernels state their shared memory, the tile counter's size and
-whether the forward takes its tiles from the counter (device variables read back from the module,
-``device_value``), so none of those is restated here."""
+BACKWARD_SM90_DQ_APART. The kernels state their shared memory, the tile counter's size and the
+forward's grid (one block per SM or per tile, tiles from the counter or by stride:
+forward_sm90_tile_order), device variables read back from the module (``device_value``), so none
+of those is restated here."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import math
 from .. import _features, _tma, _traits
 from .._compile import TENSOR_CORE_DTYPES, ModuleSpec, device_value, get_kernel
 from .._launch import Launch
-from ._base import BackwardSchedule, Family, spec_with, template
+from ._base import BackwardSchedule, Family, current_device_id, spec_with, template
 
 TARGET = "sm90a"
 TILE_COUNTER_BYTES = "&tile_counter_bytes"   # the device variable holding the tile counter's size (sm90_tma.cuh)
@@ -49,7 +50,7 @@ class Forward(Family):
         """The module of one tile ``config`` (block_m, head-dim tile, block_n, stages)."""
         spec = ModuleSpec("forward_sm90", dtype, tile, TARGET, features, config)
         return spec_with(spec, (Forward.kernel(spec, causal) for causal in (False, True)),
-                         (Forward.smem(spec), TILE_COUNTER_BYTES) + tuple(Forward.dynamic_tiles(spec, c) for c in (False, True)))
+                         (Forward.smem(spec), TILE_COUNTER_BYTES) + tuple(Forward.tile_order(spec, c) for c in (False, True)))
 
     @staticmethod
     def kernel(spec: ModuleSpec, causal: bool) -> str:
@@ -61,42 +62,40 @@ class Forward(Family):
         return template("&forward_sm90_smem_bytes", spec.ctype, *spec.config)
 
     @staticmethod
-    def dynamic_tiles(spec: ModuleSpec, causal: bool) -> str:
-        """The device variable saying whether the kernel takes its tiles from a counter (1) or by the
-        grid's stride (0)."""
-        return template("&forward_sm90_dynamic_tiles", spec.tile, causal, spec.features)
+    def tile_order(spec: ModuleSpec, causal: bool) -> str:
+        """The device variable stating the kernel's grid: 2, one block per SM taking its tiles from a
+        counter; 1, one block per SM striding over the tiles; 0, a block per tile."""
+        return template("&forward_sm90_tile_order", spec.tile, causal, spec.features)
 
     @staticmethod
     def forward_launch(device, shape, variant, arrays, config: tuple = ()) -> tuple:
         """(Launch, tensor maps, tile counter bytes) of a checked call on ``arrays`` (q, k, v, o);
         ``config`` overrides the tile table (bench/tile_sweep.py)."""
-        import cupy
-
         tile = _traits.forward_sm90_tile(shape.head_dim)
         config = config or _traits.forward_sm90_config(tile, variant.flags, variant.causal, shape.seqlen_k)
-        name, kernel, smem, counter_bytes = _forward_kernel(cupy.cuda.runtime.getDevice(), shape.dtype, tile,
-                                                            variant.flags, variant.causal, config)
+        name, kernel, smem, persistent, counter_bytes = _forward_kernel(current_device_id(), shape.dtype, tile, variant.flags,
+                                                                        variant.causal, config)
         block_m, _, block_n, _ = config
-        # A persistent grid where tiles cost the same, or where blocks take them from a counter;
-        # else a block per tile (kernels_cu/forward_sm90.cu, TileScheduler, which states which).
+        # One block per SM, or a block per tile, as the kernel states (forward_sm90_tile_order).
         # (The tile count is below 2^31: _checks bounds the portable kernels' grid, of smaller
         # blocks, by it.)
         tiles = -(-shape.seqlen_q // block_m) * shape.batch * shape.heads
-        uniform = not variant.causal and variant.window_left is None and variant.packed is None
-        grid = min(tiles, device.multiprocessors) if uniform or counter_bytes else tiles
+        grid = min(tiles, device.multiprocessors) if persistent else tiles
         maps = (shape.dtype, block_m, block_n, variant.packed is not None, tuple(_tma.layout_of(x) for x in arrays))
         return Launch(name, kernel, grid, _traits.forward_sm90_threads(config), smem), maps, counter_bytes
 
 
 @functools.lru_cache(maxsize=None)
 def _forward_kernel(device: int, dtype: str, tile: int, flags: int, causal: bool, config: tuple):
-    """(name, kernel, shared memory bytes, the size of the tile counter it takes its tiles from or 0
-    where it takes none) of a Hopper forward instantiation on ``device``, looked up once."""
+    """(name, kernel, shared memory bytes, whether its grid is one block per SM, the size of the tile
+    counter it takes its tiles from or 0 where it takes none) of a Hopper forward instantiation on
+    ``device``, looked up once."""
     spec = Forward.module_spec(dtype, tile, flags, config)
     smem = device_value(spec, Forward.smem(spec))
-    counter = device_value(spec, TILE_COUNTER_BYTES) if device_value(spec, Forward.dynamic_tiles(spec, causal)) else 0
+    order = device_value(spec, Forward.tile_order(spec, causal))
+    counter = device_value(spec, TILE_COUNTER_BYTES) if order == 2 else 0
     name = Forward.kernel(spec, causal)
-    return name, get_kernel(spec, name, smem), smem, counter
+    return name, get_kernel(spec, name, smem), smem, order > 0, counter
 
 
 class Backward(Family):
