@@ -9,6 +9,8 @@
 Every module takes ~8 minutes on two cores; the two Hopper families ~30 s. A module whose cubin
 differs but whose kernels' SASS does not changed something else (a symbol, an unused global); one
 whose SASS differs needs the GPU guard (property suite, sanitizers, ``bench.ab_interleaved``).
+``--compare`` also says where each entry's PTX is the same up to register names (both files made
+with this version): the same program, whose SASS ptxas may still allocate differently.
 Decision record: docs/performance.md, "structure changes proved by the cubins".
 """
 
@@ -19,6 +21,7 @@ import concurrent.futures
 import hashlib
 import json
 import multiprocessing
+import re
 import struct
 import sys
 
@@ -37,13 +40,30 @@ def text_sections(cubin: bytes) -> dict:
     return hashes
 
 
+_PTX_REGISTER = re.compile(r"%(?:rd|rs|fd|hh|r|f|p|h)\d+")
+_PTX_LABEL = re.compile(r"\$L__BB\d+_\d+")
+
+
+def ptx_entries(ptx: str) -> dict:
+    """{entry name: sha1 of its PTX with virtual registers, labels and register declarations
+    renamed away} of a module's PTX. Equal hashes: the same instructions in the same order, the
+    same program; its SASS can still differ, ptxas's allocation depending on the numbering."""
+    hashes = {}
+    for chunk in re.split(r"\n(?=\.(?:visible|weak) \.entry |\.entry )", ptx)[1:]:
+        name = re.match(r"\.(?:visible \.|weak \.)?entry (\w+)", chunk).group(1)
+        body = "\n".join(line for line in chunk.split("\n") if not line.lstrip().startswith(".reg "))
+        body = _PTX_LABEL.sub("L", _PTX_REGISTER.sub("%", body))
+        hashes[name] = hashlib.sha1(body.encode()).hexdigest()
+    return hashes
+
+
 def _module(case):
     from cupy_flash import _compile
 
     spec, arch = case
-    cubin = _compile._nvrtc_compile(spec, _compile.compile_options(arch, report=False))[0]
+    cubin, _, _, ptx = _compile._nvrtc_compile(spec, _compile.compile_options(arch, report=False))
     return f"{spec.describe()} features={spec.features} {arch}", {
-        "cubin": hashlib.sha1(cubin).hexdigest(), "sass": text_sections(cubin)}
+        "cubin": hashlib.sha1(cubin).hexdigest(), "sass": text_sections(cubin), "ptx": ptx_entries(ptx)}
 
 
 def hash_tree(families) -> dict:
@@ -66,9 +86,15 @@ def compare(before: dict, after: dict) -> int:
     sass_same = [m for m in common if before[m]["sass"] == after[m]["sass"]]
     print(f"{len(common)} modules in both ({len(set(before) ^ set(after))} in one only): "
           f"{len(cubin_same)} cubins identical, {len(sass_same)} with identical SASS")
+    with_ptx = [m for m in common if "ptx" in before[m] and "ptx" in after[m]]
+    if with_ptx:
+        ptx_same = [m for m in with_ptx if before[m]["ptx"] == after[m]["ptx"]]
+        print(f"{len(ptx_same)} of {len(with_ptx)} with the same PTX up to register names")
     for module in common:
         if before[module]["sass"] != after[module]["sass"]:
-            print(f"  SASS differs: {module}")
+            ptx = before[module].get("ptx")
+            same_ptx = ptx is not None and ptx == after[module].get("ptx")
+            print(f"  SASS differs: {module}{' (PTX the same up to register names)' if same_ptx else ''}")
     return 0 if len(sass_same) == len(common) else 1
 
 

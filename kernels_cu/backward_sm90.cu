@@ -424,16 +424,14 @@ __device__ __forceinline__ void store_key_gradients(const float (&dk)[COLUMNS / 
         }
 }
 
-// The key split (d <= 128, BLOCK_N = 128): each consumer owns 64 of the block's keys in every
-// product; dS goes through shared memory for dQ only.
-template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES, bool ADDS_DQ>
-__device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem,
-                                                        const BackwardSm90Maps& maps, const FlashParams& p,
-                                                        const BackwardSm90Block& at, int round, int& ring) {
-    constexpr int CHUNKS = D_TILE / SWIZZLE_ROW_ELEMENTS;
-    constexpr int CONSUMERS = BACKWARD_SM90_CONSUMERS;   // 64 keys each
-    constexpr int DQ_BARRIER = 1;             // named barrier of the consumers around dS (0: __syncthreads)
-    constexpr unsigned int K_CHUNK_BYTES = BLOCK_N * 128, Q_CHUNK_BYTES = BLOCK_M * 128;
+// The key split's shape (d <= 128, BLOCK_N = 128): each consumer owns 64 of the block's keys in
+// every product; dS goes through shared memory for dQ only.
+template <int D_TILE, int BLOCK_N, int BLOCK_M, int FEATURES>
+struct KeySplitShape {
+    static constexpr int CHUNKS = D_TILE / SWIZZLE_ROW_ELEMENTS;
+    static constexpr int CONSUMERS = BACKWARD_SM90_CONSUMERS;   // 64 keys each
+    static constexpr int DQ_BARRIER = 1;             // named barrier of the consumers around dS (0: __syncthreads)
+    static constexpr unsigned int K_CHUNK_BYTES = BLOCK_N * 128, Q_CHUNK_BYTES = BLOCK_M * 128;
     // dQ's work items: (64 query rows, 64-column chunk) pieces of the query block (the dQ wgmma's M
     // is 64), shared out between the consumers, at most one each (its staging buffer is rewritten
     // each block). d = 128: two chunks of 64 queries; d = 64: 128 queries (BLOCK_M), two halves of
@@ -441,11 +439,297 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
     // consumer 1 waited for it at the next block's barrier: 17% of the stall samples, ncu).
     // With dQ transposed (dq_transposed: dQ^T = K^T dS^T), M = the consumer's 64 head-dim columns
     // (chunk `consumer`), N = the block's queries, K = its keys.
-    constexpr bool DQ_TRANSPOSED = dq_transposed<BLOCK_M>;
-    constexpr int QUERY_HALVES = DQ_TRANSPOSED ? 1 : BLOCK_M / 64, DQ_ITEMS = QUERY_HALVES * CHUNKS;
+    static constexpr bool DQ_TRANSPOSED = dq_transposed<BLOCK_M>;
+    static constexpr int QUERY_HALVES = DQ_TRANSPOSED ? 1 : BLOCK_M / 64, DQ_ITEMS = QUERY_HALVES * CHUNKS;
     static_assert(BLOCK_N == 64 * CONSUMERS && BLOCK_M % 16 == 0 && D_TILE % 64 == 0, "64 keys per consumer, k16 query steps");
     static_assert(DQ_ITEMS <= CONSUMERS, "one dQ item per consumer and block: its shared memory is rewritten each block");
     static_assert(!DQ_TRANSPOSED || CHUNKS == CONSUMERS, "transposed dQ: a 64-column chunk per consumer");
+    // Deterministic mode: one counter per (batch, head, query block); each consumer's first thread
+    // waits for this block's turn (the key blocks before it, in order) before its adds to a query
+    // block, and the first consumer's publishes them once both consumers have passed the next
+    // block's barrier (each having waited for its adds to complete).
+    // Its turns (dq_turn_blocks): at d = 128 pairs of query blocks, at d = 64 one block.
+    static constexpr int TURN_BLOCKS = dq_turn_blocks<BLOCK_M>;
+    static_assert(TURN_BLOCKS == 1 || ((TURN_BLOCKS * BLOCK_M) & (TURN_BLOCKS * BLOCK_M - 1)) == 0,
+                  "a turn's first row is a mask of q_start");
+    // Where DEFER_DQ_ADD the fence, the barrier and the add of a block's staged piece wait until the
+    // next block's products are issued (d = 128: S^T's; d = 64, whose S^T is short: dP^T's) and run
+    // under them, not between this block's products and the next's while the tensor cores idle.
+    // Interleaved A/B (docs/performance.md, "deferred dQ add"): d = 128 atomic
+    // 2k-16k 1.03-1.09x, d = 64 atomic 2k-16k 1.03-1.08x (d = 64 after S^T instead: 0.92x causal).
+    // Deterministic calls add at once, their turn first: deferred, their publish waited for the
+    // later add (d = 128 0.94-0.98x at 2k-4k, d = 64 0.95-0.97x at 4k-16k without a mask). No
+    // staged-start register: the piece added is always the previous block's (with the register,
+    // the runtime branch spilled 48 bytes). The variant kernels spilled 32-976 bytes with it; ncu
+    // (d = 64, 4k): the staging stores, fence and barrier held 15% of the consumers' stall samples.
+    static constexpr bool DEFER_DQ_ADD = DQ_TRANSPOSED || (D_TILE == 64 && FEATURES == 0);
+    static_assert(!DEFER_DQ_ADD || (!(FEATURES & FEATURE_VARLEN) && DQ_ITEMS == CONSUMERS),
+                  "deferred: every block stages a piece in each consumer");
+
+    // A dQ item's 64-column chunk and first query row of the block (constants where the block has
+    // 64 queries).
+    static __device__ __forceinline__ int2 dq_item_chunk(int item) {
+        return make_int2(QUERY_HALVES == 1 ? item : item % CHUNKS, QUERY_HALVES == 1 ? 0 : 64 * (item / CHUNKS));
+    }
+};
+
+// A key-split consumer's view of its tile: references to backward_sm90_key_split's values (as its
+// lambdas captured them), and the steps of a query block that use them.
+template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
+struct KeySplitTile {
+    using Shape = KeySplitShape<D_TILE, BLOCK_N, BLOCK_M, FEATURES>;
+    BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem;
+    const BackwardSm90Maps& maps;
+    const FlashParams& p;
+    const Sequence& seq;
+    const Band& band;
+    const long long h;
+    const int kv_block, kv_start, batch_coord, consumer, thread, warp, lane, query_col, first_key;
+    const unsigned int k_rows, v_rows;
+    float* const dq_accum;
+    int* const semaphores;
+    const QueryOrder<Shape::TURN_BLOCKS> order;
+
+    // This consumer's dQ piece, staged in shared memory (its rows from query q_start), added by a TMA
+    // reduce that its first thread issues after the proxy fence (which waits for the staging
+    // stores) and the consumer's barrier.
+    __device__ __forceinline__ void issue_dq_add(int q_start) const {
+        if constexpr (Shape::DQ_TRANSPOSED) {
+            static_assert(backward_sm90_dq_rows<D_TILE, BLOCK_M> == BLOCK_M, "a box is the block's rows");
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                tma_reduce_add_4d(&maps.dq_accum, smem_addr(&smem.dq[consumer][half][0][0]),
+                                  consumer * SWIZZLE_ROW_ELEMENTS + 32 * half, seq.q_row0 + q_start, (int)h, batch_coord);
+        } else {
+            const int2 chunk = Shape::dq_item_chunk(consumer);   // the consumer's item (at most one)
+            static_assert(backward_sm90_dq_rows<D_TILE, BLOCK_M> == 64, "a box is a consumer's 64 rows");
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                tma_reduce_add_4d(&maps.dq_accum, smem_addr(&smem.dq[consumer][half][0][0]),
+                                  chunk.x * SWIZZLE_ROW_ELEMENTS + 32 * half, seq.q_row0 + q_start + chunk.y, (int)h, batch_coord);
+        }
+        tma_store_commit();
+    }
+    // The piece of block `it` of the loop (each block stages one where DEFER_DQ_ADD).
+    __device__ __forceinline__ void add_staged_dq(int it) const {
+        fence_async_shared();
+        named_barrier_sync(2 + consumer, 128);   // the piece is written (ids 2, 3: one per consumer)
+        if (thread == 0) issue_dq_add(order.block(it) * BLOCK_M);
+    }
+
+    // S^T = K Q^T and dP^T = V dO^T (this consumer's 64 keys x BLOCK_M queries), in two groups: P is
+    // computed while dP^T's products run (and, where deferred, the last block's dQ piece added);
+    // then P^T in place of S^T and dS^T of dP^T. (Issuing dV += P^T dO before dS too kept P's A
+    // fragments live beside dS's: 20 bytes spilled at d = 128 with a window.)
+    __device__ __forceinline__ void scores(float (&s)[BLOCK_M / 2], float (&dp)[BLOCK_M / 2], int it, const RingSlot& slot,
+                                           int q_start, unsigned int q_base, unsigned int do_base, bool adds_deferred) const {
+        constexpr unsigned int K_CHUNK_BYTES = Shape::K_CHUNK_BYTES, Q_CHUNK_BYTES = Shape::Q_CHUNK_BYTES;
+        warpgroup_arrive();
+        mma_k_major<T, BLOCK_M, D_TILE>(s, k_rows, K_CHUNK_BYTES, q_base, Q_CHUNK_BYTES);
+        warpgroup_commit();
+        if constexpr (Shape::DEFER_DQ_ADD && Shape::DQ_TRANSPOSED) {
+            if (adds_deferred && it > 0) add_staged_dq(it - 1);   // the last block's piece, under S^T's products
+            warpgroup_arrive();
+        }
+        mma_k_major<T, BLOCK_M, D_TILE>(dp, v_rows, K_CHUNK_BYTES, do_base, Q_CHUNK_BYTES);
+        warpgroup_commit();
+        if constexpr (Shape::DEFER_DQ_ADD && !Shape::DQ_TRANSPOSED) {   // d = 64: S^T is short; under dP^T's products
+            if (adds_deferred && it > 0) add_staged_dq(it - 1);
+        }
+        warpgroup_wait<1>();   // S^T
+        hold_registers(s);
+
+        // P^T in place.
+        const float* lse_tile = smem.lse_log2[slot.index];
+        const float* delta_tile = smem.delta[slot.index];
+        const bool needs_mask = tile_needs_mask<IS_CAUSAL, FEATURES>(q_start, BLOCK_M, kv_start + 64 * consumer, 64,
+                                                                    seq.seqlen_k, band);
+        probabilities_in_place<IS_CAUSAL, FEATURES, BLOCK_M>(s, lse_tile, p.scale_log2, needs_mask, first_key, q_start,
+                                                             query_col, seq.seqlen_k, band);
+        warpgroup_wait<0>();   // dP^T
+        hold_registers(dp);
+
+        // dS^T in place.
+        score_gradients_in_place<BLOCK_M>(dp, s, delta_tile, query_col);
+    }
+
+    // dQ apart (flash_backward_dq_sm90_kernel): dV += P^T dO and dK += dS^T Q, both with A from
+    // registers; dS never leaves them, and the consumers never meet.
+    __device__ __forceinline__ void gradients_without_dq(float (&dk)[D_TILE / 2], float (&dv)[D_TILE / 2],
+                                                         const unsigned int (&pa)[BLOCK_M / 16][4],
+                                                         const unsigned int (&dsa)[BLOCK_M / 16][4], unsigned int q_base,
+                                                         unsigned int do_base) const {
+        const unsigned long long do_desc = n_major_descriptor(do_base, Shape::Q_CHUNK_BYTES);
+        const unsigned long long q_desc = n_major_descriptor(q_base, Shape::Q_CHUNK_BYTES);
+        warpgroup_arrive();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+            Wgmma<T, D_TILE>::template rs<1>(dv, pa[kk], advance_descriptor(do_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+            Wgmma<T, D_TILE>::template rs<1>(dk, dsa[kk], advance_descriptor(q_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
+        warpgroup_commit();
+        warpgroup_wait<0>();
+        hold_registers(dk);
+        hold_registers(dv);
+    }
+
+    // Deterministic: this key block's turn at m's turn of query blocks (the key blocks before it
+    // that see the turn's rows, from the first that sees its first row: .x depends on that row
+    // only), waited for by each consumer's first thread before its adds to the turn's first
+    // block. A turn a block (d = 64): block_turn, computed by every thread. Pairs: by the waiting
+    // thread, the pair's first row a mask of q_start (hoisted, or from m / TURN_BLOCKS, it
+    // spilled 24 bytes at d = 64).
+    __device__ __forceinline__ void wait_turn(int m, int q_start, int block_turn) const {
+        constexpr int TURN_BLOCKS = Shape::TURN_BLOCKS;
+        if constexpr (TURN_BLOCKS == 1) {
+            wait_dq_turn(semaphores + m, block_turn);
+        } else {
+            wait_dq_turn(semaphores + m / TURN_BLOCKS,
+                         (FEATURES & FEATURE_WINDOW)
+                             ? kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start & -(TURN_BLOCKS * BLOCK_M), BLOCK_M,
+                                                                              BLOCK_N, band).x
+                             : block_turn);
+        }
+    }
+    // Block `it`'s staged piece (each consumer's, whole rows): where DEFER_DQ_ADD, atomic calls
+    // leave it to the next block and deterministic ones add it at once, their turn first;
+    // elsewhere added at once, the turn waited for after the barrier.
+    __device__ __forceinline__ void add_or_defer_staged_dq(int it, int m, int q_start, int block_turn) const {
+        if constexpr (Shape::DEFER_DQ_ADD) {
+            if (semaphores != nullptr) {
+                if (thread == 0 && order.first_of_turn(m)) wait_turn(m, q_start, block_turn);
+                add_staged_dq(it);
+            }
+        } else {
+            fence_async_shared();
+            named_barrier_sync(2 + consumer, 128);   // the piece is written (ids 2, 3: one per consumer)
+            if (thread == 0) {
+                if (semaphores != nullptr && order.first_of_turn(m)) wait_turn(m, q_start, block_turn);
+                issue_dq_add(q_start);
+            }
+        }
+    }
+    // The consumers' meeting of block m, after both wrote their dS rows. The staging is rewritten
+    // after it: its last reduce has read it (deterministic, after a pair's last block: has
+    // completed in global memory, so the pair's adds are published after the barrier).
+    __device__ __forceinline__ void meet_after_ds(int m, bool publisher) const {
+        constexpr int TURN_BLOCKS = Shape::TURN_BLOCKS;
+        if (thread == 0) {
+            if (semaphores != nullptr && (TURN_BLOCKS == 1 || (order.has_previous(m) && order.last_of_turn(order.previous(m)))))
+                tma_store_wait_all();
+            else tma_store_wait_read();
+        }
+        named_barrier_sync(Shape::DQ_BARRIER, 128 * Shape::CONSUMERS);   // both consumers' dS rows are written
+        if (publisher && order.has_previous(m) && order.last_of_turn(order.previous(m)))
+            publish_dq(semaphores + order.previous(m) / TURN_BLOCKS);   // the last turn's adds are done
+    }
+
+    // dS to shared memory in dS buffer `buffer`: both consumers' dQ products of two blocks ago read
+    // it, and both waited for them before the last block's barrier. dsa[kk] holds four 8 x 8 tiles
+    // of dS^T (keys x queries): (query blocks 2kk, 2kk + 1) x (key rows + 0, + 8); stmatrix .trans
+    // writes each as 8 query rows of 8 contiguous keys, lane L giving the address of row L % 8 of
+    // tile L / 8 (one instruction for 16 two-byte stores).
+    __device__ __forceinline__ void stage_ds(const unsigned int (&dsa)[BLOCK_M / 16][4], int buffer) const {
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+            const int tile = lane / 8;
+            const int query = 16 * kk + 8 * (tile >> 1) + lane % 8, key = 16 * warp + 8 * (tile & 1);
+            stmatrix_x4_trans(smem_addr(&smem.ds[buffer][consumer][0][0]) + swizzled_offset(query, key), dsa[kk]);
+        }
+        fence_async_shared();   // the dS writes, before the dQ wgmma reads them
+    }
+
+    // dQ^T (this consumer's 64 columns x the block's queries) = K^T dS^T, where dQ is transposed:
+    // A is the K chunk read M-major (columns contiguous), B dS buffer `buffer` (queries x keys) read
+    // K-major; dK's product (issue_dk) goes behind it, and dQ^T is staged for the consumer's add.
+    template <typename IssueDk>
+    __device__ __forceinline__ void transposed_dq(int buffer, float (&dqt)[BLOCK_M / 2], const IssueDk& issue_dk) const {
+        const unsigned long long kt_desc = n_major_descriptor(smem_addr(&smem.k[consumer][0][0]), Shape::K_CHUNK_BYTES);
+        const unsigned long long ds_desc = k_major_descriptor(smem_addr(&smem.ds[buffer][0][0][0]));
+        warpgroup_arrive();
+#pragma unroll
+        for (int kc = 0; kc < Shape::CONSUMERS; ++kc)
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+                Wgmma<T, BLOCK_M>::template ss<0, 1>(
+                    dqt, advance_descriptor(kt_desc, (4 * kc + kk) * 2 * SWIZZLE_ATOM_BYTES),
+                    advance_descriptor(ds_desc, kc * (unsigned int)sizeof(smem.ds[0][0]) + kk * 32), kc > 0 || kk > 0);
+        warpgroup_commit();
+        issue_dk();
+        warpgroup_wait<1>();   // dV and dQ^T (dK runs on)
+        hold_registers(dqt);
+        // Thread's elements: column 16 warp + lane / 4 + 8 r of the consumer's 64 (warps 0-1 the
+        // first 32-column half, 2-3 the second), queries 8 i + 2 (lane % 4) + e. Staged as
+        // [query][32 columns], 128-byte rows, 16-byte units swizzled by query % 8 (TMA's
+        // 128-byte swizzle): a store instruction's 32 lanes hit 8 distinct units of 4 rows
+        // whose query % 8 differ, so every bank once.
+        // Every row of a transposed block is whole: packed batches (the one partial-block case)
+        // run the variant kernels' 64-query blocks (_traits.backward_sm90_config).
+        static_assert(!(FEATURES & FEATURE_VARLEN), "transposed dQ: plain calls only");
+        unsigned char* half = reinterpret_cast<unsigned char*>(&smem.dq[consumer][warp / 2][0][0]);
+#pragma unroll
+        for (int i = 0; i < BLOCK_M / 8; ++i)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int col = 16 * (warp % 2) + lane / 4 + 8 * r, query = 8 * i + query_col + e;
+                    const unsigned int unit = (unsigned int)(col / 4) ^ (unsigned int)(query & 7);
+                    *reinterpret_cast<float*>(half + query * 128 + unit * 16 + (col % 4) * 4) = dqt[4 * i + 2 * r + e];
+                }
+    }
+
+    // dQ (64 queries x 64 head-dim columns of item `item`) = dS K over the block's BLOCK_N keys, from
+    // dS buffer `buffer`, with dK's product (issue_dk) behind it. The items are shared out between
+    // the consumers, so each dQ element is added to dq_accum once per key block (two adds, one per
+    // consumer's keys, left the kernel L2-bound: ncu, d = 128, 4k: L2 83.8%, SM 33.8%).
+    template <typename IssueDk>
+    __device__ __forceinline__ void dq_item_product(int item, int buffer, float (&dq)[SWIZZLE_ROW_ELEMENTS / 2],
+                                                    const IssueDk& issue_dk) const {
+        const int2 chunk = Shape::dq_item_chunk(item);
+        const int c = chunk.x, rows = chunk.y;
+        const unsigned long long ds_desc = k_major_descriptor(smem_addr(&smem.ds[buffer][0][rows][0]));
+        const unsigned long long k_desc = n_major_descriptor(smem_addr(&smem.k[c][0][0]), Shape::K_CHUNK_BYTES);
+        warpgroup_arrive();
+#pragma unroll
+        for (int kc = 0; kc < Shape::CONSUMERS; ++kc)
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+                Wgmma<T, SWIZZLE_ROW_ELEMENTS>::template ss<1>(
+                    dq, advance_descriptor(ds_desc, kc * (unsigned int)sizeof(smem.ds[0][0]) + kk * 32),
+                    advance_descriptor(k_desc, kc * 64 * 128 + kk * 2 * SWIZZLE_ATOM_BYTES), kc > 0 || kk > 0);
+        warpgroup_commit();
+        issue_dk();
+        warpgroup_wait<1>();   // dV and dQ (dK runs on)
+        hold_registers(dq);
+    }
+
+    // An item's dQ staged for the consumer's TMA reduce-add: element (row, col) of a 32-column half
+    // at row * 128 bytes, its 16-byte unit swizzled by row % 8 (TMA's 128-byte swizzle): a warp's
+    // float2 stores then fill every bank twice, the least 256 bytes take.
+    __device__ __forceinline__ void stage_dq_rows(const float (&dq)[SWIZZLE_ROW_ELEMENTS / 2]) const {
+#pragma unroll
+        for (int i = 0; i < SWIZZLE_ROW_ELEMENTS / 8; ++i)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = 16 * warp + lane / 4 + 8 * r;
+                const unsigned int unit = (unsigned int)(2 * (i % 4) + (lane % 4) / 2) ^ (unsigned int)(row & 7);
+                float* half = &smem.dq[consumer][i / 4][0][0];
+                *reinterpret_cast<float2*>(reinterpret_cast<unsigned char*>(half) + row * 128 + unit * 16 +
+                                           8 * (lane % 2)) = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+            }
+    }
+};
+
+// A key-split consumer's tile (KeySplitShape): dK and dV of its 64 keys over the query blocks.
+template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES, bool ADDS_DQ>
+__device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem,
+                                                        const BackwardSm90Maps& maps, const FlashParams& p,
+                                                        const BackwardSm90Block& at, int round, int& ring) {
+    using Shape = KeySplitShape<D_TILE, BLOCK_N, BLOCK_M, FEATURES>;
+    constexpr int CONSUMERS = Shape::CONSUMERS, TURN_BLOCKS = Shape::TURN_BLOCKS;
+    constexpr unsigned int Q_CHUNK_BYTES = Shape::Q_CHUNK_BYTES;
     const KeyBlock& block = at.block;
     const long long b = block.b, h = block.h;
     const int kv_start = at.kv_start, batch_coord = at.batch_coord;
@@ -461,62 +745,12 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
     const unsigned int k_rows = smem_addr(&smem.k[0][64 * consumer][0]);
     const unsigned int v_rows = smem_addr(&smem.v[0][64 * consumer][0]);
     float* dq_accum = p.dq_accum + tensor_offset(p.dq_accum_strides, b, seq.q_row0, h);
-    // Deterministic mode: one counter per (batch, head, query block); each consumer's first thread
-    // waits for this block's turn (the key blocks before it, in order) before its adds to a query
-    // block, and the first consumer's publishes them once both consumers have passed the next
-    // block's barrier (each having waited for its adds to complete).
-    // Its turns (dq_turn_blocks): at d = 128 pairs of query blocks, at d = 64 one block.
-    constexpr int TURN_BLOCKS = dq_turn_blocks<BLOCK_M>;
-    static_assert(TURN_BLOCKS == 1 || ((TURN_BLOCKS * BLOCK_M) & (TURN_BLOCKS * BLOCK_M - 1)) == 0,
-                  "a turn's first row is a mask of q_start");
     int* semaphores = p.dq_semaphore == nullptr ? nullptr : dq_semaphores_of<BLOCK_M>(p, block.bh);
     const bool publisher = semaphores != nullptr && consumer == 0 && thread == 0;
     const QueryOrder<TURN_BLOCKS> order{q_range, at.descending};
-
-    // A dQ item's 64-column chunk and first query row of the block (constants where the block has
-    // 64 queries).
-    const auto dq_item_chunk = [](int item) {
-        return make_int2(QUERY_HALVES == 1 ? item : item % CHUNKS, QUERY_HALVES == 1 ? 0 : 64 * (item / CHUNKS));
-    };
-    // This consumer's dQ piece, staged in shared memory (its rows from query q_start), added by a TMA
-    // reduce that its first thread issues after the proxy fence (which waits for the staging
-    // stores) and the consumer's barrier.
-    const auto issue_dq_add = [&](int q_start) {
-        if constexpr (DQ_TRANSPOSED) {
-            static_assert(backward_sm90_dq_rows<D_TILE, BLOCK_M> == BLOCK_M, "a box is the block's rows");
-#pragma unroll
-            for (int half = 0; half < 2; ++half)
-                tma_reduce_add_4d(&maps.dq_accum, smem_addr(&smem.dq[consumer][half][0][0]),
-                                  consumer * SWIZZLE_ROW_ELEMENTS + 32 * half, seq.q_row0 + q_start, (int)h, batch_coord);
-        } else {
-            const int2 chunk = dq_item_chunk(consumer);   // the consumer's item (at most one)
-            static_assert(backward_sm90_dq_rows<D_TILE, BLOCK_M> == 64, "a box is a consumer's 64 rows");
-#pragma unroll
-            for (int half = 0; half < 2; ++half)
-                tma_reduce_add_4d(&maps.dq_accum, smem_addr(&smem.dq[consumer][half][0][0]),
-                                  chunk.x * SWIZZLE_ROW_ELEMENTS + 32 * half, seq.q_row0 + q_start + chunk.y, (int)h, batch_coord);
-        }
-        tma_store_commit();
-    };
-    // Where DEFER_DQ_ADD the fence, the barrier and the add of a block's staged piece wait until the
-    // next block's products are issued (d = 128: S^T's; d = 64, whose S^T is short: dP^T's) and run
-    // under them, not between this block's products and the next's while the tensor cores idle.
-    // Interleaved A/B (docs/performance.md, "deferred dQ add"): d = 128 atomic
-    // 2k-16k 1.03-1.09x, d = 64 atomic 2k-16k 1.03-1.08x (d = 64 after S^T instead: 0.92x causal).
-    // Deterministic calls add at once, their turn first: deferred, their publish waited for the
-    // later add (d = 128 0.94-0.98x at 2k-4k, d = 64 0.95-0.97x at 4k-16k without a mask). No
-    // staged-start register: the piece added is always the previous block's (with the register,
-    // the runtime branch spilled 48 bytes). The variant kernels spilled 32-976 bytes with it; ncu
-    // (d = 64, 4k): the staging stores, fence and barrier held 15% of the consumers' stall samples.
-    constexpr bool DEFER_DQ_ADD = DQ_TRANSPOSED || (D_TILE == 64 && FEATURES == 0);
-    static_assert(!DEFER_DQ_ADD || (!(FEATURES & FEATURE_VARLEN) && DQ_ITEMS == CONSUMERS),
-                  "deferred: every block stages a piece in each consumer");
-    // The piece of block `it` of the loop (each block stages one where DEFER_DQ_ADD).
-    const auto add_staged_dq = [&](int it) {
-        fence_async_shared();
-        named_barrier_sync(2 + consumer, 128);   // the piece is written (ids 2, 3: one per consumer)
-        if (thread == 0) issue_dq_add(order.block(it) * BLOCK_M);
-    };
+    const KeySplitTile<T, D_TILE, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FEATURES> tile{
+        smem, maps, p, seq, band, h, block.kv_block, kv_start, batch_coord, consumer, thread, warp, lane, query_col, first_key,
+        k_rows, v_rows, dq_accum, semaphores, order};
 
     // Atomic calls add the previous block's staged piece at the top of the loop. Without dQ there is
     // none (the dQ kernel computes dQ): adds of the never-written staging went into dq through the
@@ -539,71 +773,17 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
         const unsigned int q_base = smem_addr(&smem.q[slot.index][0][0][0]);
         const unsigned int do_base = smem_addr(&smem.dout[slot.index][0][0][0]);
 
-        // S^T = K Q^T and dP^T = V dO^T (this consumer's 64 keys x BLOCK_M queries), in two groups:
-        // P is computed while dP^T's products run. (Issuing dV += P^T dO before dS too kept P's A
-        // fragments live beside dS's: 20 bytes spilled at d = 128 with a window.)
         float s[BLOCK_M / 2], dp[BLOCK_M / 2];
-        warpgroup_arrive();
-        mma_k_major<T, BLOCK_M, D_TILE>(s, k_rows, K_CHUNK_BYTES, q_base, Q_CHUNK_BYTES);
-        warpgroup_commit();
-        if constexpr (DEFER_DQ_ADD && DQ_TRANSPOSED) {
-            if (adds_deferred && it > 0) add_staged_dq(it - 1);   // the last block's piece, under S^T's products
-            warpgroup_arrive();
-        }
-        mma_k_major<T, BLOCK_M, D_TILE>(dp, v_rows, K_CHUNK_BYTES, do_base, Q_CHUNK_BYTES);
-        warpgroup_commit();
-        if constexpr (DEFER_DQ_ADD && !DQ_TRANSPOSED) {   // d = 64: S^T is short; under dP^T's products
-            if (adds_deferred && it > 0) add_staged_dq(it - 1);
-        }
-        warpgroup_wait<1>();   // S^T
-        hold_registers(s);
-
-        // P^T in place.
-        const float* lse_tile = smem.lse_log2[slot.index];
-        const float* delta_tile = smem.delta[slot.index];
-        const bool needs_mask = tile_needs_mask<IS_CAUSAL, FEATURES>(q_start, BLOCK_M, kv_start + 64 * consumer, 64,
-                                                                    seq.seqlen_k, band);
-        probabilities_in_place<IS_CAUSAL, FEATURES, BLOCK_M>(s, lse_tile, p.scale_log2, needs_mask, first_key, q_start,
-                                                             query_col, seq.seqlen_k, band);
-        warpgroup_wait<0>();   // dP^T
-        hold_registers(dp);
-
-        // dS^T in place, and dS to shared memory as T (queries x keys) for dQ.
-        score_gradients_in_place<BLOCK_M>(dp, s, delta_tile, query_col);
+        tile.scores(s, dp, it, slot, q_start, q_base, do_base, adds_deferred);
         unsigned int pa[BLOCK_M / 16][4], dsa[BLOCK_M / 16][4];
         accumulator_to_a<T, BLOCK_M>(pa, s);
         accumulator_to_a<T, BLOCK_M>(dsa, dp);
         if constexpr (!ADDS_DQ) {
-            // dQ apart (flash_backward_dq_sm90_kernel): dV += P^T dO and dK += dS^T Q, both with A
-            // from registers; dS never leaves them, and the consumers never meet.
-            const unsigned long long do_desc = n_major_descriptor(do_base, Q_CHUNK_BYTES);
-            const unsigned long long q_desc = n_major_descriptor(q_base, Q_CHUNK_BYTES);
-            warpgroup_arrive();
-#pragma unroll
-            for (int kk = 0; kk < BLOCK_M / 16; ++kk)
-                Wgmma<T, D_TILE>::template rs<1>(dv, pa[kk], advance_descriptor(do_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
-#pragma unroll
-            for (int kk = 0; kk < BLOCK_M / 16; ++kk)
-                Wgmma<T, D_TILE>::template rs<1>(dk, dsa[kk], advance_descriptor(q_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
-            warpgroup_commit();
-            warpgroup_wait<0>();
-            hold_registers(dk);
-            hold_registers(dv);
+            tile.gradients_without_dq(dk, dv, pa, dsa, q_base, do_base);
             barrier_arrive(smem_addr(&smem.empty[slot.index]));   // the slot's Q and dO: last read by dK / dV
             continue;
         }
-        // dS to shared memory in this block's buffer: both consumers' dQ products of two blocks ago
-        // read it, and both waited for them before the last block's barrier. dsa[kk] holds four
-        // 8 x 8 tiles of dS^T (keys x queries): (query blocks 2kk, 2kk + 1) x (key rows + 0, + 8);
-        // stmatrix .trans writes each as 8 query rows of 8 contiguous keys, lane L giving the
-        // address of row L % 8 of tile L / 8 (one instruction for 16 two-byte stores).
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-            const int tile = lane / 8;
-            const int query = 16 * kk + 8 * (tile >> 1) + lane % 8, key = 16 * warp + 8 * (tile & 1);
-            stmatrix_x4_trans(smem_addr(&smem.ds[(ring + it) & 1][consumer][0][0]) + swizzled_offset(query, key), dsa[kk]);
-        }
-        fence_async_shared();   // the dS writes, before the dQ wgmma reads them
+        tile.stage_ds(dsa, (ring + it) & 1);
 
         // dV += P^T dO (A from registers, dO read N-major), under the barrier below. dK += dS^T Q
         // comes after dQ's product, reading dS^T from this consumer's dS tile (A transposed), so
@@ -627,149 +807,40 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
         };
         bool dk_issued = false;
 
-        // dQ (64 queries x 64 head-dim columns an item) = dS K over the block's BLOCK_N keys, the
-        // items shared out between the consumers, so each dQ element is added to dq_accum once per
-        // key block (two adds, one per consumer's keys, left the kernel
-        // L2-bound: ncu, d = 128, 4k: L2 83.8%, SM 33.8%). The adds are a TMA reduce-add of the
-        // chunk from shared memory, issued by the consumer's first thread; a packed batch's last,
-        // partial query block of a sequence (a box there would add into the next sequence's rows)
-        // adds from registers with red.global instead.
         const bool whole_rows = !(FEATURES & FEATURE_VARLEN) || q_start + BLOCK_M <= seq.seqlen_q;
-        // The chunk's shared memory is rewritten below: its last reduce has read it (deterministic,
-        // after a pair's last block: has completed in global memory, so the pair's adds are
-        // published after the barrier).
-        if (thread == 0) {
-            if (semaphores != nullptr && (TURN_BLOCKS == 1 || (order.has_previous(m) && order.last_of_turn(order.previous(m)))))
-                tma_store_wait_all();
-            else tma_store_wait_read();
-        }
-        named_barrier_sync(DQ_BARRIER, 128 * CONSUMERS);   // both consumers' dS rows are written
-        if (publisher && order.has_previous(m) && order.last_of_turn(order.previous(m)))
-            publish_dq(semaphores + order.previous(m) / TURN_BLOCKS);   // the last turn's adds are done
-        // Deterministic: this key block's turn at m's turn of query blocks (the key blocks before it
-        // that see the turn's rows, from the first that sees its first row: .x depends on that row
-        // only), waited for by each consumer's first thread before its adds to the turn's first
-        // block. A turn a block (d = 64): computed here by every thread, the code of before turns
-        // (its cubins byte-identical to 204e6a8's). Pairs: by the waiting thread, the pair's first
-        // row a mask of q_start (hoisted, or from m / TURN_BLOCKS, it spilled 24 bytes at d = 64).
-        const int block_turn = (TURN_BLOCKS == 1 && (FEATURES & FEATURE_WINDOW))
+        tile.meet_after_ds(m, publisher);
+        const int block_turn = (Shape::TURN_BLOCKS == 1 && (FEATURES & FEATURE_WINDOW))
                                    ? block.kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start, BLOCK_M, BLOCK_N, band).x
-                                   : block.kv_block;
-        const auto wait_turn = [&]() {
-            if constexpr (TURN_BLOCKS == 1) {
-                wait_dq_turn(semaphores + m, block_turn);
-            } else {
-                wait_dq_turn(semaphores + m / TURN_BLOCKS,
-                             (FEATURES & FEATURE_WINDOW)
-                                 ? block.kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start & -(TURN_BLOCKS * BLOCK_M),
-                                                                                         BLOCK_M, BLOCK_N, band).x
-                                 : block_turn);
-            }
-        };
-        // This block's staged piece (each consumer's, whole rows): where DEFER_DQ_ADD, atomic calls
-        // leave it to the next block and deterministic ones add it at once, their turn first;
-        // elsewhere added at once, the turn waited for after the barrier.
-        const auto add_or_defer_staged_dq = [&]() {
-            if constexpr (DEFER_DQ_ADD) {
-                if (semaphores != nullptr) {
-                    if (thread == 0 && order.first_of_turn(m)) wait_turn();
-                    add_staged_dq(it);
-                }
-            } else {
-                fence_async_shared();
-                named_barrier_sync(2 + consumer, 128);   // the piece is written (ids 2, 3: one per consumer)
-                if (thread == 0) {
-                    if (semaphores != nullptr && order.first_of_turn(m)) wait_turn();
-                    issue_dq_add(q_start);
-                }
-            }
-        };
-        if constexpr (DQ_TRANSPOSED) {
-            // dQ^T (this consumer's 64 columns x the block's queries) = K^T dS^T: A is the K chunk
-            // read M-major (columns contiguous), B the dS buffer (queries x keys) read K-major.
+                                   : block.kv_block;   // (KeySplitTile::wait_turn)
+        const auto add_or_defer_staged_dq = [&]() { tile.add_or_defer_staged_dq(it, m, q_start, block_turn); };
+        if constexpr (Shape::DQ_TRANSPOSED) {
             float dqt[BLOCK_M / 2];
-            const unsigned long long kt_desc = n_major_descriptor(smem_addr(&smem.k[consumer][0][0]), K_CHUNK_BYTES);
-            const unsigned long long ds_desc = k_major_descriptor(smem_addr(&smem.ds[(ring + it) & 1][0][0][0]));
-            warpgroup_arrive();
-#pragma unroll
-            for (int kc = 0; kc < CONSUMERS; ++kc)
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk)
-                    Wgmma<T, BLOCK_M>::template ss<0, 1>(
-                        dqt, advance_descriptor(kt_desc, (4 * kc + kk) * 2 * SWIZZLE_ATOM_BYTES),
-                        advance_descriptor(ds_desc, kc * (unsigned int)sizeof(smem.ds[0][0]) + kk * 32), kc > 0 || kk > 0);
-            warpgroup_commit();
-            issue_dk();
+            tile.transposed_dq((ring + it) & 1, dqt, issue_dk);
+            tile.add_or_defer_staged_dq(it, m, q_start, block_turn);
             dk_issued = true;
-            warpgroup_wait<1>();   // dV and dQ^T (dK runs on)
-            hold_registers(dqt);
-            // Thread's elements: column 16 warp + lane / 4 + 8 r of the consumer's 64 (warps 0-1 the
-            // first 32-column half, 2-3 the second), queries 8 i + 2 (lane % 4) + e. Staged as
-            // [query][32 columns], 128-byte rows, 16-byte units swizzled by query % 8 (TMA's
-            // 128-byte swizzle): a store instruction's 32 lanes hit 8 distinct units of 4 rows
-            // whose query % 8 differ, so every bank once.
-            // Every row of a transposed block is whole: packed batches (the one partial-block case)
-            // run the variant kernels' 64-query blocks (_traits.backward_sm90_config).
-            static_assert(!(FEATURES & FEATURE_VARLEN), "transposed dQ: plain calls only");
-            unsigned char* half = reinterpret_cast<unsigned char*>(&smem.dq[consumer][warp / 2][0][0]);
-#pragma unroll
-            for (int i = 0; i < BLOCK_M / 8; ++i)
-#pragma unroll
-                for (int r = 0; r < 2; ++r)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int col = 16 * (warp % 2) + lane / 4 + 8 * r, query = 8 * i + query_col + e;
-                        const unsigned int unit = (unsigned int)(col / 4) ^ (unsigned int)(query & 7);
-                        *reinterpret_cast<float*>(half + query * 128 + unit * 16 + (col % 4) * 4) = dqt[4 * i + 2 * r + e];
-                    }
-            add_or_defer_staged_dq();
         } else {
+            // An item's adds: a TMA reduce-add of the staged chunk, issued by the consumer's first
+            // thread (red.global adds in a sequence's partial last block).
 #pragma unroll 1
-            for (int item = consumer; item < DQ_ITEMS; item += CONSUMERS) {
-                const int2 chunk = dq_item_chunk(item);
-                const int c = chunk.x, rows = chunk.y;
+            for (int item = consumer; item < Shape::DQ_ITEMS; item += CONSUMERS) {
                 float dq[SWIZZLE_ROW_ELEMENTS / 2];
-                const unsigned long long ds_desc = k_major_descriptor(smem_addr(&smem.ds[(ring + it) & 1][0][rows][0]));
-                const unsigned long long k_desc = n_major_descriptor(smem_addr(&smem.k[c][0][0]), K_CHUNK_BYTES);
-                warpgroup_arrive();
-#pragma unroll
-                for (int kc = 0; kc < CONSUMERS; ++kc)
-#pragma unroll
-                    for (int kk = 0; kk < 4; ++kk)
-                        Wgmma<T, SWIZZLE_ROW_ELEMENTS>::template ss<1>(
-                            dq, advance_descriptor(ds_desc, kc * (unsigned int)sizeof(smem.ds[0][0]) + kk * 32),
-                            advance_descriptor(k_desc, kc * 64 * 128 + kk * 2 * SWIZZLE_ATOM_BYTES), kc > 0 || kk > 0);
-                warpgroup_commit();
-                issue_dk();
+                tile.dq_item_product(item, (ring + it) & 1, dq, issue_dk);
                 dk_issued = true;
-                warpgroup_wait<1>();   // dV and dQ (dK runs on)
-                hold_registers(dq);
                 if (whole_rows) {
-                    // Element (row, col) of a 32-column half at row * 128 bytes, its 16-byte unit
-                    // swizzled by row % 8 (TMA's 128-byte swizzle): a warp's float2 stores then fill
-                    // every bank twice, the least 256 bytes take.
-#pragma unroll
-                    for (int i = 0; i < SWIZZLE_ROW_ELEMENTS / 8; ++i)
-#pragma unroll
-                        for (int r = 0; r < 2; ++r) {
-                            const int row = 16 * warp + lane / 4 + 8 * r;
-                            const unsigned int unit = (unsigned int)(2 * (i % 4) + (lane % 4) / 2) ^ (unsigned int)(row & 7);
-                            float* half = &smem.dq[consumer][i / 4][0][0];
-                            *reinterpret_cast<float2*>(reinterpret_cast<unsigned char*>(half) + row * 128 + unit * 16 +
-                                                       8 * (lane % 2)) = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
-                        }
+                    tile.stage_dq_rows(dq);
                     add_or_defer_staged_dq();
                 } else {
                     if (semaphores != nullptr && order.first_of_turn(m)) {   // the turn, before any of this consumer's adds
-                        if (thread == 0) wait_turn();
+                        if (thread == 0) tile.wait_turn(m, q_start, block_turn);
                         named_barrier_sync(2 + consumer, 128);
                     }
+                    const int2 chunk = Shape::dq_item_chunk(item);
 #pragma unroll
                     for (int i = 0; i < SWIZZLE_ROW_ELEMENTS / 8; ++i)
 #pragma unroll
                         for (int r = 0; r < 2; ++r) {
-                            const int query = q_start + rows + 16 * warp + lane / 4 + 8 * r;
-                            const int col = c * SWIZZLE_ROW_ELEMENTS + 8 * i + query_col;   // head_dim: a multiple of 8
+                            const int query = q_start + chunk.y + 16 * warp + lane / 4 + 8 * r;
+                            const int col = chunk.x * SWIZZLE_ROW_ELEMENTS + 8 * i + query_col;   // head_dim: a multiple of 8
                             if (query < seq.seqlen_q && col < (int)p.head_dim)
                                 red_add_f32x2(dq_accum + (long long)query * p.dq_accum_strides[1] + col,
                                               dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
@@ -788,8 +859,8 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
         // this block's dS buffer is rewritten two blocks on, after the next block's barrier.
         barrier_arrive(smem_addr(&smem.empty[slot.index]));
     }
-    if constexpr (DEFER_DQ_ADD && ADDS_DQ) {
-        if (semaphores == nullptr && order.count() > 0) add_staged_dq(order.count() - 1);   // the last block's piece
+    if constexpr (Shape::DEFER_DQ_ADD && ADDS_DQ) {
+        if (semaphores == nullptr && order.count() > 0) tile.add_staged_dq(order.count() - 1);   // the last block's piece
     }
     // K and V were last read by this tile's products (complete: wait<0> in the loop): the producer
     // may load the next tile's under the stores below.
@@ -797,12 +868,114 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
     ring += order.count();
     if (ADDS_DQ && semaphores != nullptr) {   // publish the last query block's adds
         if (thread == 0) tma_store_wait_all();
-        named_barrier_sync(DQ_BARRIER, 128 * CONSUMERS);
+        named_barrier_sync(Shape::DQ_BARRIER, 128 * CONSUMERS);
         if (publisher && order.count() > 0) publish_dq(semaphores + order.last() / TURN_BLOCKS);
     }
 
     store_key_gradients<T, D_TILE>(dk, dv, p, at, first_key, 0, query_col);
 }
+
+// A head-dim-split consumer's view of its tile (values of backward_sm90_head_dim_split's), and
+// the steps of a query block that use them.
+template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
+struct HeadDimSplitTile {
+    static constexpr int CONSUMERS = BACKWARD_SM90_CONSUMERS;
+    static constexpr int COLUMNS = D_TILE / CONSUMERS;    // a consumer's head-dim columns in dK, dV and dQ
+    static constexpr int PIECE = 32;                      // dQ columns per reduce-add (the staging buffer's)
+    static constexpr int TURN_BLOCKS = dq_turn_blocks<BLOCK_M>;
+    BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem;
+    const BackwardSm90Maps& maps;
+    const FlashParams& p;
+    const Sequence& seq;
+    const Band& band;
+    const long long b, h;
+    const int kv_block, batch_coord, consumer, warp, lane, column0;
+    int* const semaphores;
+    const QueryOrder<TURN_BLOCKS> order;
+
+    // The block's dQ (query block m): each warp stages its own 16 rows of dQ, a 32-column piece at
+    // a time, and adds them with a TMA reduce-add (boxes of 32 columns x 16 rows,
+    // backward_sm90_dq_box_rows), so the warps never wait for each other here (with a consumer's
+    // whole 64 rows a box, as the key split does, and its two barriers a piece: causal 16k 289 ->
+    // 329 TFLOP/s). A packed batch's
+    // last, partial query block of a sequence (a box would add into the next sequence's rows)
+    // adds the staged rows inside the sequence by red.global instead (adding from registers
+    // there spilled 12 bytes with a window).
+    __device__ __forceinline__ void add_dq(const float (&dq)[COLUMNS / 2], int m, int q_start) const {
+        const bool whole_rows = !(FEATURES & FEATURE_VARLEN) || q_start + BLOCK_M <= seq.seqlen_q;
+        static_assert(backward_sm90_dq_rows<D_TILE, BLOCK_M> == 16, "a box is a warp's 16 rows");
+        unsigned char* warp_rows = reinterpret_cast<unsigned char*>(&smem.dq[consumer][0][16 * warp][0]);
+#pragma unroll
+        for (int piece = 0; piece < COLUMNS / PIECE; ++piece) {
+            if (lane == 0) tma_store_wait_read();   // the warp's last reduce has read its rows
+            __syncwarp();
+            // Element (row, col) at row * 128 bytes, its 16-byte unit swizzled by row % 8 (TMA's
+            // 128-byte swizzle), as the key split's halves.
+#pragma unroll
+            for (int i = 0; i < PIECE / 8; ++i)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = lane / 4 + 8 * r;   // of the warp's 16 (16 * warp: a multiple of 8)
+                    const unsigned int unit = (unsigned int)(2 * i + (lane % 4) / 2) ^ (unsigned int)(row & 7);
+                    const int reg = 4 * (piece * PIECE / 8 + i) + 2 * r;
+                    *reinterpret_cast<float2*>(warp_rows + row * 128 + unit * 16 + 8 * (lane % 2)) = make_float2(dq[reg], dq[reg + 1]);
+                }
+            fence_async_shared();
+            __syncwarp();   // the warp's rows of the piece are written
+            // Deterministic: this key block's turn at m's pair of query blocks (the blocks of the
+            // pair's band before it), at the pair's first block here.
+            if (semaphores != nullptr && piece == 0 && lane == 0 && order.first_of_turn(m)) {
+                const int pair_start = m / TURN_BLOCKS * TURN_BLOCKS * BLOCK_M;
+                wait_dq_turn(semaphores + m / TURN_BLOCKS,
+                             (FEATURES & FEATURE_WINDOW)
+                                 ? kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, pair_start, TURN_BLOCKS * BLOCK_M,
+                                                                                   BLOCK_N, band).x
+                                 : kv_block);
+            }
+            if (whole_rows) {
+                if (lane == 0) {
+                    tma_reduce_add_4d(&maps.dq_accum, smem_addr(warp_rows), column0 + PIECE * piece,
+                                      seq.q_row0 + q_start + 16 * warp, (int)h, batch_coord);
+                    tma_store_commit();
+                }
+            } else {
+                __syncwarp();   // (after the turn)
+                // Lane L: row L / 2 of the warp's, columns 16 (L % 2) + 0..15 of the piece.
+                const int row = lane / 2, query = q_start + 16 * warp + row;
+                float* dq_row = p.dq_accum + tensor_offset(p.dq_accum_strides, b, seq.q_row0, h) +
+                                (long long)query * p.dq_accum_strides[1] + column0 + PIECE * piece;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int col = 16 * (lane % 2) + 2 * j;
+                    const unsigned int unit = (unsigned int)(col / 4) ^ (unsigned int)(row & 7);
+                    const float2 x = *reinterpret_cast<const float2*>(warp_rows + row * 128 + unit * 16 + (col % 4) * 4);
+                    if (query < seq.seqlen_q && column0 + PIECE * piece + col < (int)p.head_dim)   // head_dim: a multiple of 8
+                        red_add_f32x2(dq_row + col, x.x, x.y);
+                }
+            }
+        }
+    }
+
+    // Deterministic: the warp's adds to the turn have completed (its lanes' red.global adds
+    // ordered before lane 0's by the warp barrier); the last of the consumers' warps to count
+    // its own publishes the turn. Measured (H100, bf16, interleaved against one thread
+    // publishing between the consumers' barriers, its fence holding both): 1.01-1.07x at
+    // 2k-16k; a publisher warp in the producer warpgroup polling the count measured 0.73-0.79x
+    // at 4k-16k without a mask (docs/performance.md, "deterministic publisher warp"). The key split
+    // (d <= 128) still publishes from a thread after its dS barrier: not measured this way.
+    // The count's eighth arrival of a turn is its last: the consumers' barriers of the next
+    // block keep a turn's arrivals ahead of any of the next turn's.
+    __device__ __forceinline__ void publish_turn(int m) const {
+        if (semaphores != nullptr && order.last_of_turn(m)) {
+            __syncwarp();
+            if (lane == 0) {
+                tma_store_wait_all();
+                if ((shared_add_acq_rel(&smem.turn_arrivals, 1) + 1) % (4 * CONSUMERS) == 0)
+                    publish_dq(semaphores + m / TURN_BLOCKS);
+            }
+        }
+    }
+};
 
 // The head-dim split (d = 256, BLOCK_N = 64; the calls that add dQ: a window or a packed batch,
 // others take the product split below): consumer c takes queries [32c, 32c + 32) of each
@@ -845,6 +1018,8 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
     constexpr int TURN_BLOCKS = dq_turn_blocks<BLOCK_M>;
     int* semaphores = p.dq_semaphore == nullptr ? nullptr : dq_semaphores_of<BLOCK_M>(p, block.bh);
     const QueryOrder<TURN_BLOCKS> order{at.q_range, at.descending};
+    const HeadDimSplitTile<T, D_TILE, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FEATURES> tile{
+        smem, maps, p, seq, band, b, h, block.kv_block, at.batch_coord, consumer, warp, lane, column0, semaphores, order};
 
     float dk[COLUMNS / 2], dv[COLUMNS / 2];
 #pragma unroll
@@ -924,85 +1099,11 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
         warpgroup_wait<1>();   // dQ
         hold_registers(dq);
 
-        // Each warp stages its own 16 rows of dQ, a 32-column piece at a time, and adds them with a
-        // TMA reduce-add (boxes of 32 columns x 16 rows, backward_sm90_dq_box_rows), so
-        // the warps never wait for each other here (with a consumer's whole 64 rows a box, as the key
-        // split does, and its two barriers a piece: causal 16k 289 -> 329 TFLOP/s). A packed batch's
-        // last, partial query block of a sequence (a box would add into the next sequence's rows)
-        // adds the staged rows inside the sequence by red.global instead (adding from registers
-        // there spilled 12 bytes with a window).
-        const bool whole_rows = !(FEATURES & FEATURE_VARLEN) || q_start + BLOCK_M <= seq.seqlen_q;
-        static_assert(backward_sm90_dq_rows<D_TILE, BLOCK_M> == 16, "a box is a warp's 16 rows");
-        unsigned char* warp_rows = reinterpret_cast<unsigned char*>(&smem.dq[consumer][0][16 * warp][0]);
-#pragma unroll
-        for (int piece = 0; piece < COLUMNS / PIECE; ++piece) {
-            if (lane == 0) tma_store_wait_read();   // the warp's last reduce has read its rows
-            __syncwarp();
-            // Element (row, col) at row * 128 bytes, its 16-byte unit swizzled by row % 8 (TMA's
-            // 128-byte swizzle), as the key split's halves.
-#pragma unroll
-            for (int i = 0; i < PIECE / 8; ++i)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int row = lane / 4 + 8 * r;   // of the warp's 16 (16 * warp: a multiple of 8)
-                    const unsigned int unit = (unsigned int)(2 * i + (lane % 4) / 2) ^ (unsigned int)(row & 7);
-                    const int reg = 4 * (piece * PIECE / 8 + i) + 2 * r;
-                    *reinterpret_cast<float2*>(warp_rows + row * 128 + unit * 16 + 8 * (lane % 2)) = make_float2(dq[reg], dq[reg + 1]);
-                }
-            fence_async_shared();
-            __syncwarp();   // the warp's rows of the piece are written
-            // Deterministic: this key block's turn at m's pair of query blocks (the blocks of the
-            // pair's band before it), at the pair's first block here.
-            if (semaphores != nullptr && piece == 0 && lane == 0 && order.first_of_turn(m)) {
-                const int pair_start = m / TURN_BLOCKS * TURN_BLOCKS * BLOCK_M;
-                wait_dq_turn(semaphores + m / TURN_BLOCKS,
-                             (FEATURES & FEATURE_WINDOW)
-                                 ? block.kv_block - kv_block_range<IS_CAUSAL, FEATURES>(seq, pair_start, TURN_BLOCKS * BLOCK_M,
-                                                                                         BLOCK_N, band).x
-                                 : block.kv_block);
-            }
-            if (whole_rows) {
-                if (lane == 0) {
-                    tma_reduce_add_4d(&maps.dq_accum, smem_addr(warp_rows), column0 + PIECE * piece,
-                                      seq.q_row0 + q_start + 16 * warp, (int)h, at.batch_coord);
-                    tma_store_commit();
-                }
-            } else {
-                __syncwarp();   // (after the turn)
-                // Lane L: row L / 2 of the warp's, columns 16 (L % 2) + 0..15 of the piece.
-                const int row = lane / 2, query = q_start + 16 * warp + row;
-                float* dq_row = p.dq_accum + tensor_offset(p.dq_accum_strides, b, seq.q_row0, h) +
-                                (long long)query * p.dq_accum_strides[1] + column0 + PIECE * piece;
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const int col = 16 * (lane % 2) + 2 * j;
-                    const unsigned int unit = (unsigned int)(col / 4) ^ (unsigned int)(row & 7);
-                    const float2 x = *reinterpret_cast<const float2*>(warp_rows + row * 128 + unit * 16 + (col % 4) * 4);
-                    if (query < seq.seqlen_q && column0 + PIECE * piece + col < (int)p.head_dim)   // head_dim: a multiple of 8
-                        red_add_f32x2(dq_row + col, x.x, x.y);
-                }
-            }
-        }
+        tile.add_dq(dq, m, q_start);
         warpgroup_wait<0>();   // dV, dK
         hold_registers(dk);
         hold_registers(dv);
-        // Deterministic: the warp's adds to the turn have completed (its lanes' red.global adds
-        // ordered before lane 0's by the warp barrier); the last of the consumers' warps to count
-        // its own publishes the turn. Measured (H100, bf16, interleaved against one thread
-        // publishing between the consumers' barriers, its fence holding both): 1.01-1.07x at
-        // 2k-16k; a publisher warp in the producer warpgroup polling the count measured 0.73-0.79x
-        // at 4k-16k without a mask (docs/performance.md, "deterministic publisher warp"). The key split
-        // (d <= 128) still publishes from a thread after its dS barrier: not measured this way.
-        // The count's eighth arrival of a turn is its last: the consumers' barriers of the next
-        // block keep a turn's arrivals ahead of any of the next turn's.
-        if (semaphores != nullptr && order.last_of_turn(m)) {
-            __syncwarp();
-            if (lane == 0) {
-                tma_store_wait_all();
-                if ((shared_add_acq_rel(&smem.turn_arrivals, 1) + 1) % (4 * CONSUMERS) == 0)
-                    publish_dq(semaphores + m / TURN_BLOCKS);
-            }
-        }
+        tile.publish_turn(m);
         barrier_arrive(smem_addr(&smem.empty[slot.index]));   // the slot's Q and dO: last read by dK / dV
     }
     barrier_arrive(smem_addr(&smem.kv_empty));   // K and V: last read by this tile's products (wait<0> above)

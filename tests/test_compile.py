@@ -329,3 +329,8 @@ def test_cubin_identity_hashes_each_kernels_sass():
     assert set(first["sass"]) == {f".text.{mangled}" for mangled in lowered.values()}
     assert first == second and tool.compare({name: first}, {name: second}) == 0
     assert tool.compare({name: first}, {name: {**second, "sass": {}}}) == 1
+    assert set(first["ptx"]) == set(lowered.values())
+    # the PTX hash ignores register numbers and labels, not instructions
+    ptx = "// a module\n.visible .entry k(\n)\n{\n\t.reg .f32 \t%f<3>;\n$L__BB0_1:\n\tadd.f32 \t%f1, %f2, %f2;\n}\n"
+    renamed = ptx.replace("%f<3>", "%f<9>").replace("%f1", "%f7").replace("$L__BB0_1", "$L__BB0_4")
+    assert tool.ptx_entries(ptx) == tool.ptx_entries(renamed) != tool.ptx_entries(ptx.replace("add.f32", "sub.f32"))
