@@ -108,6 +108,275 @@ __device__ __forceinline__ void prefetch_split_to_l2(const FlashParams& p, long 
     }
 }
 
+// Q rows of a decode block into shared memory (rows past row_count and columns past head_dim as
+// zeros): row r is token (row0 + r) / group, head kv_head * group + (row0 + r) % group.
+template <typename T, int LD, int CHUNKS, int THREADS>
+__device__ __forceinline__ void load_q_rows(const FlashParams& p, T* q_tile, long long b, long long kv_head, long long group,
+                                            int row0, int row_count, int head_dim) {
+    for (int idx = threadIdx.x; idx < DECODE_ROWS * CHUNKS; idx += THREADS) {
+        const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
+        const int row = row0 + r;
+        const bool valid = r < row_count && c < head_dim;
+        const T* src = static_cast<const T*>(p.q) +
+                       (valid ? tensor_offset(p.q_strides, b, row / group, kv_head * group + row % group) + c : 0);
+        cp_async_16(smem_addr(q_tile + r * LD + c), src, valid);
+    }
+}
+
+// Keys [key_begin, key_end) a decode block may see: its split's range, cut to the band of its first
+// and last tokens.
+template <bool IS_CAUSAL, int FEATURES>
+__device__ __forceinline__ void block_key_range(const FlashParams& p, const Band& band, int seqlen_k, int split, int row0,
+                                                int row_count, long long group, int& key_begin, int& key_end) {
+    const int token_first = (int)(row0 / group), token_last = (int)((row0 + row_count - 1) / group);
+    key_begin = (int)min((long long)split * p.keys_per_split, (long long)seqlen_k);
+    key_end = (int)min((long long)(split + 1) * p.keys_per_split, (long long)seqlen_k);
+    if (IS_CAUSAL)
+        key_end = (int)max((long long)key_begin, min((long long)key_end, (long long)token_last + band.right + 1));
+    if (FEATURES & FEATURE_WINDOW)
+        key_begin = (int)min((long long)key_end, max((long long)key_begin, (long long)token_first + band.left));
+}
+
+// Rows g and g + 8 of this thread: token and head (and the ALiBi slope of that head).
+template <int FEATURES>
+__device__ __forceinline__ void thread_rows(const FlashParams& p, long long b, long long kv_head, long long group, int row0,
+                                            int g, int rows_per_kv_head, int (&row_token)[2], long long (&row_head)[2],
+                                            float (&row_slope)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = min(row0 + g + 8 * r, rows_per_kv_head - 1);   // padding rows repeat the last
+        row_token[r] = (int)(row / group);
+        row_head[r] = kv_head * group + row % group;
+        row_slope[r] = (FEATURES & FEATURE_ALIBI) ? p.alibi_slopes[b * p.alibi_batch_stride + row_head[r]] : 0.f;
+    }
+}
+
+// One warp's loads of key tiles into its stages: K and V rows tile_start .. tile_start + 15 (keys
+// past key_end and columns past head_dim as zeros), cp.async with the cache's read-once L2 policy.
+// Its members are references to the kernel's values, as a [&] lambda's captures are (held by
+// value, the stage addresses compile to other code).
+template <typename T, int D_TILE>
+struct DecodeTileLoader {
+    const FlashParams& p;
+    const T* const& k;
+    const T* const& v;
+    T* const& my_tiles;   // [STAGES][K, V][KEYS][LD]
+    const long long &b, &kv_head;
+    const int &key_end, &head_dim, &lane;
+    const unsigned long long& read_once;
+
+    __device__ __forceinline__ void operator()(int tile_start, int stage) const {
+        // The kernel's tile shape.
+        constexpr int KEYS = 16;
+        constexpr int LD = D_TILE + 8;
+        constexpr int CHUNKS = D_TILE / 8;   // 16-byte chunks per row
+        constexpr int ROWS_PER_PASS = CHUNKS >= 32 ? 1 : 32 / CHUNKS;
+        constexpr int PASSES = KEYS / ROWS_PER_PASS;
+        constexpr int TILE_ELEMS = KEYS * LD;
+        T* k_dst = my_tiles + stage * 2 * TILE_ELEMS;
+        T* v_dst = k_dst + TILE_ELEMS;
+        const long long k_row = cache_offset(p, p.k_strides, b, tile_start, kv_head);
+        const long long v_row = cache_offset(p, p.v_strides, b, tile_start, kv_head);
+        const int c = (lane % CHUNKS) * 8;
+        // Lanes past ROWS_PER_PASS whole rows (when CHUNKS does not divide 32) issue nothing: even a
+        // zero-byte cp.async writes its 16 bytes, which would land past the tile.
+        if (CHUNKS < 32 && lane >= ROWS_PER_PASS * CHUNKS) return;
+#pragma unroll
+        for (int pass = 0; pass < PASSES; ++pass) {
+#pragma unroll
+            for (int part = 0; part < (CHUNKS > 32 ? CHUNKS / 32 : 1); ++part) {
+                const int r = (CHUNKS >= 32 ? pass : pass * ROWS_PER_PASS + lane / CHUNKS);
+                const int col = CHUNKS >= 32 ? (lane + 32 * part) * 8 : c;
+                const bool valid = tile_start + r < key_end && col < head_dim;
+                cp_async_16_once(smem_addr(k_dst + r * LD + col), k + (valid ? k_row + r * p.k_strides[1] + col : 0), valid,
+                                 read_once);
+                cp_async_16_once(smem_addr(v_dst + r * LD + col), v + (valid ? v_row + r * p.v_strides[1] + col : 0), valid,
+                                 read_once);
+            }
+        }
+    }
+};
+
+// S = Q K^T of one key tile: the block's 16 rows against two n8 tiles of keys, from the lane's
+// ldmatrix addresses in Q and in the K tile.
+template <typename T, int D_TILE>
+__device__ __forceinline__ void tile_scores(float (&s)[2][4], unsigned int q_lane, unsigned int k_lane) {
+#pragma unroll
+    for (int kk = 0; kk < D_TILE / 16; ++kk) {
+        unsigned int a[4], bfrag[4];
+        ldmatrix_x4(a, q_lane + 2u * kk * 16);
+        ldmatrix_x4(bfrag, k_lane + 2u * kk * 16);
+        mma_two_tiles<T>(s[0], s[1], a, bfrag);
+    }
+}
+
+// Logits of a tile's scores (log2 units with a modifier), then the mask: the split's range and the
+// band (-inf where a key is not visible to the row).
+template <bool IS_CAUSAL, int FEATURES>
+__device__ __forceinline__ void modify_and_mask(const FlashParams& p, float (&s)[2][4], int tile_start, int t, int key_begin,
+                                                int key_end, const Band& band, const int (&row_token)[2],
+                                                const float (&row_slope)[2]) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1;
+            const int key = tile_start + 8 * j + 2 * t + (e & 1);
+            float z = s[j][e];
+            if (ScoreMod<FEATURES>::active) {
+                z *= p.softmax_scale;
+                if (FEATURES & FEATURE_SOFTCAP) z = p.softcap * tanhf(z * p.softcap_inv);
+                if (FEATURES & FEATURE_ALIBI) z -= row_slope[r] * fabsf((float)(key - row_token[r] - band.shift));
+                z *= FLASH_LOG2E;
+            }
+            const bool visible = key < key_end && key >= key_begin &&
+                                 (!IS_CAUSAL || key - row_token[r] <= band.right) &&
+                                 (!(FEATURES & FEATURE_WINDOW) || key - row_token[r] >= band.left);
+            s[j][e] = visible ? z : FLASH_NEG_INF;
+        }
+}
+
+// Online softmax over the tile (the 4 threads of a quad share a row): the rows' running max and
+// sum take in the tile, O is rescaled, and s becomes P = exp2(s * score_log2 - max_scaled).
+template <int O_TILES>
+__device__ __forceinline__ void online_softmax_tile(float (&s)[2][4], float (&o_acc)[O_TILES][4], float (&row_max)[2],
+                                                    float (&row_max_scaled)[2], float (&row_sum)[2], float score_log2) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float tile_max = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+        const float rescale = raise_row_max(row_max[r], row_max_scaled[r], tile_max, score_log2);
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                s[j][e] = exp2f(fmaf(s[j][e], score_log2, -row_max_scaled[r]));
+                sum += s[j][e];
+            }
+        row_sum[r] = row_sum[r] * rescale + sum;
+#pragma unroll
+        for (int j = 0; j < O_TILES; ++j) {
+            o_acc[j][2 * r] *= rescale;
+            o_acc[j][2 * r + 1] *= rescale;
+        }
+    }
+}
+
+// O += P V: the two key n-tiles of S are one A fragment of P; v_lane is the lane's ldmatrix
+// address in the V tile.
+template <typename T, int O_TILES>
+__device__ __forceinline__ void accumulate_pv(float (&o_acc)[O_TILES][4], const float (&s)[2][4], unsigned int v_lane) {
+    unsigned int a[4] = {Mma<T>::pack(s[0][0], s[0][1]), Mma<T>::pack(s[0][2], s[0][3]),
+                         Mma<T>::pack(s[1][0], s[1][1]), Mma<T>::pack(s[1][2], s[1][3])};
+#pragma unroll
+    for (int j = 0; j < O_TILES; j += 2) {
+        unsigned int bfrag[4];
+        ldmatrix_x4_trans(bfrag, v_lane + 2u * j * 8);
+        mma_two_tiles<T>(o_acc[j], o_acc[j + 1], a, bfrag);
+    }
+}
+
+// A warp's running max (score units and as used in exponents) and total of rows g and g + 8 into
+// the block's shared per-warp arrays, for the merge.
+template <int NUM_WARPS>
+__device__ __forceinline__ void publish_warp_rows(float (&merge_max)[NUM_WARPS][DECODE_ROWS],
+                                                  float (&merge_max_scaled)[NUM_WARPS][DECODE_ROWS],
+                                                  float (&merge_sum)[NUM_WARPS][DECODE_ROWS], const float (&row_max)[2],
+                                                  const float (&row_max_scaled)[2], const float (&row_sum)[2], int warp,
+                                                  int g, int t) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float total = row_sum[r];
+        total += __shfl_xor_sync(0xffffffffu, total, 1);
+        total += __shfl_xor_sync(0xffffffffu, total, 2);
+        if (t == 0) {
+            merge_max[warp][g + 8 * r] = row_max[r];
+            merge_max_scaled[warp][g + 8 * r] = row_max_scaled[r];
+            merge_sum[warp][g + 8 * r] = total;
+        }
+    }
+}
+
+// Rows g and g + 8 of a warp's O scaled by its share of the merged softmax and the row's 1 / total,
+// into merge_o; warp 0 stores the rows' lse (partial with several splits, else final).
+template <int NUM_WARPS, int O_TILES, int MERGE_LD, int FEATURES>
+__device__ __forceinline__ void scale_warp_o(const FlashParams& p, float* merge_o,
+                                             const float (&merge_max)[NUM_WARPS][DECODE_ROWS],
+                                             const float (&merge_max_scaled)[NUM_WARPS][DECODE_ROWS],
+                                             const float (&merge_sum)[NUM_WARPS][DECODE_ROWS],
+                                             const float (&o_acc)[O_TILES][4], const float (&row_max_scaled)[2],
+                                             const long long (&row_head)[2], const int (&row_token)[2], int warp, int g,
+                                             int t, int split, long long b, int row_count, bool split_output) {
+    constexpr int ROWS = DECODE_ROWS;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = g + 8 * r;
+        // The row's largest max over the warps that saw a key (score units, and as used in exponents).
+        float best = FLASH_NEG_INF, best_scaled = 0.f;
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w)
+            if (merge_sum[w][row] > 0.f && merge_max[w][row] > best) {
+                best = merge_max[w][row];
+                best_scaled = merge_max_scaled[w][row];
+            }
+        float total = 0.f;
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w)
+            if (merge_sum[w][row] > 0.f) total += merge_sum[w][row] * exp2f(merge_max_scaled[w][row] - best_scaled);
+        // One split: the sink joins here; several: in the combine, once.
+        const float2 lse_inv = split_output ? finish_row<FEATURES & ~FEATURE_SINK>(p, row_head[r], best, best_scaled, total)
+                                            : finish_row<FEATURES>(p, row_head[r], best, best_scaled, total);
+        const float scale = merge_sum[warp][row] > 0.f ? exp2f(row_max_scaled[r] - best_scaled) * lse_inv.y : 0.f;
+#pragma unroll
+        for (int j = 0; j < O_TILES; ++j)
+            *reinterpret_cast<float2*>(&merge_o[(warp * ROWS + row) * MERGE_LD + j * 8 + 2 * t]) =
+                make_float2(o_acc[j][2 * r] * scale, o_acc[j][2 * r + 1] * scale);
+        if (warp == 0 && t == 0 && row < row_count) {
+            if (split_output)
+                p.lse_partial[(((long long)split * p.batch + b) * p.heads + row_head[r]) * p.seqlen_q + row_token[r]] = lse_inv.x;
+            else
+                p.lse[b * p.lse_batch_stride + row_head[r] * p.lse_head_stride + row_token[r]] = lse_inv.x;
+        }
+    }
+}
+
+// The block's O: the warps' scaled shares in merge_o summed and stored (float32 partial with several
+// splits, else T). One thread per (row, D_TILE / 8 columns): 16-byte chunks 32 columns apart
+// (conflict-free shared loads), summed over the warps and stored.
+template <typename T, int D_TILE, int NUM_WARPS, int MERGE_LD>
+__device__ __forceinline__ void store_block_o(const FlashParams& p, const float* merge_o, int row0, int row_count,
+                                              long long group, long long kv_head, int split, long long b, int head_dim,
+                                              bool split_output) {
+    constexpr int ROWS = DECODE_ROWS;
+    static_assert(ROWS * 8 == 32 * NUM_WARPS && D_TILE % 32 == 0, "epilogue: 8 threads per row, chunks of 32 columns");
+    const int row = threadIdx.x / 8;
+    if (row < row_count) {
+        const int q_row = row0 + row;
+        const long long token = q_row / group, head = kv_head * group + q_row % group;
+#pragma unroll
+        for (int chunk = 0; chunk < D_TILE / 32; ++chunk) {
+            const int c = 4 * (threadIdx.x % 8) + 32 * chunk;
+            float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int w = 0; w < NUM_WARPS; ++w) {
+                const float4 more = *reinterpret_cast<const float4*>(&merge_o[(w * ROWS + row) * MERGE_LD + c]);
+                sum.x += more.x; sum.y += more.y; sum.z += more.z; sum.w += more.w;
+            }
+            if (c >= head_dim) continue;
+            if (split_output) {
+                float* dst = static_cast<float*>(p.o_partial) +
+                             ((((long long)split * p.batch + b) * p.seqlen_q + token) * p.heads + head) * p.head_dim + c;
+                *reinterpret_cast<float4*>(dst) = sum;
+            } else {
+                T* dst = static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, token, head) + c;
+                *reinterpret_cast<uint2*>(dst) = make_uint2(Mma<T>::pack(sum.x, sum.y), Mma<T>::pack(sum.z, sum.w));
+            }
+        }
+    }
+}
+
 template <typename T, int D_TILE, int NUM_WARPS, bool IS_CAUSAL, int FEATURES>
 __global__ void __launch_bounds__(32 * NUM_WARPS, D_TILE > 128 ? DECODE_BLOCKS_PER_SM_ABOVE_128 : DECODE_BLOCKS_PER_SM_TO_128)
 flash_decode_kernel(const FlashParams p) {
@@ -119,7 +388,6 @@ flash_decode_kernel(const FlashParams p) {
     constexpr int O_TILES = D_TILE / 8;
     constexpr int CHUNKS = D_TILE / 8;       // 16-byte chunks per row
     constexpr int ROWS_PER_PASS = CHUNKS >= 32 ? 1 : 32 / CHUNKS;
-    constexpr int PASSES = KEYS / ROWS_PER_PASS;
     constexpr int TILE_ELEMS = KEYS * LD;    // one K or V tile
     constexpr int MERGE_LD = D_TILE + 8;     // float pitch of the epilogue's per-warp O (float2 stores conflict-free)
     constexpr unsigned int LOOP_BYTES = (ROWS * LD + NUM_WARPS * STAGES * 2 * TILE_ELEMS) * sizeof(T);
@@ -153,39 +421,23 @@ flash_decode_kernel(const FlashParams p) {
     wait_for_predecessor();
     allow_dependents();
 
-    // Q rows into shared memory (rows past row_count and columns past head_dim as zeros), first:
-    // they need no cache length, so their latency overlaps cache_seqlens'.
-    for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += 32 * NUM_WARPS) {
-        const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
-        const int row = row0 + r;
-        const bool valid = r < row_count && c < head_dim;
-        const T* src = static_cast<const T*>(p.q) + (valid ? tensor_offset(p.q_strides, b, row / group, kv_head * group + row % group) + c : 0);
-        cp_async_16(smem_addr(q_tile + r * LD + c), src, valid);
-    }
+    // Q rows into shared memory first: they need no cache length, so their latency overlaps
+    // cache_seqlens'.
+    load_q_rows<T, LD, CHUNKS, 32 * NUM_WARPS>(p, q_tile, b, kv_head, group, row0, row_count, head_dim);
     cp_async_commit();
 
     // Keys this block may see: its split's range, cut to the band of its first and last tokens.
     const int seqlen_k = decode_seqlen_k(p, b);
     Sequence seq = {(int)p.seqlen_q, seqlen_k, 0, 0};
     const Band band = band_of(p, seq);
-    const int token_first = (int)(row0 / group), token_last = (int)((row0 + row_count - 1) / group);
-    int key_begin = (int)min((long long)split * p.keys_per_split, (long long)seqlen_k);
-    int key_end = (int)min((long long)(split + 1) * p.keys_per_split, (long long)seqlen_k);
-    if (IS_CAUSAL) key_end = (int)max((long long)key_begin, min((long long)key_end, (long long)token_last + band.right + 1));
-    if (FEATURES & FEATURE_WINDOW) key_begin = (int)min((long long)key_end, max((long long)key_begin, (long long)token_first + band.left));
+    int key_begin, key_end;
+    block_key_range<IS_CAUSAL, FEATURES>(p, band, seqlen_k, split, row0, row_count, group, key_begin, key_end);
 
     // Rows g and g + 8 of this thread: token and head (and the ALiBi slope of that head).
     int row_token[2];
     float row_slope[2];
     long long row_head[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = min(row0 + g + 8 * r, rows_per_kv_head - 1);   // padding rows repeat the last
-        row_token[r] = (int)(row / group);
-        row_head[r] = kv_head * group + row % group;
-        row_slope[r] = (FEATURES & FEATURE_ALIBI) ? p.alibi_slopes[b * p.alibi_batch_stride + row_head[r]] : 0.f;
-    }
-
+    thread_rows<FEATURES>(p, b, kv_head, group, row0, g, rows_per_kv_head, row_token, row_head, row_slope);
 
     const T* k = static_cast<const T*>(p.k);
     const T* v = static_cast<const T*>(p.v);
@@ -198,29 +450,7 @@ flash_decode_kernel(const FlashParams p) {
     // for the combine and the next call (GQA 8:1, batch 1, 32k keys: 33.6 -> 32.1 us a call in a
     // graph; 33 splits of uneven chunks, to give all 132 SMs a block, measured no faster than 32).
     const unsigned long long read_once = l2_evict_first_policy();
-    auto load_tile = [&](int tile_start, int stage) {
-        T* k_dst = my_tiles + stage * 2 * TILE_ELEMS;
-        T* v_dst = k_dst + TILE_ELEMS;
-        const long long k_row = cache_offset(p, p.k_strides, b, tile_start, kv_head);
-        const long long v_row = cache_offset(p, p.v_strides, b, tile_start, kv_head);
-        const int c = (lane % CHUNKS) * 8;
-        // Lanes past ROWS_PER_PASS whole rows (when CHUNKS does not divide 32) issue nothing: even a
-        // zero-byte cp.async writes its 16 bytes, which would land past the tile.
-        if (CHUNKS < 32 && lane >= ROWS_PER_PASS * CHUNKS) return;
-#pragma unroll
-        for (int pass = 0; pass < PASSES; ++pass) {
-#pragma unroll
-            for (int part = 0; part < (CHUNKS > 32 ? CHUNKS / 32 : 1); ++part) {
-                const int r = (CHUNKS >= 32 ? pass : pass * ROWS_PER_PASS + lane / CHUNKS);
-                const int col = CHUNKS >= 32 ? (lane + 32 * part) * 8 : c;
-                const bool valid = tile_start + r < key_end && col < head_dim;
-                cp_async_16_once(smem_addr(k_dst + r * LD + col), k + (valid ? k_row + r * p.k_strides[1] + col : 0), valid,
-                                 read_once);
-                cp_async_16_once(smem_addr(v_dst + r * LD + col), v + (valid ? v_row + r * p.v_strides[1] + col : 0), valid,
-                                 read_once);
-            }
-        }
-    };
+    const DecodeTileLoader<T, D_TILE> load_tile = {p, k, v, my_tiles, b, kv_head, key_end, head_dim, lane, read_once};
 
     float o_acc[O_TILES][4];
 #pragma unroll
@@ -249,63 +479,10 @@ flash_decode_kernel(const FlashParams p) {
         const unsigned int v_lane = smem_addr(my_tiles + stage * 2 * TILE_ELEMS + TILE_ELEMS) + b_frags_trans_lane<LD>(lane);
 
         float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-        for (int kk = 0; kk < D_TILE / 16; ++kk) {
-            unsigned int a[4], bfrag[4];
-            ldmatrix_x4(a, q_lane + 2u * kk * 16);
-            ldmatrix_x4(bfrag, k_lane + 2u * kk * 16);
-            mma_two_tiles<T>(s[0], s[1], a, bfrag);
-        }
-        // Logits (log2 units with a modifier), then the mask: the split's range and the band.
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = e >> 1;
-                const int key = tile_start + 8 * j + 2 * t + (e & 1);
-                float z = s[j][e];
-                if (ScoreMod<FEATURES>::active) {
-                    z *= p.softmax_scale;
-                    if (FEATURES & FEATURE_SOFTCAP) z = p.softcap * tanhf(z * p.softcap_inv);
-                    if (FEATURES & FEATURE_ALIBI) z -= row_slope[r] * fabsf((float)(key - row_token[r] - band.shift));
-                    z *= FLASH_LOG2E;
-                }
-                const bool visible = key >= key_begin && key < key_end &&
-                                     (!IS_CAUSAL || key - row_token[r] <= band.right) &&
-                                     (!(FEATURES & FEATURE_WINDOW) || key - row_token[r] >= band.left);
-                s[j][e] = visible ? z : FLASH_NEG_INF;
-            }
-        // Online softmax over the tile (the 4 threads of a quad share a row).
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float tile_max = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-            const float rescale = raise_row_max(row_max[r], row_max_scaled[r], tile_max, score_log2);
-            float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                    s[j][e] = exp2f(fmaf(s[j][e], score_log2, -row_max_scaled[r]));
-                    sum += s[j][e];
-                }
-            row_sum[r] = row_sum[r] * rescale + sum;
-#pragma unroll
-            for (int j = 0; j < O_TILES; ++j) {
-                o_acc[j][2 * r] *= rescale;
-                o_acc[j][2 * r + 1] *= rescale;
-            }
-        }
-        // O += P V: the two key n-tiles of S are one A fragment of P.
-        unsigned int a[4] = {Mma<T>::pack(s[0][0], s[0][1]), Mma<T>::pack(s[0][2], s[0][3]),
-                             Mma<T>::pack(s[1][0], s[1][1]), Mma<T>::pack(s[1][2], s[1][3])};
-#pragma unroll
-        for (int j = 0; j < O_TILES; j += 2) {
-            unsigned int bfrag[4];
-            ldmatrix_x4_trans(bfrag, v_lane + 2u * j * 8);
-            mma_two_tiles<T>(o_acc[j], o_acc[j + 1], a, bfrag);
-        }
+        tile_scores<T, D_TILE>(s, q_lane, k_lane);
+        modify_and_mask<IS_CAUSAL, FEATURES>(p, s, tile_start, t, key_begin, key_end, band, row_token, row_slope);
+        online_softmax_tile<O_TILES>(s, o_acc, row_max, row_max_scaled, row_sum, score_log2);
+        accumulate_pv<T, O_TILES>(o_acc, s, v_lane);
         __syncwarp();   // every lane is done with this stage before the next iteration refills it
     }
 
@@ -317,74 +494,15 @@ flash_decode_kernel(const FlashParams p) {
     // took 2.1 us of a 4k-key call (globaltimer stamps, H100).
     cp_async_wait<0>();
     __syncthreads();
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float total = row_sum[r];
-        total += __shfl_xor_sync(0xffffffffu, total, 1);
-        total += __shfl_xor_sync(0xffffffffu, total, 2);
-        if (t == 0) {
-            merge_max[warp][g + 8 * r] = row_max[r];
-            merge_max_scaled[warp][g + 8 * r] = row_max_scaled[r];
-            merge_sum[warp][g + 8 * r] = total;
-        }
-    }
+    publish_warp_rows<NUM_WARPS>(merge_max, merge_max_scaled, merge_sum, row_max, row_max_scaled, row_sum, warp, g, t);
     __syncthreads();
     const bool split_output = p.num_splits > 1;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = g + 8 * r;
-        // The row's largest max over the warps that saw a key (score units, and as used in exponents).
-        float best = FLASH_NEG_INF, best_scaled = 0.f;
-#pragma unroll
-        for (int w = 0; w < NUM_WARPS; ++w)
-            if (merge_sum[w][row] > 0.f && merge_max[w][row] > best) { best = merge_max[w][row]; best_scaled = merge_max_scaled[w][row]; }
-        float total = 0.f;
-#pragma unroll
-        for (int w = 0; w < NUM_WARPS; ++w)
-            if (merge_sum[w][row] > 0.f) total += merge_sum[w][row] * exp2f(merge_max_scaled[w][row] - best_scaled);
-        // One split: the sink joins here; several: in the combine, once.
-        const float2 lse_inv = split_output ? finish_row<FEATURES & ~FEATURE_SINK>(p, row_head[r], best, best_scaled, total)
-                                            : finish_row<FEATURES>(p, row_head[r], best, best_scaled, total);
-        const float scale = merge_sum[warp][row] > 0.f ? exp2f(row_max_scaled[r] - best_scaled) * lse_inv.y : 0.f;
-#pragma unroll
-        for (int j = 0; j < O_TILES; ++j)
-            *reinterpret_cast<float2*>(&merge_o[(warp * ROWS + row) * MERGE_LD + j * 8 + 2 * t]) =
-                make_float2(o_acc[j][2 * r] * scale, o_acc[j][2 * r + 1] * scale);
-        if (warp == 0 && t == 0 && row < row_count) {
-            if (split_output)
-                p.lse_partial[(((long long)split * p.batch + b) * p.heads + row_head[r]) * p.seqlen_q + row_token[r]] = lse_inv.x;
-            else
-                p.lse[b * p.lse_batch_stride + row_head[r] * p.lse_head_stride + row_token[r]] = lse_inv.x;
-        }
-    }
+    scale_warp_o<NUM_WARPS, O_TILES, MERGE_LD, FEATURES>(p, merge_o, merge_max, merge_max_scaled, merge_sum, o_acc,
+                                                         row_max_scaled, row_head, row_token, warp, g, t, split, b,
+                                                         row_count, split_output);
     __syncthreads();
-    // One thread per (row, D_TILE / 8 columns): 16-byte chunks 32 columns apart (conflict-free
-    // shared loads), summed over the warps and stored.
-    static_assert(ROWS * 8 == 32 * NUM_WARPS && D_TILE % 32 == 0, "epilogue: 8 threads per row, chunks of 32 columns");
-    const int row = threadIdx.x / 8;
-    if (row < row_count) {
-        const int q_row = row0 + row;
-        const long long token = q_row / group, head = kv_head * group + q_row % group;
-#pragma unroll
-        for (int chunk = 0; chunk < D_TILE / 32; ++chunk) {
-            const int c = 4 * (threadIdx.x % 8) + 32 * chunk;
-            float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-            for (int w = 0; w < NUM_WARPS; ++w) {
-                const float4 more = *reinterpret_cast<const float4*>(&merge_o[(w * ROWS + row) * MERGE_LD + c]);
-                sum.x += more.x; sum.y += more.y; sum.z += more.z; sum.w += more.w;
-            }
-            if (c >= head_dim) continue;
-            if (split_output) {
-                float* dst = static_cast<float*>(p.o_partial) +
-                             ((((long long)split * p.batch + b) * p.seqlen_q + token) * p.heads + head) * p.head_dim + c;
-                *reinterpret_cast<float4*>(dst) = sum;
-            } else {
-                T* dst = static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, token, head) + c;
-                *reinterpret_cast<uint2*>(dst) = make_uint2(Mma<T>::pack(sum.x, sum.y), Mma<T>::pack(sum.z, sum.w));
-            }
-        }
-    }
+    store_block_o<T, D_TILE, NUM_WARPS, MERGE_LD>(p, merge_o, row0, row_count, group, kv_head, split, b, head_dim,
+                                                  split_output);
 }
 
 // Four consecutive columns as float32: a 16-byte load of floats, an 8-byte load of 16-bit values.
