@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cupy_flash._traits import SM90_WGMMA_WIDTHS as WIDTHS
+from cupy_flash.families.sm90 import SM90_WGMMA_WIDTHS as WIDTHS
 
 TYPES = {"fa_bf16": "bf16", "fa_f16": "f16"}
 

@@ -33,7 +33,7 @@ for dtype in (numpy.float16, ml_dtypes.bfloat16) if sys.argv[1:] != ["backward"]
             # 2 x 40 heads x 2 query blocks = 160 tiles: the persistent grid's blocks take two.
             q, k, v = array((2, 200, 40, d), dtype), array((2, 150, 8, d), dtype), array((2, 150, 8, d), dtype)
             cupy_flash.flash_forward(q, k, v, causal=causal)
-    # Plain causal calls take the plain tiles (_traits.FORWARD_SM90_PLAIN: three consumers at d = 64)
+    # Plain causal calls take the plain tiles (sm90.FORWARD_SM90_PLAIN: three consumers at d = 64)
     # from 2k keys; here at 150, so the counter hands their 160 tiles out. (The shape is the loop's
     # d = 40 causal call's: plain_causal_tiles_from drops that call's plan, which would be reused.)
     with forward.plain_causal_tiles_from(0):
@@ -64,7 +64,7 @@ with families.use_kernels("experimental"):
                 cupy_flash.flash_backward(array(q.shape, dtype), q, k, v, o, lse, causal=causal,
                                           deterministic=d in (64, 128, 256))   # the ordered dQ adds (turn counters)
         # Atomic at d = 128 (the loop's calls there are deterministic): the 80-query blocks
-        # (_traits.BACKWARD_SM90_PLAIN), 200 queries ending inside the last block.
+        # (sm90.BACKWARD_SM90_PLAIN), 200 queries ending inside the last block.
         q, k, v = array((2, 200, 4, 128), dtype), array((2, 150, 2, 128), dtype), array((2, 150, 2, 128), dtype)
         o, lse = cupy_flash.flash_forward(q, k, v)
         cupy_flash.flash_backward(array(q.shape, dtype), q, k, v, o, lse)
@@ -75,7 +75,7 @@ with families.use_kernels("experimental"):
             for causal, deterministic in ((False, False), (True, True)):
                 o, lse = cupy_flash.flash_forward(q, k, v, causal=causal)
                 cupy_flash.flash_backward(array(q.shape, dtype), q, k, v, o, lse, causal=causal, deterministic=deterministic)
-        # Deterministic plain calls past _traits.BACKWARD_SM90_DQ_APART_KEYS (the loops above compute
+        # Deterministic plain calls past sm90.BACKWARD_SM90_DQ_APART_KEYS (the loops above compute
         # dQ apart: the dQ kernel): the main kernels' ordered adds.
         for d, causal in ((64, False), (128, True)):
             q, k, v = array((1, 300, 2, d), dtype), array((1, 2100, 2, d), dtype), array((1, 2100, 2, d), dtype)

@@ -1,4 +1,6 @@
-"""Kernel traits: the tile shapes of every kernel, per head-dim tile, kept as data in one place.
+"""Kernel traits: the tile shapes of the portable, mma.sync and decode kernels, per head-dim tile, kept
+as data in one place (the Hopper family's are its own: families/sm90.py), and the values both sides
+of the interface need (cuda_defines).
 
 Head dims are rounded up to one of ``HEAD_DIM_TILES`` (as FlashAttention-2 does with its 8 tiles);
 the kernels zero-fill the columns past the real head_dim, so any multiple of 8 up to 256 works with
@@ -11,10 +13,6 @@ smallest sm_80+ parts (sm_86/sm_89), so one table serves A100, RTX 30/40 and H10
 """
 
 from __future__ import annotations
-
-import contextvars
-
-from ._features import FEATURE_ALIBI, FEATURE_SINK, FEATURE_SOFTCAP, FEATURE_VARLEN, FEATURE_WINDOW
 
 THREADS = 128   # every portable attention kernel: 4 warps laid out as 16 rows x 8 columns
 HEAD_DIM_TILES = (32, 64, 96, 128, 160, 192, 224, 256)
@@ -51,174 +49,9 @@ SM90_BLOCK_SMEM_BYTES = 227 * 1024   # shared memory one sm_90 block may opt in 
 TARGET_SMEM_BYTES = {"sm8x": 99 * 1024, "sm80": 163 * 1024, "sm90": SM90_BLOCK_SMEM_BYTES, "sm90a": SM90_BLOCK_SMEM_BYTES}
 TENSOR_CORE_TARGETS = ("sm8x", "sm80", "sm90")   # the mma.sync families' tables
 
-# Hopper forward (kernels_cu/forward_sm90.cu, sm_90a): head-dim tile -> (block_m, block_n, stages).
-# block_m = 64 x consumer warpgroups (one producer warpgroup more: 128 * (1 + block_m / 64)
-# threads); the K and V tiles of `stages` key blocks are in flight. Head dims are padded to the
-# next tile (TMA reads zeros past head_dim). Shared memory is the kernel's (its storage struct);
-# the kernel checks at compile time that it fits 227 KB.
-# FlashAttention-3's bf16 tiles for reference: d<=64 192x192 (3 consumers), d<=128 128x176
-# (causal 128x128), d<=256 128x80, two stages. Measured (bench/tile_sweep.py --sm90, H100, bf16,
-# docs/performance.md): d=64 192x128 was +10% at 16k but -30% causal at 4k, and its plain kernel
-# spills 44 bytes (3 consumers get 160 registers); d=128 128x176 +3% at 16k and 1k, -2% at 4k, and
-# spills 44 bytes with variants; d=256 128x80 +7-8% over 128x64 from 4k.
-# Variant instantiations (score modifiers, windows) take these tiles: all compile spill-free.
-FORWARD_SM90 = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 80, 2)}
-# The N of every wgmma a Hopper tile table (or bench/tile_sweep.py) may use: key-block widths (S =
-# Q K^T), head-dim tiles (O += P V), the d = 256 backward's halves of a query block (S^T, 32
-# queries a consumer) and of the head dim (128). m64nNk16 allows any multiple of 8 up to 256 for
-# 16-bit inputs; kernels_cu/sm90_wgmma_ops.cuh has one operation per width (bench/generate_wgmma_ops.py).
-SM90_WGMMA_WIDTHS = (32, 64, 80, 96, 112, 128, 144, 160, 176, 192, 224, 256)
-# Plain calls (no variant flag) take these tiles instead, causal ones from FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS.
-# d = 64 192x128, three consumers (H100, interleaved against 128x128 on the same inputs,
-# bf16 and fp16): non-causal 2k-16k +8-17% (16k 444 -> 513 TFLOP/s), 1k 1.01-1.07x, 512 0.97-1.04x;
-# causal 1k 0.91-0.95x, 2k-16k 0.99-1.08x (16k 428 -> 449). Its variant kernels spill 164 bytes.
-# d = 128 128x176 (spill-free now) measured 0.86-0.97x at 1k-4k, 1.01-1.02x at 16k: not taken.
-FORWARD_SM90_PLAIN = {64: (192, 128, 2)}
-FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS = {64: 2048}
-# Where set, the threshold of every tile instead (forward.plain_causal_tiles_from: the GPU tests).
-plain_causal_min_keys: contextvars.ContextVar = contextvars.ContextVar("plain_causal_min_keys", default=None)
-# The variant flags each tile's kernels are built with (the largest sets; a variant runs here when
-# its flags are a subset of one). The bias stays on the portable kernels (a float32 tile per key
-# block would not fit beside the K/V ring).
-_SM90_ALL = FEATURE_WINDOW | FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK | FEATURE_VARLEN
-FORWARD_SM90_FEATURE_SETS = {64: (_SM90_ALL,), 128: (_SM90_ALL,), 256: (_SM90_ALL,)}
-
-
-# The Hopper forward runs at every length: with the counter-driven persistent grid causal calls at
-# head_dim <= 64 measured 1.22-1.34x the mma.sync kernels at 128-512 keys, bf16 and fp16 (H100,
-# interleaved: docs/results/h100_dispatch_short_*_20261124.json).
-
-
-# The Hopper backward (kernels_cu/backward_sm90.cu): (block_n, block_m, stages) per head-dim
-# tile, config order (head-dim tile, block_n, block_m, stages); window and packed batches; score
-# modifiers stay on the portable backward. Up to d = 128 its two consumers split a block's 128 keys;
-# at d = 256 (64 keys) they split the head dim, since dK and dV of 64 keys x 256 columns do not fit
-# one warpgroup's registers; its shared memory is then exactly the 227 KB a block may have. Without
-# dQ (BACKWARD_SM90_DQ_APART_KEYS) d = 256 splits the score products instead: consumer 0 S^T,
-# consumer 1 dP^T, each 64 keys x 64 queries (against 64 x 32 each: 1.02-1.06x, H100).
-# d = 64 takes 128 queries a block, so both consumers have a 64-row piece of dQ's product (with 64
-# queries its one 64-column chunk was consumer 0's alone).
-BACKWARD_SM90 = {64: (128, 128, 2), 128: (128, 64, 2), 256: (64, 64, 2)}
-_SM90_BACKWARD_FEATURES = _SM90_ALL & ~(FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK)
-BACKWARD_SM90_FEATURE_SETS = {tile: (_SM90_BACKWARD_FEATURES,) for tile in BACKWARD_SM90}
-BACKWARD_SM90_CONSUMERS = 2   # consumer warpgroups of a Hopper backward block (cuda_defines gives the kernel it)
-# Where the automatic setting runs it (measured, H100, bf16 and fp16, the Hopper backward against
-# the portable one interleaved on the same inputs: docs/results/h100_dispatch_short_*_20261124.json).
-# Atomic dQ: 1.04-1.19x from 256 keys at every head dim, 1.19-1.39x at 512; at 128 keys 0.90-1.09x,
-# so from 256. Deterministic: 1.16-1.30x from 256 keys without a causal mask; with one, once the
-# causal deterministic backward visits query blocks last first (QueryOrder in backward_sm90.cu),
-# 1.09-1.17x at 256-512 keys at d <= 128 and 1.00x / 1.21x at 256 / 512 keys at d = 256 (before it,
-# d = 64 0.97-0.99x at 256-512 and d = 256 0.92-0.93x at 256, which had kept them portable).
-BACKWARD_SM90_MIN_KEYS = {64: 256, 128: 256, 256: 256}
-BACKWARD_SM90_DETERMINISTIC_MIN_KEYS = {64: 256, 128: 256, 256: 256}
-
-
-# Plain calls (no backward variant flags; causal or not, atomic or deterministic) take these tiles
-# instead (block_n, block_m, stages). d = 128 with 80-query blocks (FlashAttention-3's non-causal
-# tile; dQ computed transposed), against the 64-query blocks in interleaved A/B (bf16, 1k-16k,
-# docs/results/h100_sm90_bwd_block_m80_*): atomic non-causal 1.04-1.07x, causal 1.02-1.07x,
-# deterministic 1.03-1.07x. Variant kernels keep BACKWARD_SM90 (not measured at 80).
-BACKWARD_SM90_PLAIN = {128: (128, 80, 2)}
-
-
-# dQ apart: plain calls (no variant flags) that run the main kernel without dQ (dK and dV only, the
-# atomic grid, no turns) and then flash_backward_dq_sm90_kernel (kernels_cu/backward_dq_sm90.cuh) with
-# this tile (block_m, block_n, stages): each block holds BLOCK_M query rows' Q and dO and streams
-# the keys, so dQ takes no adds and the call is deterministic whether asked or not. It recomputes S
-# and dP: 7 products against 5.
-BACKWARD_SM90_DQ_APART = {64: (128, 128, 3), 128: (128, 64, 3), 256: (128, 32, 3)}
-# Which calls take it: (deterministic, causal) -> up to how many keys (None: any); absent: none.
-# Measured (H200, bf16, 1k-16k, interleaved against the kernel that adds dQ, in
-# docs/performance.md): d = 256 1.00-1.05x its atomic calls and 1.31-1.61x its deterministic
-# ones (turns there cost 1.28-1.48x the atomic time); d = 64 and 128 atomic 0.79-0.90x (their
-# main kernel hides its adds), deterministic d = 64 1.12 / 1.03 / 0.96 / 0.93x at 1k / 2k / 4k /
-# 16k without a mask and 1.34 / 1.17 / 1.05 / 1.01x with one, d = 128 1.02 / 1.00 / 0.95 / 0.91x
-# and 1.15 / 1.02 / 0.95 / 0.88x. Stages: 3 against 2 at d = 256 1.06-1.09x, d = 64 0.96-1.00x
-# (its 2: neutral), d = 128 0.97-1.05x.
-BACKWARD_SM90_DQ_APART_KEYS = {
-    64: {(True, False): 2048, (True, True): None},
-    128: {(True, False): 2048, (True, True): 2048},
-    256: {(False, False): None, (False, True): None, (True, False): None, (True, True): None},
-}
-
-
-def _dq_apart_keys(tile: int, flags: int) -> dict:
-    """BACKWARD_SM90_DQ_APART_KEYS' entry for calls with variant ``flags`` at ``tile`` (none with flags)."""
-    return BACKWARD_SM90_DQ_APART_KEYS.get(tile, {}) if flags == 0 else {}
-
-
-def backward_sm90_dq_apart_every_call(tile: int, flags: int = 0) -> bool:
-    """Whether every call with ``flags`` at ``tile``, atomic or deterministic, causal or not, at
-    any length, computes dQ apart (its module then needs no kernel that adds dQ)."""
-    keys = _dq_apart_keys(tile, flags)
-    return len(keys) == 4 and all(limit is None for limit in keys.values())
-
-
-def backward_sm90_dq_apart(tile: int, flags: int, deterministic: bool, causal: bool,
-                           seqlen_k: int) -> tuple[int, int, int] | None:
-    """The dQ kernel's (block_m, block_n, stages) where a Hopper backward call computes dQ apart
-    (BACKWARD_SM90_DQ_APART_KEYS), else None."""
-    keys = _dq_apart_keys(tile, flags)
-    if (deterministic, causal) not in keys or (keys[deterministic, causal] or seqlen_k) < seqlen_k:
-        return None
-    return BACKWARD_SM90_DQ_APART[tile]
-
-
-def backward_sm90_module_dq_apart(tile: int, flags: int) -> tuple[tuple[int, int, int] | None, bool]:
-    """(the dQ kernel's tile or None, whether the main kernel that adds dQ is needed) for the
-    module of ``tile`` and variant ``flags``: what it compiles."""
-    return (BACKWARD_SM90_DQ_APART[tile] if _dq_apart_keys(tile, flags) else None,
-            not backward_sm90_dq_apart_every_call(tile, flags))
-
-
-def backward_sm90_config(tile: int, flags: int = 0) -> tuple[int, int, int, int]:
-    """(head-dim tile, block_n, block_m, stages): the Hopper backward's template tile arguments for a
-    call with backward variant ``flags``."""
-    table = BACKWARD_SM90_PLAIN if flags == 0 and tile in BACKWARD_SM90_PLAIN else BACKWARD_SM90
-    block_n, block_m, stages = table[tile]
-    return tile, block_n, block_m, stages
-
-
-def sm90_supports_features(feature_sets: dict, tile: int, flags: int) -> bool:
-    """Whether a Hopper kernel family compiles ``flags`` at ``tile``: they fit one of its feature
-    sets (FORWARD_SM90_FEATURE_SETS, BACKWARD_SM90_FEATURE_SETS)."""
-    return any(flags & ~allowed == 0 for allowed in feature_sets[tile])
-
-
-def forward_sm90_tile(head_dim: int) -> int:
-    """The Hopper forward's head-dim tile for ``head_dim`` (<= 256)."""
-    return next(tile for tile in FORWARD_SM90 if head_dim <= tile)
-
-
-def forward_sm90_config(tile: int, flags: int = 0, causal: bool = False, seqlen_k: int = 0) -> tuple[int, int, int, int]:
-    """(block_m, head-dim tile, block_n, stages): the Hopper forward's template tile arguments for a
-    call with variant ``flags`` (_features.FEATURE_* bits), a causal mask or not, and ``seqlen_k`` keys."""
-    min_keys = plain_causal_min_keys.get()
-    min_keys = FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS.get(tile, 0) if min_keys is None else min_keys
-    plain = flags == 0 and (not causal or seqlen_k >= min_keys)
-    block_m, block_n, stages = FORWARD_SM90_PLAIN.get(tile, FORWARD_SM90[tile]) if plain else FORWARD_SM90[tile]
-    return block_m, tile, block_n, stages
-
-
-def forward_sm90_configs(tile: int, flags: int) -> tuple[tuple[int, int, int, int], ...]:
-    """Every config forward_sm90_config gives calls with ``flags`` (the modules CI builds)."""
-    calls = ((False, 0), (True, 0), (True, 1 << 30))   # (causal, keys)
-    return tuple(dict.fromkeys(forward_sm90_config(tile, flags, causal, keys) for causal, keys in calls))
-
-
-def forward_sm90_threads(config: tuple) -> int:
-    """Threads of a Hopper forward block: a producer warpgroup and one per 64 query rows."""
-    return 128 * (1 + config[0] // 64)
-
-
-def backward_dq_sm90_threads(dq_config: tuple) -> int:
-    """Threads of a Hopper dQ block (BACKWARD_SM90_DQ_APART): a producer warpgroup and one per 64 query rows."""
-    return 128 * (1 + dq_config[0] // 64)
-
-
-def backward_sm90_threads(config: tuple) -> int:
-    """Threads of a Hopper backward block: a producer warpgroup and the consumers."""
-    return 128 * (1 + BACKWARD_SM90_CONSUMERS)
+# Consumer warpgroups of a Hopper backward block (cuda_defines gives the kernel it; its tiles:
+# families/sm90.py).
+BACKWARD_SM90_CONSUMERS = 2
 
 
 def tensor_core_target(compute_capability: int, smem_per_block: int) -> str:

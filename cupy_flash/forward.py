@@ -6,7 +6,7 @@ import contextlib
 import ctypes
 import functools
 
-from . import _checks, _tma, _traits, families
+from . import _checks, _tma, families
 from ._launch import (
     Launch,
     OutputAndLse,
@@ -228,16 +228,16 @@ _plans: dict = {}
 
 @contextlib.contextmanager
 def plain_causal_tiles_from(keys: int):
-    """Inside (this thread or task): plain causal Hopper forward calls take _traits.FORWARD_SM90_PLAIN's
+    """Inside (this thread or task): plain causal Hopper forward calls take families.sm90.FORWARD_SM90_PLAIN's
     tiles from ``keys`` keys instead of FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS (the GPU tests and the
     sanitizer workload, so short causal calls run both tile shapes). A plan's key does not hold the
     rule, so the plans made under either are dropped on the way in and out."""
     _plans.clear()
-    token = _traits.plain_causal_min_keys.set(keys)
+    token = families.sm90.plain_causal_min_keys.set(keys)
     try:
         yield
     finally:
-        _traits.plain_causal_min_keys.reset(token)
+        families.sm90.plain_causal_min_keys.reset(token)
         _plans.clear()
 
 

@@ -9,8 +9,8 @@
 #include "sm90_tma.cuh"
 
 // ---- dQ apart: plain d = 256 calls, short deterministic d <= 128 ones ---------------------------
-// The calls _traits.BACKWARD_SM90_DQ_APART_KEYS names run the main kernel without dQ (ADDS_DQ
-// false: dK and dV only, no turns, the atomic grid) and then this kernel, which computes dQ with
+// The calls BACKWARD_SM90_DQ_APART_KEYS (families/sm90.py) names run the main kernel without dQ
+// (ADDS_DQ false: dK and dV only, no turns, the atomic grid) and then this kernel, which computes dQ with
 // no adds at all: a block per BLOCK_M query rows of one (batch, head), Q and dO resident, the key
 // blocks' K and V streamed through a ring, dQ accumulated in registers over every key the rows
 // see and stored once as T. The sum's order is fixed by the loop, so the result is bitwise

@@ -23,7 +23,7 @@
 //    registers cannot hold dK and dV of 64 keys x 256 columns) each consumer takes 32 of the
 //    query block's queries in S^T and dP^T, writes its half of P^T and dS^T to shared memory,
 //    and owns 128 head-dim columns of dK, dV and dQ, whose products read P^T and dS^T from there.
-// Where _traits.BACKWARD_SM90_DQ_APART_KEYS says so (every plain call at d = 256, short
+// Where BACKWARD_SM90_DQ_APART_KEYS (families/sm90.py) says so (every plain call at d = 256, short
 // deterministic ones at d <= 128) the kernel runs without dQ (ADDS_DQ false: no dS for dQ, no
 // adds, no turns; the key split then takes dK's A from registers too; d = 256 takes the product
 // split, backward_sm90_product_split: consumer 0 S^T and consumer 1 dP^T, each for all 64 queries)
@@ -42,7 +42,7 @@
 #include "backward_dq_sm90.cuh"
 
 // A producer warpgroup and BACKWARD_SM90_CONSUMERS (_traits, in flash_interface.cuh) consumer
-// warpgroups (cupy_flash/_traits.backward_sm90_threads).
+// warpgroups (cupy_flash/families/sm90.py, backward_sm90_threads).
 
 // The key split computes dQ transposed (dQ^T = K^T dS^T, the head dim as wgmma's M) where the query
 // block is not a multiple of wgmma's 64 rows (80: FlashAttention-3's d = 128 tile); its dQ staging
@@ -665,7 +665,7 @@ struct KeySplitTile {
         // 128-byte swizzle): a store instruction's 32 lanes hit 8 distinct units of 4 rows
         // whose query % 8 differ, so every bank once.
         // Every row of a transposed block is whole: packed batches (the one partial-block case)
-        // run the variant kernels' 64-query blocks (_traits.backward_sm90_config).
+        // run the variant kernels' 64-query blocks (families/sm90.py, backward_sm90_config).
         static_assert(!(FEATURES & FEATURE_VARLEN), "transposed dQ: plain calls only");
         unsigned char* half = reinterpret_cast<unsigned char*>(&smem.dq[consumer][warp / 2][0][0]);
 #pragma unroll

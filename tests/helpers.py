@@ -42,7 +42,7 @@ requires_hopper = pytest.mark.skipif(not _is_hopper(), reason="the Hopper kernel
 KERNEL_PATHS = [pytest.param("portable", id="portable"), pytest.param("hopper", id="hopper", marks=requires_hopper)]
 
 
-# Under "hopper", plain causal forward calls take the plain tiles (_traits.FORWARD_SM90_PLAIN) from
+# Under "hopper", plain causal forward calls take the plain tiles (sm90.FORWARD_SM90_PLAIN) from
 # this many keys instead of the table's threshold (2k), so the property draws (seqlen 1-200,
 # 200-1200, 1200-3000) run both tile shapes of a causal call.
 HOPPER_TEST_PLAIN_CAUSAL_MIN_KEYS = 200

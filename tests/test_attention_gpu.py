@@ -37,7 +37,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import cupy_flash
-from cupy_flash import _traits, attention_reference, attention_reference_backward, families
+from cupy_flash import attention_reference, attention_reference_backward, families
+from cupy_flash.families import sm90
 
 pytestmark = requires_gpu
 
@@ -527,12 +528,12 @@ def test_scores_rising_across_key_blocks(span, dtype, path):
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_long_deterministic_backward_keeps_the_ordered_adds(head_dim, path):
-    # Past _traits.BACKWARD_SM90_DQ_APART_KEYS' limits, deterministic plain calls at d <= 128 add
+    # Past sm90.BACKWARD_SM90_DQ_APART_KEYS' limits, deterministic plain calls at d <= 128 add
     # dQ in turns in the main kernel rather than compute it apart (the property tests' shapes are
     # all within the limits): the error rule, and bitwise the same twice.
     p = dict(dtype="bfloat16", batch=1, heads=2, seqlen_q=2100, seqlen_k=2304, head_dim=head_dim, causal=head_dim == 128,
              softmax_scale=None, logit_std=1.0, seed=13)
-    assert _traits.backward_sm90_dq_apart(head_dim, 0, True, p["causal"], p["seqlen_k"]) is None
+    assert sm90.backward_sm90_dq_apart(head_dim, 0, True, p["causal"], p["seqlen_k"]) is None
     _check_backward(p, deterministic=True, path=path)
     q, k, v, do = make_inputs(p, with_grad=True)
     o, lse = cupy_flash.flash_forward(q, k, v, causal=p["causal"])
@@ -763,7 +764,7 @@ def test_chained_backward_calls_with_the_dq_kernel_launched_first(monkeypatch, h
         cupy_flash.flash_backward(do, q, k, v, o, lse, causal=causal, deterministic=deterministic)
     if launched_family(launched) != "backward_sm90":
         pytest.skip("the Hopper backward needs compute capability 9.0")
-    if not _traits.backward_sm90_dq_apart(_traits.forward_sm90_tile(head_dim), 0, deterministic, causal, kv_shape[1]):
+    if not sm90.backward_sm90_dq_apart(sm90.forward_sm90_tile(head_dim), 0, deterministic, causal, kv_shape[1]):
         pytest.fail("this call no longer takes the dQ kernel: pick one that does")
     busy = cupy.ones((8192, 8192), dtype=cupy.float32)
 
@@ -937,7 +938,7 @@ def test_calls_on_the_same_buffers_reuse_their_launch_parameters_only_there(path
             assert bool((bitwise(ours) == bitwise(ref)).all()), f"{name}: graph replay, kernels={path}"
 
 
-# The Hopper backward's sub-kernels, each named (kernels_cu/backward_sm90.cu; _traits.BACKWARD_SM90,
+# The Hopper backward's sub-kernels, each named (kernels_cu/backward_sm90.cu; sm90.BACKWARD_SM90,
 # BACKWARD_SM90_DQ_APART_KEYS): (head_dim, causal, deterministic, keys, window, dQ apart, split).
 # "keys": the key split (two consumers, 64 keys each); "head_dim": d = 256's head-dim split;
 # "products": d = 256 without dQ adds, one consumer S^T, the other dP^T.

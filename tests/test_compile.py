@@ -11,6 +11,7 @@ import time
 import pytest
 
 from cupy_flash import _compile, _traits, families
+from cupy_flash.families import sm90
 
 ARCHS = _compile.ALL_ARCHS
 
@@ -126,13 +127,13 @@ def test_hopper_launchers_match_their_kernels(reports):
     from cupy_flash import backward, forward
     from cupy_flash._params import PARAMS_DTYPE
 
-    launches = {"forward_sm90": (_traits.forward_sm90_threads, (forward._SM90_MAPS_BYTES, PARAMS_DTYPE.itemsize, 8)),
-                "backward_sm90": (_traits.backward_sm90_threads, (backward._SM90_MAPS_BYTES, PARAMS_DTYPE.itemsize, 8))}
+    launches = {"forward_sm90": (sm90.forward_sm90_threads, (forward._SM90_MAPS_BYTES, PARAMS_DTYPE.itemsize, 8)),
+                "backward_sm90": (sm90.backward_sm90_threads, (backward._SM90_MAPS_BYTES, PARAMS_DTYPE.itemsize, 8))}
     checked = 0
     for spec, kernel in hopper_kernels(reports):
         threads, record = launches[spec.family]
         if kernel.name.startswith("flash_backward_dq_sm90_kernel"):   # dQ apart: no tile counter
-            expected = (_traits.backward_dq_sm90_threads(_traits.backward_sm90_module_dq_apart(spec.tile, spec.features)[0]),
+            expected = (sm90.backward_dq_sm90_threads(sm90.backward_sm90_module_dq_apart(spec.tile, spec.features)[0]),
                         (backward._SM90_MAPS_BYTES, PARAMS_DTYPE.itemsize))
         else:
             expected = (threads(spec.config), record)
@@ -178,13 +179,13 @@ def test_every_hopper_instantiation_is_built_by_ci():
     accepts is among them (a flag set the rule sends to sm_90a is compiled and checked)."""
     built = {(s.family, s.dtype, s.tile, s.features, s.config) for s in families.all_module_specs()}
     for dtype in _compile.TENSOR_CORE_DTYPES:
-        for tile, sets in _traits.FORWARD_SM90_FEATURE_SETS.items():
+        for tile, sets in sm90.FORWARD_SM90_FEATURE_SETS.items():
             for flags in (0,) + sets:
                 for causal, keys in ((False, 1), (True, 1), (True, 1 << 20)):
-                    assert ("forward_sm90", dtype, tile, flags, _traits.forward_sm90_config(tile, flags, causal, keys)) in built
-        for tile, sets in _traits.BACKWARD_SM90_FEATURE_SETS.items():
+                    assert ("forward_sm90", dtype, tile, flags, sm90.forward_sm90_config(tile, flags, causal, keys)) in built
+        for tile, sets in sm90.BACKWARD_SM90_FEATURE_SETS.items():
             for flags in (0,) + sets:
-                assert ("backward_sm90", dtype, tile, flags, _traits.backward_sm90_config(tile, flags)) in built, (tile, flags)
+                assert ("backward_sm90", dtype, tile, flags, sm90.backward_sm90_config(tile, flags)) in built, (tile, flags)
 
 
 def test_generated_wgmma_operations_are_current_and_cover_the_tiles():
@@ -197,11 +198,11 @@ def test_generated_wgmma_operations_are_current_and_cover_the_tiles():
     spec.loader.exec_module(generator)
     assert generator.OUTPUT.read_text() == generator.source(), (
         "kernels_cu/sm90_wgmma_ops.cuh is stale: run python -m bench.generate_wgmma_ops")
-    assert generator.WIDTHS is _traits.SM90_WGMMA_WIDTHS
-    for tile, (_, block_n, _) in list(_traits.FORWARD_SM90.items()) + list(_traits.FORWARD_SM90_PLAIN.items()):
+    assert generator.WIDTHS is sm90.SM90_WGMMA_WIDTHS
+    for tile, (_, block_n, _) in list(sm90.FORWARD_SM90.items()) + list(sm90.FORWARD_SM90_PLAIN.items()):
         assert tile in generator.WIDTHS and block_n in generator.WIDTHS, (tile, block_n)
     # the key split's N; the head-dim split's halves, and the product split's whole query block
-    for tile, (_, block_m, _) in list(_traits.BACKWARD_SM90.items()) + list(_traits.BACKWARD_SM90_PLAIN.items()):
+    for tile, (_, block_m, _) in list(sm90.BACKWARD_SM90.items()) + list(sm90.BACKWARD_SM90_PLAIN.items()):
         halves = (tile // _traits.BACKWARD_SM90_CONSUMERS, block_m // _traits.BACKWARD_SM90_CONSUMERS, block_m)
         assert set((tile, block_m) if tile <= 128 else halves) <= set(generator.WIDTHS), tile
 

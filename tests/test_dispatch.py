@@ -8,6 +8,7 @@ from helpers import FakeGpuArray
 from cupy_flash import _traits, families
 from cupy_flash._checks import AttentionShape
 from cupy_flash._features import FEATURE_BIAS, FEATURE_SOFTCAP, FEATURE_VARLEN, FEATURE_WINDOW
+from cupy_flash.families import sm90
 
 H100 = families.DeviceInfo(90, 227 * 1024, 132)
 A100 = families.DeviceInfo(80, 163 * 1024, 108)
@@ -53,7 +54,7 @@ def backward(device, head_dim=128, seqlen=4096, deterministic=False, flags=0, se
 
 
 def test_the_hopper_backward_runs_where_it_measured_faster():
-    # _traits.BACKWARD_SM90_MIN_KEYS and BACKWARD_SM90_DETERMINISTIC_MIN_KEYS (H100, bf16 and fp16).
+    # sm90.BACKWARD_SM90_MIN_KEYS and BACKWARD_SM90_DETERMINISTIC_MIN_KEYS (H100, bf16 and fp16).
     for head_dim in (64, 128, 256):
         for causal in (False, True):
             for deterministic in (False, True):
@@ -71,13 +72,13 @@ def test_the_hopper_backward_runs_where_it_measured_faster():
 
 
 def test_the_hopper_backward_computes_dq_apart_where_it_measured_faster():
-    # _traits.BACKWARD_SM90_DQ_APART_KEYS: every plain call at d = 256; deterministic plain calls
+    # sm90.BACKWARD_SM90_DQ_APART_KEYS: every plain call at d = 256; deterministic plain calls
     # at d = 64 (any length with a causal mask, up to 2k keys without) and d = 128 (up to 2k keys);
     # never a call with variant flags, whose kernels keep the dQ adds.
-    apart = _traits.backward_sm90_dq_apart
+    apart = sm90.backward_sm90_dq_apart
     for causal in (False, True):
         for keys in (256, 2048, 2049, 16384):
-            assert apart(256, 0, False, causal, keys) == apart(256, 0, True, causal, keys) == _traits.BACKWARD_SM90_DQ_APART[256]
+            assert apart(256, 0, False, causal, keys) == apart(256, 0, True, causal, keys) == sm90.BACKWARD_SM90_DQ_APART[256]
             assert apart(64, 0, False, causal, keys) is None and apart(128, 0, False, causal, keys) is None
             for tile in (64, 128, 256):
                 assert apart(tile, FEATURE_WINDOW, True, causal, keys) is None
@@ -85,9 +86,9 @@ def test_the_hopper_backward_computes_dq_apart_where_it_measured_faster():
     assert apart(64, 0, True, True, 16384) is not None
     assert apart(64, 0, True, False, 2048) is not None and apart(64, 0, True, False, 2049) is None
     # What the modules compile: d = 256 plain only the kernels without dQ adds, d = 64 / 128 both.
-    assert _traits.backward_sm90_module_dq_apart(256, 0) == (_traits.BACKWARD_SM90_DQ_APART[256], False)
-    assert _traits.backward_sm90_module_dq_apart(128, 0) == (_traits.BACKWARD_SM90_DQ_APART[128], True)
-    assert _traits.backward_sm90_module_dq_apart(256, FEATURE_WINDOW) == (None, True)
+    assert sm90.backward_sm90_module_dq_apart(256, 0) == (sm90.BACKWARD_SM90_DQ_APART[256], False)
+    assert sm90.backward_sm90_module_dq_apart(128, 0) == (sm90.BACKWARD_SM90_DQ_APART[128], True)
+    assert sm90.backward_sm90_module_dq_apart(256, FEATURE_WINDOW) == (None, True)
 
 
 def test_only_calls_that_add_dq_zero_a_float32_accumulator():
@@ -170,33 +171,32 @@ def test_plain_causal_tiles_from_moves_the_threshold_and_drops_plans():
     """forward.plain_causal_tiles_from (the GPU tests' hopper path, the sanitizer workload): inside,
     plain causal calls take FORWARD_SM90_PLAIN's tiles from the given keys; plans made under either
     rule are dropped (their key does not hold it), and the table's threshold comes back."""
-    from cupy_flash import _traits, forward
+    from cupy_flash import forward
 
-    tile = next(iter(_traits.FORWARD_SM90_PLAIN))
-    table_before = dict(_traits.FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS)
-    plain, table = _traits.forward_sm90_config(tile), _traits.forward_sm90_config(tile, causal=True, seqlen_k=100)
+    tile = next(iter(sm90.FORWARD_SM90_PLAIN))
+    table_before = dict(sm90.FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS)
+    plain, table = sm90.forward_sm90_config(tile), sm90.forward_sm90_config(tile, causal=True, seqlen_k=100)
     assert plain != table   # 100 keys is under the threshold
     forward._plans["made outside"] = object()
     with forward.plain_causal_tiles_from(100):
         assert not forward._plans
-        assert _traits.forward_sm90_config(tile, causal=True, seqlen_k=100) == plain
-        assert _traits.forward_sm90_config(tile, causal=True, seqlen_k=99) == table
-        assert _traits.forward_sm90_config(tile, 1, causal=True, seqlen_k=4096) == _traits.forward_sm90_config(tile, 1)
+        assert sm90.forward_sm90_config(tile, causal=True, seqlen_k=100) == plain
+        assert sm90.forward_sm90_config(tile, causal=True, seqlen_k=99) == table
+        assert sm90.forward_sm90_config(tile, 1, causal=True, seqlen_k=4096) == sm90.forward_sm90_config(tile, 1)
         forward._plans["made inside"] = object()
     assert not forward._plans
-    assert _traits.forward_sm90_config(tile, causal=True, seqlen_k=100) == table
-    assert _traits.FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS == table_before   # never written
+    assert sm90.forward_sm90_config(tile, causal=True, seqlen_k=100) == table
+    assert sm90.FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS == table_before   # never written
 
 
 def test_plain_backward_calls_take_the_plain_tiles():
-    """_traits.backward_sm90_config: plain calls (flags 0) take BACKWARD_SM90_PLAIN's tiles, variant
+    """sm90.backward_sm90_config: plain calls (flags 0) take BACKWARD_SM90_PLAIN's tiles, variant
     calls BACKWARD_SM90's (tests/test_compile.py checks CI builds both)."""
-    from cupy_flash import _traits
 
-    for tile in _traits.BACKWARD_SM90:
-        plain = _traits.backward_sm90_config(tile)
-        assert plain[1:] == _traits.BACKWARD_SM90_PLAIN.get(tile, _traits.BACKWARD_SM90[tile])
-        assert _traits.backward_sm90_config(tile, FEATURE_WINDOW)[1:] == _traits.BACKWARD_SM90[tile]
+    for tile in sm90.BACKWARD_SM90:
+        plain = sm90.backward_sm90_config(tile)
+        assert plain[1:] == sm90.BACKWARD_SM90_PLAIN.get(tile, sm90.BACKWARD_SM90[tile])
+        assert sm90.backward_sm90_config(tile, FEATURE_WINDOW)[1:] == sm90.BACKWARD_SM90[tile]
 
 
 def test_backward_row_kernels_take_a_grid_the_multiprocessors_hold(monkeypatch):

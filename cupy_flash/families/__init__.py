@@ -18,7 +18,7 @@ Adding a family: its module here, and its line in FORWARD / BACKWARD and MODULES
 
 from __future__ import annotations
 
-from .. import _features, _launch, _traits
+from .. import _features, _launch
 from .._checks import AttentionShape
 from .._compile import CTYPES
 from . import cuda_core, decode, rows, sm90, tensor_core
@@ -120,7 +120,7 @@ def describe_backward(device: DeviceInfo, setting: str | None = None) -> str:
             return f"from {runs[0][1]} keys"
         return ", ".join(f"from {keys} keys at head_dim <= {tile}" for tile, keys in runs)
 
-    atomic, deterministic = _traits.BACKWARD_SM90_MIN_KEYS, _traits.BACKWARD_SM90_DETERMINISTIC_MIN_KEYS
+    atomic, deterministic = sm90.BACKWARD_SM90_MIN_KEYS, sm90.BACKWARD_SM90_DETERMINISTIC_MIN_KEYS
     when = from_keys(atomic) + ("; deterministic calls too" if deterministic == atomic
                                 else f"; deterministic: {from_keys(deterministic)}")
     return (f"float16/bfloat16: Hopper kernels {when} (no softcap, ALiBi or bias); "
@@ -128,17 +128,17 @@ def describe_backward(device: DeviceInfo, setting: str | None = None) -> str:
 
 
 def describe_dq_apart() -> str:
-    """Which Hopper backward calls compute dQ in a kernel of its own (_traits.BACKWARD_SM90_DQ_APART_KEYS)."""
+    """Which Hopper backward calls compute dQ in a kernel of its own (sm90.BACKWARD_SM90_DQ_APART_KEYS)."""
     parts = []
     previous = 0
-    for tile, keys in sorted(_traits.BACKWARD_SM90_DQ_APART_KEYS.items()):
+    for tile, keys in sorted(sm90.BACKWARD_SM90_DQ_APART_KEYS.items()):
         dims = f"head_dim {previous + 1}-{tile}"
         previous = tile
         kinds = []
         for (deterministic, causal), limit in sorted(keys.items()):
             kinds.append(f"{'deterministic' if deterministic else 'atomic'} {'causal' if causal else 'non-causal'}"
                          + (" (any length)" if limit is None else f" up to {limit} keys"))
-        if _traits.backward_sm90_dq_apart_every_call(tile):
+        if sm90.backward_sm90_dq_apart_every_call(tile):
             kinds = ["every call"]
         parts.append(f"{dims}: {', '.join(kinds)}")
     return "dQ in a kernel of its own (no window, no packed batch): " + "; ".join(parts)

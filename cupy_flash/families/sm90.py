@@ -2,21 +2,193 @@
 backward_sm90.cu, float16 and bfloat16 on a GPU of compute capability exactly 9.0 (sm_90a code
 runs there only), head_dim <= 256, inputs TMA can read (16-byte-aligned base and strides).
 
-Tiles: _traits.FORWARD_SM90 / FORWARD_SM90_PLAIN, BACKWARD_SM90 / BACKWARD_SM90_PLAIN,
-BACKWARD_SM90_DQ_APART. The kernels state their shared memory, the tile counter's size and the
-forward's grid (one block per SM or per tile, tiles from the counter or by stride:
-forward_sm90_tile_order), device variables read back from the module (``device_value``), so none
-of those is restated here."""
+Its tiles are the tables below (FORWARD_SM90 / FORWARD_SM90_PLAIN, BACKWARD_SM90 /
+BACKWARD_SM90_PLAIN, BACKWARD_SM90_DQ_APART), and where each runs. The kernels state their shared
+memory, the tile counter's size and the forward's grid (one block per SM or per tile, tiles from the
+counter or by stride: forward_sm90_tile_order), device variables read back from the module
+(``device_value``), so none of those is restated here."""
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
 
 from .. import _features, _tma, _traits
 from .._compile import TENSOR_CORE_DTYPES, ModuleSpec, device_value, get_kernel
+from .._features import FEATURE_ALIBI, FEATURE_SINK, FEATURE_SOFTCAP, FEATURE_VARLEN, FEATURE_WINDOW
 from .._launch import Launch
 from ._base import BackwardSchedule, Family, current_device_id, spec_with, template
+
+# ---- tiles ----------------------------------------------------------------------------------------
+# Hopper forward (kernels_cu/forward_sm90.cu, sm_90a): head-dim tile -> (block_m, block_n, stages).
+# block_m = 64 x consumer warpgroups (one producer warpgroup more: 128 * (1 + block_m / 64)
+# threads); the K and V tiles of `stages` key blocks are in flight. Head dims are padded to the
+# next tile (TMA reads zeros past head_dim). Shared memory is the kernel's (its storage struct);
+# the kernel checks at compile time that it fits 227 KB.
+# FlashAttention-3's bf16 tiles for reference: d<=64 192x192 (3 consumers), d<=128 128x176
+# (causal 128x128), d<=256 128x80, two stages. Measured (bench/tile_sweep.py --sm90, H100, bf16,
+# docs/performance.md): d=64 192x128 was +10% at 16k but -30% causal at 4k, and its plain kernel
+# spills 44 bytes (3 consumers get 160 registers); d=128 128x176 +3% at 16k and 1k, -2% at 4k, and
+# spills 44 bytes with variants; d=256 128x80 +7-8% over 128x64 from 4k.
+# Variant instantiations (score modifiers, windows) take these tiles: all compile spill-free.
+FORWARD_SM90 = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 80, 2)}
+# The N of every wgmma a Hopper tile table (or bench/tile_sweep.py) may use: key-block widths (S =
+# Q K^T), head-dim tiles (O += P V), the d = 256 backward's halves of a query block (S^T, 32
+# queries a consumer) and of the head dim (128). m64nNk16 allows any multiple of 8 up to 256 for
+# 16-bit inputs; kernels_cu/sm90_wgmma_ops.cuh has one operation per width (bench/generate_wgmma_ops.py).
+SM90_WGMMA_WIDTHS = (32, 64, 80, 96, 112, 128, 144, 160, 176, 192, 224, 256)
+# Plain calls (no variant flag) take these tiles instead, causal ones from FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS.
+# d = 64 192x128, three consumers (H100, interleaved against 128x128 on the same inputs,
+# bf16 and fp16): non-causal 2k-16k +8-17% (16k 444 -> 513 TFLOP/s), 1k 1.01-1.07x, 512 0.97-1.04x;
+# causal 1k 0.91-0.95x, 2k-16k 0.99-1.08x (16k 428 -> 449). Its variant kernels spill 164 bytes.
+# d = 128 128x176 (spill-free now) measured 0.86-0.97x at 1k-4k, 1.01-1.02x at 16k: not taken.
+FORWARD_SM90_PLAIN = {64: (192, 128, 2)}
+FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS = {64: 2048}
+# Where set, the threshold of every tile instead (forward.plain_causal_tiles_from: the GPU tests).
+plain_causal_min_keys: contextvars.ContextVar = contextvars.ContextVar("plain_causal_min_keys", default=None)
+# The variant flags each tile's kernels are built with (the largest sets; a variant runs here when
+# its flags are a subset of one). The bias stays on the portable kernels (a float32 tile per key
+# block would not fit beside the K/V ring).
+_SM90_ALL = FEATURE_WINDOW | FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK | FEATURE_VARLEN
+FORWARD_SM90_FEATURE_SETS = {64: (_SM90_ALL,), 128: (_SM90_ALL,), 256: (_SM90_ALL,)}
+
+
+# The Hopper forward runs at every length: with the counter-driven persistent grid causal calls at
+# head_dim <= 64 measured 1.22-1.34x the mma.sync kernels at 128-512 keys, bf16 and fp16 (H100,
+# interleaved: docs/results/h100_dispatch_short_*_20261124.json).
+
+
+# The Hopper backward (kernels_cu/backward_sm90.cu): (block_n, block_m, stages) per head-dim
+# tile, config order (head-dim tile, block_n, block_m, stages); window and packed batches; score
+# modifiers stay on the portable backward. Up to d = 128 its two consumers split a block's 128 keys;
+# at d = 256 (64 keys) they split the head dim, since dK and dV of 64 keys x 256 columns do not fit
+# one warpgroup's registers; its shared memory is then exactly the 227 KB a block may have. Without
+# dQ (BACKWARD_SM90_DQ_APART_KEYS) d = 256 splits the score products instead: consumer 0 S^T,
+# consumer 1 dP^T, each 64 keys x 64 queries (against 64 x 32 each: 1.02-1.06x, H100).
+# d = 64 takes 128 queries a block, so both consumers have a 64-row piece of dQ's product (with 64
+# queries its one 64-column chunk was consumer 0's alone).
+BACKWARD_SM90 = {64: (128, 128, 2), 128: (128, 64, 2), 256: (64, 64, 2)}
+_SM90_BACKWARD_FEATURES = _SM90_ALL & ~(FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK)
+BACKWARD_SM90_FEATURE_SETS = {tile: (_SM90_BACKWARD_FEATURES,) for tile in BACKWARD_SM90}
+# Where the automatic setting runs it (measured, H100, bf16 and fp16, the Hopper backward against
+# the portable one interleaved on the same inputs: docs/results/h100_dispatch_short_*_20261124.json).
+# Atomic dQ: 1.04-1.19x from 256 keys at every head dim, 1.19-1.39x at 512; at 128 keys 0.90-1.09x,
+# so from 256. Deterministic: 1.16-1.30x from 256 keys without a causal mask; with one, once the
+# causal deterministic backward visits query blocks last first (QueryOrder in backward_sm90.cu),
+# 1.09-1.17x at 256-512 keys at d <= 128 and 1.00x / 1.21x at 256 / 512 keys at d = 256 (before it,
+# d = 64 0.97-0.99x at 256-512 and d = 256 0.92-0.93x at 256, which had kept them portable).
+BACKWARD_SM90_MIN_KEYS = {64: 256, 128: 256, 256: 256}
+BACKWARD_SM90_DETERMINISTIC_MIN_KEYS = {64: 256, 128: 256, 256: 256}
+
+
+# Plain calls (no backward variant flags; causal or not, atomic or deterministic) take these tiles
+# instead (block_n, block_m, stages). d = 128 with 80-query blocks (FlashAttention-3's non-causal
+# tile; dQ computed transposed), against the 64-query blocks in interleaved A/B (bf16, 1k-16k,
+# docs/results/h100_sm90_bwd_block_m80_*): atomic non-causal 1.04-1.07x, causal 1.02-1.07x,
+# deterministic 1.03-1.07x. Variant kernels keep BACKWARD_SM90 (not measured at 80).
+BACKWARD_SM90_PLAIN = {128: (128, 80, 2)}
+
+
+# dQ apart: plain calls (no variant flags) that run the main kernel without dQ (dK and dV only, the
+# atomic grid, no turns) and then flash_backward_dq_sm90_kernel (kernels_cu/backward_dq_sm90.cuh) with
+# this tile (block_m, block_n, stages): each block holds BLOCK_M query rows' Q and dO and streams
+# the keys, so dQ takes no adds and the call is deterministic whether asked or not. It recomputes S
+# and dP: 7 products against 5.
+BACKWARD_SM90_DQ_APART = {64: (128, 128, 3), 128: (128, 64, 3), 256: (128, 32, 3)}
+# Which calls take it: (deterministic, causal) -> up to how many keys (None: any); absent: none.
+# Measured (H200, bf16, 1k-16k, interleaved against the kernel that adds dQ, in
+# docs/performance.md): d = 256 1.00-1.05x its atomic calls and 1.31-1.61x its deterministic
+# ones (turns there cost 1.28-1.48x the atomic time); d = 64 and 128 atomic 0.79-0.90x (their
+# main kernel hides its adds), deterministic d = 64 1.12 / 1.03 / 0.96 / 0.93x at 1k / 2k / 4k /
+# 16k without a mask and 1.34 / 1.17 / 1.05 / 1.01x with one, d = 128 1.02 / 1.00 / 0.95 / 0.91x
+# and 1.15 / 1.02 / 0.95 / 0.88x. Stages: 3 against 2 at d = 256 1.06-1.09x, d = 64 0.96-1.00x
+# (its 2: neutral), d = 128 0.97-1.05x.
+BACKWARD_SM90_DQ_APART_KEYS = {
+    64: {(True, False): 2048, (True, True): None},
+    128: {(True, False): 2048, (True, True): 2048},
+    256: {(False, False): None, (False, True): None, (True, False): None, (True, True): None},
+}
+
+
+def _dq_apart_keys(tile: int, flags: int) -> dict:
+    """BACKWARD_SM90_DQ_APART_KEYS' entry for calls with variant ``flags`` at ``tile`` (none with flags)."""
+    return BACKWARD_SM90_DQ_APART_KEYS.get(tile, {}) if flags == 0 else {}
+
+
+def backward_sm90_dq_apart_every_call(tile: int, flags: int = 0) -> bool:
+    """Whether every call with ``flags`` at ``tile``, atomic or deterministic, causal or not, at
+    any length, computes dQ apart (its module then needs no kernel that adds dQ)."""
+    keys = _dq_apart_keys(tile, flags)
+    return len(keys) == 4 and all(limit is None for limit in keys.values())
+
+
+def backward_sm90_dq_apart(tile: int, flags: int, deterministic: bool, causal: bool,
+                           seqlen_k: int) -> tuple[int, int, int] | None:
+    """The dQ kernel's (block_m, block_n, stages) where a Hopper backward call computes dQ apart
+    (BACKWARD_SM90_DQ_APART_KEYS), else None."""
+    keys = _dq_apart_keys(tile, flags)
+    if (deterministic, causal) not in keys or (keys[deterministic, causal] or seqlen_k) < seqlen_k:
+        return None
+    return BACKWARD_SM90_DQ_APART[tile]
+
+
+def backward_sm90_module_dq_apart(tile: int, flags: int) -> tuple[tuple[int, int, int] | None, bool]:
+    """(the dQ kernel's tile or None, whether the main kernel that adds dQ is needed) for the
+    module of ``tile`` and variant ``flags``: what it compiles."""
+    return (BACKWARD_SM90_DQ_APART[tile] if _dq_apart_keys(tile, flags) else None,
+            not backward_sm90_dq_apart_every_call(tile, flags))
+
+
+def backward_sm90_config(tile: int, flags: int = 0) -> tuple[int, int, int, int]:
+    """(head-dim tile, block_n, block_m, stages): the Hopper backward's template tile arguments for a
+    call with backward variant ``flags``."""
+    table = BACKWARD_SM90_PLAIN if flags == 0 and tile in BACKWARD_SM90_PLAIN else BACKWARD_SM90
+    block_n, block_m, stages = table[tile]
+    return tile, block_n, block_m, stages
+
+
+def sm90_supports_features(feature_sets: dict, tile: int, flags: int) -> bool:
+    """Whether a Hopper kernel family compiles ``flags`` at ``tile``: they fit one of its feature
+    sets (FORWARD_SM90_FEATURE_SETS, BACKWARD_SM90_FEATURE_SETS)."""
+    return any(flags & ~allowed == 0 for allowed in feature_sets[tile])
+
+
+def forward_sm90_tile(head_dim: int) -> int:
+    """The Hopper forward's head-dim tile for ``head_dim`` (<= 256)."""
+    return next(tile for tile in FORWARD_SM90 if head_dim <= tile)
+
+
+def forward_sm90_config(tile: int, flags: int = 0, causal: bool = False, seqlen_k: int = 0) -> tuple[int, int, int, int]:
+    """(block_m, head-dim tile, block_n, stages): the Hopper forward's template tile arguments for a
+    call with variant ``flags`` (_features.FEATURE_* bits), a causal mask or not, and ``seqlen_k`` keys."""
+    min_keys = plain_causal_min_keys.get()
+    min_keys = FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS.get(tile, 0) if min_keys is None else min_keys
+    plain = flags == 0 and (not causal or seqlen_k >= min_keys)
+    block_m, block_n, stages = FORWARD_SM90_PLAIN.get(tile, FORWARD_SM90[tile]) if plain else FORWARD_SM90[tile]
+    return block_m, tile, block_n, stages
+
+
+def forward_sm90_configs(tile: int, flags: int) -> tuple[tuple[int, int, int, int], ...]:
+    """Every config forward_sm90_config gives calls with ``flags`` (the modules CI builds)."""
+    calls = ((False, 0), (True, 0), (True, 1 << 30))   # (causal, keys)
+    return tuple(dict.fromkeys(forward_sm90_config(tile, flags, causal, keys) for causal, keys in calls))
+
+
+def forward_sm90_threads(config: tuple) -> int:
+    """Threads of a Hopper forward block: a producer warpgroup and one per 64 query rows."""
+    return 128 * (1 + config[0] // 64)
+
+
+def backward_dq_sm90_threads(dq_config: tuple) -> int:
+    """Threads of a Hopper dQ block (BACKWARD_SM90_DQ_APART): a producer warpgroup and one per 64 query rows."""
+    return 128 * (1 + dq_config[0] // 64)
+
+
+def backward_sm90_threads(config: tuple) -> int:
+    """Threads of a Hopper backward block: a producer warpgroup and the consumers."""
+    return 128 * (1 + _traits.BACKWARD_SM90_CONSUMERS)
+
 
 TARGET = "sm90a"
 TILE_COUNTER_BYTES = "&tile_counter_bytes"   # the device variable holding the tile counter's size (sm90_tma.cuh)
@@ -33,16 +205,16 @@ class Forward(Family):
     @staticmethod
     def warmup_specs(device, shape, flags: int) -> list:
         """Every tile config calls of ``shape`` with variant ``flags`` take (causal or not, any length)."""
-        tile = _traits.forward_sm90_tile(shape.head_dim)
-        return [Forward.module_spec(shape.dtype, tile, flags, config) for config in _traits.forward_sm90_configs(tile, flags)]
+        tile = forward_sm90_tile(shape.head_dim)
+        return [Forward.module_spec(shape.dtype, tile, flags, config) for config in forward_sm90_configs(tile, flags)]
 
     @staticmethod
     def supports(device, shape, variant, setting: str, arrays=(), deterministic: bool = False) -> bool:
-        """Every variant but ``bias`` (_traits.FORWARD_SM90_FEATURE_SETS)."""
-        if not _runs_here(device, shape, setting, _traits.FORWARD_SM90):
+        """Every variant but ``bias`` (FORWARD_SM90_FEATURE_SETS)."""
+        if not _runs_here(device, shape, setting, FORWARD_SM90):
             return False
-        tile = _traits.forward_sm90_tile(shape.head_dim)
-        return (_traits.sm90_supports_features(_traits.FORWARD_SM90_FEATURE_SETS, tile, variant.flags)
+        tile = forward_sm90_tile(shape.head_dim)
+        return (sm90_supports_features(FORWARD_SM90_FEATURE_SETS, tile, variant.flags)
                 and all(_tma.maps_supported(x) for x in arrays))
 
     @staticmethod
@@ -71,8 +243,8 @@ class Forward(Family):
     def forward_launch(device, shape, variant, arrays, config: tuple = ()) -> tuple:
         """(Launch, tensor maps, tile counter bytes) of a checked call on ``arrays`` (q, k, v, o);
         ``config`` overrides the tile table (bench/tile_sweep.py)."""
-        tile = _traits.forward_sm90_tile(shape.head_dim)
-        config = config or _traits.forward_sm90_config(tile, variant.flags, variant.causal, shape.seqlen_k)
+        tile = forward_sm90_tile(shape.head_dim)
+        config = config or forward_sm90_config(tile, variant.flags, variant.causal, shape.seqlen_k)
         name, kernel, smem, persistent, counter_bytes = _forward_kernel(current_device_id(), shape.dtype, tile, variant.flags,
                                                                         variant.causal, config)
         block_m, _, block_n, _ = config
@@ -82,7 +254,7 @@ class Forward(Family):
         tiles = -(-shape.seqlen_q // block_m) * shape.batch * shape.heads
         grid = min(tiles, device.multiprocessors) if persistent else tiles
         maps = (shape.dtype, block_m, block_n, variant.packed is not None, tuple(_tma.layout_of(x) for x in arrays))
-        return Launch(name, kernel, grid, _traits.forward_sm90_threads(config), smem), maps, counter_bytes
+        return Launch(name, kernel, grid, forward_sm90_threads(config), smem), maps, counter_bytes
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,36 +272,36 @@ def _forward_kernel(device: int, dtype: str, tile: int, flags: int, causal: bool
 
 class Backward(Family):
     """The main kernel (dK, dV, and dQ by float32 adds unless dQ is computed apart), and where
-    _traits.backward_sm90_dq_apart says so, the dQ kernel (dQ summed in registers and stored once)."""
+    backward_sm90_dq_apart says so, the dQ kernel (dQ summed in registers and stored once)."""
 
     name = "backward_sm90"
 
     @staticmethod
     def call_spec(device, shape, flags: int) -> ModuleSpec:
-        return Backward.module_spec(shape.dtype, _traits.forward_sm90_tile(shape.head_dim), flags)
+        return Backward.module_spec(shape.dtype, forward_sm90_tile(shape.head_dim), flags)
 
     @staticmethod
     def supports(device, shape, variant, setting: str, arrays=(), deterministic: bool = False) -> bool:
         """No softcap, ALiBi or bias; the automatic setting from the lengths where it measured faster
-        (_traits.BACKWARD_SM90_MIN_KEYS, BACKWARD_SM90_DETERMINISTIC_MIN_KEYS), "experimental" at
+        (BACKWARD_SM90_MIN_KEYS, BACKWARD_SM90_DETERMINISTIC_MIN_KEYS), "experimental" at
         every length (the tests' "hopper" path). ``arrays``: the inputs its tensor maps read (q, k,
         v, do; the outputs it stores by TMA, dq where the dQ kernel runs, are C-contiguous and
         16-byte aligned: _checks.output_buffer)."""
-        if not _runs_here(device, shape, setting, _traits.BACKWARD_SM90):
+        if not _runs_here(device, shape, setting, BACKWARD_SM90):
             return False
-        tile = _traits.forward_sm90_tile(shape.head_dim)
+        tile = forward_sm90_tile(shape.head_dim)
         if setting == "auto":
-            min_keys = (_traits.BACKWARD_SM90_DETERMINISTIC_MIN_KEYS if deterministic else _traits.BACKWARD_SM90_MIN_KEYS)[tile]
+            min_keys = (BACKWARD_SM90_DETERMINISTIC_MIN_KEYS if deterministic else BACKWARD_SM90_MIN_KEYS)[tile]
             if shape.seqlen_k < min_keys:
                 return False
-        return (_traits.sm90_supports_features(_traits.BACKWARD_SM90_FEATURE_SETS, tile, variant.backward_flags)
+        return (sm90_supports_features(BACKWARD_SM90_FEATURE_SETS, tile, variant.backward_flags)
                 and all(_tma.maps_supported(x) for x in arrays))
 
     @staticmethod
     def module_spec(dtype: str, tile: int, features: int = 0) -> ModuleSpec:
         features &= ~_features.FORWARD_ONLY_FEATURES
-        spec = ModuleSpec("backward_sm90", dtype, tile, TARGET, features, _traits.backward_sm90_config(tile, features))
-        dq_config, adds_dq = _traits.backward_sm90_module_dq_apart(tile, features)
+        spec = ModuleSpec("backward_sm90", dtype, tile, TARGET, features, backward_sm90_config(tile, features))
+        dq_config, adds_dq = backward_sm90_module_dq_apart(tile, features)
         kernels = tuple(Backward.kernel(spec, c) for c in (False, True)) if adds_dq else ()
         variables = (Backward.smem(spec), Backward.dq_box_rows(spec), TILE_COUNTER_BYTES)
         if dq_config:   # dQ apart: the main kernel without dQ, then the dQ kernel
@@ -164,7 +336,7 @@ class Backward(Family):
         spec = Backward.call_spec(device, shape, variant.backward_flags)
         _, _, block_m, _ = spec.config
         # Calls that compute dQ in a kernel of its own: no float32 accumulator, no turns, no convert kernel.
-        dq_apart = _traits.backward_sm90_dq_apart(spec.tile, spec.features, deterministic, variant.causal, shape.seqlen_k)
+        dq_apart = backward_sm90_dq_apart(spec.tile, spec.features, deterministic, variant.causal, shape.seqlen_k)
         # Row statistics padded also to the query blocks (80 rows: the last may end past a multiple
         # of 128) of the main kernel and the dQ kernel, so a block's lse / delta reads stay in its
         # (batch, head)'s rows.
@@ -195,13 +367,13 @@ class Backward(Family):
             name = Backward.dq_kernel(spec, dq_apart, variant.causal)
             smem = device_value(spec, Backward.dq_smem(spec, dq_apart))
             launches.append(Launch(name, get_kernel(spec, name, smem), -(-shape.seqlen_q // dq_block_m) * bh,
-                                   _traits.backward_dq_sm90_threads(dq_apart), smem, maps=1))
+                                   backward_dq_sm90_threads(dq_apart), smem, maps=1))
             maps += (((("q", dq_block_m), ("k", dq_block_n), ("v", dq_block_n), ("do", dq_block_m),
                        ("dq", _tma.STORE_ROWS)), shape.dtype, packed, layouts),)
         name = Backward.kernel(spec, variant.causal, adds_dq=not dq_apart)
         smem = device_value(spec, Backward.smem(spec))
         grid = grid_of(-(-shape.seqlen_k // block_n) * bh, deterministic and not dq_apart, device)
-        launches.append(Launch(name, get_kernel(spec, name, smem), grid, _traits.backward_sm90_threads(spec.config), smem,
+        launches.append(Launch(name, get_kernel(spec, name, smem), grid, backward_sm90_threads(spec.config), smem,
                                maps=0, early=bool(dq_apart)))
         return launches, maps, device_value(spec, TILE_COUNTER_BYTES)
 
@@ -223,11 +395,11 @@ def module_specs(dtype: str, features) -> list:
     if dtype not in TENSOR_CORE_DTYPES:
         return []
     specs = []
-    for tile, feature_sets in _traits.FORWARD_SM90_FEATURE_SETS.items():
+    for tile, feature_sets in FORWARD_SM90_FEATURE_SETS.items():
         for flags in (0,) + feature_sets if tuple(features) != (0,) else (0,):
-            for config in _traits.forward_sm90_configs(tile, flags):   # plain calls: two (FORWARD_SM90_PLAIN)
+            for config in forward_sm90_configs(tile, flags):   # plain calls: two (FORWARD_SM90_PLAIN)
                 specs.append(Forward.module_spec(dtype, tile, flags, config))
-    for tile, feature_sets in _traits.BACKWARD_SM90_FEATURE_SETS.items():
+    for tile, feature_sets in BACKWARD_SM90_FEATURE_SETS.items():
         for flags in (0,) + feature_sets if tuple(features) != (0,) else (0,):
             specs.append(Backward.module_spec(dtype, tile, flags))
     return specs
