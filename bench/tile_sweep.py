@@ -21,7 +21,8 @@ import numpy
 
 import cupy_flash
 from bench.attention import flops, make_sets, ours, time_calls, torch_peer, torch_sets
-from cupy_flash import _compile, _traits
+from cupy_flash import _compile
+from cupy_flash.families import tensor_core
 
 CANDIDATES = {
     64: [(64, 4, 2), (64, 8, 1), (128, 8, 1)],
@@ -38,7 +39,7 @@ SEQLENS = (1024, 4096, 16384)
 
 def use(tile, config):
     """Give every target's table ``config`` for ``tile`` (or, from a dict, each target its own)."""
-    for target, table in _traits.FORWARD_TC_TARGETS.items():
+    for target, table in tensor_core.FORWARD_TC_TARGETS.items():
         table[tile] = config[target] if isinstance(config, dict) else config
     _compile._modules.clear()
     _compile._functions.clear()
@@ -128,7 +129,7 @@ def main(argv=None):
     for tile, configs in (parse_candidates(argv) or CANDIDATES).items():
         heads = 2048 // tile
         shapes = peer_shapes(torch, SDPBackend.FLASH_ATTENTION, tile)
-        original = {name: table[tile] for name, table in _traits.FORWARD_TC_TARGETS.items()}
+        original = {name: table[tile] for name, table in tensor_core.FORWARD_TC_TARGETS.items()}
         for config in configs:
             use(tile, config)
             ok = error_ok(tile)

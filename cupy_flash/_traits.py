@@ -19,28 +19,15 @@ HEAD_DIM_TILES = (32, 64, 96, 128, 160, 192, 224, 256)
 MAX_HEAD_DIM = HEAD_DIM_TILES[-1]
 SMEM_LIMIT_BYTES = 99 * 1024
 
+# The CUDA-core family's tiles (families/cuda_core.py), here because _checks bounds every call's
+# grid by the smallest of them before a family is chosen.
 # (block_m, block_n): query rows and key rows per block.
 FORWARD_BLOCKS = {32: (64, 64), 64: (64, 64), 96: (64, 64), 128: (64, 64),
                   160: (32, 32), 192: (32, 32), 224: (32, 32), 256: (32, 32)}
-# Tensor-core forward (fp16/bf16): tile -> (block_n, num_warps, m_tiles); 128 query rows per block
-# (16 * num_warps * m_tiles). Up to d=128, 4 warps of 32 rows (each K/V fragment feeds two mma's);
-# above, 8 warps of 16 rows, since 2 x d fp32 accumulators per thread would not fit in registers.
-# The first version (64 rows, 4 warps x 16) ran at 0.65-0.73x FlashAttention-2 (bf16, H100, >= 2k).
-#
-# One table per target, since what fits depends on the part:
-#   "sm8x": sm_80+ parts that give a block 99 KB of shared memory (RTX 30/40): block_n 32 at d >= 192.
-#   "sm80": A100-class parts (163 KB per block): the 8-warp tiles take 64 keys, as
-#           FlashAttention-2 does at d=256.
-#   "sm90": H100: also 64 keys at d=128, +5% at 16k and +14% at 1k over 32 (bf16, tile sweep);
-#           sm_80's ptxas spills 24 B with that tile, sm_90's none.
-# At d=64, block_n 128 was +3-5% at 16k but -6% causal at 1k and spills 8 B on sm_90: kept at 64.
-FORWARD_TC = {32: (64, 4, 2), 64: (64, 4, 2), 96: (32, 4, 2), 128: (32, 4, 2),
-              160: (64, 8, 1), 192: (32, 8, 1), 224: (32, 8, 1), 256: (32, 8, 1)}
-FORWARD_TC_TARGETS = {
-    "sm8x": FORWARD_TC,
-    "sm80": {**FORWARD_TC, 192: (64, 8, 1), 224: (64, 8, 1), 256: (64, 8, 1)},
-    "sm90": {**FORWARD_TC, 128: (64, 4, 2), 192: (64, 8, 1), 224: (64, 8, 1), 256: (64, 8, 1)},
-}
+# Shared by the main backward kernel (one block per key block) and the deterministic dQ kernel.
+BACKWARD_BLOCKS = {32: (64, 64), 64: (32, 64), 96: (32, 32), 128: (32, 32),
+                   160: (16, 16), 192: (16, 16), 224: (16, 16), 256: (16, 16)}
+
 # The architecture each target's kernels are compiled and checked for (CI compiles offline), and
 # the shared memory a block of that target may use. sm90a is the Hopper family's (wgmma and
 # setmaxnreg exist only in sm_90a code, which runs on compute capability 9.0 alone).
@@ -62,53 +49,9 @@ def tensor_core_target(compute_capability: int, smem_per_block: int) -> str:
     return "sm80" if smem_per_block >= TARGET_SMEM_BYTES["sm80"] else "sm8x"
 
 
-def forward_tc_config(tile: int, target: str = "sm8x") -> tuple[int, int, int]:
-    """(block_n, num_warps, m_tiles) of the tensor-core forward."""
-    return FORWARD_TC_TARGETS[target][tile]
-
-
-def forward_tc_block_m(tile: int, target: str = "sm8x") -> int:
-    _, num_warps, m_tiles = forward_tc_config(tile, target)
-    return 16 * num_warps * m_tiles
-
-
-# Tensor-core backward (fp16/bf16): tile -> (block_m, block_n, num_warps, stages, s_key_warps,
-# kv_key_warps) per target. The warps form an s_key_warps x rest grid over keys x queries for S^T
-# and dP^T, and a kv_key_warps x rest grid over keys x head dim for dK and dV (backward_tc.cu);
-# each thread's dK + dV accumulators stay <= 128 fp32 registers. stages = 2 double-buffers Q and
-# dO where shared memory allows. FlashAttention-2's shapes: 64 x 128 (128 x 128 at d <= 64) of
-# 8 warps with 32 x 32 score tiles and 32 x 64 dK/dV tiles per warp at d <= 128; 64 x 64 above.
-BACKWARD_TC_TARGETS = {
-    "sm8x": {32: (64, 64, 4, 2, 2, 2), 64: (64, 64, 4, 2, 2, 2), 96: (32, 64, 4, 2, 2, 2),
-             128: (64, 64, 4, 1, 2, 2), 160: (32, 32, 4, 1, 2, 2), 192: (32, 32, 4, 1, 2, 2),
-             224: (32, 32, 4, 1, 2, 2), 256: (32, 32, 4, 1, 2, 2)},
-    "sm80": {32: (128, 128, 8, 2, 4, 8), 64: (64, 128, 8, 2, 4, 4), 96: (64, 64, 8, 2, 4, 4),
-             128: (64, 128, 8, 1, 4, 4), 160: (64, 64, 8, 2, 4, 4), 192: (64, 64, 8, 1, 4, 2),
-             224: (64, 64, 8, 1, 2, 4), 256: (64, 64, 8, 1, 2, 2)},
-    "sm90": {32: (128, 128, 8, 2, 4, 8), 64: (128, 128, 8, 2, 4, 4), 96: (64, 64, 8, 2, 4, 4),
-             128: (64, 128, 8, 2, 4, 4), 160: (64, 64, 8, 2, 4, 4), 192: (64, 64, 8, 2, 4, 2),
-             224: (64, 64, 8, 2, 4, 4), 256: (64, 64, 8, 1, 4, 2)},
-}
-# sm80 d=224 and d=256 take 2 key warps for the scores (32 x 16 warp tiles): with 4 (16 x 32), sm_80's ptxas
-# spilled 4 bytes in the causal kernels (ptxas sits at 255 registers there and flips with small edits).
 # delta and lse_log2 rows are padded to a multiple of this (every block_m divides it).
 ROW_STAT_PADDING = 128
 
-
-def backward_tc_config(tile: int, target: str = "sm8x") -> tuple[int, int, int, int, int, int]:
-    """(block_m, block_n, num_warps, stages, s_key_warps, kv_key_warps) of the tensor-core backward."""
-    return BACKWARD_TC_TARGETS[target][tile]
-
-
-def backward_tc_smem_bytes(tile: int, target: str = "sm8x") -> int:
-    block_m, block_n, _, stages, _, _ = backward_tc_config(tile, target)
-    ld, ldm = tile + 8, block_m + 8
-    return 2 * (2 * block_n * ld + 2 * stages * block_m * ld + 2 * block_n * ldm) + 4 * 2 * stages * block_m
-
-
-# Shared by the main backward kernel (one block per key block) and the deterministic dQ kernel.
-BACKWARD_BLOCKS = {32: (64, 64), 64: (32, 64), 96: (32, 32), 128: (32, 32),
-                   160: (16, 16), 192: (16, 16), 224: (16, 16), 256: (16, 16)}
 
 # Decoding (decode.cu): 4 warps, each streaming its own 16-key tiles through its shared-memory stages
 # beside one 16-row Q tile; the epilogue reuses the stages for the warps' float32 O.
@@ -165,30 +108,3 @@ def head_dim_tile(head_dim: int) -> int:
         if head_dim <= tile:
             return tile
     raise ValueError(f"head_dim {head_dim} exceeds {MAX_HEAD_DIM}")
-
-
-# Dynamic shared memory of each kernel; mirrors the carve-up at the top of each kernel, which
-# traps if it is given less than this.
-def forward_smem_bytes(tile: int) -> int:
-    block_m, block_n = FORWARD_BLOCKS[tile]
-    ld = tile + 1
-    return 4 * (block_m * ld + block_n * ld + block_m * (block_n + 1))
-
-
-def forward_tc_smem_bytes(tile: int, target: str = "sm8x", bias: bool = False) -> int:
-    # Q tile and one K and one V tile of 2-byte elements, rows padded by 8 elements; with a bias,
-    # a float32 bias tile (BLOCK_M x (BLOCK_N + 8)).
-    block_m, block_n = forward_tc_block_m(tile, target), forward_tc_config(tile, target)[0]
-    return 2 * (block_m + 2 * block_n) * (tile + 8) + (4 * block_m * (block_n + 8) if bias else 0)
-
-
-def backward_smem_bytes(tile: int) -> int:
-    block_m, block_n = BACKWARD_BLOCKS[tile]
-    ld = tile + 1
-    return 4 * (2 * block_n * ld + 2 * block_m * ld + 2 * block_n * (block_m + 1) + 2 * block_m)
-
-
-def backward_dq_smem_bytes(tile: int) -> int:
-    block_m, block_n = BACKWARD_BLOCKS[tile]
-    ld = tile + 1
-    return 4 * (2 * block_m * ld + 2 * block_n * ld + block_m * (block_n + 1) + 2 * block_m)

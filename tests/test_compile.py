@@ -11,7 +11,7 @@ import time
 import pytest
 
 from cupy_flash import _compile, _traits, families
-from cupy_flash.families import sm90
+from cupy_flash.families import cuda_core, sm90, tensor_core
 
 ARCHS = _compile.ALL_ARCHS
 
@@ -163,14 +163,14 @@ def test_every_head_dim_maps_to_a_compiled_tile():
 
 @pytest.mark.parametrize("tile", _traits.HEAD_DIM_TILES)
 def test_shared_memory_fits_every_sm80_plus_part(tile):
-    for smem in (_traits.forward_smem_bytes(tile), _traits.forward_tc_smem_bytes(tile, "sm8x"),
-                 _traits.backward_smem_bytes(tile), _traits.backward_dq_smem_bytes(tile)):
+    for smem in (cuda_core.forward_smem_bytes(tile), tensor_core.forward_tc_smem_bytes(tile, "sm8x"),
+                 cuda_core.backward_smem_bytes(tile), cuda_core.backward_dq_smem_bytes(tile)):
         assert smem <= _traits.SMEM_LIMIT_BYTES
     # The other tables are only chosen where the device allows them.
     for target in _traits.TENSOR_CORE_TARGETS:
         limit = _traits.TARGET_SMEM_BYTES[target]
-        assert _traits.forward_tc_smem_bytes(tile, target) <= limit
-        assert _traits.backward_tc_smem_bytes(tile, target) <= limit
+        assert tensor_core.forward_tc_smem_bytes(tile, target) <= limit
+        assert tensor_core.backward_tc_smem_bytes(tile, target) <= limit
 
 
 def test_every_hopper_instantiation_is_built_by_ci():

@@ -1,5 +1,6 @@
 """The CUDA-core family (float32): kernels_cu/forward.cu and backward.cu, on any GPU. Blocks of
-_traits.THREADS threads; tiles from _traits.FORWARD_BLOCKS and BACKWARD_BLOCKS. The backward sums
+_traits.THREADS threads; tiles from _traits.FORWARD_BLOCKS and BACKWARD_BLOCKS (kept there: _checks
+bounds every call's grid by them before a family is chosen), shared memory below. The backward sums
 dQ by float32 atomics, or (deterministic) in a dQ pass of its own."""
 
 from __future__ import annotations
@@ -8,6 +9,27 @@ from .. import _features, _traits
 from .._compile import ModuleSpec, get_kernel
 from .._launch import Launch
 from ._base import BackwardSchedule, Family, spec_with, template
+
+
+# ---- shared memory ------------------------------------------------------------------------------
+# Dynamic shared memory of each kernel; mirrors the carve-up at the top of each kernel, which
+# traps if it is given less than this.
+def forward_smem_bytes(tile: int) -> int:
+    block_m, block_n = _traits.FORWARD_BLOCKS[tile]
+    ld = tile + 1
+    return 4 * (block_m * ld + block_n * ld + block_m * (block_n + 1))
+
+
+def backward_smem_bytes(tile: int) -> int:
+    block_m, block_n = _traits.BACKWARD_BLOCKS[tile]
+    ld = tile + 1
+    return 4 * (2 * block_n * ld + 2 * block_m * ld + 2 * block_n * (block_m + 1) + 2 * block_m)
+
+
+def backward_dq_smem_bytes(tile: int) -> int:
+    block_m, block_n = _traits.BACKWARD_BLOCKS[tile]
+    ld = tile + 1
+    return 4 * (2 * block_m * ld + 2 * block_n * ld + block_m * (block_n + 1) + 2 * block_m)
 
 
 class _CudaCore(Family):
@@ -38,7 +60,7 @@ class Forward(_CudaCore):
         """(Launch, tensor maps, tile counter bytes) of a checked call."""
         spec = Forward.call_spec(device, shape, variant.flags)
         name = Forward.kernel(spec, variant.causal)
-        smem = _traits.forward_smem_bytes(shape.tile)
+        smem = forward_smem_bytes(shape.tile)
         block_m, _ = _traits.FORWARD_BLOCKS[shape.tile]
         grid = -(-shape.seqlen_q // block_m) * shape.batch * shape.heads
         return Launch(name, get_kernel(spec, name, smem), grid, _traits.THREADS, smem), (), 0
@@ -82,11 +104,11 @@ class Backward(_CudaCore):
         spec, bh = schedule.spec, shape.batch * shape.heads
         block_m, block_n = _traits.BACKWARD_BLOCKS[shape.tile]
         name = Backward.kernel(spec, variant.causal, atomic_dq=not deterministic)
-        smem = _traits.backward_smem_bytes(shape.tile)
+        smem = backward_smem_bytes(shape.tile)
         launches = [Launch(name, get_kernel(spec, name, smem), -(-shape.seqlen_k // block_n) * bh, _traits.THREADS, smem)]
         if deterministic:   # dQ in a pass of its own
             name = Backward.dq_kernel(spec, variant.causal)
-            smem = _traits.backward_dq_smem_bytes(shape.tile)
+            smem = backward_dq_smem_bytes(shape.tile)
             launches.append(Launch(name, get_kernel(spec, name, smem), -(-shape.seqlen_q // block_m) * bh,
                                    _traits.THREADS, smem))
         return launches, None, 0
