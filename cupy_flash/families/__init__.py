@@ -1,8 +1,8 @@
 """Kernel families: which compiled kernels a call runs on this GPU, and the registry of them.
 
 A family is one object per kernel file pair with everything of it the launch code needs: which
-calls it ``supports``, its module specs (the instantiations to compile), and its launches (grid,
-threads, shared memory, tensor maps). The plans (forward.forward_plan, backward.backward_plan,
+calls it ``supports``, its tile table, its module specs (the instantiations to compile), and its
+launches (grid, threads, shared memory, tensor maps). The plans (forward.forward_plan, backward.backward_plan,
 decode.decode_plan) ask the registry and contain no family branches.
 
     sm90.Forward, sm90.Backward     Hopper (wgmma, TMA, warp specialisation; sm_90a): float16 and
