@@ -19,6 +19,175 @@
 #include "common.cuh"
 #include "tensor_core.cuh"
 
+// Zeroes the O accumulators and starts each row's running max at -inf and its sum at 0.
+template <int M_TILES, int O_TILES>
+__device__ __forceinline__ void init_rows_tc(float (&o_acc)[M_TILES][O_TILES][4], float (&row_max)[M_TILES][2],
+                                             float (&row_max_scaled)[M_TILES][2], float (&row_sum)[M_TILES][2]) {
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m) {
+#pragma unroll
+        for (int j = 0; j < O_TILES; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o_acc[m][j][e] = 0.f;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            row_max[m][r] = FLASH_NEG_INF;
+            row_max_scaled[m][r] = 0.f;
+            row_sum[m][r] = 0.f;
+        }
+    }
+}
+
+// Stages the bias tile of the key block at kv_start in shared memory (FEATURE_BIAS).
+template <int BLOCK_M, int BLOCK_N, int BIAS_LD, int THREADS, int FEATURES>
+__device__ __forceinline__ void stage_bias_tile_tc(float* bias_tile, const ScoreMod<FEATURES>& mod, int q_start, int kv_start,
+                                                   int seqlen_q, int seqlen_k) {
+    // 4-byte copies: any strides (0 where the bias broadcasts); outside the sequence, zeros.
+#pragma unroll 1
+    for (int idx = threadIdx.x; idx < BLOCK_M * BLOCK_N; idx += THREADS) {
+        const int r = idx / BLOCK_N, c = idx % BLOCK_N;
+        const bool inside = q_start + r < seqlen_q && kv_start + c < seqlen_k;
+        cp_async_4(smem_addr(bias_tile + r * BIAS_LD + c),
+                   mod.bias + (inside ? (q_start + r) * mod.bias_row + (kv_start + c) * mod.bias_col : 0), inside);
+    }
+}
+
+// S = Q K_j^T for the warp's rows x BLOCK_N keys; each K fragment serves all M_TILES. q_frag holds
+// the Q fragments of one k-step (the kernel's array: where it is declared changes the machine code).
+template <typename T, int D_TILE, int LD, int M_TILES, int S_TILES>
+__device__ __forceinline__ void scores_tc(float (&s)[M_TILES][S_TILES][4], unsigned int (&q_frag)[M_TILES][4],
+                                          unsigned int q_lane, unsigned int k_lane) {
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+        for (int j = 0; j < S_TILES; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[m][j][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D_TILE / 16; ++kk) {
+#pragma unroll
+        for (int m = 0; m < M_TILES; ++m)
+            ldmatrix_x4(q_frag[m], q_lane + 2u * (16 * m * LD + kk * 16));
+#pragma unroll
+        for (int j = 0; j < S_TILES; j += 2) {
+            unsigned int bfrag[4];   // {b0, b1} of key tile j, then of key tile j + 1
+            ldmatrix_x4(bfrag, k_lane + 2u * (j * 8 * LD + kk * 16));
+#pragma unroll
+            for (int m = 0; m < M_TILES; ++m) {
+                mma_two_tiles<T>(s[m][j], s[m][j + 1], q_frag[m], bfrag);
+            }
+        }
+    }
+}
+
+// The score modification of the warp's scores of the key block at kv_start (log2-domain logits; the
+// bias from the staged tile).
+template <int BIAS_LD, int FEATURES, int M_TILES, int S_TILES>
+__device__ __forceinline__ void modify_scores_tc(float (&s)[M_TILES][S_TILES][4], const ScoreMod<FEATURES>& mod,
+                                                 const float* bias_tile, int q_start, int warp_row, int kv_start, int g, int t) {
+    if (ScoreMod<FEATURES>::active) {
+#pragma unroll
+        for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+            for (int j = 0; j < S_TILES; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int query = q_start + warp_row + 16 * m + g + 8 * (e >> 1);
+                    const int key = kv_start + j * 8 + 2 * t + (e & 1);
+                    const float bias_value =
+                        (FEATURES & FEATURE_BIAS) ? bias_tile[(query - q_start) * BIAS_LD + key - kv_start] : 0.f;
+                    s[m][j][e] = mod.log2_logit_with(s[m][j][e], query, key, bias_value);
+                }
+    }
+}
+
+// Online softmax of one key block (the 4 threads of a quad share a row): raises the row maxima,
+// turns the scores into P = exp2(S * score_log2 - max), adds P's row sums and rescales O.
+template <int M_TILES, int S_TILES, int O_TILES>
+__device__ __forceinline__ void online_softmax_tc(float (&s)[M_TILES][S_TILES][4], float (&o_acc)[M_TILES][O_TILES][4],
+                                                  float (&row_max)[M_TILES][2], float (&row_max_scaled)[M_TILES][2],
+                                                  float (&row_sum)[M_TILES][2], float score_log2) {
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float block_max = FLASH_NEG_INF;
+#pragma unroll
+            for (int j = 0; j < S_TILES; ++j) block_max = fmaxf(block_max, fmaxf(s[m][j][2 * r], s[m][j][2 * r + 1]));
+            block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 1));
+            block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 2));
+            const float rescale = raise_row_max(row_max[m][r], row_max_scaled[m][r], block_max, score_log2);
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < S_TILES; ++j)
+#pragma unroll
+                for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                    s[m][j][e] = exp2f(fmaf(s[m][j][e], score_log2, -row_max_scaled[m][r]));
+                    sum += s[m][j][e];
+                }
+            row_sum[m][r] = row_sum[m][r] * rescale + sum;
+            // Unconditional: skipping this when a warp vote finds every rescale == 1 measured
+            // 9% slower at d=64 and 3% at d=128 (bf16, 16k, H100).
+#pragma unroll
+            for (int j = 0; j < O_TILES; ++j) {
+                o_acc[m][j][2 * r] *= rescale;
+                o_acc[m][j][2 * r + 1] *= rescale;
+            }
+        }
+}
+
+// O += P V_j: P from the S accumulators (two key tiles = one A fragment, packed into p_frag, the
+// kernel's array as scores_tc's q_frag), V by ldmatrix.trans; each V fragment serves all M_TILES.
+template <typename T, int BLOCK_N, int LD, int M_TILES, int S_TILES, int O_TILES>
+__device__ __forceinline__ void accumulate_pv_tc(float (&o_acc)[M_TILES][O_TILES][4], unsigned int (&p_frag)[M_TILES][4],
+                                                 const float (&s)[M_TILES][S_TILES][4], unsigned int v_lane) {
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+#pragma unroll
+        for (int m = 0; m < M_TILES; ++m) {
+            p_frag[m][0] = Mma<T>::pack(s[m][2 * kk][0], s[m][2 * kk][1]);
+            p_frag[m][1] = Mma<T>::pack(s[m][2 * kk][2], s[m][2 * kk][3]);
+            p_frag[m][2] = Mma<T>::pack(s[m][2 * kk + 1][0], s[m][2 * kk + 1][1]);
+            p_frag[m][3] = Mma<T>::pack(s[m][2 * kk + 1][2], s[m][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int j = 0; j < O_TILES; j += 2) {
+            unsigned int bfrag[4];   // {b0, b1} of d tile j, then of d tile j + 1
+            ldmatrix_x4_trans(bfrag, v_lane + 2u * (kk * 16 * LD + j * 8));
+#pragma unroll
+            for (int m = 0; m < M_TILES; ++m) {
+                mma_two_tiles<T>(o_acc[m][j], o_acc[m][j + 1], p_frag[m], bfrag);
+            }
+        }
+    }
+}
+
+// Epilogue of the warp's rows: normalises O and stages it (as T) in the Q tile at its rows, which
+// only this warp has read, and writes each row's lse.
+template <typename T, int LD, int FEATURES, int M_TILES, int O_TILES>
+__device__ __forceinline__ void finish_rows_tc(const FlashParams& p, long long h, const float (&o_acc)[M_TILES][O_TILES][4],
+                                               const float (&row_max)[M_TILES][2], const float (&row_max_scaled)[M_TILES][2],
+                                               const float (&row_sum)[M_TILES][2], T* q_tile, float* lse, int q_start,
+                                               int warp_row, int g, int t, int seqlen_q) {
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float total = row_sum[m][r];
+            total += __shfl_xor_sync(0xffffffffu, total, 1);
+            total += __shfl_xor_sync(0xffffffffu, total, 2);
+            const int row = warp_row + 16 * m + g + 8 * r;
+            const float2 lse_inv = finish_row<FEATURES>(p, h, row_max[m][r], row_max_scaled[m][r], total);
+            const float inv = lse_inv.y;
+#pragma unroll
+            for (int j = 0; j < O_TILES; ++j) {
+                *reinterpret_cast<unsigned int*>(q_tile + row * LD + j * 8 + 2 * t) =
+                    Mma<T>::pack(o_acc[m][j][2 * r] * inv, o_acc[m][j][2 * r + 1] * inv);
+            }
+            if (t == 0 && q_start + row < seqlen_q) lse[q_start + row] = lse_inv.x;
+        }
+}
+
 template <typename T, int D_TILE, int BLOCK_N, int NUM_WARPS, int M_TILES, bool IS_CAUSAL, int FEATURES>
 __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(const FlashParams p) {
     constexpr int THREADS = 32 * NUM_WARPS;
@@ -71,19 +240,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
     float o_acc[M_TILES][O_TILES][4];
     // Per thread and m-tile: rows g (index 0) and g + 8 (index 1) of the tile's 16.
     float row_max[M_TILES][2], row_max_scaled[M_TILES][2], row_sum[M_TILES][2];
-#pragma unroll
-    for (int m = 0; m < M_TILES; ++m) {
-#pragma unroll
-        for (int j = 0; j < O_TILES; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o_acc[m][j][e] = 0.f;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            row_max[m][r] = FLASH_NEG_INF;
-            row_max_scaled[m][r] = 0.f;
-            row_sum[m][r] = 0.f;
-        }
-    }
+    init_rows_tc(o_acc, row_max, row_max_scaled, row_sum);
     const int warp_row = warp * 16 * M_TILES;
     // ldmatrix.x4 lane addresses: lanes 8i..8i+7 give the rows of 8x8 matrix i.
     const unsigned int q_lane = smem_addr(q_tile + warp_row * LD) + a_frag_lane<LD>(lane);
@@ -95,42 +252,13 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
         cp_async_wait();
         __syncthreads();   // K_j (and Q) landed; every warp is done reading V_{j-1}
         async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(v_tile, v + kv_start * p.v_strides[1], p.v_strides[1], seqlen_k - kv_start, head_dim);
-        if (FEATURES & FEATURE_BIAS) {
-            // 4-byte copies: any strides (0 where the bias broadcasts); outside the sequence, zeros.
-#pragma unroll 1
-            for (int idx = threadIdx.x; idx < BLOCK_M * BLOCK_N; idx += THREADS) {
-                const int r = idx / BLOCK_N, c = idx % BLOCK_N;
-                const bool inside = q_start + r < seqlen_q && kv_start + c < seqlen_k;
-                cp_async_4(smem_addr(bias_tile + r * BIAS_LD + c),
-                           mod.bias + (inside ? (q_start + r) * mod.bias_row + (kv_start + c) * mod.bias_col : 0), inside);
-            }
-        }
+        if (FEATURES & FEATURE_BIAS)
+            stage_bias_tile_tc<BLOCK_M, BLOCK_N, BIAS_LD, THREADS>(bias_tile, mod, q_start, kv_start, seqlen_q, seqlen_k);
         cp_async_commit();
 
-        // S = Q K_j^T for the warp's rows x BLOCK_N keys; each K fragment serves all M_TILES.
         float s[M_TILES][S_TILES][4];
-#pragma unroll
-        for (int m = 0; m < M_TILES; ++m)
-#pragma unroll
-            for (int j = 0; j < S_TILES; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[m][j][e] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < D_TILE / 16; ++kk) {
-            unsigned int a[M_TILES][4];
-#pragma unroll
-            for (int m = 0; m < M_TILES; ++m)
-                ldmatrix_x4(a[m], q_lane + 2u * (16 * m * LD + kk * 16));
-#pragma unroll
-            for (int j = 0; j < S_TILES; j += 2) {
-                unsigned int bfrag[4];   // {b0, b1} of key tile j, then of key tile j + 1
-                ldmatrix_x4(bfrag, k_lane + 2u * (j * 8 * LD + kk * 16));
-#pragma unroll
-                for (int m = 0; m < M_TILES; ++m) {
-                    mma_two_tiles<T>(s[m][j], s[m][j + 1], a[m], bfrag);
-                }
-            }
-        }
+        unsigned int q_frag[M_TILES][4];   // scores_tc's Q fragments
+        scores_tc<T, D_TILE, LD>(s, q_frag, q_lane, k_lane);
 
         cp_async_wait();
         __syncthreads();   // V_j landed; every warp is done reading K_j
@@ -140,19 +268,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
         }
         cp_async_commit();
 
-        if (ScoreMod<FEATURES>::active) {
-#pragma unroll
-            for (int m = 0; m < M_TILES; ++m)
-#pragma unroll
-                for (int j = 0; j < S_TILES; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int query = q_start + warp_row + 16 * m + g + 8 * (e >> 1);
-                        const int key = kv_start + j * 8 + 2 * t + (e & 1);
-                        const float bias_value = (FEATURES & FEATURE_BIAS) ? bias_tile[(query - q_start) * BIAS_LD + key - kv_start] : 0.f;
-                        s[m][j][e] = mod.log2_logit_with(s[m][j][e], query, key, bias_value);
-                    }
-        }
+        modify_scores_tc<BIAS_LD>(s, mod, bias_tile, q_start, warp_row, kv_start, g, t);
         // Mask only blocks that cross the sequence end or a band edge (int arithmetic: keys and
         // queries are < 2^30, so key - query and the band offsets fit).
         if (tile_needs_mask<IS_CAUSAL, FEATURES>(q_start, BLOCK_M, kv_start, BLOCK_N, seqlen_k, band)) {
@@ -168,57 +284,10 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
                     }
         }
 
-        // Online softmax (the 4 threads of a quad share a row).
-#pragma unroll
-        for (int m = 0; m < M_TILES; ++m)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float block_max = FLASH_NEG_INF;
-#pragma unroll
-                for (int j = 0; j < S_TILES; ++j) block_max = fmaxf(block_max, fmaxf(s[m][j][2 * r], s[m][j][2 * r + 1]));
-                block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 1));
-                block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 2));
-                const float rescale = raise_row_max(row_max[m][r], row_max_scaled[m][r], block_max, score_log2);
-                float sum = 0.f;
-#pragma unroll
-                for (int j = 0; j < S_TILES; ++j)
-#pragma unroll
-                    for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                        s[m][j][e] = exp2f(fmaf(s[m][j][e], score_log2, -row_max_scaled[m][r]));
-                        sum += s[m][j][e];
-                    }
-                row_sum[m][r] = row_sum[m][r] * rescale + sum;
-                // Unconditional: skipping this when a warp vote finds every rescale == 1 measured
-                // 9% slower at d=64 and 3% at d=128 (bf16, 16k, H100).
-#pragma unroll
-                for (int j = 0; j < O_TILES; ++j) {
-                    o_acc[m][j][2 * r] *= rescale;
-                    o_acc[m][j][2 * r + 1] *= rescale;
-                }
-            }
+        online_softmax_tc(s, o_acc, row_max, row_max_scaled, row_sum, score_log2);
 
-        // O += P V_j: P from the S accumulators (two key tiles = one A fragment), V by ldmatrix.trans;
-        // each V fragment serves all M_TILES.
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            unsigned int a[M_TILES][4];
-#pragma unroll
-            for (int m = 0; m < M_TILES; ++m) {
-                a[m][0] = Mma<T>::pack(s[m][2 * kk][0], s[m][2 * kk][1]);
-                a[m][1] = Mma<T>::pack(s[m][2 * kk][2], s[m][2 * kk][3]);
-                a[m][2] = Mma<T>::pack(s[m][2 * kk + 1][0], s[m][2 * kk + 1][1]);
-                a[m][3] = Mma<T>::pack(s[m][2 * kk + 1][2], s[m][2 * kk + 1][3]);
-            }
-#pragma unroll
-            for (int j = 0; j < O_TILES; j += 2) {
-                unsigned int bfrag[4];   // {b0, b1} of d tile j, then of d tile j + 1
-                ldmatrix_x4_trans(bfrag, v_lane + 2u * (kk * 16 * LD + j * 8));
-#pragma unroll
-                for (int m = 0; m < M_TILES; ++m) {
-                    mma_two_tiles<T>(o_acc[m][j], o_acc[m][j + 1], a[m], bfrag);
-                }
-            }
-        }
+        unsigned int p_frag[M_TILES][4];   // accumulate_pv_tc's P fragments
+        accumulate_pv_tc<T, BLOCK_N, LD>(o_acc, p_frag, s, v_lane);
     }
 
     // Epilogue: normalise, write lse, stage O in the Q tile (each warp only its own rows, which
@@ -226,23 +295,8 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
     cp_async_wait();
     __syncthreads();
     float* lse = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_row0;
-#pragma unroll
-    for (int m = 0; m < M_TILES; ++m)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float total = row_sum[m][r];
-            total += __shfl_xor_sync(0xffffffffu, total, 1);
-            total += __shfl_xor_sync(0xffffffffu, total, 2);
-            const int row = warp_row + 16 * m + g + 8 * r;
-            const float2 lse_inv = finish_row<FEATURES>(p, h, row_max[m][r], row_max_scaled[m][r], total);
-            const float inv = lse_inv.y;
-#pragma unroll
-            for (int j = 0; j < O_TILES; ++j) {
-                *reinterpret_cast<unsigned int*>(q_tile + row * LD + j * 8 + 2 * t) =
-                    Mma<T>::pack(o_acc[m][j][2 * r] * inv, o_acc[m][j][2 * r + 1] * inv);
-            }
-            if (t == 0 && q_start + row < seqlen_q) lse[q_start + row] = lse_inv.x;
-        }
+    finish_rows_tc<T, LD, FEATURES>(p, h, o_acc, row_max, row_max_scaled, row_sum, q_tile, lse, q_start, warp_row, g, t,
+                                    seqlen_q);
     __syncthreads();
     store_staged_tile<T, BLOCK_M, D_TILE, LD, THREADS>(static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, seq.q_row0 + q_start, h),
                                                        p.o_strides[1], q_tile, seqlen_q - q_start, head_dim);
