@@ -3,7 +3,7 @@ side by side (each runs three times: the profiler's --launch-skip passes the war
 
     ncu --clock-control none --kernel-name regex:"flash_|fmha|sdpa|cudnn" --launch-skip 4 --launch-count 2 \\
         --section SpeedOfLight --section WarpStateStats --section InstructionStats \\
-        python bench/ncu_attention.py --mode fwd --peer cudnn --head-dim 128 --seqlen 8192
+        python -m bench.ncu_attention --mode fwd --peer cudnn --head-dim 128 --seqlen 8192
 
 --mode fwd: flash_forward against the peer's forward; --mode bwd: flash_backward against the
 peer's backward (--deterministic 1: ours with deterministic=True). --peer flash (FlashAttention-2 in

@@ -1,7 +1,7 @@
 """Bandwidth of the backward's preprocessing kernel (delta = rowsum(dO * O), lse_log2, zeroing the
 float32 dQ accumulator) against this device's copy rate, both timed with CUDA events.
 
-    python bench/preprocess_rate.py
+    python -m bench.preprocess_rate      # from the repository's root
 """
 
 from __future__ import annotations
@@ -43,4 +43,11 @@ def main():
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(prog="python -m bench.preprocess_rate", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    from cupy_flash._device import require_gpu
+
+    require_gpu("python -m bench.preprocess_rate")
     main()

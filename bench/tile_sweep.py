@@ -4,10 +4,12 @@ For each head-dim tile and each candidate, compile, check the output against the
 reference, and time bf16 forward beside a PyTorch SDPA backend in the same process (same data, same
 timing as python -m bench). Losers are worth recording in docs/performance.md.
 
-    python bench/tile_sweep.py                     # the mma.sync forward's built-in candidates
-    python bench/tile_sweep.py 128:32,4,2 128:64,4,2   # tile:block_n,num_warps,m_tiles
-    python bench/tile_sweep.py --sm90              # the Hopper forward's (beside cuDNN)
-    python bench/tile_sweep.py --sm90 128:128,176,2    # tile:block_m,block_n,stages
+    python -m bench.tile_sweep                     # the mma.sync forward's built-in candidates
+    python -m bench.tile_sweep 128:32,4,2 128:64,4,2   # tile:block_n,num_warps,m_tiles
+    python -m bench.tile_sweep --sm90              # the Hopper forward's (beside cuDNN)
+    python -m bench.tile_sweep --sm90 128:128,176,2    # tile:block_m,block_n,stages
+
+Run from the repository's root; needs a GPU and PyTorch (the peer).
 
 The mma.sync candidates patch the tile tables; the Hopper ones are launched with their tile
 arguments (ModuleSpec.config), the tables untouched.
@@ -118,6 +120,16 @@ def main(argv=None):
     import sys
 
     argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        return 0
+    try:
+        import torch  # noqa: F401 - the peer
+    except ImportError as error:
+        raise SystemExit(f"python -m bench.tile_sweep needs PyTorch, its peer ({error})") from None
+    from cupy_flash._device import require_gpu
+
+    require_gpu("python -m bench.tile_sweep")
     if argv and argv[0] == "--sm90":
         return sweep_sm90(parse_candidates(argv[1:]) or SM90_CANDIDATES)
 

@@ -132,10 +132,25 @@ PACKED_KEYWORDS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k
 FEATURE_KEYWORDS = ("window_size", "softcap", "alibi_slopes", "sink", "bias") + PACKED_KEYWORDS
 
 
+# The keywords the public functions name besides the variants: a misspelling of one is answered.
+NAMED_KEYWORDS = ("softmax_scale", "causal", "num_splits", "stream", "deterministic", "return_dbias", "out",
+                  "k_new", "v_new", "cache_seqlens", "block_table")
+
+
+def did_you_mean(names, choices) -> str:
+    """`` (did you mean causal for casual?)`` for names close to one of ``choices``, else ''."""
+    import difflib
+
+    close = [f"{match[0]} for {name}" for name in names
+             if (match := difflib.get_close_matches(name, choices, n=1, cutoff=0.7))]
+    return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
 def check_no_extra_options(function: str, options: dict) -> None:
     unknown = sorted(set(options) - set(FEATURE_KEYWORDS))
     if unknown:
-        raise TypeError(f"{function}() got unsupported keyword argument(s): {', '.join(unknown)}")
+        raise TypeError(f"{function}() got unsupported keyword argument(s): {', '.join(unknown)}"
+                        + did_you_mean(unknown, FEATURE_KEYWORDS + NAMED_KEYWORDS))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,7 +333,8 @@ def check_traced_call(caller: str, q, k, v, options: dict) -> tuple:
     unknown = sorted(set(options) - set(TRACED_OPTIONS))
     if unknown:
         raise TypeError(f"{caller} got unsupported option(s) {unknown}; it takes {list(TRACED_OPTIONS)} "
-                        "(alibi_slopes, sink, bias and packed batches: call cupy_flash on CuPy arrays)")
+                        "(alibi_slopes, sink, bias and packed batches: call cupy_flash on CuPy arrays)"
+                        + did_you_mean(unknown, TRACED_OPTIONS))
     described = []
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):

@@ -44,7 +44,7 @@ def command_info(args) -> int:
         import cupy
         from cupy_backends.cuda.libs import nvrtc
     except ImportError as error:
-        print(f"CuPy: not importable ({error}); install cupy-flash[cuda12] or [cuda13]")
+        print(f"CuPy: not importable ({error}); {_device.install_hint('cuda12')} or {_device.install_hint('cuda13')}")
         return 1
     runtime = cupy.cuda.runtime
     versions = [f"CuPy {cupy.__version__}", f"CUDA runtime {_version(runtime.runtimeGetVersion())}",

@@ -12,6 +12,11 @@ import functools
 import glob
 
 
+def install_hint(extra: str) -> str:
+    """The install command for an extra, worded as the README's (run in the checkout)."""
+    return f'pip install ".[{extra}]"'
+
+
 def _version(value: int) -> str:
     return f"{value // 1000}.{value % 1000 // 10}"
 
@@ -23,8 +28,8 @@ def gpu_problem() -> str | None:
     try:
         import cupy
     except ImportError as error:
-        return (f"CuPy is not installed ({error}): pip install 'cupy-flash[cuda12]' (NVIDIA driver for "
-                "CUDA 12) or 'cupy-flash[cuda13]' (CUDA 13)")
+        return (f"CuPy is not installed ({error}): {install_hint('cuda12')} (NVIDIA driver for CUDA 12) or "
+                f"{install_hint('cuda13')} (CUDA 13)")
     return problem_with(cupy)
 
 
@@ -53,7 +58,7 @@ def _explain(cupy, error) -> str:
                 "NVIDIA GPUs only")
     if driver // 1000 < built_for // 1000:
         fits = "cuda12" if driver // 1000 == 12 else None
-        advice = (f"update the driver, or install cupy-flash[{fits}], whose CuPy is built for CUDA {driver // 1000}"
+        advice = (f"update the driver, or {install_hint(fits)}, whose CuPy is built for CUDA {driver // 1000}"
                   if fits else "update the driver (cupy_flash needs CUDA 12 or newer)")
         return (f"the NVIDIA driver supports CUDA {_version(driver)}, older than the CUDA {_version(built_for)} this "
                 f"CuPy ({cupy.__version__}) is built for: {advice}")
@@ -61,7 +66,12 @@ def _explain(cupy, error) -> str:
 
 
 def require_gpu(what: str) -> None:
-    """Exit with one line (status 1) when no GPU is usable: the examples' and commands' first check."""
+    """Exit with one line (status 1) when no GPU is usable: the examples' and commands' first check.
+    A ``-h`` / ``--help`` on the command line passes, so that the help is printed without a GPU."""
+    import sys
+
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        return
     problem = gpu_problem()
     if problem is not None:
         raise SystemExit(f"{what} needs an NVIDIA GPU: {problem}")

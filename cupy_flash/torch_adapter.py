@@ -31,6 +31,7 @@ import contextlib
 import torch
 
 from . import _launch, backward, forward
+from ._checks import did_you_mean
 from .backward import backward_into
 from .forward import forward_into
 
@@ -54,7 +55,8 @@ def flash_attn_func(q, k, v, *, sink=None, bias=None, deterministic=False, **opt
     """Exact attention with gradients through PyTorch's autograd; options as flash_forward's."""
     if not options.keys() <= _OPTION_NAMES:
         unknown = sorted(set(options) - _OPTION_NAMES)
-        raise TypeError(f"flash_attn_func got unexpected option(s) {unknown}; it takes {sorted(_OPTIONS + ('sink', 'bias'))}")
+        raise TypeError(f"flash_attn_func got unexpected option(s) {unknown}; it takes {sorted(_OPTIONS + ('sink', 'bias'))}"
+                        + did_you_mean(unknown, _OPTIONS + ("sink", "bias")))
     window = options.get("window_size")
     tensors = (sink, bias, options.get("alibi_slopes"), options.get("cu_seqlens_q"), options.get("cu_seqlens_k"))
     static = (options.get("max_seqlen_q"), options.get("max_seqlen_k"), options.get("softmax_scale"),

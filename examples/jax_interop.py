@@ -4,7 +4,7 @@
 
 JAX owns the arrays; cupy_flash reads them through __dlpack__ and returns CuPy arrays, which
 jax.dlpack.from_dlpack takes back. The gradient is checked against jax.grad of a dense attention
-written in jax.numpy. Needs an NVIDIA GPU, CuPy and JAX with CUDA (pip install 'cupy-flash[jax]').
+written in jax.numpy. Needs an NVIDIA GPU, CuPy and JAX with CUDA (pip install ".[cuda12,jax]").
 """
 
 import os
@@ -12,13 +12,13 @@ import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # leave GPU memory to CuPy too
 
-from cupy_flash._device import require_gpu
+from cupy_flash._device import install_hint, require_gpu
 
 try:
     import jax
     import jax.numpy as jnp
 except ImportError as error:
-    sys.exit(f"jax_interop needs JAX with CUDA: pip install 'cupy-flash[jax]' ({error})")
+    sys.exit(f"jax_interop needs JAX with CUDA: {install_hint('cuda12,jax')} ({error})")
 require_gpu("jax_interop")
 if not any(device.platform == "gpu" for device in jax.devices()):
     sys.exit("jax_interop needs JAX with CUDA (jax[cuda12] or jax[cuda13]): this JAX sees no GPU")

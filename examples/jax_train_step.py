@@ -13,13 +13,13 @@ import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")   # leave GPU memory to CuPy's pool too
 
-from cupy_flash._device import require_gpu  # noqa: E402
+from cupy_flash._device import install_hint, require_gpu  # noqa: E402
 
 try:
     import jax
     import jax.numpy as jnp
 except ImportError as error:
-    sys.exit(f"jax_train_step needs JAX with CUDA ({error})")
+    sys.exit(f"jax_train_step needs JAX with CUDA: {install_hint('cuda12,jax')} ({error})")
 require_gpu("jax_train_step")
 
 from cupy_flash.jax_adapter import flash_attention  # noqa: E402

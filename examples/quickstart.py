@@ -2,6 +2,7 @@
 float64 dense reference. Run after installing:  python examples/quickstart.py
 Prints the max errors; exits 1 if no GPU is usable or an error is out of bounds."""
 
+import argparse
 import sys
 
 import ml_dtypes
@@ -9,6 +10,7 @@ import numpy
 
 from cupy_flash._device import require_gpu
 
+argparse.ArgumentParser(description=__doc__).parse_args()   # --help, without a GPU
 require_gpu("quickstart")   # one line and exit status 1 where there is none (no driver, an old one, no GPU)
 
 import cupy  # noqa: E402

@@ -8,12 +8,12 @@ Needs an NVIDIA GPU, CuPy and PyTorch with CUDA.
 
 import sys
 
-from cupy_flash._device import require_gpu
+from cupy_flash._device import install_hint, require_gpu
 
 try:
     import torch
 except ImportError as error:
-    sys.exit(f"torch_compile needs PyTorch with CUDA ({error})")
+    sys.exit(f"torch_compile needs PyTorch with CUDA: {install_hint('cuda12,torch')} ({error})")
 require_gpu("torch_compile")
 
 from cupy_flash.torch_adapter import flash_attn_func  # noqa: E402

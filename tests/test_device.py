@@ -28,7 +28,7 @@ def test_no_driver_is_said_as_such():
 
 
 @pytest.mark.parametrize("driver, runtime, advice", [
-    (12020, 13000, "install cupy-flash[cuda12], whose CuPy is built for CUDA 12"),
+    (12020, 13000, 'pip install ".[cuda12]", whose CuPy is built for CUDA 12'),
     (11080, 12090, "update the driver (cupy_flash needs CUDA 12 or newer)"),
 ])
 def test_an_old_driver_gets_both_versions_and_the_extra_that_fits(driver, runtime, advice):

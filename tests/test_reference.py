@@ -278,3 +278,21 @@ def test_flash_rounding_is_a_low_precision_form_only():
         attention_reference(q, k, v, upcast=False, rounding="fast")
     with pytest.raises(ValueError, match="rounding"):
         attention_reference_backward(do, q, k, v, upcast=False, rounding="fast")
+
+
+def test_reference_checks_are_the_kernels_but_wider_as_the_readme_says():
+    """README: the kernels' argument checks, but any floating dtype (mixed among q, k, v too) and
+    sequences of length 0; a misspelled keyword is answered with the name it is closest to."""
+    k = numpy.zeros((1, 3, 2, 8), numpy.float64)
+    o, lse = attention_reference(numpy.zeros((1, 0, 2, 8), numpy.float32), k, k)
+    assert o.shape == (1, 0, 2, 8) and lse.shape == (1, 2, 0)
+    q = numpy.ones((1, 2, 2, 8), numpy.float16)
+    assert attention_reference(q, k, k)[0].dtype == numpy.float64
+    empty = numpy.zeros((1, 0, 2, 8))
+    o, lse = attention_reference(q, empty, empty)
+    assert (o == 0).all() and (lse == -numpy.inf).all()
+    with pytest.raises(TypeError, match="did you mean causal for casual"):
+        attention_reference(q, k, k, casual=True)
+    with pytest.raises(TypeError, match="xyz") as raised:
+        attention_reference(q, k, k, xyz=1)
+    assert "did you mean" not in str(raised.value)
