@@ -14,6 +14,9 @@ def _first_bash_block():
     return re.search(r"```bash\n(.*?)```", README, re.S).group(1)
 
 
+COMPILE_CHECK = "python -m pytest -m compile tests"
+
+
 def test_ci_runs_the_readme_commands():
     commands = [line for line in _first_bash_block().splitlines() if line and not line.startswith("#")]
     install, test = commands
@@ -21,6 +24,8 @@ def test_ci_runs_the_readme_commands():
     # CI has no GPU: it runs the install part of command 1 (the example needs a GPU) and command 2.
     assert install.split(" && ")[0] in ci
     assert test in ci
+    # and the compile check the README names for kernel work (the default run leaves it out)
+    assert COMPILE_CHECK in ci and COMPILE_CHECK in README
 
 
 def test_kernel_sources_ship_as_package_data():
