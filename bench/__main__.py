@@ -1,3 +1,3 @@
-from bench.attention import main
+from cupy_flash.benchmark import main
 
-main()
+main(prog="python -m bench")

@@ -6,8 +6,9 @@
              generation step does not stall on NVRTC; CuPy keeps them in its disk cache
     check    a short self-test on this GPU: forward, backward and decode against the dense
              reference (the 2x error rule); exit status 0 when all pass, 1 otherwise
-    bench    forward and backward TFLOP/s on a few shapes, with PyTorch SDPA's flash backend timed
-             on the same data when PyTorch is installed
+    bench    the attention benchmark: forward and backward TFLOP/s against PyTorch SDPA's
+             FlashAttention-2 and cuDNN backends on the same data (ours alone without PyTorch),
+             a table, JSON and a plot (python -m cupy_flash bench --help)
     source   the CUDA text one kernel family compiles from (its .cu with the headers expanded), or
              with --interface the header Python writes (flash_interface.cuh), to compile a
              kernels_cu file on its own with nvcc -I
@@ -256,78 +257,6 @@ def _random(rng, shape, dtype):
 
 
 # ---------------------------------------------------------------------------------------------
-# bench
-
-def command_bench(args) -> int:
-    ok, reason = _gpu_or_reason()
-    if not ok:
-        print(f"bench needs an NVIDIA GPU: {reason}", file=sys.stderr)
-        return 1
-    import cupy
-
-    from . import flash_backward, flash_forward
-
-    try:
-        import torch
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        from .torch_adapter import to_torch
-    except ImportError:
-        torch = None
-    rng = numpy.random.default_rng(0)
-    dt = numpy.dtype(_dtype(DTYPE_NAMES[args.dtype]))
-    print(f"{'shape':<40} {'pass':<4} {'ours TFLOP/s':>12} {'sdpa flash':>10} {'ratio':>6}")
-    for seqlen in args.seqlens:
-        for causal in (False, True):
-            batch, heads, d = max(1, 16384 // seqlen), args.heads, args.head_dim
-            copies = [tuple(_random(rng, (batch, seqlen, heads, d), dt) for _ in range(4)) for _ in range(3)]
-            flops = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
-            fwd = [flash_forward(q, k, v, causal=causal) for q, k, v, _ in copies]
-            ours = {"fwd": _time(lambda i: flash_forward(*copies[i % 3][:3], causal=causal), args.runs),
-                    "bwd": _time(lambda i: flash_backward(copies[i % 3][3], *copies[i % 3][:3], *fwd[i % 3], causal=causal),
-                                 args.runs)}
-            peer = {}
-            if torch is not None and dt.itemsize == 2:
-                tc = [[to_torch(x).transpose(1, 2).requires_grad_() for x in c] for c in copies]
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    sdpa = torch.nn.functional.scaled_dot_product_attention
-                    outs = [sdpa(q, k, v, is_causal=causal) for q, k, v, _ in tc]
-                    peer["fwd"] = _time(lambda i: sdpa(*tc[i % 3][:3], is_causal=causal), args.runs)
-                    peer["bwd"] = _time(lambda i: torch.autograd.grad(outs[i % 3], tc[i % 3][:3], tc[i % 3][3],
-                                                                      retain_graph=True), args.runs)
-            for name, scale in (("fwd", 1.0), ("bwd", 2.5)):
-                tflops = scale * flops / ours[name] / 1e9
-                line = f"b={batch} n={seqlen} h={heads} d={d} causal={causal!s:<5}"
-                if name in peer:
-                    peer_tflops = scale * flops / peer[name] / 1e9
-                    print(f"{line:<40} {name:<4} {tflops:12.0f} {peer_tflops:10.0f} {tflops / peer_tflops:6.2f}", flush=True)
-                else:
-                    print(f"{line:<40} {name:<4} {tflops:12.0f} {'-':>10} {'-':>6}", flush=True)
-            copies = fwd = None   # free this shape's arrays before the next
-            cupy.get_default_memory_pool().free_all_blocks()
-    return 0
-
-
-def event_milliseconds(call) -> float:
-    """Milliseconds of one ``call()`` on the current stream, between two CUDA events (bench/ times so too)."""
-    import cupy
-
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    call()
-    stop.record()
-    stop.synchronize()
-    return cupy.cuda.get_elapsed_time(start, stop)
-
-
-def _time(call, runs) -> float:
-    """Median milliseconds of call(i) with CUDA events, after warm-up calls."""
-    for i in range(3):
-        call(i)
-    return float(numpy.median([event_milliseconds(lambda: call(i)) for i in range(runs)]))
-
-
-# ---------------------------------------------------------------------------------------------
 # source
 
 def command_source(args) -> int:
@@ -354,12 +283,8 @@ def parser() -> argparse.ArgumentParser:
                         choices=["forward", "backward", "decode"])
     check = commands.add_parser("check", help="self-test against the reference on this GPU (exit 0/1)")
     check.add_argument("--seed", type=int, default=0)
-    bench = commands.add_parser("bench", help="forward/backward TFLOP/s (and SDPA flash when PyTorch is there)")
-    bench.add_argument("--seqlens", nargs="+", type=int, default=[1024, 4096])
-    bench.add_argument("--head-dim", type=int, default=128)
-    bench.add_argument("--heads", type=int, default=16)
-    bench.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_NAMES))
-    bench.add_argument("--runs", type=int, default=20)
+    # bench: its own parser (cupy_flash/benchmark.py), which main hands the rest of the line to
+    commands.add_parser("bench", help="TFLOP/s against PyTorch SDPA's flash and cuDNN (bench --help)", add_help=False)
     source = commands.add_parser("source", help="a kernel family's CUDA text, or the interface header")
     source.add_argument("family", nargs="?", choices=_compile.FAMILIES)
     source.add_argument("--interface", action="store_true", help=f"print {_compile.INTERFACE_HEADER}")
@@ -367,10 +292,21 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:   # the benchmark parses its own flags
+        if not {"-h", "--help"} & set(argv[1:]):
+            ok, reason = _gpu_or_reason()
+            if not ok:
+                print(f"bench needs an NVIDIA GPU: {reason}", file=sys.stderr)
+                return 1
+        from .benchmark import main as bench
+
+        bench(argv[1:], prog="python -m cupy_flash bench")
+        return 0
     args = parser().parse_args(argv)
     for head_dim in getattr(args, "head_dims", []):
         if not 1 <= head_dim <= _traits.MAX_HEAD_DIM:
             print(f"head dim {head_dim}: expected 1 to {_traits.MAX_HEAD_DIM}", file=sys.stderr)
             return 2
     return {"info": command_info, "warmup": command_warmup, "check": command_check,
-            "bench": command_bench, "source": command_source}[args.command](args)
+            "source": command_source}[args.command](args)

@@ -26,7 +26,7 @@ def test_unknown_command_is_a_usage_error(capsys):
 
 
 @pytest.mark.skipif(HAS_GPU, reason="the no-GPU answer (a GPU is present)")
-@pytest.mark.parametrize("command", [["check"], ["warmup"], ["bench", "--runs", "1"]])
+@pytest.mark.parametrize("command", [["check"], ["warmup"], ["bench", "--modes", "fwd"]])
 def test_gpu_commands_say_why_without_a_gpu(command, capsys):
     from cupy_flash._device import gpu_problem
 
@@ -91,3 +91,20 @@ def test_source_prints_a_family_and_the_interface(capsys):
     assert _cli.main(["source", "--interface"]) == 0
     assert capsys.readouterr().out == _compile.interface_header()
     assert _cli.main(["source"]) == 2 and _cli.main(["source", "decode", "--interface"]) == 2
+
+
+def test_bench_is_the_attention_benchmark_and_its_help_needs_no_gpu(capsys):
+    """python -m cupy_flash bench is python -m bench (cupy_flash/benchmark.py), flags and all."""
+    with pytest.raises(SystemExit) as exit_info:
+        _cli.main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "python -m cupy_flash bench" in out
+    assert all(flag in out for flag in ("--dtypes", "--head-dims", "--seqlens", "--causal", "--modes", "--rounds", "--out"))
+
+
+@requires_gpu
+def test_bench_runs_one_shape(tmp_path, capsys):
+    assert _cli.main(["bench", "--dtypes", "bf16", "--head-dims", "64", "--seqlens", "512", "--causal", "0",
+                      "--modes", "fwd", "--out", str(tmp_path)]) == 0
+    assert "ours" in capsys.readouterr().out and list(tmp_path.glob("attention-*.json"))
