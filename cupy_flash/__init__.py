@@ -7,7 +7,7 @@
 Every function takes ``stream=`` (a CuPy or PyTorch stream, or a cudaStream_t); by default kernels
 run on CuPy's current stream.
 
-See README.md and the docstrings of the functions below.
+See README.md, docs/api.md and the docstrings of the functions below.
 """
 
 from .backward import flash_backward

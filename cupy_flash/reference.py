@@ -168,7 +168,7 @@ def _host(x):
 # ---------------------------------------------------------------------------------------------
 # Arguments: the public functions check them as the kernel calls do (TypeError / ValueError naming
 # the argument), but more widely: any floating dtype (float64 too, and q, k, v of different ones),
-# any head_dim, sequences of length 0, NumPy or CuPy (the README says so).
+# any head_dim, sequences of length 0, NumPy or CuPy (docs/api.md says so).
 
 def _check_array(name: str, x, ranks: tuple) -> None:
     if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):

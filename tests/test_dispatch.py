@@ -1,4 +1,4 @@
-"""CPU: the dispatch rule (cupy_flash/families/, README "Which kernels run") on made-up devices."""
+"""CPU: the dispatch rule (cupy_flash/families/, docs/api.md "Which kernels run") on made-up devices."""
 
 import types
 

@@ -1,5 +1,5 @@
-"""CPU: the README's signatures of the public functions are their real ones (inspect.signature):
-every parameter, its kind and its default."""
+"""CPU: the API reference's signatures of the public functions (docs/api.md, which the README
+links) are their real ones (inspect.signature): every parameter, its kind and its default."""
 
 import ast
 import inspect
@@ -10,12 +10,12 @@ import pytest
 
 import cupy_flash
 
-README = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+README = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()   # the API reference
 PUBLIC = [name for name in cupy_flash.__all__ if callable(getattr(cupy_flash, name))]
 
 
 def readme_signatures() -> dict:
-    """{function name: parameter list text} of every `name(...)` code span in the README that spells
+    """{function name: parameter list text} of every `name(...)` code span in docs/api.md that spells
     out its parameters (spans written with "..." are examples, not signatures)."""
     found = {}
     prose = re.sub(r"```.*?```", "", README, flags=re.S)   # code blocks hold calls, not signatures
@@ -55,7 +55,7 @@ def test_every_public_function_has_its_signature_in_the_readme():
 def test_readme_signature_matches_the_function(name):
     written = readme_signatures().get(name)
     if written is None:
-        pytest.fail(f"README.md has no full signature of {name}")
+        pytest.fail(f"docs/api.md has no full signature of {name}")
     assert parameters_of(written) == signature_of(getattr(cupy_flash, name)), (name, written)
 
 

@@ -281,7 +281,7 @@ def test_flash_rounding_is_a_low_precision_form_only():
 
 
 def test_reference_checks_are_the_kernels_but_wider_as_the_readme_says():
-    """README: the kernels' argument checks, but any floating dtype (mixed among q, k, v too) and
+    """docs/api.md: the kernels' argument checks, but any floating dtype (mixed among q, k, v too) and
     sequences of length 0; a misspelled keyword is answered with the name it is closest to."""
     k = numpy.zeros((1, 3, 2, 8), numpy.float64)
     o, lse = attention_reference(numpy.zeros((1, 0, 2, 8), numpy.float32), k, k)
