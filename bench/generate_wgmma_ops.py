@@ -12,6 +12,11 @@ tile of the Hopper tables has its N here. A development script: it is not in the
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - the imports follow the help guard, which must run first
+from bench import help_first
+
+help_first("generate_wgmma_ops", __doc__)
+
 from pathlib import Path
 
 from cupy_flash.families.sm90 import SM90_WGMMA_WIDTHS as WIDTHS
@@ -36,10 +41,8 @@ HEADER = """\
 template <typename T, int N> struct Wgmma;
 """
 
-
 def _registers(first: int, count: int) -> str:
     return "{" + ", ".join(f"%{first + i}" for i in range(count)) + "}"
-
 
 def _operation(n: int, a_from_registers: bool) -> str:
     acc = n // 2
@@ -66,7 +69,6 @@ def _operation(n: int, a_from_registers: bool) -> str:
             f'                     : {a_inputs}"l"(b), "r"(accumulate), {trans_inputs});\n'
             f"    }}\n")
 
-
 def source() -> str:
     """The header: the operations of every width written once, in a macro over the element type (its
     C++ type and its PTX name), then the macro for each type."""
@@ -76,7 +78,6 @@ def source() -> str:
     macro = "\n".join(line + " \\" for line in lines[:-1]) + "\n" + lines[-1] + "\n"
     uses = "".join(f'CUPY_FLASH_WGMMA_OPERATIONS({ctype}, "{ptx_type}")\n' for ctype, ptx_type in TYPES.items())
     return HEADER + "\n" + macro + "\n" + uses + "#undef CUPY_FLASH_WGMMA_OPERATIONS\n"
-
 
 OUTPUT = Path(__file__).resolve().parent.parent / "kernels_cu" / "sm90_wgmma_ops.cuh"
 

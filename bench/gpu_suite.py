@@ -48,7 +48,7 @@ def collect(path: str) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_suite", description=__doc__.splitlines()[0])
     parser.add_argument("path")
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds for all shards together")

@@ -11,6 +11,12 @@ the jitted loops interleaved; the inputs rotate over 3 sets. TFLOP/s by FlashAtt
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - the imports follow the help guard, which must run first
+from bench import help_first, peer_or_exit
+
+help_first("jax_adapter", __doc__)
+peer_or_exit("jax_adapter", "jax")
+
 import argparse
 import os
 import statistics
@@ -46,9 +52,9 @@ def per_call(*timed, calls=20, loops=7):
             samples.append((time.perf_counter() - start) / calls)
     return [statistics.median(samples) for samples in times]
 
-
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m bench.jax_adapter", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqlens", nargs="+", type=int, default=[4096, 16384])
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--heads", type=int, default=16)
@@ -111,7 +117,6 @@ def main(argv=None):
                 ratio = "-" if rate["cudnn"] is None else f"{rate['jit'] / rate['cudnn']:.2f}"
                 print(f"| {seqlen} | {int(causal)} | {mode} | {cell(rate['direct'])} | {cell(rate['jit'])} | "
                       f"{t_jit / t_direct:.3f} | {cell(rate['cudnn'])} | {cell(rate['xla'])} | {ratio} |", flush=True)
-
 
 if __name__ == "__main__":
     main()

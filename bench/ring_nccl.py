@@ -142,7 +142,8 @@ def scaling(mpi, ring, rank, world, total):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m bench.ring_nccl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqlens", nargs="+", type=int, default=[131072, 524288])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()

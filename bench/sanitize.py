@@ -1,6 +1,12 @@
 """Small forward + backward (atomic and deterministic) for every dtype, causal and not, on ragged
 shapes: the workload compute-sanitizer's memcheck and racecheck run over."""
 
+# ruff: noqa: E402 - the imports follow the help guard, which must run first
+
+from bench import help_first
+
+help_first("sanitize", __doc__)
+
 import cupy
 import ml_dtypes
 import numpy

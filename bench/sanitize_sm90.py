@@ -9,6 +9,12 @@ capability 9.0 GPU.
 With `backward`, only the backward's calls (the forward's still run to give them O and lse).
 """
 
+# ruff: noqa: E402 - the imports follow the help guard, which must run first
+
+from bench import help_first
+
+help_first("sanitize_sm90", __doc__)
+
 import sys
 
 import cupy
@@ -22,10 +28,8 @@ if families.current_device().compute_capability != 90:
     raise SystemExit("the Hopper kernels need a compute capability 9.0 GPU")
 rng = numpy.random.default_rng(0)
 
-
 def array(shape, dtype):
     return cupy.asarray(rng.standard_normal(shape, dtype=numpy.float32).astype(dtype))
-
 
 for dtype in (numpy.float16, ml_dtypes.bfloat16) if sys.argv[1:] != ["backward"] else ():
     for d in (40, 128, 256):

@@ -10,6 +10,12 @@ sm90a for the Hopper family); ``features`` is the FEATURE_* bitmask of the insta
 0, the plain kernels).
 """
 
+# ruff: noqa: E402 - the imports follow the help guard, which must run first
+
+from bench import help_first
+
+help_first("sass_report", __doc__)
+
 import collections
 import re
 import subprocess
@@ -50,7 +56,6 @@ def main(family, dtype, tile, arch, features="0"):
         keys = ["HMMA", "LDSM", "LDGSTS", "LDS", "STS", "LDG", "STG", "MUFU", "FFMA", "BAR", "LDL", "STL"]
         print(name[:90])
         print("   " + "  ".join(f"{k}={ops.get(k, 0)}" for k in keys) + f"  128-bit global={wide}")
-
 
 if __name__ == "__main__":
     main(*sys.argv[1:6])

@@ -1,6 +1,12 @@
 """Quick device sanity check: every dtype, a few awkward shapes, forward and backward against the
 float64 reference. Prints one line per case; exit status 1 on any failure."""
 
+# ruff: noqa: E402 - the imports follow the help guard, which must run first
+
+from bench import help_first
+
+help_first("smoke", __doc__)
+
 import sys
 
 import cupy
@@ -11,14 +17,11 @@ import cupy_flash as cf
 
 DTYPES = {"float16": numpy.float16, "bfloat16": ml_dtypes.bfloat16, "float32": numpy.float32}
 
-
 def make(shape, dtype, rng):
     return cupy.asarray(rng.standard_normal(shape, dtype=numpy.float32).astype(dtype))
 
-
 def maxerr(a, b):
     return float(numpy.abs(cupy.asnumpy(a).astype(numpy.float64) - cupy.asnumpy(b)).max())
-
 
 def main():
     rng = numpy.random.default_rng(0)
@@ -50,7 +53,6 @@ def main():
                   f"low {' '.join(f'{e:.1e}' for e in lows)} {'OK' if ok else 'FAIL'}", flush=True)
     print("failures:", bad)
     return 1 if bad else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,6 +4,12 @@ portable backward, on a few shapes; prints err / low-precision err per gradient 
     CUPY_FLASH_KERNELS=experimental timeout 120 python bench/smoke_sm90_backward.py
 """
 
+# ruff: noqa: E402 - the imports follow the help guard, which must run first
+
+from bench import help_first
+
+help_first("smoke_sm90_backward", __doc__)
+
 import cupy
 import ml_dtypes
 import numpy
@@ -13,10 +19,8 @@ from cupy_flash import families
 
 rng = numpy.random.default_rng(2)
 
-
 def array(shape, dtype=ml_dtypes.bfloat16):
     return cupy.asarray(rng.standard_normal(shape, dtype=numpy.float32).astype(dtype))
-
 
 SHAPES = ((2, 1000, 1000, 4, 2), (1, 333, 777, 3, 3), (1, 777, 333, 2, 1), (1, 2048, 2048, 8, 8))   # b, nq, nk, h, h_kv
 worst = 0.0

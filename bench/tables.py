@@ -6,6 +6,11 @@ columns head_dim x causal, cells "ours TFLOP/s (ratio to flash / to cudnn)".
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - the imports follow the help guard, which must run first
+from bench import help_first
+
+help_first("tables", __doc__)
+
 import json
 import sys
 
@@ -36,7 +41,6 @@ def tables(result) -> str:
                 out.append(f"| {n} | " + " | ".join(cells) + " |")
             out.append("")
     return "\n".join(out)
-
 
 if __name__ == "__main__":
     for path in sys.argv[1:]:

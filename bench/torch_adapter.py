@@ -15,6 +15,12 @@ FlashAttention's count; ratios are ours / cuDNN in the same run.
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - the imports follow the help guard, which must run first
+from bench import help_first, peer_or_exit
+
+help_first("torch_adapter", __doc__)
+peer_or_exit("torch_adapter", "torch")
+
 import argparse
 import statistics
 import sys
@@ -59,7 +65,6 @@ def calls(causal: bool, compiled: bool, mode: str = "default"):
             fn(s[4], s[5], s[6]).backward(s[3])
         result[name] = (forward, both)
     return result
-
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.torch_adapter", description=__doc__,
@@ -115,7 +120,6 @@ def main(argv=None):
                           flush=True)
                     del sets
                     torch.cuda.empty_cache()
-
 
 if __name__ == "__main__":
     main()
