@@ -28,6 +28,21 @@ def test_ci_runs_the_readme_commands():
     assert COMPILE_CHECK in ci and COMPILE_CHECK in README
 
 
+def test_every_install_command_in_the_docs_names_extras_that_exist():
+    """README's and docs/'s pip install ".[a,b]" lines ask for extras pyproject.toml defines, and the
+    install hint of the error messages is worded the same way."""
+    tomllib = pytest.importorskip("tomllib")   # Python >= 3.11
+
+    from cupy_flash._device import install_hint
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    texts = [README] + [path.read_text() for path in (ROOT / "docs").glob("*.md")]
+    asked = {extra for text in texts for group in re.findall(r'pip install "\.\[([\w,-]+)\]"', text)
+             for extra in group.split(",")}
+    assert {"cuda12", "test", "torch", "jax", "distributed"} <= asked and asked <= extras, (asked, extras)
+    assert install_hint("cuda12,jax") in "".join(texts)   # the error messages word it as the docs do
+
+
 def test_kernel_sources_ship_as_package_data():
     tomllib = pytest.importorskip("tomllib")   # Python >= 3.11
 
