@@ -58,6 +58,11 @@ def test_readme_usage_example_runs():
     namespace = {}
     exec(compile(block, "README.md", "exec"), namespace)
     assert namespace["dq"].shape == namespace["q"].shape
+    # the decoding example after it, in the same namespace (it appends one token per sequence)
+    decoding = re.findall(r"```python\n(.*?)```", README, re.S)[1]
+    assert "flash_decode(" in decoding
+    exec(compile(decoding, "README.md", "exec"), namespace)
+    assert namespace["o"].shape == (4, 1, 64, 128) and int(namespace["lengths"].min()) == 1
 
 
 @requires_gpu
