@@ -13,7 +13,7 @@ from ._features import broadcast_strides
 from ._launch import Packed, TileCounters, cached, cuda_calls, current_stream, kept, packed_once, ready_stream
 from ._params import PointerRecord, make_params
 from ._streams import STREAM_DOC, on_stream, record_kernel_arrays
-from .families import current_device_id, rows
+from .families import rows
 from .forward import _plan_key as forward_plan_key
 
 
@@ -65,7 +65,7 @@ def backward_into(out, do, q, k, v, o, lse, *, softmax_scale=None, causal=False,
         if not features and return_dbias is False else None
     if key is not None:
         plan = _plans.get(key)
-        if plan is not None and plan.device == current_device_id():
+        if plan is not None and plan.device == plan.cuda.get_device():
             out = _check_gradient_outputs(out, q, k, v) if out is not None else None
             return plan.run(dict(do=do, q=q, k=k, v=v, o=o, lse=lse), out)[0]
     _checks.check_no_extra_options("flash_backward", features)

@@ -22,7 +22,6 @@ from ._launch import (
 from ._params import PointerRecord, make_params
 from ._streams import STREAM_DOC, on_stream, record_kernel_arrays
 from .decode import check_num_splits, launch_decode, uses_split_path
-from .families import current_device_id
 
 _SM90_MAPS_BYTES = 4 * _tma.MAP_BYTES   # kernels_cu/forward_sm90.cu: ForwardSm90Maps (tests/test_compile.py holds them equal)
 _NAMES = ("q", "k", "v", "o", "lse")   # a forward launch's arrays, in the order of its addresses
@@ -185,7 +184,7 @@ def forward_into(out, q, k, v, *, softmax_scale=None, causal=False, num_splits=N
     key = _plan_key(q, k, v, softmax_scale, causal) if not features and num_splits is None else None
     if key is not None:
         plan = _plans.get(key)
-        if plan is not None and plan.device == current_device_id():
+        if plan is not None and plan.device == plan.cuda.get_device():
             return plan.run(q, k, v, check_outputs(out, plan.lse_shape, q))
     _checks.check_no_extra_options("flash_forward", features)
     num_splits = check_num_splits(num_splits)
