@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import math
 import os
 import sys
 import threading
@@ -57,9 +56,29 @@ class _LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
+def environment_reader(name: str):
+    """() -> the environment variable ``name``'s value or None, read afresh on each call (a test or a
+    benchmark may set it between calls) for the repeated calls' short paths: ``os.environ.get``
+    encodes the name and decodes the value (~0.7 us on a CPU host, a third of the forward's plan
+    key); CPython's os.environ keeps its encoded dict in ``_data``, which its writes (monkeypatch's
+    too) update, so here the name is encoded once and an unset variable costs one dict lookup."""
+    data, encode = getattr(os.environ, "_data", None), getattr(os.environ, "encodekey", None)
+    if not isinstance(data, dict) or encode is None:
+        return functools.partial(os.environ.get, name)
+    encoded, get = encode(name), data.get
+
+    def read():
+        return None if get(encoded) is None else os.environ.get(name)
+
+    return read
+
+
+_pdl_variable = environment_reader("CUPY_FLASH_PDL")
+
+
 def enabled() -> bool:
     """Early launches unless CUPY_FLASH_PDL=0 (read on each call: a test or a benchmark may flip it)."""
-    return os.environ.get("CUPY_FLASH_PDL", "1") != "0"
+    return _pdl_variable() != "0"
 
 
 def driver_function(name: str):
@@ -77,34 +96,35 @@ def _driver_library():
         return None
 
 
-@functools.lru_cache(maxsize=None)
-def _driver_entry():
-    """libcuda's cuLaunchKernelEx (CUDA 12.0+ drivers), or None."""
-    entry = driver_function("cuLaunchKernelEx")
-    if entry is None:
-        return None
-    entry.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
-                      ctypes.POINTER(ctypes.c_void_p)]
-    entry.restype = ctypes.c_int
-    return entry
+class _EarlyLaunches:
+    """libcuda's cuLaunchKernelEx (CUDA 12.0+ drivers) as a ctypes function without argument types:
+    Packed builds its arguments once as ctypes objects, which pass as they are (0.4 us a call
+    against 0.9 with argtypes converting them, on a CPU host). ``entry`` is None until the first
+    early launch, then the function or False (missing); ``refused``: the driver refused an early
+    launch once, so ordinary launches from then on."""
+
+    entry = None
+    refused = False
 
 
-_refused = threading.Event()   # the driver refused an early launch once: ordinary launches from then on
-
-
-def _launched_early(launch_with) -> bool:
-    """Whether ``launch_with(entry)`` (cuLaunchKernelEx's entry -> its CUresult) launched a kernel
-    early: where early launches are allowed and the driver has the entry, and the driver took it (a
-    refusal turns them off from then on). False: the caller launches it the ordinary way. (Whether
-    the device supports them is the plan's to know: Packed's ``early`` is false before sm_90.)"""
-    if _refused.is_set() or not enabled():
+def _launched_early(arguments: tuple) -> bool:
+    """Whether cuLaunchKernelEx with ``arguments`` (Packed's: the config, the function, the
+    kernelParams, no extra) launched a kernel early: where early launches are allowed and the
+    driver has the entry, and the driver took it (a refusal turns them off from then on). False:
+    the caller launches it the ordinary way. (Whether the device supports them is the plan's to
+    know: Packed's ``early`` is false before sm_90.)"""
+    if _EarlyLaunches.refused or _pdl_variable() == "0":
         return False
-    entry = _driver_entry()
+    entry = _EarlyLaunches.entry
     if entry is None:
+        library = _driver_library()
+        entry = _EarlyLaunches.entry = (library["cuLaunchKernelEx"] if library is not None
+                                        and hasattr(library, "cuLaunchKernelEx") else False)
+    if entry is False:
         return False
-    if launch_with(entry) == 0:
+    if _launch_ex(entry, arguments) == 0:
         return True
-    _refused.set()
+    _EarlyLaunches.refused = True
     return False
 
 
@@ -144,7 +164,9 @@ def packed_once(cache: dict, addresses: tuple, stream: int, capturing: bool, pac
     each set holds ~1-4 KB of records and maps, and up to 256 plans are kept)."""
     if capturing:
         return pack()
-    return cached(cache, addresses + (stream, threading.get_ident()), pack, limit=32)
+    key = addresses + (stream, threading.get_ident())
+    packed = cache.get(key)
+    return kept(cache, key, pack(), limit=32) if packed is None else packed
 
 
 class CudaCalls:
@@ -159,9 +181,31 @@ class CudaCalls:
         self.is_capturing = runtime.streamIsCapturing   # (stream) -> bool
         self.current_stream = cupy.cuda.get_current_stream
         self.alloc = cupy.cuda.alloc                    # (bytes) -> MemoryPointer, CuPy's allocator
-        self.ndarray = cupy.ndarray
+        self.empty = new_array_maker(cupy)              # (shape, dtype) -> a new C-contiguous cupy.ndarray
         self.memset = runtime.memsetAsync               # (address, value, bytes, stream)
         self.launch = driver.launchKernel
+
+
+def new_array_maker(cupy):
+    """(shape, dtype) -> a new C-contiguous ``cupy.ndarray`` from CuPy's current allocator, what
+    ``cupy.ndarray(shape, dtype)`` makes. Since CuPy 13, ``cupy.ndarray`` is a Python subclass of
+    the Cython ``_ndarray_base`` whose ``__new__`` takes ``*args`` and calls ``_init``: calling the
+    two directly costs 0.9 us an array on a CPU host against 2.2 for ``ndarray(shape, dtype,
+    cupy.cuda.alloc(n))`` (which also measures the memory's bounds) and 1.7 for ``cupy.empty``; an
+    output is most of a short call's host time (docs/performance.md, host time). Where the layout
+    is not that one (another CuPy), ``cupy.ndarray(shape, dtype)``."""
+    ndarray = cupy.ndarray
+    base = getattr(getattr(cupy._core, "core", None), "_ndarray_base", None)
+    new, init = getattr(base, "__new__", None), getattr(base, "_init", None)
+    if base is None or init is None or ndarray.__mro__[1:2] != (base,) or "__array_finalize__" in vars(base):
+        return ndarray
+
+    def empty(shape, dtype):
+        array = new(ndarray)
+        init(array, shape, dtype)
+        return array
+
+    return empty
 
 
 @functools.lru_cache(maxsize=None)
@@ -174,30 +218,61 @@ FLOAT32 = numpy.dtype(numpy.float32)
 
 class OutputAndLse:
     """Base of the forward's and decode's plans: their outputs, o (q's shape and dtype) and lse
-    (float32), new from CuPy's allocator on each call: an allocation and a view each (cupy.empty
-    costs ~40% more host time)."""
+    (float32), new from CuPy's allocator on each call (CudaCalls.empty)."""
 
     def plan_outputs(self, q, lse_shape: tuple) -> None:
-        self.o_shape, self.o_dtype, self.o_bytes = tuple(q.shape), q.dtype, q.nbytes
-        self.lse_shape, self.lse_bytes = lse_shape, 4 * math.prod(lse_shape)
+        self.o_shape, self.o_dtype, self.lse_shape = tuple(q.shape), q.dtype, lse_shape
 
     def outputs(self):
-        cuda = self.cuda
-        return (cuda.ndarray(self.o_shape, self.o_dtype, cuda.alloc(self.o_bytes)),
-                cuda.ndarray(self.lse_shape, FLOAT32, cuda.alloc(self.lse_bytes)))
+        empty = self.cuda.empty
+        return empty(self.o_shape, self.o_dtype), empty(self.lse_shape, FLOAT32)
 
 
 def ready_stream(plan, stream: int | None = None) -> int | None:
     """The stream (a cudaStream_t: ``stream``, or CuPy's current one) on which ``plan`` (one with
     ``cuda`` and ``device``) may launch as it is, or None: its device must be the current one (its
     kernels belong to it) and the stream must not be capturing a graph (the checked route keeps a
-    capture's temporaries alive). The repeated calls' short paths ask this first."""
+    capture's temporaries alive; the legacy default stream, 0, never captures). The repeated calls'
+    short paths ask this first."""
     cuda = plan.cuda
     if cuda.get_device() != plan.device:
         return None
     if stream is None:
         stream = cuda.current_stream().ptr
-    return None if cuda.is_capturing(stream) else stream
+    return None if stream and cuda.is_capturing(stream) else stream
+
+
+# A short call's workspace (the backward's row statistics and dQ accumulator, the split decode's
+# partials) of at most this many bytes is one kept per (device, host thread, stream) rather than a
+# new allocation (~1 us of host time; a PyTorch tensor's ~3): the calls on one stream run one after
+# another, early launches included (the rule above), so a call's kernels find the previous call's
+# done with it. Larger workspaces belong to calls whose GPU time dwarfs an allocation, and are not
+# held between calls.
+KEPT_WORKSPACE_BYTES = 4 << 20
+_workspaces: dict = {}   # (device, host thread, stream) -> a kept workspace (a CuPy array of bytes)
+
+
+def kept_workspace(nbytes: int, device: int, stream: int) -> int:
+    """The address of a workspace of ``nbytes`` (<= KEPT_WORKSPACE_BYTES) kept for this host thread's
+    launches on the stream at ``stream`` on ``device`` (the current device; not a capturing stream:
+    a graph holds its own). It grows to the largest size asked for; it comes from CuPy's own pool
+    with the stream current, so the pool orders its reuse on that stream when the cache lets one go
+    (kept's bound)."""
+    key = (device, threading.get_ident(), stream)
+    workspace = _workspaces.get(key)
+    if workspace is None or workspace.nbytes < nbytes:
+        workspace = kept(_workspaces, key, _pool_bytes(max(nbytes, 0 if workspace is None else workspace.nbytes), stream))
+    return workspace.data.ptr
+
+
+def _pool_bytes(nbytes: int, stream: int):
+    """``nbytes`` bytes from CuPy's default pool (whatever allocator the caller set: the PyTorch
+    adapter routes allocations into PyTorch's, whose CUDA-graph pools hold nothing past a call) for
+    use on the stream at ``stream``."""
+    import cupy
+
+    with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc), cupy.cuda.ExternalStream(stream):
+        return cupy.empty((max(nbytes, 1),), dtype=cupy.uint8)
 
 
 class Launch(typing.NamedTuple):
@@ -253,7 +328,7 @@ def kernel_parameters(arguments: tuple):
 
 class Packed:
     """A call's launches with their parameters packed for one stream: each (CUfunction, grid,
-    threads, shared memory bytes, kernelParams address, the early launch's config or None,
+    threads, shared memory bytes, kernelParams address, the early launch's arguments or None,
     kernelParams) from (kernel, grid, threads, shared memory, arguments, early). The arrays of
     addresses (and configs) are held here, so the addresses stay valid as long as this does.
     ``early``: a programmatic dependent launch where the driver allows (the plan passes it only on
@@ -267,8 +342,9 @@ class Packed:
         packed = []
         for kernel, grid, threads, shared_mem, arguments, early in launches:
             parameters = kernel_parameters(arguments)
-            config = _early_config(grid, threads, shared_mem, stream) if early else None
-            packed.append((kernel.kernel.ptr, grid, threads, shared_mem, ctypes.addressof(parameters), config,
+            function = kernel.kernel.ptr
+            early_arguments = _early_arguments(function, grid, threads, shared_mem, stream, parameters) if early else None
+            packed.append((function, grid, threads, shared_mem, ctypes.addressof(parameters), early_arguments,
                            parameters))
         self.launches, self.stream = tuple(packed), stream
 
@@ -277,24 +353,25 @@ class Packed:
         cuLaunchKernel (3.8 us of host time against a ctypes call's 5.6 on the H100's host; CuPy's
         kernel call converts its arguments again on every call)."""
         launch, stream = self.launch, self.stream
-        for function, grid, threads, shared_mem, address, config, parameters in self.launches:
-            if config is not None and _launched_early(lambda entry: _launch_ex(entry, function, config, parameters)):
+        for function, grid, threads, shared_mem, address, early_arguments, _ in self.launches:
+            if early_arguments is not None and _launched_early(early_arguments):
                 continue
             launch(function, grid, 1, 1, threads, 1, 1, shared_mem, stream, address, 0)
 
 
-def _early_config(grid: int, threads: int, shared_mem: int, stream: int):
-    """cuLaunchKernelEx's CUlaunchConfig for a launch on ``stream`` with programmatic stream
-    serialisation allowed, with the attribute it points to (built once per packed launch)."""
+def _early_arguments(function: int, grid: int, threads: int, shared_mem: int, stream: int, parameters) -> tuple:
+    """cuLaunchKernelEx's arguments for a launch on ``stream`` with programmatic stream serialisation
+    allowed, as ctypes objects (built once per packed launch): a reference to its CUlaunchConfig
+    (which holds the attribute it points to), the CUfunction, the kernelParams, no extra."""
     attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
     config = _LaunchConfig(grid, 1, 1, threads, 1, 1, shared_mem, stream, ctypes.pointer(attribute), 1)
     config.attribute = attribute
-    return config
+    return ctypes.byref(config), ctypes.c_void_p(function), parameters, None
 
 
-def _launch_ex(entry, function: int, config, parameters) -> int:
-    """cuLaunchKernelEx with ``config`` (_early_config's): its CUresult."""
-    return entry(ctypes.byref(config), function, parameters, None)
+def _launch_ex(entry, arguments: tuple) -> int:
+    """cuLaunchKernelEx (``entry``) with _early_arguments' ``arguments``: its CUresult."""
+    return entry(*arguments)
 
 
 class TileCounters:

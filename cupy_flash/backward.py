@@ -10,7 +10,17 @@ import numpy
 
 from . import _checks, _launch, _tma, families
 from ._features import broadcast_strides
-from ._launch import Packed, TileCounters, cached, cuda_calls, current_stream, kept, packed_once, ready_stream
+from ._launch import (
+    Packed,
+    TileCounters,
+    cached,
+    cuda_calls,
+    current_stream,
+    kept,
+    kept_workspace,
+    packed_once,
+    ready_stream,
+)
 from ._params import PointerRecord, make_params
 from ._streams import STREAM_DOC, on_stream, record_kernel_arrays
 from .families import rows
@@ -184,7 +194,7 @@ class BackwardPlan:
         # The names of a launch's addresses: the preprocess's (inputs and temporaries), then the rest's
         self.first_names = _INPUTS + tuple(name for name, *_ in self.temporaries)
         self.names = self.first_names + ("dq", "dk", "dv")
-        self.gradients = gradients       # (shape, dtype, bytes) of dq, dk, dv: q's, k's, v's
+        self.gradients = gradients       # (shape, dtype) of dq, dk, dv: q's, k's, v's
         self._encoded: dict = {}         # the Hopper tensor maps by the arrays' addresses
         self._counters = TileCounters(tile_counter_bytes)  # the Hopper kernel's tile counters
         self._launched: dict = {}        # the main launches, packed (packed_once)
@@ -198,16 +208,27 @@ class BackwardPlan:
         if stream is None:
             return None
         inputs = (do.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr)
-        workspace = self.cuda.alloc(self.workspace_bytes)
-        first = self.launch_first(inputs, workspace.ptr, stream, False)
-        gradients = self.outputs()
+        workspace, _owner = self.workspace_on(stream)   # held until the launches are out
+        first = self.launch_first(inputs, workspace, stream, False)
+        empty = self.cuda.empty
+        gradients = tuple(empty(shape, dtype) for shape, dtype in self.gradients)
         self.launch_rest(first + tuple(g.data.ptr for g in gradients), stream, False)
         return gradients
 
+    def workspace_on(self, stream: int, allocate=None) -> tuple:
+        """A short call's workspace on the stream at ``stream`` (not capturing): (its address, what
+        holds it). Up to _launch.KEPT_WORKSPACE_BYTES the one kept for the stream (held by nothing
+        of the call's); larger, ``allocate(bytes)`` (CuPy's allocator by default), an object with
+        ``ptr`` or ``data_ptr()`` that the caller holds until its launches are out."""
+        if self.workspace_bytes <= _launch.KEPT_WORKSPACE_BYTES:
+            return kept_workspace(self.workspace_bytes, self.device, stream), None
+        held = (allocate or self.cuda.alloc)(self.workspace_bytes)
+        return (held.ptr if hasattr(held, "ptr") else held.data_ptr()), held
+
     def outputs(self):
         """New (dq, dk, dv) from CuPy's allocator on the current stream."""
-        ndarray, alloc = self.cuda.ndarray, self.cuda.alloc
-        return tuple(ndarray(shape, dtype, alloc(nbytes)) for shape, dtype, nbytes in self.gradients)
+        empty = self.cuda.empty
+        return tuple(empty(shape, dtype) for shape, dtype in self.gradients)
 
     def run(self, inputs: dict, out=None):
         """Launch on ``inputs`` (do, q, k, v, o, lse: kernel-ready, of the planned shapes, strides
@@ -350,7 +371,7 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
         launches.append(rows.row_launch(rows.KV_GROUP_SUM, row_shape, record="group",
                                         rows=row_shape.batch * row_shape.seqlen_k * row_shape.heads_kv))
     held = tuple(x for x in variant.device_arrays() if x is not None)
-    gradients = tuple((tuple(arrays[name].shape), arrays[name].dtype, arrays[name].nbytes) for name in ("q", "k", "v"))
+    gradients = tuple((tuple(arrays[name].shape), arrays[name].dtype) for name in ("q", "k", "v"))
     return BackwardPlan(family.name, temporaries, records, tuple(launches), held, maps, counter_bytes, gradients)
 
 

@@ -116,11 +116,15 @@ class DecodePlan(_launch.OutputAndLse):
 
     def _run(self, arrays: tuple, out, stream: int, capturing: bool):
         o, lse = self.outputs() if out is None else out
-        addresses = tuple(0 if x is None else x.data.ptr for x in arrays) + (o.data.ptr, lse.data.ptr)
+        addresses = tuple([0 if x is None else x.data.ptr for x in arrays] + [o.data.ptr, lse.data.ptr])
         workspace = None
         if self.workspace_bytes:
-            workspace = self.cuda.alloc(self.workspace_bytes)
-            addresses += tuple(workspace.ptr + offset for offset in self.partial_offsets)
+            if capturing or self.workspace_bytes > _launch.KEPT_WORKSPACE_BYTES:
+                workspace = self.cuda.alloc(self.workspace_bytes)
+                base = workspace.ptr
+            else:   # the stream's kept one (the kernels wait for the previous call's)
+                base = _launch.kept_workspace(self.workspace_bytes, self.device, stream)
+            addresses += tuple(base + offset for offset in self.partial_offsets)
         if capturing:
             record_kernel_arrays(arrays + (o, lse, workspace) + self.held)
         _launch.packed_once(self._launched, addresses, stream, capturing, lambda: self._packed(addresses, stream)).run()

@@ -143,10 +143,8 @@ class _BackwardCallback:
         stream = int(context.stream)
         plan = self.plans.get(stream)
         if plan is not None and _launch.ready_stream(plan, stream) is not None:
-            with _stream(stream):   # CuPy's pool hands the block out again in this stream's order only
-                workspace = plan.cuda.alloc(plan.workspace_bytes)
-            first = plan.launch_first(tuple(_device_pointer(x) for x in (do, q, k, v, o, lse)), workspace.ptr, stream,
-                                      False)
+            workspace, _owner = plan.workspace_on(stream, functools.partial(_allocated_on, stream))
+            first = plan.launch_first(tuple(_device_pointer(x) for x in (do, q, k, v, o, lse)), workspace, stream, False)
             plan.launch_rest(first + tuple(_device_pointer(x) for x in outputs), stream, False)
             return
         with _on_xla_stream(context, q):
@@ -190,6 +188,15 @@ class _on_xla_stream:
 # shape, dtype); a view holds no memory of its own (UnownedMemory), so keeping it keeps nothing.
 _streams: dict = {}
 _views: dict = {}
+
+
+def _allocated_on(stream: int, nbytes: int):
+    """``nbytes`` from CuPy's allocator with the stream at ``stream`` current: CuPy's pool hands the
+    block out again in this stream's order only."""
+    import cupy
+
+    with _stream(stream):
+        return cupy.cuda.alloc(nbytes)
 
 
 def _stream(pointer: int):

@@ -165,8 +165,12 @@ def as_float64(x):
 @contextlib.contextmanager
 def poisoned_allocations():
     """Every CuPy allocation made inside is filled with 0xFF bytes (NaN in float16, bfloat16 and
-    float32) before use, so an output or workspace element a kernel forgets to write is NaN."""
+    float32) before use, so an output or workspace element a kernel forgets to write is NaN. The
+    short calls' kept workspaces (_launch.kept_workspace) are dropped on the way in and made
+    afresh, poisoned, inside."""
     import cupy
+
+    from cupy_flash import _launch
 
     pool = cupy.get_default_memory_pool()
 
@@ -176,8 +180,20 @@ def poisoned_allocations():
             cupy.cuda.runtime.memsetAsync(memory.ptr, 0xFF, size, cupy.cuda.get_current_stream().ptr)
         return memory
 
-    with cupy.cuda.using_allocator(allocate):
-        yield
+    def kept_bytes(nbytes, stream):
+        workspace = pool_bytes(nbytes, stream)
+        cupy.cuda.runtime.memsetAsync(workspace.data.ptr, 0xFF, workspace.nbytes, stream)
+        return workspace
+
+    if not cupy.cuda.get_current_stream().is_capturing():
+        cupy.cuda.Device().synchronize()   # no queued kernel still uses a kept workspace
+        _launch._workspaces.clear()
+    pool_bytes, _launch._pool_bytes = _launch._pool_bytes, kept_bytes
+    try:
+        with cupy.cuda.using_allocator(allocate):
+            yield
+    finally:
+        _launch._pool_bytes = pool_bytes
 
 
 def bitwise(x):

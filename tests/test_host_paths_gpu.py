@@ -262,3 +262,52 @@ def test_jax_jitted_calls_on_new_inputs_take_the_kept_plan():
         expected = (o,) + tuple(cupy_flash.flash_backward(cdo, cq, ck, cv, o, lse, causal=True, deterministic=True))
         for name, a, b in zip(("o", "dq", "dk", "dv"), results, expected):
             _same(a, b.view(cupy.uint16), f"{name} call {step}")
+
+
+@pytest.mark.parametrize("kernels", ["auto", "portable"])
+def test_kept_workspaces_hold_for_queued_chains_on_two_streams(monkeypatch, kernels):
+    """Short backward and split-decode calls take a workspace kept per (device, host thread, stream)
+    (_launch.kept_workspace) rather than a new allocation. Two chains of calls, one per stream,
+    issued in turn and queued behind a long matmul, each call reading what the one before wrote
+    (the backward's dO is the last dq, the decode's q the last o): equal bit for bit to the same
+    chains with every workspace allocated afresh (KEPT_WORKSPACE_BYTES = 0); the two streams' kept
+    workspaces differ."""
+    import cupy
+
+    from cupy_flash import _launch, families
+
+    rng = numpy.random.default_rng(11)
+    q, k, v, do = (random_array(rng, (2, 200, 4, 64), "bfloat16") for _ in range(4))
+    query = random_array(rng, (2, 1, 16, 64), "bfloat16")
+    caches = [random_array(rng, (2, 3000, 2, 64), "bfloat16") for _ in range(2)]
+    lengths = cupy.asarray([2900, 1700], dtype=cupy.int32)
+    busy = random_array(rng, (4096, 4096), "float16")
+    streams = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True))
+
+    def chains():
+        with families.use_kernels(kernels):
+            o, lse = cupy_flash.flash_forward(q, k, v, causal=True)
+            heads = [[do, query] for _ in streams]
+            outputs = []
+            for stream in streams:
+                with stream:
+                    busy @ busy
+            for _ in range(4):
+                for stream, head in zip(streams, heads):
+                    with stream:
+                        dq, dk, dv = cupy_flash.flash_backward(head[0], q, k, v, o, lse, causal=True, deterministic=True)
+                        o_new, lse_new = cupy_flash.flash_decode(head[1], *caches, cache_seqlens=lengths, num_splits=8)
+                        head[0], head[1] = (dq * 4).astype(dq.dtype), o_new
+                        outputs += [dq, dk, dv, o_new, lse_new]
+            cupy.cuda.Device().synchronize()
+            return outputs
+
+    _launch._workspaces.clear()
+    kept = chains()
+    device = cupy.cuda.Device().id
+    addresses = {key[2]: w.data.ptr for key, w in _launch._workspaces.items() if key[0] == device}
+    assert {s.ptr for s in streams} <= set(addresses) and addresses[streams[0].ptr] != addresses[streams[1].ptr]
+    monkeypatch.setattr(_launch, "KEPT_WORKSPACE_BYTES", 0)
+    fresh = chains()
+    for i, (a, b) in enumerate(zip(kept, fresh)):
+        _same(a, b, f"output {i}")

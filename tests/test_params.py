@@ -1,6 +1,10 @@
 """CPU: the kernels' params record, and a cached launch plan's copy of it with new addresses."""
 
+import math
+
+import ml_dtypes
 import numpy
+import pytest
 from helpers import FakeGpuArray
 
 from cupy_flash._checks import AttentionShape
@@ -122,16 +126,39 @@ def test_forward_and_decode_plans_allocate_o_like_q_and_a_float32_lse():
 
     class Cuda:
         @staticmethod
-        def alloc(nbytes):
-            return ("memory", nbytes)
-
-        @staticmethod
-        def ndarray(shape, dtype, memory):
-            return shape, numpy.dtype(dtype), memory
+        def empty(shape, dtype):
+            return shape, numpy.dtype(dtype)
 
     plan = OutputAndLse()
     plan.cuda = Cuda()
     plan.plan_outputs(q, (2, 3, 5))
     o, lse = plan.outputs()
-    assert o == ((2, 5, 3, 40), numpy.dtype(numpy.float16), ("memory", q.nbytes))
-    assert lse == ((2, 3, 5), numpy.dtype(numpy.float32), ("memory", 4 * 2 * 3 * 5))
+    assert o == ((2, 5, 3, 40), numpy.dtype(numpy.float16))
+    assert lse == ((2, 3, 5), numpy.dtype(numpy.float32))
+
+
+@pytest.mark.parametrize("dtype", [numpy.float16, ml_dtypes.bfloat16, numpy.float32, numpy.int32])
+@pytest.mark.parametrize("shape", [(2, 5, 3, 40), (7,), (3, 0, 2)])
+def test_new_arrays_are_what_cupy_ndarray_makes(shape, dtype):
+    """_launch.new_array_maker (the outputs' constructor: CuPy's class and its Cython base called
+    directly) makes what ``cupy.ndarray(shape, dtype)`` makes, from the same allocator: here one
+    that hands out stand-in addresses, so no GPU is needed."""
+    import cupy
+
+    from cupy_flash._launch import new_array_maker
+
+    asked = []
+
+    def allocate(nbytes):
+        asked.append(nbytes)
+        memory = cupy.cuda.UnownedMemory(4096 * len(asked), max(nbytes, 1), None, device_id=0)
+        return cupy.cuda.MemoryPointer(memory, 0)
+
+    dtype = numpy.dtype(dtype)
+    with cupy.cuda.using_allocator(allocate):
+        made = new_array_maker(cupy)(shape, dtype)
+        expected = cupy.ndarray(shape, dtype)
+    assert asked == [math.prod(shape) * dtype.itemsize] * 2
+    assert type(made) is cupy.ndarray and made.base is None and made.data.ptr == 4096
+    assert made.flags.owndata and made.flags.c_contiguous and made.flags.f_contiguous == expected.flags.f_contiguous
+    assert (made.shape, made.strides, made.dtype, made.size) == (expected.shape, expected.strides, expected.dtype, expected.size)
