@@ -180,7 +180,7 @@ def _plain(sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 class _Kept:
     """A kept plan with how the short path makes o (and dq, dk, dv): ``new(x)``, a new tensor of x's
     shape and dtype, C-contiguous: ``torch.empty_like`` where the planned q, k, v are contiguous
-    (4.4 us against ``new_empty``'s 6.5 on the H100's host)."""
+    (1.9 us against ``new_empty``'s 2.75 on the H100's host, interleaved)."""
 
     __slots__ = ("plan", "new")
 
