@@ -293,15 +293,16 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:   # the benchmark parses its own flags
-        if not {"-h", "--help"} & set(argv[1:]):
-            ok, reason = _gpu_or_reason()
-            if not ok:
-                print(f"bench needs an NVIDIA GPU: {reason}", file=sys.stderr)
-                return 1
+    if argv[:1] == ["bench"]:   # the benchmark parses its own flags, then asks for a GPU
         from .benchmark import main as bench
 
-        bench(argv[1:], prog="python -m cupy_flash bench")
+        try:
+            bench(argv[1:], prog="python -m cupy_flash bench")
+        except SystemExit as stop:
+            if not isinstance(stop.code, str):   # argparse's exit (2, or 0 after --help)
+                raise
+            print(stop.code, file=sys.stderr)    # require_gpu's one line
+            return 1
         return 0
     args = parser().parse_args(argv)
     for head_dim in getattr(args, "head_dims", []):

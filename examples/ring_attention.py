@@ -12,16 +12,12 @@ Prints each output's max error against the single-GPU result; exits 1 if one is 
 import argparse
 import sys
 
+import cupy
 import ml_dtypes
 
+import cupy_flash
+from cupy_flash import distributed
 from cupy_flash._device import require_gpu
-
-require_gpu("ring_attention")
-
-import cupy  # noqa: E402
-
-import cupy_flash  # noqa: E402
-from cupy_flash import distributed  # noqa: E402
 
 
 def main():
@@ -31,6 +27,7 @@ def main():
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--virtual-ranks", type=int, default=4, help="ranks simulated on one GPU without mpirun")
     args = parser.parse_args()
+    require_gpu("ring_attention")   # one line and exit status 1 where there is none
 
     try:   # started by mpirun with several processes: one GPU each, NCCL between them
         from mpi4py import MPI

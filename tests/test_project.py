@@ -66,6 +66,26 @@ def test_readme_usage_example_runs():
 
 
 @requires_gpu
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_readme_framework_examples_run(framework):
+    """The README's PyTorch lines and its JAX lines (one block, a blank line between), each on the
+    framework's arrays of the usage example's shape."""
+    module = pytest.importorskip(framework)
+    block = re.search(r"## PyTorch and JAX\n\n```python\n(.*?)```", README, re.S).group(1)
+    torch_lines, jax_lines = block.split("\n\n")
+    shape = (2, 512, 4, 64)
+    if framework == "torch":
+        q, k, v = (module.randn(shape, device="cuda", dtype=module.bfloat16) for _ in range(3))
+        namespace = dict(q=q, k=k, v=v)
+        exec(compile(torch_lines, "README.md", "exec"), namespace)
+    else:
+        q, k, v = (module.random.normal(module.random.PRNGKey(i), shape, dtype=module.numpy.bfloat16) for i in range(3))
+        namespace = dict(q=q, k=k, v=v, jax=module)
+        exec(compile(jax_lines, "README.md", "exec"), namespace)
+    assert tuple(namespace["o"].shape) == shape
+
+
+@requires_gpu
 def test_quickstart_example_runs():
     import os
     import subprocess
@@ -139,6 +159,40 @@ def test_without_a_gpu_every_entry_point_says_why_in_one_line(command):
     assert done.returncode == 1, done.stdout + done.stderr
     assert len(lines) == 1 and "Traceback" not in done.stderr and "insufficient" not in done.stderr, done.stderr
     assert any(reason in lines[0] for reason in ("needs an NVIDIA GPU: ", "needs JAX", "needs PyTorch")), lines
+
+
+def _shown_commands() -> list:
+    """The commands the README shows that run an example or a module of ours (inline code and the
+    lines of bash blocks), from ``python`` on: pip and pytest lines are the CI's own."""
+    texts = [README]
+    spans = [span for text in texts for span in re.findall(r"`([^`\n]+)`", text)]
+    spans += [line for text in texts for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+              for line in block.splitlines()]
+    commands = set()
+    for span in spans:
+        for part in span.split(" && "):
+            part = part.split("#")[0].strip()
+            match = re.search(r"(?:^|\s)python3? (-m [\w.]+|\S+\.py)(.*)$", part)
+            if match and "|" not in part and "pytest" not in match.group(1) and "<" not in part:
+                commands.add((match.group(1) + match.group(2)).strip())
+    return sorted(commands)
+
+
+def test_the_readme_shows_the_commands_users_run():
+    shown = _shown_commands()
+    for command in ("-m cupy_flash bench", "examples/quickstart.py", "examples/ring_attention.py --tokens 65536"):
+        assert command in shown, shown
+
+
+@pytest.mark.skipif(HAS_GPU, reason="the no-GPU answer (a GPU is present)")
+@pytest.mark.parametrize("command", _shown_commands())
+def test_every_command_the_docs_show_parses_on_a_cpu(command):
+    """Each command of the README that starts an example or one of our modules takes its arguments
+    as printed: on a CPU it stops at the GPU check, after parsing them (exit status 1 and
+    one line; a misspelt flag would exit 2 with argparse's usage)."""
+    done = _run_example([str(ROOT / part) if part.endswith(".py") else part for part in command.split()], timeout=120)
+    assert done.returncode in (0, 1), done.stdout + done.stderr
+    assert "usage:" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 def _package_imports() -> dict:
