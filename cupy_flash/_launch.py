@@ -247,17 +247,17 @@ KEPT_WORKSPACE_BYTES = 4 << 20
 _workspaces: dict = {}   # (device, host thread, stream) -> a kept workspace (a CuPy array of bytes)
 
 
-def kept_workspace(nbytes: int, device: int, stream: int) -> int:
-    """The address of a workspace of ``nbytes`` (<= KEPT_WORKSPACE_BYTES) kept for this host thread's
-    launches on the stream at ``stream`` on ``device`` (the current device; not a capturing stream:
-    a graph holds its own). It grows to the largest size asked for; it comes from CuPy's own pool
-    with the stream current, so the pool orders its reuse on that stream when the cache lets one go
-    (kept's bound)."""
+def kept_workspace(nbytes: int, device: int, stream: int):
+    """A workspace of ``nbytes`` (<= KEPT_WORKSPACE_BYTES; a CuPy array of bytes, which the caller
+    holds until its launches are out) kept for this host thread's launches on the stream at
+    ``stream`` on ``device`` (the current device; not a capturing stream: a graph holds its own).
+    It grows to the largest size asked for; it comes from CuPy's own pool with the stream current,
+    so the pool orders its reuse on that stream when the cache lets one go (kept's bound)."""
     key = (device, threading.get_ident(), stream)
     workspace = _workspaces.get(key)
     if workspace is None or workspace.nbytes < nbytes:
         workspace = kept(_workspaces, key, _pool_bytes(max(nbytes, 0 if workspace is None else workspace.nbytes), stream))
-    return workspace.data.ptr
+    return workspace
 
 
 def _pool_bytes(nbytes: int, stream: int):

@@ -217,11 +217,12 @@ class BackwardPlan:
 
     def workspace_on(self, stream: int, allocate=None) -> tuple:
         """A short call's workspace on the stream at ``stream`` (not capturing): (its address, what
-        holds it). Up to _launch.KEPT_WORKSPACE_BYTES the one kept for the stream (held by nothing
-        of the call's); larger, ``allocate(bytes)`` (CuPy's allocator by default), an object with
-        ``ptr`` or ``data_ptr()`` that the caller holds until its launches are out."""
+        holds it, which the caller holds until its launches are out). Up to
+        _launch.KEPT_WORKSPACE_BYTES the one kept for the stream; larger, ``allocate(bytes)``
+        (CuPy's allocator by default), an object with ``ptr`` or ``data_ptr()``."""
         if self.workspace_bytes <= _launch.KEPT_WORKSPACE_BYTES:
-            return kept_workspace(self.workspace_bytes, self.device, stream), None
+            held = kept_workspace(self.workspace_bytes, self.device, stream)
+            return held.data.ptr, held
         held = (allocate or self.cuda.alloc)(self.workspace_bytes)
         return (held.ptr if hasattr(held, "ptr") else held.data_ptr()), held
 

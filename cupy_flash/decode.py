@@ -123,7 +123,8 @@ class DecodePlan(_launch.OutputAndLse):
                 workspace = self.cuda.alloc(self.workspace_bytes)
                 base = workspace.ptr
             else:   # the stream's kept one (the kernels wait for the previous call's)
-                base = _launch.kept_workspace(self.workspace_bytes, self.device, stream)
+                workspace = _launch.kept_workspace(self.workspace_bytes, self.device, stream)
+                base = workspace.data.ptr
             addresses += tuple(base + offset for offset in self.partial_offsets)
         if capturing:
             record_kernel_arrays(arrays + (o, lse, workspace) + self.held)
