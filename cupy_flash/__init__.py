@@ -13,6 +13,7 @@ See README.md, docs/api.md and the docstrings of the functions below.
 from .backward import flash_backward
 from .decode import flash_decode, merge_attention_states
 from .forward import flash_attention, flash_forward
+from .fp8 import quantize_fp8
 from .reference import attention_reference, attention_reference_backward, decode_reference
 from .vjp import flash_vjp
 
@@ -28,5 +29,6 @@ __all__ = [
     "attention_reference",
     "attention_reference_backward",
     "decode_reference",
+    "quantize_fp8",
     "__version__",
 ]

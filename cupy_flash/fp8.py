@@ -1,0 +1,199 @@
+"""FP8 (e4m3, e5m2) values without FP8 dtypes: rounding, the bit encoding, and ``quantize_fp8``.
+
+CuPy 14 holds no FP8 dtype (``ml_dtypes.float8_*`` arrays, and PyTorch's through DLPack, are
+refused), so FP8 data moves as uint8 arrays of the formats' bits: ``x8.view(ml_dtypes.float8_e4m3fn)``
+reads them on NumPy, ``torch.from_dlpack(x8).view(torch.float8_e4m3fn)`` on PyTorch. Everything here
+is array arithmetic on NumPy or CuPy arrays alike (float64 inside), so the rounding the references and
+the accuracy study use is the same code on either, and agrees with ml_dtypes and the hardware's
+``cvt.rn.satfinite`` value for value (tests/test_fp8.py).
+
+Formats (OCP FP8): e4m3 is ``float8_e4m3fn`` (bias 7, no infinity, largest 448, subnormals from 2^-9);
+e5m2 is ``float8_e5m2`` (bias 15, largest 57344, subnormals from 2^-16). Rounding is to nearest, ties
+to even, and saturates to the largest finite value (the kernels' conversions are ``satfinite``);
+NaN stays NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy
+
+from ._streams import on_stream
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Format:
+    name: str
+    mantissa_bits: int
+    exponent_bias: int
+    min_exponent: int     # of the normal numbers: below it, subnormals with quantum 2^(min_exponent - mantissa_bits)
+    largest: float
+    nan_bits: int         # the canonical NaN's bits (sign clear)
+
+
+FORMATS = {
+    "e4m3": Fp8Format("e4m3", 3, 7, -6, 448.0, 0x7F),
+    "e5m2": Fp8Format("e5m2", 2, 15, -14, 57344.0, 0x7E),
+}
+
+
+def fp8_format(fmt) -> Fp8Format:
+    """The format named ``fmt`` ("e4m3" or "e5m2"), or ValueError naming it."""
+    if isinstance(fmt, Fp8Format):
+        return fmt
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt is {fmt!r}; expected one of {', '.join(repr(n) for n in FORMATS)}")
+    return FORMATS[fmt]
+
+
+def _xp(x):
+    import cupy
+
+    return cupy.get_array_module(x)
+
+
+def _binade(magnitude, xp, spec: Fp8Format):
+    """The exponent e of 2^e <= magnitude < 2^(e+1), clamped below at the normals' (so subnormals
+    share the smallest normal binade's quantum); magnitude > 0 where it matters."""
+    _, exponent = xp.frexp(magnitude)   # magnitude = m * 2^exponent, 0.5 <= m < 1
+    return xp.maximum(exponent.astype(xp.int32) - 1, spec.min_exponent)
+
+
+def round_fp8(x, fmt="e4m3"):
+    """``x`` rounded to the nearest value of the FP8 format (ties to even), saturated to its largest
+    finite value, as float64 (NaN stays NaN). Exact: the quotient by a power of two and ``rint``
+    (ties to even) in float64 lose nothing for the formats' 2-3 mantissa bits."""
+    spec = fp8_format(fmt)
+    xp = _xp(x)
+    x = xp.asarray(x, dtype=xp.float64)
+    magnitude = xp.abs(x)
+    finite = xp.isfinite(magnitude)
+    safe = xp.where(finite & (magnitude > 0), magnitude, 1.0)
+    quantum = xp.ldexp(1.0, _binade(safe, xp, spec) - spec.mantissa_bits)
+    rounded = xp.minimum(xp.rint(safe / quantum) * quantum, spec.largest)
+    rounded = xp.where(magnitude > 0, rounded, 0.0)
+    rounded = xp.where(finite, rounded, xp.where(xp.isnan(x), xp.nan, spec.largest))
+    return xp.copysign(rounded, x)
+
+
+def encode_fp8(x, fmt="e4m3"):
+    """The FP8 bits (uint8) of ``x`` rounded as ``round_fp8`` does."""
+    spec = fp8_format(fmt)
+    xp = _xp(x)
+    rounded = round_fp8(x, spec)
+    magnitude = xp.abs(rounded)
+    safe = xp.where(magnitude > 0, magnitude, 1.0)
+    exponent = _binade(safe, xp, spec)
+    normal = safe >= 2.0 ** spec.min_exponent
+    # normal: (exponent + bias, the mantissa past the leading 1); subnormal: (0, magnitude / quantum)
+    mantissa = xp.where(normal, xp.ldexp(safe, spec.mantissa_bits - exponent) - (1 << spec.mantissa_bits),
+                        xp.ldexp(safe, spec.mantissa_bits - spec.min_exponent))
+    field = xp.where(normal, exponent + spec.exponent_bias, 0)
+    bits = (field.astype(xp.int32) << spec.mantissa_bits) | xp.rint(mantissa).astype(xp.int32)
+    bits = xp.where(magnitude > 0, bits, 0)
+    bits = xp.where(xp.isnan(rounded), spec.nan_bits, bits)
+    return (bits | (xp.signbit(rounded).astype(xp.int32) << 7)).astype(xp.uint8)
+
+
+def decode_fp8(bits, fmt="e4m3"):
+    """The float64 values of FP8 ``bits`` (uint8)."""
+    spec = fp8_format(fmt)
+    xp = _xp(bits)
+    bits = xp.asarray(bits)
+    if bits.dtype != numpy.uint8:
+        raise TypeError(f"bits has dtype {bits.dtype}; expected uint8 (FP8 data as its bits)")
+    code = bits.astype(xp.int32)
+    field = (code >> spec.mantissa_bits) & ((1 << (7 - spec.mantissa_bits)) - 1)
+    mantissa = (code & ((1 << spec.mantissa_bits) - 1)).astype(xp.float64)
+    normal = xp.ldexp(1.0 + mantissa / (1 << spec.mantissa_bits), field - spec.exponent_bias)
+    subnormal = xp.ldexp(mantissa, spec.min_exponent - spec.mantissa_bits)
+    values = xp.where(field > 0, normal, subnormal)
+    if spec.name == "e4m3":   # 0x7F / 0xFF: NaN (no infinities)
+        values = xp.where((code & 0x7F) == 0x7F, xp.nan, values)
+    else:                     # exponent field all ones: infinity (mantissa 0) or NaN
+        top = field == (1 << (7 - spec.mantissa_bits)) - 1
+        values = xp.where(top, xp.where(mantissa == 0, xp.inf, xp.nan), values)
+    return xp.where(code >> 7 == 1, -values, values)
+
+
+def hadamard_rotation(head_dim: int, seed: int = 0):
+    """An orthogonal ``(head_dim, head_dim)`` float64 NumPy matrix R = diag(random signs) @ H, H
+    block-diagonal with normalised Sylvester-Hadamard blocks of the largest power of two dividing
+    head_dim (the whole of it for 64, 128, 256). ``q @ R`` and ``k @ R`` have the scores of q and k
+    (R is orthogonal) but spread an outlier channel over the block, which FP8 rounds far better
+    (FlashAttention-3's incoherent processing). q and k must take the same R (the same seed); v
+    does not take one."""
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+        raise ValueError(f"head_dim is {head_dim!r}; expected a positive int")
+    block = head_dim & -head_dim   # the largest power of two dividing it
+    hadamard = numpy.ones((1, 1))
+    while hadamard.shape[0] < block:
+        hadamard = numpy.block([[hadamard, hadamard], [hadamard, -hadamard]])
+    blocks = numpy.kron(numpy.eye(head_dim // block), hadamard / math.sqrt(block))
+    signs = numpy.random.default_rng(seed).choice((-1.0, 1.0), size=head_dim)
+    return signs[:, None] * blocks
+
+
+GRANULARITIES = ("head", "tensor")
+
+
+@on_stream
+def quantize_fp8(x, *, fmt="e4m3", granularity="head", rotation=None):
+    """``x`` in FP8 with a descale factor per group: ``(x8, descale)`` with ``x8`` uint8 bits of
+    ``x`` rotated (``x @ rotation`` where given) and divided by its group's descale, rounded as
+    ``round_fp8`` does, so that ``decode_fp8(x8) * descale`` approximates ``x @ rotation``.
+
+    x: (batch, seqlen, heads, head_dim), float16 / bfloat16 / float32 / float64, NumPy or CuPy.
+    fmt: "e4m3" (inputs) or "e5m2". granularity: "head", a descale per (batch, head) (FlashAttention-3's
+    per (batch, kv head) for k and v), descale float32 (batch, heads); "tensor", one for the whole
+    array, descale float32 (1, 1). A group's descale is its largest magnitude over the format's
+    largest value (1 where the group is all zero), so the group spans the format's range.
+    rotation: None, or a (head_dim, head_dim) orthogonal matrix such as ``hadamard_rotation(d, seed)``.
+    """
+    spec = fp8_format(fmt)
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity is {granularity!r}; expected one of {', '.join(map(repr, GRANULARITIES))}")
+    if getattr(x, "ndim", None) != 4:
+        raise ValueError(f"x must have 4 dimensions (batch, seqlen, heads, head_dim), got shape "
+                         f"{tuple(getattr(x, 'shape', ()))}")
+    from ._checks import dtype_name
+
+    if dtype_name(x.dtype) is None and numpy.dtype(x.dtype) != numpy.float64:
+        raise TypeError(f"x has dtype {x.dtype}; expected float16, bfloat16, float32 or float64")
+    xp = _xp(x)
+    values = x.astype(xp.float64) if dtype_name(x.dtype) != "bfloat16" else _bfloat16_as_float64(x, xp)
+    if rotation is not None:
+        rotation = xp.asarray(rotation, dtype=xp.float64)
+        d = int(x.shape[3])
+        if rotation.shape != (d, d):
+            raise ValueError(f"rotation has shape {tuple(rotation.shape)}; expected (head_dim, head_dim) = ({d}, {d})")
+        values = values @ rotation
+    axes = (1, 3) if granularity == "head" else (0, 1, 2, 3)
+    amax = xp.abs(values).max(axis=axes, keepdims=True)
+    if not bool(xp.isfinite(amax).all()):
+        raise ValueError("x holds inf or NaN; FP8 quantisation needs finite values")
+    descale = xp.where(amax > 0, amax / spec.largest, 1.0).astype(xp.float32)
+    bits = encode_fp8(values / descale.astype(xp.float64), spec)
+    descale = descale.reshape(x.shape[0], x.shape[2]) if granularity == "head" else descale.reshape(1, 1)
+    return bits, descale
+
+
+def dequantize_fp8(x8, descale, fmt="e4m3"):
+    """float64 ``decode_fp8(x8) * descale`` for ``quantize_fp8``'s (x8, descale) (either granularity)."""
+    xp = _xp(x8)
+    values = decode_fp8(x8, fmt)
+    descale = xp.asarray(descale, dtype=xp.float64)
+    if descale.shape == (1, 1):
+        return values * descale[0, 0]
+    if getattr(x8, "ndim", None) != 4 or descale.shape != (x8.shape[0], x8.shape[2]):
+        raise ValueError(f"descale has shape {tuple(descale.shape)}; expected (batch, heads) of x8 "
+                         f"{tuple(getattr(x8, 'shape', ()))} or (1, 1)")
+    return values * descale[:, None, :, None]
+
+
+def _bfloat16_as_float64(x, xp):
+    """bfloat16 values as float64 through their bits (CuPy has no bfloat16 arithmetic)."""
+    bits = x.view(xp.uint16).astype(xp.uint32) << 16
+    return bits.view(xp.float32).astype(xp.float64)
