@@ -136,6 +136,28 @@ def hadamard_rotation(head_dim: int, seed: int = 0):
     return signs[:, None] * blocks
 
 
+# The FP8 attention scheme (docs/fp8.md), which the FP8 references round as:
+P_SCALE = 2.0 ** 8      # P in [0, 1] is rounded to e4m3 as P x 2^8 (exact), clear of e4m3's subnormals
+DS_TILE = (128, 128)    # dS is rounded to e4m3 with a scale per tile of (query rows, key columns)
+
+
+def round_fp8_tiles(x, fmt="e4m3", tile=DS_TILE):
+    """``x`` (..., rows, columns) rounded to the FP8 format with a scale per ``tile`` block (its
+    largest magnitude over the format's largest value; 1 for an all-zero block): the rounding a
+    kernel holding the block in registers can apply. float64."""
+    spec = fp8_format(fmt)
+    xp = _xp(x)
+    x = xp.asarray(x, dtype=xp.float64)
+    out = xp.empty_like(x)
+    for i in range(0, x.shape[-2], tile[0]):
+        for j in range(0, x.shape[-1], tile[1]):
+            block = x[..., i:i + tile[0], j:j + tile[1]]
+            amax = xp.abs(block).max(axis=(-2, -1), keepdims=True)
+            scale = xp.where(amax > 0, amax / spec.largest, 1.0)
+            out[..., i:i + tile[0], j:j + tile[1]] = round_fp8(block / scale, spec) * scale
+    return out
+
+
 GRANULARITIES = ("head", "tensor")
 
 

@@ -237,12 +237,16 @@ def _on_stream(function):
 
 
 @_on_stream
-def attention_reference(q, k, v, *, softmax_scale=None, causal=False, upcast=True, rounding="dense", **features):
+def attention_reference(q, k, v, *, softmax_scale=None, causal=False, upcast=True, rounding="dense", q_descale=None,
+                        k_descale=None, v_descale=None, **features):
     """Dense attention; see ``_attention_reference_dense``. With ``cu_seqlens_q/k`` (a packed
     batch: q (total_q, heads, d)), each sequence separately: o (total_q, heads, d), lse (heads,
-    total_q)."""
+    total_q). FP8 inputs (uint8 bits of e4m3 with their descales; ``_fp8_values``) are read as
+    their float64 values; ``rounding="fp8"`` with ``upcast=False`` rounds as the FP8 scheme does."""
+    (q, k, v), fp8 = _fp8_values("attention_reference", dict(q=q, k=k, v=v),
+                                 dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale), features)
     _check_call("attention_reference", q, k, v, softmax_scale, causal, upcast, features)
-    _check_rounding(rounding)
+    _check_rounding(rounding, fp8, upcast)
     sequences = _packed_sequences(features)
     if sequences is None:
         return _attention_reference_dense(q, k, v, softmax_scale=softmax_scale, causal=causal, upcast=upcast,
@@ -259,12 +263,15 @@ def attention_reference(q, k, v, *, softmax_scale=None, causal=False, upcast=Tru
 
 @_on_stream
 def attention_reference_backward(do, q, k, v, *, softmax_scale=None, causal=False, upcast=True, rounding="dense",
-                                 **features):
+                                 q_descale=None, k_descale=None, v_descale=None, **features):
     """Gradients of ``attention_reference``; see ``_attention_reference_backward_dense``. Packed
-    batches (``cu_seqlens_q/k``): each sequence separately, dsink summed over them."""
+    batches (``cu_seqlens_q/k``): each sequence separately, dsink summed over them. FP8 inputs as
+    ``attention_reference`` takes them (do in bfloat16 / float16 / float32)."""
     options = {n: x for n, x in features.items() if n != "return_dbias"}
+    (q, k, v), fp8 = _fp8_values("attention_reference_backward", dict(q=q, k=k, v=v),
+                                 dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale), options)
     _check_call("attention_reference_backward", q, k, v, softmax_scale, causal, upcast, options, do=do)
-    _check_rounding(rounding)
+    _check_rounding(rounding, fp8, upcast)
     _checks.check_flag("return_dbias", features.get("return_dbias", False))
     sequences = _packed_sequences(features)
     if sequences is None:
@@ -284,9 +291,78 @@ def attention_reference_backward(do, q, k, v, *, softmax_scale=None, causal=Fals
 
 
 
-def _check_rounding(rounding) -> None:
-    if rounding not in ("dense", "flash"):
-        raise ValueError(f"rounding must be 'dense' or 'flash', got {rounding!r}")
+def _check_rounding(rounding, fp8: bool = False, upcast: bool = True) -> None:
+    if rounding not in ("dense", "flash", "fp8"):
+        raise ValueError(f"rounding must be 'dense', 'flash' or 'fp8', got {rounding!r}")
+    if rounding == "fp8" and not fp8:
+        raise ValueError("rounding='fp8' is the FP8 inputs' scheme: it needs q, k, v in FP8 (uint8 bits of e4m3) "
+                         "with q_descale, k_descale and v_descale")
+    if fp8 and not upcast and rounding != "fp8":
+        raise ValueError(f"FP8 inputs with upcast=False round as the FP8 scheme: rounding='fp8', got {rounding!r}")
+
+
+# FP8 inputs take these variants (with causal and GQA / MQA); the others raise naming the option.
+FP8_FEATURES = ("window_size", "sink") + _checks.PACKED_KEYWORDS
+
+
+def _fp8_values(function: str, arrays: dict, descales: dict, features: dict) -> tuple:
+    """((q, k, v), fp8): FP8 inputs, uint8 arrays of e4m3 bits (``quantize_fp8``'s) with
+    q_descale (batch, heads_q) or (batch, heads_kv) and k_descale, v_descale (batch, heads_kv), as
+    float64 values ``decode(x) * descale`` (packed batches: batch = len(cu_seqlens) - 1); else the
+    arrays unchanged. TypeError / ValueError naming the argument: FP8 mixed with other dtypes, a
+    descale missing, of the wrong shape, not finite or not positive, a variant FP8 does not take."""
+    fp8 = [name for name, x in arrays.items() if getattr(x, "dtype", None) == numpy.uint8]
+    given = [name for name, x in descales.items() if x is not None]
+    if not fp8 and not given:
+        return tuple(arrays.values()), False
+    if len(fp8) != len(arrays):
+        other = next(name for name in arrays if name not in fp8)
+        dtype = getattr(arrays[other], "dtype", type(arrays[other]).__name__)
+        reason = f"{fp8[0]} is FP8 (uint8 bits of e4m3)" if fp8 else f"{given[0]} is given"
+        raise TypeError(f"{function}: {other} has dtype {dtype} but {reason}; FP8 calls take q, k and v all in FP8")
+    for name, descale in descales.items():
+        if descale is None:
+            raise ValueError(f"{name} is missing: FP8 inputs (uint8 bits of e4m3) need q_descale, k_descale and v_descale")
+    unsupported = sorted(n for n, x in features.items() if n not in FP8_FEATURES and x is not None
+                         and not (n == "softcap" and not x))
+    if unsupported:
+        raise ValueError(f"{unsupported[0]} is not supported with FP8 inputs (they take causal, window_size, sink, "
+                         "GQA/MQA and packed batches)")
+    from .fp8 import decode_fp8
+
+    q, k = arrays["q"], arrays["k"]
+    packed = features.get("cu_seqlens_q") is not None or features.get("cu_seqlens_k") is not None
+    rank = 3 if packed else 4
+    for name, x in arrays.items():
+        if x.ndim != rank:
+            layout = "(total_tokens, heads, head_dim) with cu_seqlens" if packed else "(batch, seqlen, heads, head_dim)"
+            raise ValueError(f"{name} must have {rank} dimensions {layout}, got shape {tuple(x.shape)}")
+    heads, heads_kv = int(q.shape[-2]), int(k.shape[-2])
+    if heads_kv < 1 or heads % heads_kv:
+        raise ValueError(f"k has {heads_kv} heads but q has {heads}; the query heads must be a multiple of the K/V heads")
+    xp = _xp(q)
+    cu_seqlens = {name: features.get("cu_seqlens_q" if name == "q" else "cu_seqlens_k") for name in arrays}
+    batch = len(cu_seqlens["q"]) - 1 if packed and cu_seqlens["q"] is not None else int(q.shape[0])
+    values = []
+    for name, x in arrays.items():
+        descale = descales[f"{name}_descale"]
+        shapes = [(batch, heads_kv)] + ([(batch, heads)] if name == "q" else [])
+        if tuple(getattr(descale, "shape", ())) not in shapes:
+            raise ValueError(f"{name}_descale has shape {tuple(getattr(descale, 'shape', ()))}; expected "
+                             f"{' or '.join(str(shape) for shape in shapes)} (batch, heads)")
+        descale = xp.asarray(descale, dtype=xp.float64)
+        if not bool(xp.isfinite(descale).all()) or not bool((descale > 0).all()):
+            raise ValueError(f"{name}_descale holds a value that is not finite and positive")
+        if descale.shape[1] != x.shape[-2]:   # q's descale per K/V head: each head of its group takes it
+            descale = xp.repeat(descale, x.shape[-2] // descale.shape[1], axis=1)
+        if packed:   # each token's sequence
+            bounds = numpy.asarray(_host(cu_seqlens[name])).astype(numpy.int64)
+            rows_of = xp.asarray(numpy.repeat(numpy.arange(len(bounds) - 1), numpy.diff(bounds)))
+            scale = descale[rows_of][:, :, None]
+        else:
+            scale = descale[:, None, :, None]
+        values.append(decode_fp8(x) * scale)
+    return tuple(values), True
 
 
 def low_precision_forward_forms(q, k, v, **options) -> tuple:
@@ -374,6 +450,8 @@ def _attention_reference_dense(q, k, v, *, softmax_scale=None, causal=False, upc
     query, d = 8) which one rounds well is a lottery: the flash form is over 2x the dense form's
     error in about 0.35% of such draws (CPU emulation of bf16 with softcap 0.5 and ALiBi, up to
     4.7x; a device draw read 2.47x)."""
+    if rounding == "fp8" and not upcast:
+        return _fp8_forward(q, k, v, softmax_scale, causal, features)
     flash = rounding == "flash" and not upcast
     _, rnd, xp, _, _, _, V, P, lse, extras = _softmax_parts(q, k, v, softmax_scale, causal, upcast,
                                                             round_scores=not flash, **features)
@@ -406,7 +484,8 @@ def _attention_reference_backward_dense(do, q, k, v, *, softmax_scale=None, caus
     with few elements (one key, a few rows) which of them happens to round well is a lottery the
     error rule would otherwise read as a kernel defect (2.8x the dense error at one key with a
     sink, d=8, bf16; about 0.3% of few-key problems in a CPU emulation)."""
-    _check_rounding(rounding)
+    if rounding == "fp8" and not upcast:
+        return _fp8_backward(do, q, k, v, softmax_scale, causal, features)
     flash = rounding == "flash" and not upcast
     work, rnd, xp, scale, Q, K, V, P, _, extras = _softmax_parts(q, k, v, softmax_scale, causal, upcast,
                                                                  round_scores=not flash, **features)
@@ -447,4 +526,47 @@ def _attention_reference_backward_dense(do, q, k, v, *, softmax_scale=None, caus
         summed = tuple(axis for axis, n in enumerate(dims) if n == 1 and dZ.shape[axis] > 1)
         dbias = dZ.sum(axis=summed, keepdims=True) if summed else dZ
         grads += (dbias.reshape(bias.shape),)
+    return grads
+
+
+# ---------------------------------------------------------------------------------------------
+# The FP8 scheme (docs/fp8.md): q, k, v are FP8 values (float64 here), products exact, outputs and
+# gradients in bfloat16.
+
+def _fp8_forward(q, k, v, softmax_scale, causal, features):
+    """o, lse as the FP8 forward rounds: P = exp(s - row max) enters the P V product as e4m3 of
+    P x 2^8 (fp8.P_SCALE), divided by the unrounded row sum; o rounded to bfloat16. (The kernels
+    take the row max as it runs over the key blocks; this takes the row's.)"""
+    from ._dtypes import bfloat16
+    from .fp8 import P_SCALE, round_fp8
+
+    _, _, xp, _, _, _, V, _, lse, extras = _softmax_parts(q, k, v, softmax_scale, causal, True, **features)
+    operand = round_fp8(extras["unnormalised"] * P_SCALE, "e4m3") / P_SCALE
+    o = round_to_dtype((operand @ V) / extras["row_sum"], bfloat16(), xp)
+    return _bhnd(o), lse.astype(xp.float32)
+
+
+def _fp8_backward(do, q, k, v, softmax_scale, causal, features):
+    """Gradients as the FP8 backward rounds: dV = P^T dO with P in bfloat16, dP = dO V^T, delta from
+    the FP8 forward's o (bfloat16), dS = P (dP - delta) in e4m3 with a scale per 128 x 128 tile
+    (fp8.round_fp8_tiles) as the operand of dQ = scale dS K and dK = scale dS^T Q; GQA sums exact,
+    then every gradient rounded to bfloat16 (dsink float32)."""
+    from ._dtypes import bfloat16
+    from .fp8 import round_fp8_tiles
+
+    _, _, xp, scale, Q, K, V, P, _, extras = _softmax_parts(q, k, v, softmax_scale, causal, True, **features)
+    rnd = lambda a: round_to_dtype(a, bfloat16(), xp).astype(xp.float64)   # noqa: E731
+    dO = _bhnd(_to_float(do, xp, xp.float64))
+    O = _bhnd(_fp8_forward(q, k, v, softmax_scale, causal, features)[0]).astype(xp.float64)
+    delta = (dO * O).sum(axis=-1, keepdims=True)
+    dV = rnd(P).swapaxes(-1, -2) @ dO
+    dS = round_fp8_tiles(P * (dO @ V.swapaxes(-1, -2) - delta), "e4m3")
+    dQ, dK = scale * (dS @ K), scale * (dS.swapaxes(-1, -2) @ Q)
+    group = Q.shape[1] // k.shape[2]
+    if group > 1:
+        batch, _, seqlen_k, head_dim = dK.shape
+        dK, dV = (x.reshape(batch, k.shape[2], group, seqlen_k, head_dim).sum(axis=2) for x in (dK, dV))
+    grads = tuple(_bhnd(rnd(x).astype(xp.float32)) for x in (dQ, dK, dV))
+    if "sink_prob" in extras:
+        grads += ((-(extras["sink_prob"] * delta[..., 0]).sum(axis=(0, 2))).astype(xp.float32),)
     return grads

@@ -130,3 +130,96 @@ def test_cupy_arrays_round_and_quantize_as_numpy_does(fmt):
         on_cpu = cupy_flash.quantize_fp8(batch, fmt=fmt, granularity=granularity, rotation=rotation)
         for a, b in zip(on_gpu, on_cpu):
             assert numpy.array_equal(cupy.asnumpy(a), b)
+
+
+# ---------------------------------------------------------------------------------------------
+# The references on FP8 inputs: the values as dequantised, and the FP8 scheme's rounding.
+
+def _fp8_call(rng, shape_q=(2, 150, 4, 64), heads_kv=2, seqlen_k=170):
+    q = rng.standard_normal(shape_q)
+    k, v = (rng.standard_normal((shape_q[0], seqlen_k, heads_kv, shape_q[3])) for _ in range(2))
+    (q8, qs), (k8, ks), (v8, vs) = (cupy_flash.quantize_fp8(x) for x in (q, k, v))
+    return (q8, k8, v8), dict(q_descale=qs, k_descale=ks, v_descale=vs)
+
+
+def _dequantized(arrays, descales):
+    return tuple(fp8.dequantize_fp8(x, descales[f"{n}_descale"]) for n, x in zip("qkv", arrays))
+
+
+@pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(window_size=(40, 10)),
+                                     dict(sink=numpy.linspace(-1, 1, 4))])
+def test_fp8_reference_reads_the_dequantised_values_and_rounds_as_the_scheme(options):
+    """upcast=True: float64 attention over the dequantised inputs, the accuracy rule's exact. With
+    upcast=False and rounding='fp8': P x 2^8 rounded to e4m3 as the P V operand, o in bfloat16;
+    the backward's dS rounded per 128 x 128 tile, gradients in bfloat16. Its errors sit where the
+    study (docs/fp8.md) puts them: a few percent, far above bf16's, far below 1."""
+    rng = numpy.random.default_rng(8)
+    arrays, descales = _fp8_call(rng)
+    values = _dequantized(arrays, descales)
+    exact = cupy_flash.attention_reference(*arrays, **descales, **options)
+    assert all(numpy.array_equal(a, b) for a, b in zip(exact, cupy_flash.attention_reference(*values, **options)))
+    o, lse = cupy_flash.attention_reference(*arrays, **descales, upcast=False, rounding="fp8", **options)
+    assert o.dtype == numpy.float32 and lse.dtype == numpy.float32
+    assert numpy.array_equal(o, o.astype(ml_dtypes.bfloat16).astype(numpy.float32))   # bfloat16 values
+    assert numpy.allclose(lse, exact[1], rtol=1e-6)
+    error = numpy.sqrt(numpy.mean((o - exact[0]) ** 2) / numpy.mean(exact[0] ** 2))
+    assert 2e-3 < error < 6e-2, error
+    do = rng.standard_normal(values[0].shape).astype(ml_dtypes.bfloat16)
+    exact_grads = cupy_flash.attention_reference_backward(do, *arrays, **descales, **options)
+    grads = cupy_flash.attention_reference_backward(do, *arrays, **descales, upcast=False, rounding="fp8", **options)
+    assert len(grads) == len(exact_grads) == (4 if "sink" in options else 3)
+    for name, ours, want in zip(("dq", "dk", "dv"), grads, exact_grads):
+        assert ours.shape == want.shape and numpy.array_equal(ours, ours.astype(ml_dtypes.bfloat16).astype(numpy.float32))
+        error = numpy.sqrt(numpy.mean((ours - want) ** 2) / numpy.mean(want ** 2))
+        assert 1e-3 < error < 8e-2, (name, error)
+
+
+def test_fp8_reference_forward_is_the_formula():
+    """The forward's FP8 form written out here for one head, from the study's description."""
+    rng = numpy.random.default_rng(9)
+    arrays, descales = _fp8_call(rng, (1, 40, 1, 16), heads_kv=1, seqlen_k=50)
+    q, k, v = (x[0, :, 0] for x in _dequantized(arrays, descales))
+    s = q @ k.T / 4.0
+    p = numpy.exp(s - s.max(axis=1, keepdims=True))
+    operand = fp8.round_fp8(p * 256, "e4m3") / 256
+    expected = (operand @ v / p.sum(axis=1, keepdims=True)).astype(numpy.float32).astype(ml_dtypes.bfloat16)
+    o, _ = cupy_flash.attention_reference(*arrays, **descales, upcast=False, rounding="fp8")
+    assert numpy.array_equal(o[0, :, 0], expected.astype(numpy.float32))
+
+
+def test_fp8_reference_packed_batch_equals_its_sequences():
+    rng = numpy.random.default_rng(10)
+    lengths = (30, 1, 57)
+    sequences = [_fp8_call(rng, (1, n, 2, 32), heads_kv=1, seqlen_k=n) for n in lengths]
+    cu = numpy.concatenate([[0], numpy.cumsum(lengths)]).astype(numpy.int32)
+    packed = [numpy.concatenate([s[0][i][0] for s in sequences]) for i in range(3)]
+    descales = {name: numpy.concatenate([s[1][name] for s in sequences]) for name in sequences[0][1]}
+    o, _ = cupy_flash.attention_reference(*packed, **descales, upcast=False, rounding="fp8", cu_seqlens_q=cu,
+                                          cu_seqlens_k=cu, causal=True)
+    for (arrays, own), start, n in zip(sequences, cu[:-1], lengths):
+        alone, _ = cupy_flash.attention_reference(*arrays, **own, upcast=False, rounding="fp8", causal=True)
+        assert numpy.array_equal(o[start:start + n], alone[0])
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (lambda a, d: ((a[0], a[1].astype(numpy.float32), a[2]), d), TypeError, "k has dtype float32 but q is FP8"),
+    (lambda a, d: ((a[0].astype(numpy.float32),) + a[1:], d), TypeError, "q has dtype float32 but k is FP8"),
+    (lambda a, d: (a, {**d, "v_descale": None}), ValueError, "v_descale is missing"),
+    (lambda a, d: (a, {**d, "k_descale": d["k_descale"][:, :1]}), ValueError, "k_descale has shape"),
+    (lambda a, d: (a, {**d, "q_descale": numpy.where(d["q_descale"] > 0, numpy.nan, 1)}), ValueError, "q_descale holds"),
+    (lambda a, d: (a, {**d, "softcap": 5.0}), ValueError, "softcap is not supported with FP8"),
+    (lambda a, d: (a, {**d, "alibi_slopes": numpy.ones(4)}), ValueError, "alibi_slopes is not supported with FP8"),
+    (lambda a, d: (a, {**d, "rounding": "dense", "upcast": False}), ValueError, "rounding='fp8'"),
+])
+def test_fp8_reference_bad_inputs_are_named(change, error, match):
+    arrays, descales = change(*_fp8_call(numpy.random.default_rng(11)))
+    with pytest.raises(error, match=match):
+        cupy_flash.attention_reference(*arrays, **descales)
+
+
+def test_fp8_rounding_needs_fp8_inputs():
+    q = numpy.zeros((1, 4, 1, 8))
+    with pytest.raises(ValueError, match="needs q, k, v in FP8"):
+        cupy_flash.attention_reference(q, q, q, upcast=False, rounding="fp8")
+    with pytest.raises(TypeError, match="q has dtype float64 but q_descale is given"):
+        cupy_flash.attention_reference(q, q, q, q_descale=numpy.ones((1, 1)))
