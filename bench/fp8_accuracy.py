@@ -23,7 +23,7 @@ import math
 import ml_dtypes
 import numpy
 
-from cupy_flash.fp8 import dequantize_fp8, hadamard_rotation, quantize_fp8, round_fp8
+from cupy_flash.fp8 import P_SCALE, dequantize_fp8, hadamard_rotation, quantize_fp8, round_fp8, round_fp8_tiles
 
 
 def bf16(x):
@@ -37,20 +37,6 @@ def per_head_scaled(x, fmt, axes=(1, 3)):
     amax = numpy.abs(x).max(axis=axes, keepdims=True)
     scale = numpy.where(amax > 0, amax / largest, 1.0)
     return round_fp8(x / scale, fmt) * scale
-
-
-def per_tile_scaled(x, fmt, tile=128):
-    """x (batch, heads, rows, cols) rounded to ``fmt`` with a scale per (tile x tile) block (what a
-    kernel holding the block in registers can compute: its amax, then the conversion)."""
-    largest = {"e4m3": 448.0, "e5m2": 57344.0}[fmt]
-    out = numpy.empty_like(x)
-    for i in range(0, x.shape[-2], tile):
-        for j in range(0, x.shape[-1], tile):
-            block = x[..., i:i + tile, j:j + tile]
-            amax = numpy.abs(block).max(axis=(-2, -1), keepdims=True)
-            scale = numpy.where(amax > 0, amax / largest, 1.0)
-            out[..., i:i + tile, j:j + tile] = round_fp8(block / scale, fmt) * scale
-    return out
 
 
 def inputs(seed, shape, outliers: bool):
@@ -105,8 +91,6 @@ def to_heads(x):
     return x.transpose(0, 2, 1, 3)
 
 
-P_SCALE = 2.0 ** 8   # P in [0, 1] times 2^8 uses e4m3's range [2^-9, 448] from 2^-17 up (exact: a power of two)
-
 FORWARD = {
     "bf16 (inputs and P)": ("bf16", lambda p: bf16(p)),
     "fp8 per tensor, P e4m3": ("fp8-tensor", lambda p: round_fp8(p, "e4m3")),
@@ -123,17 +107,17 @@ BACKWARD = {   # with the forward of "fp8 per head, P x 2^8" (q, k, v in FP8)
     "bf16 operands (P, dO, dS in bf16)": dict(dv=lambda p, do: (bf16(p), bf16(do)), dp=lambda do, v: (bf16(do), v),
                                               ds=bf16),
     "dQ, dK in fp8 (dS e4m3 per 128 x 128 tile; P, dO bf16)": dict(
-        dv=lambda p, do: (bf16(p), bf16(do)), dp=lambda do, v: (bf16(do), v), ds=lambda ds: per_tile_scaled(ds, "e4m3")),
+        dv=lambda p, do: (bf16(p), bf16(do)), dp=lambda do, v: (bf16(do), v), ds=lambda ds: round_fp8_tiles(ds, "e4m3")),
     "dV in fp8 (P x 2^8, dO per head e4m3)": dict(dv=lambda p, do: (round_fp8(p * P_SCALE, "e4m3") / P_SCALE, e4m3_head(do)),
                                                   dp=lambda do, v: (bf16(do), v), ds=bf16),
     "dV, dP in fp8 (dO per head e4m3)": dict(dv=lambda p, do: (round_fp8(p * P_SCALE, "e4m3") / P_SCALE, e4m3_head(do)),
                                              dp=lambda do, v: (e4m3_head(do), v), ds=bf16),
     "+ dQ, dK in fp8 (dS e4m3 per 128 x 128 tile)": dict(
         dv=lambda p, do: (round_fp8(p * P_SCALE, "e4m3") / P_SCALE, e4m3_head(do)),
-        dp=lambda do, v: (e4m3_head(do), v), ds=lambda ds: per_tile_scaled(ds, "e4m3")),
+        dp=lambda do, v: (e4m3_head(do), v), ds=lambda ds: round_fp8_tiles(ds, "e4m3")),
     "+ dQ, dK in fp8 (dS e5m2 per 128 x 128 tile)": dict(
         dv=lambda p, do: (round_fp8(p * P_SCALE, "e4m3") / P_SCALE, e4m3_head(do)),
-        dp=lambda do, v: (e4m3_head(do), v), ds=lambda ds: per_tile_scaled(ds, "e5m2")),
+        dp=lambda do, v: (e4m3_head(do), v), ds=lambda ds: round_fp8_tiles(ds, "e5m2")),
     "+ dQ, dK in fp8 (dS e4m3 per head)": dict(
         dv=lambda p, do: (round_fp8(p * P_SCALE, "e4m3") / P_SCALE, e4m3_head(do)),
         dp=lambda do, v: (e4m3_head(do), v), ds=lambda ds: per_head_scaled(ds, "e4m3", axes=(2, 3))),
