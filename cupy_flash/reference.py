@@ -180,19 +180,21 @@ def _check_array(name: str, x, ranks: tuple) -> None:
         raise ValueError(f"{name} must have {ranks[0]} dimensions {layout}, got shape {tuple(x.shape)}")
 
 
-def _check_call(function: str, q, k, v, softmax_scale, causal, upcast, features, **same_as_q) -> None:
-    """Everything ``function`` takes beside the arrays' values; ``same_as_q``: arrays of q's shape
-    (do)."""
+def _check_call(function: str, q, k, v, softmax_scale, causal, upcast, features, **like_o) -> None:
+    """Everything ``function`` takes beside the arrays' values; ``like_o``: arrays of o's shape (do):
+    q's, with v's head_dim. v's head_dim (head_dim_v, o's) may differ from q's and k's."""
     _checks.check_no_extra_options(function, features)
     packed = features.get("cu_seqlens_q") is not None or features.get("cu_seqlens_k") is not None
     ranks = (3,) if packed else (4,)
-    for name, x in (("q", q), ("k", k), ("v", v), *same_as_q.items()):
+    for name, x in (("q", q), ("k", k), ("v", v), *like_o.items()):
         _check_array(name, x, ranks)
-    for name, x in same_as_q.items():
-        if tuple(x.shape) != tuple(q.shape):
-            raise ValueError(f"{name} has shape {tuple(x.shape)} but q has shape {tuple(q.shape)}; they must match")
-    if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"v has shape {tuple(v.shape)} but k has shape {tuple(k.shape)}; they must match")
+    o_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
+    for name, x in like_o.items():
+        if tuple(x.shape) != o_shape:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}; expected o's {o_shape} (q's, with v's head_dim)")
+    if tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
+        raise ValueError(f"v has shape {tuple(v.shape)} but k has shape {tuple(k.shape)}; they must match but in "
+                         "the head_dim")
     if k.shape[-1] != q.shape[-1] or (not packed and k.shape[0] != q.shape[0]):
         raise ValueError(f"k has shape {tuple(k.shape)}, which does not match q's {tuple(q.shape)} in batch and head_dim")
     heads, heads_kv = int(q.shape[-2]), int(k.shape[-2])
@@ -511,8 +513,8 @@ def _attention_reference_backward_dense(do, q, k, v, *, softmax_scale=None, caus
     dK = rnd_kv(scale * (dS.swapaxes(-1, -2) @ Q))
     group = Q.shape[1] // k.shape[2]
     if group > 1:   # sum each K/V head's group (rounded once more, as a dense implementation would)
-        batch, _, seqlen_k, head_dim = dK.shape
-        dK, dV = (x.reshape(batch, k.shape[2], group, seqlen_k, head_dim).sum(axis=2) for x in (dK, dV))
+        batch, _, seqlen_k, _ = dK.shape
+        dK, dV = (x.reshape(batch, k.shape[2], group, seqlen_k, x.shape[-1]).sum(axis=2) for x in (dK, dV))
     dK, dV = rnd(dK), rnd(dV)
     grads = (_bhnd(dQ), _bhnd(dK), _bhnd(dV))
     if "sink_prob" in extras:
@@ -564,8 +566,8 @@ def _fp8_backward(do, q, k, v, softmax_scale, causal, features):
     dQ, dK = scale * (dS @ K), scale * (dS.swapaxes(-1, -2) @ Q)
     group = Q.shape[1] // k.shape[2]
     if group > 1:
-        batch, _, seqlen_k, head_dim = dK.shape
-        dK, dV = (x.reshape(batch, k.shape[2], group, seqlen_k, head_dim).sum(axis=2) for x in (dK, dV))
+        batch, _, seqlen_k, _ = dK.shape
+        dK, dV = (x.reshape(batch, k.shape[2], group, seqlen_k, x.shape[-1]).sum(axis=2) for x in (dK, dV))
     grads = tuple(_bhnd(rnd(x).astype(xp.float32)) for x in (dQ, dK, dV))
     if "sink_prob" in extras:
         grads += ((-(extras["sink_prob"] * delta[..., 0]).sum(axis=(0, 2))).astype(xp.float32),)

@@ -1,5 +1,6 @@
 """CPU: the dense reference against first principles (a naive softmax formula, finite differences)."""
 
+import functools
 import math
 
 import ml_dtypes
@@ -296,3 +297,48 @@ def test_reference_checks_are_the_kernels_but_wider_as_the_readme_says():
     with pytest.raises(TypeError, match="xyz") as raised:
         attention_reference(q, k, k, xyz=1)
     assert "did you mean" not in str(raised.value)
+
+
+def _padded(x, width):
+    """x with its last axis padded by zeros to ``width``."""
+    pad = [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])]
+    return numpy.pad(x, pad)
+
+
+@pytest.mark.parametrize("d_qk, d_v", [(48, 16), (24, 40), (8, 8), (192 // 8, 128 // 8)])
+@pytest.mark.parametrize("upcast, rounding", [(True, "dense"), (False, "dense"), (False, "flash")])
+@pytest.mark.parametrize("features", [dict(causal=True), dict(window_size=(5, 2), sink=numpy.array([0.5, -1.0, 0.0, 2.0]))])
+def test_head_dim_v_may_differ_from_head_dim(d_qk, d_v, upcast, rounding, features):
+    """v (and so o, do, dv) with a head_dim of its own (issue 52: DeepSeek's 192 / 128). Zero columns
+    change no score (q, k) and no output column but their own (v), so the reference on q, k, v padded
+    to a common head_dim, the scale given, is the same attention: o, lse, dq, dk, dv its slices (to
+    the last bits a matrix product's summation order leaves: the padded products block differently).
+    GQA 4 / 2; float32 inputs, so the low-precision forms are float32 arithmetic."""
+    rng = numpy.random.default_rng(d_qk * 100 + d_v)
+    q = rng.standard_normal((2, 11, 4, d_qk)).astype(numpy.float32)
+    k = rng.standard_normal((2, 13, 2, d_qk)).astype(numpy.float32)
+    v = rng.standard_normal((2, 13, 2, d_v)).astype(numpy.float32)
+    do = rng.standard_normal((2, 11, 4, d_v)).astype(numpy.float32)
+    width = max(d_qk, d_v)
+    options = dict(softmax_scale=1 / math.sqrt(d_qk), upcast=upcast, rounding=rounding, **features)
+    o, lse = attention_reference(q, k, v, **options)
+    o_wide, lse_wide = attention_reference(_padded(q, width), _padded(k, width), _padded(v, width), **options)
+    same = functools.partial(numpy.allclose, rtol=1e-12 if upcast else 2e-6, atol=1e-12 if upcast else 1e-6)
+    assert o.shape == (2, 11, 4, d_v)
+    assert same(o, o_wide[..., :d_v]) and same(lse, lse_wide)
+    grads = attention_reference_backward(do, q, k, v, **options)
+    wide = attention_reference_backward(_padded(do, width), _padded(q, width), _padded(k, width), _padded(v, width),
+                                        **options)
+    for name, ours, padded, d in zip(("dq", "dk", "dv"), grads, wide, (d_qk, d_qk, d_v)):
+        assert ours.shape[-1] == d and same(ours, padded[..., :d]), name
+    if "sink" in features:
+        assert same(grads[3], wide[3])   # dsink
+
+
+def test_head_dim_v_shapes_are_checked():
+    q, k = numpy.zeros((1, 3, 2, 16)), numpy.zeros((1, 5, 2, 16))
+    v = numpy.zeros((1, 5, 2, 8))
+    with pytest.raises(ValueError, match="v has shape .* but k has shape"):
+        attention_reference(q, k, numpy.zeros((1, 4, 2, 8)))
+    with pytest.raises(ValueError, match=r"do has shape \(1, 3, 2, 16\); expected o's \(1, 3, 2, 8\)"):
+        attention_reference_backward(q, q, k, v)
