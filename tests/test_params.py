@@ -162,3 +162,31 @@ def test_new_arrays_are_what_cupy_ndarray_makes(shape, dtype):
     assert type(made) is cupy.ndarray and made.base is None and made.data.ptr == 4096
     assert made.flags.owndata and made.flags.c_contiguous and made.flags.f_contiguous == expected.flags.f_contiguous
     assert (made.shape, made.strides, made.dtype, made.size) == (expected.shape, expected.strides, expected.dtype, expected.size)
+
+
+def test_environment_reader_sees_every_change_of_the_variable(monkeypatch):
+    """_launch.environment_reader: os.environ's encoded dict read afresh on each call (set, changed,
+    removed; monkeypatch writes through os.environ), and the plain os.environ.get where an
+    interpreter keeps no such dict."""
+    import os
+
+    from cupy_flash import _launch
+
+    read = _launch.environment_reader("CUPY_FLASH_TEST_VARIABLE")
+    monkeypatch.delenv("CUPY_FLASH_TEST_VARIABLE", raising=False)
+    assert read() is None
+    monkeypatch.setenv("CUPY_FLASH_TEST_VARIABLE", "portable")
+    assert read() == "portable"
+    os.environ["CUPY_FLASH_TEST_VARIABLE"] = "0"
+    assert read() == "0"
+    monkeypatch.delenv("CUPY_FLASH_TEST_VARIABLE")
+    assert read() is None
+
+    class Interpreter:   # an os module whose environ keeps no encoded dict
+        environ = {"CUPY_FLASH_TEST_VARIABLE": "seen"}
+
+    monkeypatch.setattr(_launch, "os", Interpreter)
+    fallback = _launch.environment_reader("CUPY_FLASH_TEST_VARIABLE")
+    assert fallback() == "seen"
+    Interpreter.environ["CUPY_FLASH_TEST_VARIABLE"] = "changed"
+    assert fallback() == "changed"
