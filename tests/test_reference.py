@@ -342,3 +342,24 @@ def test_head_dim_v_shapes_are_checked():
         attention_reference(q, k, numpy.zeros((1, 4, 2, 8)))
     with pytest.raises(ValueError, match=r"do has shape \(1, 3, 2, 16\); expected o's \(1, 3, 2, 8\)"):
         attention_reference_backward(q, q, k, v)
+
+
+def test_decode_reference_reads_mla_latent_cache_through_views():
+    """MLA decoding (issue 53): one K/V head whose rows are the latent (d_v) followed by the rotary
+    part, v the latent, i.e. ``v_cache = k_cache[..., :d_v]`` (a view; nothing copied), paged. The
+    reference is attention over each sequence's first cache_seqlens rows with k = the whole row and
+    v = its latent, d_qk = 576 and d_v = 512 scaled down here to 72 / 64."""
+    from cupy_flash import decode_reference
+
+    rng = numpy.random.default_rng(12)
+    batch, heads, page_size, pages, d_qk, d_v = 2, 16, 16, 6, 72, 64
+    k_cache = rng.standard_normal((batch * pages, page_size, 1, d_qk))
+    table = rng.permutation(batch * pages).reshape(batch, pages).astype(numpy.int32)
+    lengths = numpy.array([37, 90], dtype=numpy.int32)
+    q = rng.standard_normal((batch, 2, heads, d_qk))   # two new tokens (speculative decoding)
+    o, lse = decode_reference(q, k_cache, k_cache[..., :d_v], cache_seqlens=lengths, block_table=table, causal=True)
+    assert o.shape == (batch, 2, heads, d_v)
+    for b in range(batch):
+        rows = numpy.concatenate([k_cache[page] for page in table[b]])[:lengths[b]]
+        want, want_lse = attention_reference(q[b:b + 1], rows[None], rows[None, ..., :d_v], causal=True)
+        assert numpy.allclose(o[b:b + 1], want, rtol=1e-12, atol=1e-12) and numpy.allclose(lse[b:b + 1], want_lse)
