@@ -23,20 +23,19 @@ import math
 import ml_dtypes
 import numpy
 
-from cupy_flash.fp8 import P_SCALE, dequantize_fp8, hadamard_rotation, quantize_fp8, round_fp8, round_fp8_tiles
+from cupy_flash.fp8 import (
+    P_SCALE,
+    dequantize_fp8,
+    hadamard_rotation,
+    quantize_fp8,
+    round_fp8,
+    round_fp8_groups,
+    round_fp8_tiles,
+)
 
 
 def bf16(x):
     return x.astype(numpy.float32).astype(ml_dtypes.bfloat16).astype(numpy.float64)
-
-
-def per_head_scaled(x, fmt, axes=(1, 3)):
-    """x rounded to ``fmt`` after scaling each (batch, head) group to the format's range (an oracle
-    per-group scale, as a preprocess pass could compute), as float64."""
-    largest = {"e4m3": 448.0, "e5m2": 57344.0}[fmt]
-    amax = numpy.abs(x).max(axis=axes, keepdims=True)
-    scale = numpy.where(amax > 0, amax / largest, 1.0)
-    return round_fp8(x / scale, fmt) * scale
 
 
 def inputs(seed, shape, outliers: bool):
@@ -100,7 +99,7 @@ FORWARD = {
 
 
 def e4m3_head(x):
-    return per_head_scaled(x, "e4m3", axes=(2, 3))
+    return round_fp8_groups(x, "e4m3", axes=(2, 3))
 
 
 BACKWARD = {   # with the forward of "fp8 per head, P x 2^8" (q, k, v in FP8)
@@ -120,7 +119,7 @@ BACKWARD = {   # with the forward of "fp8 per head, P x 2^8" (q, k, v in FP8)
         dp=lambda do, v: (e4m3_head(do), v), ds=lambda ds: round_fp8_tiles(ds, "e5m2")),
     "+ dQ, dK in fp8 (dS e4m3 per head)": dict(
         dv=lambda p, do: (round_fp8(p * P_SCALE, "e4m3") / P_SCALE, e4m3_head(do)),
-        dp=lambda do, v: (e4m3_head(do), v), ds=lambda ds: per_head_scaled(ds, "e4m3", axes=(2, 3))),
+        dp=lambda do, v: (e4m3_head(do), v), ds=lambda ds: round_fp8_groups(ds, "e4m3", axes=(2, 3))),
 }
 
 

@@ -24,3 +24,11 @@ def dtype_name(dtype) -> str | None:
     if dtype == bfloat16():
         return "bfloat16"
     return None
+
+
+def as_float(x, xp, dtype):
+    """x as ``dtype`` (float32 or float64), reading bfloat16 by its bits so no array library needs
+    bfloat16 arithmetic (CuPy has none)."""
+    if dtype_name(x.dtype) == "bfloat16":
+        x = (xp.ascontiguousarray(x).view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
+    return x.astype(dtype)

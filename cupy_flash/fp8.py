@@ -20,6 +20,7 @@ import math
 
 import numpy
 
+from ._dtypes import as_float
 from ._streams import on_stream
 
 
@@ -141,20 +142,35 @@ P_SCALE = 2.0 ** 8      # P in [0, 1] is rounded to e4m3 as P x 2^8 (exact), cle
 DS_TILE = (128, 128)    # dS is rounded to e4m3 with a scale per tile of (query rows, key columns)
 
 
-def round_fp8_tiles(x, fmt="e4m3", tile=DS_TILE):
-    """``x`` (..., rows, columns) rounded to the FP8 format with a scale per ``tile`` block (its
-    largest magnitude over the format's largest value; 1 for an all-zero block): the rounding a
-    kernel holding the block in registers can apply. float64."""
+def group_descale(x, axes, fmt="e4m3"):
+    """The descale of each group of ``x`` reduced over ``axes`` (kept as size-1 axes): the group's
+    largest magnitude over the format's largest value, so the group spans the format's range; 1
+    for an all-zero group. float64."""
     spec = fp8_format(fmt)
+    xp = _xp(x)
+    amax = xp.abs(x).max(axis=axes, keepdims=True)
+    return xp.where(amax > 0, amax / spec.largest, 1.0)
+
+
+def round_fp8_groups(x, fmt="e4m3", axes=(-2, -1)):
+    """``x`` rounded to the FP8 format with one scale per group over ``axes`` (group_descale's),
+    as float64: an oracle per-group scale, as a pass over the data could compute."""
+    xp = _xp(x)
+    x = xp.asarray(x, dtype=xp.float64)
+    scale = group_descale(x, axes, fmt)
+    return round_fp8(x / scale, fmt) * scale
+
+
+def round_fp8_tiles(x, fmt="e4m3", tile=DS_TILE):
+    """``x`` (..., rows, columns) rounded to the FP8 format with a scale per ``tile`` block
+    (round_fp8_groups over the block): the rounding a kernel holding the block in registers can
+    apply. float64."""
     xp = _xp(x)
     x = xp.asarray(x, dtype=xp.float64)
     out = xp.empty_like(x)
     for i in range(0, x.shape[-2], tile[0]):
         for j in range(0, x.shape[-1], tile[1]):
-            block = x[..., i:i + tile[0], j:j + tile[1]]
-            amax = xp.abs(block).max(axis=(-2, -1), keepdims=True)
-            scale = xp.where(amax > 0, amax / spec.largest, 1.0)
-            out[..., i:i + tile[0], j:j + tile[1]] = round_fp8(block / scale, spec) * scale
+            out[..., i:i + tile[0], j:j + tile[1]] = round_fp8_groups(x[..., i:i + tile[0], j:j + tile[1]], fmt)
     return out
 
 
@@ -185,18 +201,17 @@ def quantize_fp8(x, *, fmt="e4m3", granularity="head", rotation=None):
     if dtype_name(x.dtype) is None and numpy.dtype(x.dtype) != numpy.float64:
         raise TypeError(f"x has dtype {x.dtype}; expected float16, bfloat16, float32 or float64")
     xp = _xp(x)
-    values = x.astype(xp.float64) if dtype_name(x.dtype) != "bfloat16" else _bfloat16_as_float64(x, xp)
+    values = as_float(x, xp, xp.float64)
     if rotation is not None:
         rotation = xp.asarray(rotation, dtype=xp.float64)
         d = int(x.shape[3])
         if rotation.shape != (d, d):
             raise ValueError(f"rotation has shape {tuple(rotation.shape)}; expected (head_dim, head_dim) = ({d}, {d})")
         values = values @ rotation
-    axes = (1, 3) if granularity == "head" else (0, 1, 2, 3)
-    amax = xp.abs(values).max(axis=axes, keepdims=True)
-    if not bool(xp.isfinite(amax).all()):
+    descale = group_descale(values, (1, 3) if granularity == "head" else (0, 1, 2, 3), spec)
+    if not bool(xp.isfinite(descale).all()):
         raise ValueError("x holds inf or NaN; FP8 quantisation needs finite values")
-    descale = xp.where(amax > 0, amax / spec.largest, 1.0).astype(xp.float32)
+    descale = descale.astype(xp.float32)
     bits = encode_fp8(values / descale.astype(xp.float64), spec)
     descale = descale.reshape(x.shape[0], x.shape[2]) if granularity == "head" else descale.reshape(1, 1)
     return bits, descale
@@ -213,9 +228,3 @@ def dequantize_fp8(x8, descale, fmt="e4m3"):
         raise ValueError(f"descale has shape {tuple(descale.shape)}; expected (batch, heads) of x8 "
                          f"{tuple(getattr(x8, 'shape', ()))} or (1, 1)")
     return values * descale[:, None, :, None]
-
-
-def _bfloat16_as_float64(x, xp):
-    """bfloat16 values as float64 through their bits (CuPy has no bfloat16 arithmetic)."""
-    bits = x.view(xp.uint16).astype(xp.uint32) << 16
-    return bits.view(xp.float32).astype(xp.float64)

@@ -17,6 +17,7 @@ import math
 import numpy
 
 from . import _checks
+from ._dtypes import as_float as _to_float
 
 
 def _xp(x):
@@ -30,14 +31,6 @@ def _xp(x):
 
 def _is_bfloat16(dtype) -> bool:
     return _checks.dtype_name(dtype) == "bfloat16"
-
-
-def _to_float(x, xp, dtype):
-    """x as ``dtype`` (float32 or float64), reading bfloat16 by its bits so no array library needs
-    bfloat16 arithmetic."""
-    if _is_bfloat16(x.dtype):
-        x = (xp.ascontiguousarray(x).view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
-    return x.astype(dtype)
 
 
 def round_to_dtype(x, dtype, xp=None):
@@ -539,13 +532,18 @@ def _fp8_forward(q, k, v, softmax_scale, causal, features):
     """o, lse as the FP8 forward rounds: P = exp(s - row max) enters the P V product as e4m3 of
     P x 2^8 (fp8.P_SCALE), divided by the unrounded row sum; o rounded to bfloat16. (The kernels
     take the row max as it runs over the key blocks; this takes the row's.)"""
+    _, _, xp, _, _, _, V, _, lse, extras = _softmax_parts(q, k, v, softmax_scale, causal, True, **features)
+    return _bhnd(_fp8_output(V, extras, xp)), lse.astype(xp.float32)
+
+
+def _fp8_output(V, extras, xp):
+    """The FP8 forward's o (batch, heads, seqlen_q, d_v), float32 holding bfloat16 values, from
+    _softmax_parts' V and extras (the unnormalised P and its row sum)."""
     from ._dtypes import bfloat16
     from .fp8 import P_SCALE, round_fp8
 
-    _, _, xp, _, _, _, V, _, lse, extras = _softmax_parts(q, k, v, softmax_scale, causal, True, **features)
     operand = round_fp8(extras["unnormalised"] * P_SCALE, "e4m3") / P_SCALE
-    o = round_to_dtype((operand @ V) / extras["row_sum"], bfloat16(), xp)
-    return _bhnd(o), lse.astype(xp.float32)
+    return round_to_dtype((operand @ V) / extras["row_sum"], bfloat16(), xp)
 
 
 def _fp8_backward(do, q, k, v, softmax_scale, causal, features):
@@ -559,7 +557,7 @@ def _fp8_backward(do, q, k, v, softmax_scale, causal, features):
     _, _, xp, scale, Q, K, V, P, _, extras = _softmax_parts(q, k, v, softmax_scale, causal, True, **features)
     rnd = lambda a: round_to_dtype(a, bfloat16(), xp).astype(xp.float64)   # noqa: E731
     dO = _bhnd(_to_float(do, xp, xp.float64))
-    O = _bhnd(_fp8_forward(q, k, v, softmax_scale, causal, features)[0]).astype(xp.float64)
+    O = _fp8_output(V, extras, xp).astype(xp.float64)
     delta = (dO * O).sum(axis=-1, keepdims=True)
     dV = rnd(P).swapaxes(-1, -2) @ dO
     dS = round_fp8_tiles(P * (dO @ V.swapaxes(-1, -2) - delta), "e4m3")
