@@ -256,7 +256,7 @@ def kept_workspace(nbytes: int, device: int, stream: int):
     key = (device, threading.get_ident(), stream)
     workspace = _workspaces.get(key)
     if workspace is None or workspace.nbytes < nbytes:
-        workspace = kept(_workspaces, key, _pool_bytes(max(nbytes, 0 if workspace is None else workspace.nbytes), stream))
+        workspace = kept(_workspaces, key, _pool_bytes(nbytes, stream))
     return workspace
 
 
