@@ -228,3 +228,71 @@ def dequantize_fp8(x8, descale, fmt="e4m3"):
         raise ValueError(f"descale has shape {tuple(descale.shape)}; expected (batch, heads) of x8 "
                          f"{tuple(getattr(x8, 'shape', ()))} or (1, 1)")
     return values * descale[:, None, :, None]
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 attention calls: what the references and the kernels both accept.
+
+# The feature keywords FP8 calls take (causal and GQA/MQA besides).
+FP8_FEATURES = ("window_size", "sink", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Call:
+    batch: int
+    heads: int
+    heads_kv: int
+    packed: bool
+
+
+def check_fp8_call(function: str, arrays: dict, descales: dict, features: dict) -> Fp8Call | None:
+    """None where no array is FP8 and no descale is given; else the call's batch, heads and whether
+    it is packed, once every check passed. FP8 inputs are uint8 arrays of e4m3 bits
+    (``quantize_fp8``'s) with q_descale (batch, heads_q) or (batch, heads_kv) and k_descale,
+    v_descale (batch, heads_kv), float, finite and positive (packed batches: batch = len(cu_seqlens)
+    - 1). TypeError / ValueError naming the argument: FP8 mixed with other dtypes, a descale
+    missing, of the wrong shape, not finite or not positive (read back: a GPU descale costs a
+    synchronisation), a variant FP8 does not take."""
+    fp8 = [name for name, x in arrays.items() if getattr(x, "dtype", None) == numpy.uint8]
+    given = [name for name, x in descales.items() if x is not None]
+    if not fp8 and not given:
+        return None
+    if len(fp8) != len(arrays):
+        other = next(name for name in arrays if name not in fp8)
+        dtype = getattr(arrays[other], "dtype", type(arrays[other]).__name__)
+        reason = f"{fp8[0]} is FP8 (uint8 bits of e4m3)" if fp8 else f"{given[0]} is given"
+        raise TypeError(f"{function}: {other} has dtype {dtype} but {reason}; FP8 calls take q, k and v all in FP8")
+    for name, descale in descales.items():
+        if descale is None:
+            raise ValueError(f"{name} is missing: FP8 inputs (uint8 bits of e4m3) need q_descale, k_descale and v_descale")
+    unsupported = sorted(n for n, x in features.items() if n not in FP8_FEATURES and x is not None
+                         and not (n == "softcap" and not x))
+    if unsupported:
+        raise ValueError(f"{unsupported[0]} is not supported with FP8 inputs (they take causal, window_size, sink, "
+                         "GQA/MQA and packed batches)")
+    q, k = arrays["q"], arrays["k"]
+    packed = features.get("cu_seqlens_q") is not None or features.get("cu_seqlens_k") is not None
+    rank = 3 if packed else 4
+    for name, x in arrays.items():
+        if x.ndim != rank:
+            layout = "(total_tokens, heads, head_dim) with cu_seqlens" if packed else "(batch, seqlen, heads, head_dim)"
+            raise ValueError(f"{name} must have {rank} dimensions {layout}, got shape {tuple(x.shape)}")
+    heads, heads_kv = int(q.shape[-2]), int(k.shape[-2])
+    if heads_kv < 1 or heads % heads_kv:
+        raise ValueError(f"k has {heads_kv} heads but q has {heads}; the query heads must be a multiple of the K/V heads")
+    cu_seqlens_q = features.get("cu_seqlens_q")
+    batch = len(cu_seqlens_q) - 1 if packed and cu_seqlens_q is not None else int(q.shape[0])
+    for name in arrays:
+        descale = descales[f"{name}_descale"]
+        shapes = [(batch, heads_kv)] + ([(batch, heads)] if name == "q" else [])
+        if tuple(getattr(descale, "shape", ())) not in shapes:
+            raise ValueError(f"{name}_descale has shape {tuple(getattr(descale, 'shape', ()))}; expected "
+                             f"{' or '.join(str(shape) for shape in shapes)} (batch, heads)")
+        kind = getattr(getattr(descale, "dtype", None), "kind", None)
+        if kind != "f":
+            raise TypeError(f"{name}_descale has dtype {getattr(descale, 'dtype', type(descale).__name__)}; expected float")
+        xp = _xp(descale)
+        if not bool(xp.isfinite(descale).all()) or not bool((descale > 0).all()):
+            raise ValueError(f"{name}_descale holds a value that is not finite and positive")
+    return Fp8Call(batch, heads, heads_kv, packed)
+

@@ -297,61 +297,24 @@ def _check_rounding(rounding, fp8: bool = False, upcast: bool = True) -> None:
 
 
 # FP8 inputs take these variants (with causal and GQA / MQA); the others raise naming the option.
-FP8_FEATURES = ("window_size", "sink") + _checks.PACKED_KEYWORDS
-
-
 def _fp8_values(function: str, arrays: dict, descales: dict, features: dict) -> tuple:
-    """((q, k, v), fp8): FP8 inputs, uint8 arrays of e4m3 bits (``quantize_fp8``'s) with
-    q_descale (batch, heads_q) or (batch, heads_kv) and k_descale, v_descale (batch, heads_kv), as
-    float64 values ``decode(x) * descale`` (packed batches: batch = len(cu_seqlens) - 1); else the
-    arrays unchanged. TypeError / ValueError naming the argument: FP8 mixed with other dtypes, a
-    descale missing, of the wrong shape, not finite or not positive, a variant FP8 does not take."""
-    fp8 = [name for name, x in arrays.items() if getattr(x, "dtype", None) == numpy.uint8]
-    given = [name for name, x in descales.items() if x is not None]
-    if not fp8 and not given:
-        return tuple(arrays.values()), False
-    if len(fp8) != len(arrays):
-        other = next(name for name in arrays if name not in fp8)
-        dtype = getattr(arrays[other], "dtype", type(arrays[other]).__name__)
-        reason = f"{fp8[0]} is FP8 (uint8 bits of e4m3)" if fp8 else f"{given[0]} is given"
-        raise TypeError(f"{function}: {other} has dtype {dtype} but {reason}; FP8 calls take q, k and v all in FP8")
-    for name, descale in descales.items():
-        if descale is None:
-            raise ValueError(f"{name} is missing: FP8 inputs (uint8 bits of e4m3) need q_descale, k_descale and v_descale")
-    unsupported = sorted(n for n, x in features.items() if n not in FP8_FEATURES and x is not None
-                         and not (n == "softcap" and not x))
-    if unsupported:
-        raise ValueError(f"{unsupported[0]} is not supported with FP8 inputs (they take causal, window_size, sink, "
-                         "GQA/MQA and packed batches)")
-    from .fp8 import decode_fp8
+    """((q, k, v), fp8): FP8 inputs (``fp8.check_fp8_call``'s) as float64 values
+    ``decode(x) * descale`` (q's descale per K/V head taken by each head of its group; packed
+    batches: per token, by its sequence); else the arrays unchanged."""
+    from .fp8 import check_fp8_call, decode_fp8
 
-    q, k = arrays["q"], arrays["k"]
-    packed = features.get("cu_seqlens_q") is not None or features.get("cu_seqlens_k") is not None
-    rank = 3 if packed else 4
-    for name, x in arrays.items():
-        if x.ndim != rank:
-            layout = "(total_tokens, heads, head_dim) with cu_seqlens" if packed else "(batch, seqlen, heads, head_dim)"
-            raise ValueError(f"{name} must have {rank} dimensions {layout}, got shape {tuple(x.shape)}")
-    heads, heads_kv = int(q.shape[-2]), int(k.shape[-2])
-    if heads_kv < 1 or heads % heads_kv:
-        raise ValueError(f"k has {heads_kv} heads but q has {heads}; the query heads must be a multiple of the K/V heads")
-    xp = _xp(q)
-    cu_seqlens = {name: features.get("cu_seqlens_q" if name == "q" else "cu_seqlens_k") for name in arrays}
-    batch = len(cu_seqlens["q"]) - 1 if packed and cu_seqlens["q"] is not None else int(q.shape[0])
+    call = check_fp8_call(function, arrays, descales, features)
+    if call is None:
+        return tuple(arrays.values()), False
+    xp = _xp(arrays["q"])
     values = []
     for name, x in arrays.items():
-        descale = descales[f"{name}_descale"]
-        shapes = [(batch, heads_kv)] + ([(batch, heads)] if name == "q" else [])
-        if tuple(getattr(descale, "shape", ())) not in shapes:
-            raise ValueError(f"{name}_descale has shape {tuple(getattr(descale, 'shape', ()))}; expected "
-                             f"{' or '.join(str(shape) for shape in shapes)} (batch, heads)")
-        descale = xp.asarray(descale, dtype=xp.float64)
-        if not bool(xp.isfinite(descale).all()) or not bool((descale > 0).all()):
-            raise ValueError(f"{name}_descale holds a value that is not finite and positive")
+        descale = xp.asarray(descales[f"{name}_descale"], dtype=xp.float64)
         if descale.shape[1] != x.shape[-2]:   # q's descale per K/V head: each head of its group takes it
             descale = xp.repeat(descale, x.shape[-2] // descale.shape[1], axis=1)
-        if packed:   # each token's sequence
-            bounds = numpy.asarray(_host(cu_seqlens[name])).astype(numpy.int64)
+        if call.packed:   # each token's sequence
+            cu_seqlens = features["cu_seqlens_q" if name == "q" else "cu_seqlens_k"]
+            bounds = numpy.asarray(_host(cu_seqlens)).astype(numpy.int64)
             rows_of = xp.asarray(numpy.repeat(numpy.arange(len(bounds) - 1), numpy.diff(bounds)))
             scale = descale[rows_of][:, :, None]
         else:
