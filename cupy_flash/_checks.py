@@ -15,7 +15,7 @@ import numbers
 import numpy
 
 from . import _traits
-from ._dtypes import bfloat16, dtype_name
+from ._dtypes import FP8_DTYPE, bfloat16, dtype_name
 from ._features import Packed, check_variant
 
 MAX_SEQLEN = 2**30       # keeps every in-kernel row index (and row + tile) inside int32
@@ -51,18 +51,22 @@ def _require_rank4(name: str, x) -> None:
                          f"got shape {tuple(getattr(x, 'shape', ()))}")
 
 
-def check_qkv(q, k, v) -> AttentionShape:
+def check_qkv(q, k, v, fp8: bool = False) -> AttentionShape:
+    """The shape of dense q, k, v; ``fp8``: uint8 arrays of e4m3 bits, whose rows the kernels read
+    in 16-byte units (head_dim a multiple of 16)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _require_rank4(name, x)
-    kind = dtype_name(q.dtype)
+    kind = FP8_DTYPE if fp8 and q.dtype == numpy.uint8 else dtype_name(q.dtype)
     if kind is None:
         raise TypeError(f"q has dtype {q.dtype}; expected float16, bfloat16 or float32")
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {x.dtype} but q has dtype {q.dtype}")
     batch, seqlen_q, heads, head_dim = (int(n) for n in q.shape)
-    if head_dim % 8 or not 8 <= head_dim <= _traits.MAX_HEAD_DIM:
-        raise ValueError(f"q has head_dim {head_dim}; expected a multiple of 8 from 8 to {_traits.MAX_HEAD_DIM}")
+    multiple = 16 if kind == FP8_DTYPE else 8
+    if head_dim % multiple or not multiple <= head_dim <= _traits.MAX_HEAD_DIM:
+        raise ValueError(f"q has head_dim {head_dim}; expected a multiple of {multiple} from {multiple} to "
+                         f"{_traits.MAX_HEAD_DIM}" + (" (FP8 rows are read in 16-byte units)" if multiple == 16 else ""))
     labels = ("batch", "seqlen", "heads", "head_dim")
     for axis in (0, 3):
         if k.shape[axis] != q.shape[axis]:

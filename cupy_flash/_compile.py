@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 
 from . import _features, _traits
+from ._dtypes import FP8_DTYPE
 from ._params import cuda_struct
 
 log = logging.getLogger("cupy_flash")
@@ -33,6 +34,7 @@ if not log.handlers:
 
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 CTYPES = {"float16": "fa_f16", "bfloat16": "fa_bf16", "float32": "float"}
+FP8_CTYPES = {FP8_DTYPE: "fa_e4m3"}   # the Hopper FP8 forward's e4m3 (uint8 bits with their descales)
 OPTIONS = ()   # NVRTC options of every module beyond CuPy's own
 
 
@@ -133,7 +135,7 @@ class ModuleSpec:
 
     @property
     def ctype(self) -> str:
-        return CTYPES[self.dtype]
+        return CTYPES[self.dtype] if self.dtype in CTYPES else FP8_CTYPES[self.dtype]
 
     @property
     def name_expressions(self) -> tuple[str, ...]:

@@ -6,6 +6,8 @@ import functools
 
 import numpy
 
+FP8_DTYPE = "float8_e4m3fn"   # the dtype named for e4m3 inputs held as uint8 bits (docs/fp8.md)
+
 
 @functools.lru_cache(maxsize=None)
 def bfloat16() -> numpy.dtype:

@@ -68,6 +68,9 @@ FIELDS = (
     ("scale_log2", "float", 1),               # softmax_scale * log2(e): scores go straight into exp2
     ("softcap", "float", 1),                  # FEATURE_SOFTCAP: logits become softcap * tanh(logit / softcap)
     ("softcap_inv", "float", 1),
+    ("q_descale", "const float*", 1),     # FP8 forward: float32 (batch, heads_q): q's values are decode(q) x this
+    ("k_descale", "const float*", 1),     #   and (batch, heads_kv) for k and v
+    ("v_descale", "const float*", 1),
 )
 
 POINTER_FIELDS = tuple(name for name, c_type, _ in FIELDS if c_type.endswith("*"))

@@ -17,7 +17,7 @@ from ._launch import driver_function
 
 MAP_BYTES = 128
 # cuda.h enums
-DATA_TYPES = {"float16": 6, "bfloat16": 9, "float32": 7}
+DATA_TYPES = {"float16": 6, "bfloat16": 9, "float32": 7, "uint8": 0}   # uint8: e4m3 bits (the FP8 forward)
 INTERLEAVE_NONE = 0
 SWIZZLE_128B = 3
 L2_PROMOTION_128B = 2

@@ -22,6 +22,7 @@ from ._launch import (
 from ._params import PointerRecord, make_params
 from ._streams import STREAM_DOC, on_stream, record_kernel_arrays
 from .decode import check_num_splits, launch_decode, uses_split_path
+from .forward_fp8 import forward_fp8, is_fp8_call
 
 _SM90_MAPS_BYTES = 4 * _tma.MAP_BYTES   # kernels_cu/forward_sm90.cu: ForwardSm90Maps (tests/test_compile.py holds them equal)
 _NAMES = ("q", "k", "v", "o", "lse")   # a forward launch's arrays, in the order of its addresses
@@ -152,6 +153,10 @@ def flash_forward(q, k, v, *, softmax_scale=None, causal=False, num_splits=None,
     is attended on its own (causal and windows aligned to its own bottom-right corner); no padding
     is computed. Not combined with ``bias``.
 
+    FP8 (Hopper): q, k, v uint8 arrays of e4m3 bits (``quantize_fp8``'s) with ``q_descale``
+    (batch, heads_q) or (batch, heads_kv), ``k_descale`` and ``v_descale`` (batch, heads_kv); o is
+    bfloat16. Takes causal, window_size, sink and GQA/MQA (docs/fp8.md).
+
     Split-KV: with float16/bfloat16, when each K/V head has few query rows (group x seqlen_q <= 32,
     e.g. decoding) the keys are split into ranges computed in parallel and merged exactly
     (``num_splits``: how many; default chosen from the SM count and the work; giving it takes this
@@ -181,6 +186,10 @@ def forward_into(out, q, k, v, *, softmax_scale=None, causal=False, num_splits=N
     """flash_forward writing into ``out`` = (o, lse), C-contiguous GPU arrays of the output shapes
     and dtypes on q's device (None: allocated): the adapters hand over their framework's buffers.
     No checks are skipped; ``out`` is checked after the inputs, before any launch."""
+    if is_fp8_call(q, features):
+        if num_splits is not None:
+            raise ValueError("num_splits: the FP8 forward has no split-KV path")
+        return forward_fp8(out, q, k, v, softmax_scale, causal, features)
     key = _plan_key(q, k, v, softmax_scale, causal) if not features and num_splits is None else None
     if key is not None:
         plan = _plans.get(key)

@@ -21,6 +21,8 @@
 // 16-bit floating types as raw storage; arithmetic always happens in float32.
 struct fa_f16 { unsigned short bits; };
 struct fa_bf16 { unsigned short bits; };
+// FP8 e4m3 as raw storage: the FP8 forward's q, k and v, which only the tensor cores read.
+struct fa_e4m3 { unsigned char bits; };
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(fa_f16 x) {
@@ -575,11 +577,12 @@ __device__ __forceinline__ float score_to_natural(const FlashParams& p) {
 // key), the sink joined under FEATURE_SINK. total = sum exp2(s * scale_log2 - max_scaled) and
 // max_scaled = max * scale_log2 - residual with the residual exact through an fma, so
 // lse = max * scale + (log2(total) - residual) * ln2: one rounding at |lse|, as a dense float32
-// logsumexp has.
+// logsumexp has. score_log2 and score_natural: the factors from score units to exp2's and to lse's.
 template <int FEATURES>
-__device__ __forceinline__ float2 finish_row(const FlashParams& p, long long h, float row_max, float row_max_scaled, float total) {
-    const float residual = fmaf(row_max, score_to_log2<FEATURES>(p), -row_max_scaled);
-    float lse = total > 0.f ? fmaf(row_max, score_to_natural<FEATURES>(p), (log2f(total) - residual) * FLASH_LN2)
+__device__ __forceinline__ float2 finish_row(const FlashParams& p, long long h, float row_max, float row_max_scaled, float total,
+                                            float score_log2, float score_natural) {
+    const float residual = fmaf(row_max, score_log2, -row_max_scaled);
+    float lse = total > 0.f ? fmaf(row_max, score_natural, (log2f(total) - residual) * FLASH_LN2)
                             : FLASH_NEG_INF;
     float inv = total > 0.f ? 1.f / total : 0.f;
     if (FEATURES & FEATURE_SINK) {
@@ -588,6 +591,11 @@ __device__ __forceinline__ float2 finish_row(const FlashParams& p, long long h, 
         inv *= joined.y;
     }
     return make_float2(lse, inv);
+}
+// The same in the call's own units (the FP8 forward's scale holds the inputs' descales).
+template <int FEATURES>
+__device__ __forceinline__ float2 finish_row(const FlashParams& p, long long h, float row_max, float row_max_scaled, float total) {
+    return finish_row<FEATURES>(p, h, row_max, row_max_scaled, total, score_to_log2<FEATURES>(p), score_to_natural<FEATURES>(p));
 }
 
 // Row kernels (delta, dQ convert): one warp per (batch, row, head), rows numbered in the memory

@@ -23,6 +23,15 @@
 // each accumulator's (query, key) from wgmma's layout (sm90_mma.cuh). The bias (a tile per key block
 // from global memory) is not supported here: the dispatch (cupy_flash/families/) sends it to
 // the portable kernels.
+//
+// FP8 (T = fa_e4m3, docs/fp8.md): the same kernel with e4m3 q, k and v and a bfloat16 O. The
+// products are m64nNk32 e4m3 wgmma's, which read both operands K-major: V is read as V^T
+// (head_dim rows of keys), written once per call by fp8_transpose_v (below) in fp8_p_key's key
+// order, so P goes from the accumulators to the A operand without an exchange between threads.
+// The descales join the score scale (q_descale x k_descale) and O's final scale (v_descale). P
+// enters its product as e4m3 of exp2(s - max + 8): P x 2^8, in e4m3's normal range down to 2^-14
+// of the row's max (with the maxima kept up to MAX_LAG behind, P x 2^8 <= 2^16 would overflow, so
+// FP8 rows take the max 8 below: the stored reference is max - 8, P <= 2^8 <= 448).
 
 #include "common.cuh"
 #include "tensor_core.cuh"
@@ -32,12 +41,16 @@
 
 template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES>
 struct ForwardSm90Storage {
-    static constexpr int CHUNKS = D_TILE / SWIZZLE_ROW_ELEMENTS;
-    static constexpr bool OWN_O = (2 * BLOCK_M + 2 * STAGES * BLOCK_N) * D_TILE * sizeof(T) + 2 * SWIZZLE_ATOM_BYTES <= SM90_BLOCK_SMEM_BYTES;
-    alignas(SWIZZLE_ATOM_BYTES) T q[CHUNKS][BLOCK_M][SWIZZLE_ROW_ELEMENTS];   // O's staging too where !OWN_O
-    alignas(SWIZZLE_ATOM_BYTES) T k[STAGES][CHUNKS][BLOCK_N][SWIZZLE_ROW_ELEMENTS];
-    alignas(SWIZZLE_ATOM_BYTES) T v[STAGES][CHUNKS][BLOCK_N][SWIZZLE_ROW_ELEMENTS];
-    alignas(OWN_O ? SWIZZLE_ATOM_BYTES : 16) T o[OWN_O ? CHUNKS : 1][OWN_O ? BLOCK_M : 1][SWIZZLE_ROW_ELEMENTS];
+    using Out = typename Sm90Element<T>::output;
+    static constexpr int ROW = Sm90Element<T>::row_elements;   // elements of a 128-byte swizzled row
+    static constexpr int CHUNKS = D_TILE / ROW;
+    static constexpr bool OWN_O = (BLOCK_M * (sizeof(T) + sizeof(Out)) + 2 * STAGES * BLOCK_N * sizeof(T)) * D_TILE
+                                  + 2 * SWIZZLE_ATOM_BYTES <= SM90_BLOCK_SMEM_BYTES;
+    alignas(SWIZZLE_ATOM_BYTES) T q[CHUNKS][BLOCK_M][ROW];   // O's staging too where !OWN_O
+    alignas(SWIZZLE_ATOM_BYTES) T k[STAGES][CHUNKS][BLOCK_N][ROW];
+    // FP8: the same bytes hold V^T, [BLOCK_N / 128][D_TILE][128 keys] a stage.
+    alignas(SWIZZLE_ATOM_BYTES) T v[STAGES][CHUNKS][BLOCK_N][ROW];
+    alignas(OWN_O ? SWIZZLE_ATOM_BYTES : 16) Out o[OWN_O ? D_TILE / SWIZZLE_ROW_ELEMENTS : 1][OWN_O ? BLOCK_M : 1][SWIZZLE_ROW_ELEMENTS];
     unsigned long long q_full, q_empty;
     unsigned long long k_full[STAGES], k_empty[STAGES];
     TileHandover tiles;   // the dynamic tile order's hand-over (TileScheduler)
@@ -45,8 +58,9 @@ struct ForwardSm90Storage {
 };
 
 // The tensor maps of one call: q, k, v, o as 4-D tensors (head_dim, seqlen, heads, batch), boxes of
-// 64 x BLOCK_M (q), 64 x BLOCK_N (k, v) or 64 x 64 (o: a warpgroup's rows) elements with 128-byte
-// swizzle (cupy_flash/_tma.py).
+// 128 bytes x BLOCK_M (q), 128 bytes x BLOCK_N (k, v) or 64 x 64 (o: a warpgroup's rows) elements
+// with 128-byte swizzle (cupy_flash/_tma.py). FP8: v is V^T (keys, head_dim, heads, batch) in boxes of
+// 128 keys x D_TILE.
 struct ForwardSm90Maps {
     TensorMap q, k, v, o;
 };
@@ -166,12 +180,25 @@ struct TileScheduler : PersistentTiles<DYNAMIC, false> {
 template <int D_TILE, int ROWS, typename T>
 __device__ __forceinline__ void load_into_slot(T* tile, const TensorMap* map, unsigned long long* empty, unsigned long long* full,
                                                unsigned int parity, int row, int head, int batch_coord) {
+    constexpr int ROW = Sm90Element<T>::row_elements;
     barrier_wait(smem_addr(empty), parity ^ 1);
     const unsigned int full_bar = smem_addr(full);
     barrier_arrive_expect(full_bar, ROWS * D_TILE * sizeof(T));
 #pragma unroll
-    for (int c = 0; c < D_TILE / SWIZZLE_ROW_ELEMENTS; ++c)
-        tma_load_4d(smem_addr(tile + c * ROWS * SWIZZLE_ROW_ELEMENTS), map, full_bar, c * SWIZZLE_ROW_ELEMENTS, row, head, batch_coord);
+    for (int c = 0; c < D_TILE / ROW; ++c)
+        tma_load_4d(smem_addr(tile + c * ROWS * ROW), map, full_bar, c * ROW, row, head, batch_coord);
+}
+// FP8: one slot's V^T, BLOCK_N keys from `row` as chunks of [D_TILE][128 keys].
+template <int D_TILE, int BLOCK_N, typename T>
+__device__ __forceinline__ void load_transposed_into_slot(T* tile, const TensorMap* map, unsigned long long* empty,
+                                                          unsigned long long* full, unsigned int parity, int row, int head,
+                                                          int batch_coord) {
+    barrier_wait(smem_addr(empty), parity ^ 1);
+    const unsigned int full_bar = smem_addr(full);
+    barrier_arrive_expect(full_bar, BLOCK_N * D_TILE * sizeof(T));
+#pragma unroll
+    for (int c = 0; c < BLOCK_N / 128; ++c)
+        tma_load_4d(smem_addr(tile + c * D_TILE * 128), map, full_bar, row + 128 * c, 0, head, batch_coord);
 }
 
 template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES>
@@ -181,14 +208,18 @@ __device__ __forceinline__ void produce_key_block(ForwardSm90Storage<T, BLOCK_M,
     const RingSlot slot = ring_slot<STAGES>(ring);
     load_into_slot<D_TILE, BLOCK_N>(&smem.k[slot.index][0][0][0], &maps.k, &smem.k_empty[slot.index], &smem.k_full[slot.index],
                                     slot.parity, key_row, kv_head, batch_coord);
-    load_into_slot<D_TILE, BLOCK_N>(&smem.v[slot.index][0][0][0], &maps.v, &smem.v_empty[slot.index], &smem.v_full[slot.index],
-                                    slot.parity, key_row, kv_head, batch_coord);
+    if constexpr (sizeof(T) == 1)
+        load_transposed_into_slot<D_TILE, BLOCK_N>(&smem.v[slot.index][0][0][0], &maps.v, &smem.v_empty[slot.index],
+                                                   &smem.v_full[slot.index], slot.parity, key_row, kv_head, batch_coord);
+    else
+        load_into_slot<D_TILE, BLOCK_N>(&smem.v[slot.index][0][0][0], &maps.v, &smem.v_empty[slot.index], &smem.v_full[slot.index],
+                                        slot.parity, key_row, kv_head, batch_coord);
 }
 
 template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES>
 __device__ __forceinline__ void produce_tile(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>& smem,
                                              const ForwardSm90Maps& maps, const ForwardSm90Work& w, int& ring, int& q_round) {
-    constexpr int CHUNKS = D_TILE / SWIZZLE_ROW_ELEMENTS;
+    constexpr int ROW = Sm90Element<T>::row_elements, CHUNKS = D_TILE / ROW;
     constexpr unsigned int Q_BYTES = BLOCK_M * D_TILE * sizeof(T);
     if (w.blocks() <= 0) return;
     int key_row = w.seq.k_row0 + (w.kv_end - 1) * BLOCK_N;
@@ -198,7 +229,7 @@ __device__ __forceinline__ void produce_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
     barrier_arrive_expect(q_full, Q_BYTES);
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c)
-        tma_load_4d(smem_addr(&smem.q[c][0][0]), &maps.q, q_full, c * SWIZZLE_ROW_ELEMENTS, w.seq.q_row0 + w.q_start,
+        tma_load_4d(smem_addr(&smem.q[c][0][0]), &maps.q, q_full, c * ROW, w.seq.q_row0 + w.q_start,
                     (int)w.block.h, w.batch_coord);
     ++q_round;
 #pragma unroll 1
@@ -209,7 +240,9 @@ __device__ __forceinline__ void produce_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
 }
 
 // One consumer warpgroup's running state for its 64 rows: each thread holds two rows (g and g + 8
-// of its warp's 16) of O (D_TILE / 2 accumulators) and of the softmax statistics.
+// of its warp's 16) of O (D_TILE / 2 accumulators) and of the softmax statistics. P_LOG2: the
+// exponents' reference sits this far below the row max (8 for FP8's P x 2^8, else 0).
+template <int P_LOG2 = 0>
 struct RowSoftmax {
     float row_max[2], row_max_scaled[2], row_sum[2];
 
@@ -249,7 +282,13 @@ struct RowSoftmax {
         float rescale[2] = {1.f, 1.f};
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            if (moved) rescale[r] = raise_row_max(row_max[r], row_max_scaled[r], block_max[r], score_log2);
+            if (moved) {
+                rescale[r] = raise_row_max(row_max[r], row_max_scaled[r], block_max[r], score_log2);
+                if constexpr (P_LOG2 != 0) {   // the old reference was P_LOG2 below its max too
+                    row_max_scaled[r] -= (float)P_LOG2;
+                    rescale[r] *= (float)(1 << P_LOG2);
+                }
+            }
             float sum = 0.f;
 #pragma unroll
             for (int i = 0; i < N / 4; ++i)
@@ -275,16 +314,32 @@ __device__ __forceinline__ void rescale_rows(float (&o)[N], float2 rescale) {
     }
 }
 
+// The descales of an FP8 tile (1 otherwise): q_descale x k_descale, which joins the score scale,
+// and v_descale, which joins O's final scale.
+struct Descales {
+    float qk, v;
+};
+template <typename T>
+__device__ __forceinline__ Descales descales_of(const FlashParams& p, const ForwardSm90Work& w) {
+    if constexpr (sizeof(T) == 1) {
+        const long long kv = w.block.b * (p.heads / p.group) + w.kv_head;
+        return {p.q_descale[w.block.b * p.heads + w.block.h] * p.k_descale[kv], p.v_descale[kv]};
+    } else {
+        return {1.f, 1.f};
+    }
+}
+
 // The epilogue of one consumer warpgroup's 64 rows of a tile: lse, then O normalised, staged in
 // the warpgroup's 64 rows of the staging tile and stored. A tile that sees no key (blocks == 0: its
 // Q never loaded) stores zeros without staging: where O is staged in the Q tile, that may already
 // hold the next tile's rows.
-template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, int FEATURES>
+template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, int FEATURES, int P_LOG2>
 __device__ __forceinline__ void store_output(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>& smem,
                                              const ForwardSm90Maps& maps, const FlashParams& p, const ForwardSm90Work& w,
                                              int consumer, int thread, int lane, int row_in_block, int col_in_chunk,
-                                             int first_query, const float (&o)[D_TILE / 2], const RowSoftmax& softmax,
+                                             int first_query, const float (&o)[D_TILE / 2], const RowSoftmax<P_LOG2>& softmax,
                                              int blocks, int& q_round) {
+    using Out = typename Sm90Element<T>::output;
     constexpr int CONSUMERS = BLOCK_M / 64;
     constexpr bool OWN_O = ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>::OWN_O;
     constexpr bool TMA_STORE = !(FEATURES & FEATURE_VARLEN);
@@ -296,12 +351,20 @@ __device__ __forceinline__ void store_output(ForwardSm90Storage<T, BLOCK_M, D_TI
         float total = softmax.row_sum[r];
         total += __shfl_xor_sync(0xffffffffu, total, 1);
         total += __shfl_xor_sync(0xffffffffu, total, 2);
-        const float2 lse_inv = finish_row<FEATURES>(p, w.block.h, softmax.row_max[r], softmax.row_max_scaled[r], total);
+        float2 lse_inv;
+        if constexpr (sizeof(T) == 1) {   // the descales read again: not held in registers through the tile
+            const Descales descale = descales_of<T>(p, w);
+            lse_inv = finish_row<FEATURES>(p, w.block.h, softmax.row_max[r], softmax.row_max_scaled[r], total,
+                                           score_to_log2<FEATURES>(p) * descale.qk, score_to_natural<FEATURES>(p) * descale.qk);
+            lse_inv.y *= descale.v;
+        } else {
+            lse_inv = finish_row<FEATURES>(p, w.block.h, softmax.row_max[r], softmax.row_max_scaled[r], total);
+        }
         inv[r] = lse_inv.y;
         const int query = first_query + 8 * r;
         if (lane % 4 == 0 && query < w.seq.seqlen_q) lse[query] = lse_inv.x;
     }
-    unsigned char* staging = reinterpret_cast<unsigned char*>(OWN_O ? &smem.o[0][0][0] : &smem.q[0][0][0]);
+    unsigned char* staging = OWN_O ? reinterpret_cast<unsigned char*>(&smem.o[0][0][0]) : reinterpret_cast<unsigned char*>(&smem.q[0][0][0]);
     if (blocks > 0) {
         // The staging rows are free: with OWN_O the previous tile's store has read them once its
         // issuing thread's wait below is passed (the store is waited for here, a tile later, not
@@ -318,7 +381,7 @@ __device__ __forceinline__ void store_output(ForwardSm90Storage<T, BLOCK_M, D_TI
             for (int r = 0; r < 2; ++r) {
                 const int row = row_in_block + 8 * r;
                 *reinterpret_cast<unsigned int*>(staging + chunk * Q_CHUNK_BYTES + swizzled_offset(row, col % SWIZZLE_ROW_ELEMENTS)) =
-                    Mma<T>::pack(o[4 * i + 2 * r] * inv[r], o[4 * i + 2 * r + 1] * inv[r]);
+                    Mma<Out>::pack(o[4 * i + 2 * r] * inv[r], o[4 * i + 2 * r + 1] * inv[r]);
             }
         }
         if (TMA_STORE) fence_async_shared();   // the staging writes, before the TMA store reads them
@@ -341,7 +404,7 @@ __device__ __forceinline__ void store_output(ForwardSm90Storage<T, BLOCK_M, D_TI
     }
     constexpr int UNITS = D_TILE / 8;   // 16-byte units per row
     const int head_dim = (int)p.head_dim;
-    T* out = static_cast<T*>(p.o) + tensor_offset(p.o_strides, w.block.b, w.seq.q_row0 + w.q_start, w.block.h);
+    Out* out = static_cast<Out*>(p.o) + tensor_offset(p.o_strides, w.block.b, w.seq.q_row0 + w.q_start, w.block.h);
 #pragma unroll 4
     for (int idx = thread; idx < 64 * UNITS; idx += 128) {
         const int row = 64 * consumer + idx / UNITS, col = (idx % UNITS) * 8;
@@ -369,19 +432,22 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
                                              int consumer, int& ring, int& q_round) {
     constexpr int CONSUMERS = BLOCK_M / 64;
     constexpr bool OWN_O = ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>::OWN_O;
+    constexpr bool FP8 = sizeof(T) == 1;
+    constexpr int MMA_K = Sm90Element<T>::mma_k;
     constexpr unsigned int Q_CHUNK_BYTES = BLOCK_M * 128, KV_CHUNK_BYTES = BLOCK_N * 128;
+    constexpr unsigned int VT_CHUNK_BYTES = D_TILE * 128;   // FP8: 128 keys of V^T
     const int thread = threadIdx.x % 128, warp = thread / 32, lane = thread % 32;
     const int row_in_block = 64 * consumer + 16 * warp + lane / 4;   // this thread's rows: +0 and +8
     const int col_in_chunk = 2 * (lane % 4);                         // and columns 8i + this (+1)
     const int first_query = w.q_start + row_in_block;
     const int seqlen_k = w.seq.seqlen_k;
     const ScoreMod<FEATURES> mod(p, w.block.b, w.block.h, w.seq);
-    const float score_log2 = score_to_log2<FEATURES>(p);
+    const float score_log2 = FP8 ? score_to_log2<FEATURES>(p) * descales_of<T>(p, w).qk : score_to_log2<FEATURES>(p);
 
     float o[D_TILE / 2];
 #pragma unroll
     for (int i = 0; i < D_TILE / 2; ++i) o[i] = 0.f;
-    RowSoftmax softmax;
+    RowSoftmax<FP8 ? 8 : 0> softmax;
     bool rescale_o = true;   // the last softmax step moved a maximum: O is rescaled before its P V
     const int blocks = w.blocks();
 
@@ -395,13 +461,17 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
             mma_k_major<T, BLOCK_N, D_TILE, false>(s, q_base, Q_CHUNK_BYTES, k_base, KV_CHUNK_BYTES);
             warpgroup_commit();
         };
-        auto issue_values = [&](unsigned int (&pa)[BLOCK_N / 16][4], const RingSlot& slot) {
+        auto issue_values = [&](unsigned int (&pa)[BLOCK_N / MMA_K][4], const RingSlot& slot) {
             barrier_wait(smem_addr(&smem.v_full[slot.index]), slot.parity);
             const unsigned int v_base = smem_addr(&smem.v[slot.index][0][0][0]);
             warpgroup_arrive();
 #pragma unroll
-            for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-                Wgmma<T, D_TILE>::template rs<1>(o, pa[kk], n_major_descriptor(v_base + kk * 2 * SWIZZLE_ATOM_BYTES, KV_CHUNK_BYTES), 1);
+            for (int kk = 0; kk < BLOCK_N / MMA_K; ++kk) {
+                if constexpr (FP8)   // V^T, K-major: 32-key steps along its 128-byte rows
+                    Wgmma<T, D_TILE>::template rs<0>(o, pa[kk], k_major_descriptor(v_base + (kk / 4) * VT_CHUNK_BYTES + (kk % 4) * 32), 1);
+                else
+                    Wgmma<T, D_TILE>::template rs<1>(o, pa[kk], n_major_descriptor(v_base + kk * 2 * SWIZZLE_ATOM_BYTES, KV_CHUNK_BYTES), 1);
+            }
             warpgroup_commit();
         };
         auto release = [&](unsigned long long* bar) {
@@ -427,7 +497,7 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
 
         barrier_wait(smem_addr(&smem.q_full), q_round & 1);
         float s[BLOCK_N / 2];
-        unsigned int pa[BLOCK_N / 16][4];
+        unsigned int pa[BLOCK_N / MMA_K][4];
         named_barrier_sync(issue_barrier(consumer), 256);
         RingSlot slot = ring_slot<STAGES>(ring);
         issue_scores(s, slot);
@@ -477,8 +547,10 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
     constexpr int CONSUMERS = BLOCK_M / 64;
     constexpr bool DYNAMIC = DynamicTiles<D_TILE, IS_CAUSAL, FEATURES>::value;   // tiles from the counter
     static_assert(BLOCK_M % 64 == 0 && (CONSUMERS == 2 || CONSUMERS == 3), "64 query rows per consumer warpgroup");
-    static_assert(D_TILE % SWIZZLE_ROW_ELEMENTS == 0 && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
+    static_assert(D_TILE % Sm90Element<T>::row_elements == 0 && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
     static_assert(!(FEATURES & FEATURE_BIAS), "the bias runs on the portable kernels");
+    static_assert(sizeof(T) == 2 || (BLOCK_N % 128 == 0 && Storage::OWN_O && !ScoreMod<FEATURES>::active && !(FEATURES & FEATURE_VARLEN)),
+                  "FP8: V^T in 128-key chunks, O staged apart, no score modifier, no packed batch");
     static_assert(registers_fit_launch<CONSUMERS, DYNAMIC>(), "setmaxnreg split beyond the launch's registers: the block would hang");
     static_assert(sizeof(Storage) + SWIZZLE_ATOM_BYTES <= SM90_BLOCK_SMEM_BYTES, "shared memory of one sm_90 block");
     require_dynamic_smem(forward_sm90_smem_bytes<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>);
@@ -533,5 +605,44 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
         // The last store is still reading its staging rows: the block's shared memory must outlive it.
         if (threadIdx.x % 128 == 0) tma_store_wait_all();
         if (consumer == 0) named_barrier_sync(issue_barrier(0), 256);
+    }
+}
+
+// FP8's V^T (the header above): v (batch, seqlen_k, heads_kv, head_dim) e4m3, 16-byte-aligned rows,
+// into vt (batch, heads_kv, head_dim, keys) contiguous, keys = seqlen_k rounded up to 32 (zeros
+// past seqlen_k: masked keys' P is 0, and 0 x NaN would not be), each 32 keys in fp8_p_key's
+// order: vt[b, h, d, 32 g + c] = v[b, 32 g + fp8_p_key(c), h, d]. A block moves 64 keys of one
+// (batch, head), read as 16-byte vectors of v's rows and written as 4-byte words of vt's.
+constexpr int FP8_TRANSPOSE_KEYS = 64;
+template <typename T>
+__global__ void __launch_bounds__(256) fp8_transpose_v(const unsigned char* v, long long batch_stride, long long row_stride,
+                                                       long long head_stride, int heads_kv, int seqlen_k, int head_dim,
+                                                       unsigned char* vt, int keys) {
+    static_assert(sizeof(T) == 1, "V^T is FP8's");
+    __shared__ __align__(16) unsigned char tile[FP8_TRANSPOSE_KEYS][256 + 16];   // a padded row per key
+    const long long key_blocks = keys / FP8_TRANSPOSE_KEYS + (keys % FP8_TRANSPOSE_KEYS != 0);
+    const long long bh = blockIdx.x / key_blocks;
+    const int key0 = (int)(blockIdx.x % key_blocks) * FP8_TRANSPOSE_KEYS;
+    const long long b = bh / heads_kv, h = bh % heads_kv;
+    const unsigned char* src = v + b * batch_stride + h * head_stride;
+    const int units = head_dim / 16;
+    for (int i = threadIdx.x; i < FP8_TRANSPOSE_KEYS * units; i += blockDim.x) {
+        const int r = i / units, u = i % units;
+        uint4 x = make_uint4(0, 0, 0, 0);
+        if (key0 + r < seqlen_k) x = *reinterpret_cast<const uint4*>(src + (long long)(key0 + r) * row_stride + 16 * u);
+        *reinterpret_cast<uint4*>(&tile[r][16 * u]) = x;
+    }
+    __syncthreads();
+    unsigned char* dst = vt + bh * head_dim * keys;
+    for (int i = threadIdx.x; i < head_dim * (FP8_TRANSPOSE_KEYS / 4); i += blockDim.x) {
+        const int d = i / (FP8_TRANSPOSE_KEYS / 4), c = 4 * (i % (FP8_TRANSPOSE_KEYS / 4));   // positions c..c + 3
+        if (key0 + c >= keys) continue;
+        unsigned int word = 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int position = c + e;
+            word |= (unsigned int)tile[(position & ~31) + fp8_p_key(position & 31)][d] << (8 * e);
+        }
+        *reinterpret_cast<unsigned int*>(dst + (long long)d * keys + key0 + c) = word;
     }
 }

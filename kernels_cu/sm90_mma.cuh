@@ -47,6 +47,20 @@ __device__ __forceinline__ void hold_registers(float (&r)[N]) {
 constexpr int SWIZZLE_ROW_ELEMENTS = 64;   // 128 bytes of a 16-bit type
 constexpr int SWIZZLE_ATOM_BYTES = 1024;
 
+// What the element type changes: a swizzled row holds 64 16-bit or 128 8-bit elements, and one
+// wgmma's K is 32 bytes of either (k16, or k32 for e4m3), so a tile's byte geometry and its
+// descriptors' steps are the same for both. The FP8 forward writes its O in bfloat16.
+template <typename T> struct Sm90Element {
+    static constexpr int row_elements = 128 / sizeof(T);
+    static constexpr int mma_k = 32 / sizeof(T);
+    using output = T;
+};
+template <> struct Sm90Element<fa_e4m3> {
+    static constexpr int row_elements = 128;
+    static constexpr int mma_k = 32;
+    using output = fa_bf16;
+};
+
 // The block's storage at the first SWIZZLE_ATOM_BYTES boundary of dynamic shared memory. The
 // offset is added to the __shared__ array's pointer, not to an integer, so the compiler still knows
 // the storage is shared and its plain C++ accesses compile to ld/st.shared (LDS/STS). Through an
@@ -97,7 +111,7 @@ __device__ __forceinline__ unsigned long long advance_descriptor(unsigned long l
 template <typename T, int N> struct Wgmma;   // sm90_wgmma_ops.cuh
 
 // d (64 x N) = A B^T with A (64 rows) and B (N rows) both K-major over K = D_TILE, stored as
-// 64-column chunks `a_chunk_bytes` / `b_chunk_bytes` apart (S = Q K^T in the forward, S^T = K Q^T
+// 128-byte-row chunks `a_chunk_bytes` / `b_chunk_bytes` apart (S = Q K^T in the forward, S^T = K Q^T
 // and dP^T = V dO^T in the backward). Issues the products only: between warpgroup_arrive and
 // warpgroup_commit. ADVANCE: the two descriptors built once and advanced per product (the
 // backward: d = 256 +3.5%, d = 64 / 128 unchanged), else built per product (the forward: advanced,
@@ -108,8 +122,8 @@ __device__ __forceinline__ void mma_k_major(float (&d)[N / 2], unsigned int a, u
                                             unsigned int b_chunk_bytes) {
     const unsigned long long a_desc = k_major_descriptor(a), b_desc = k_major_descriptor(b);
 #pragma unroll
-    for (int kk = 0; kk < D_TILE / 16; ++kk) {
-        const unsigned int a_step = (kk / 4) * a_chunk_bytes + (kk % 4) * 32;   // k16 steps inside a 64-column chunk
+    for (int kk = 0; kk < D_TILE / Sm90Element<T>::mma_k; ++kk) {
+        const unsigned int a_step = (kk / 4) * a_chunk_bytes + (kk % 4) * 32;   // 32-byte K steps inside a 128-byte row
         const unsigned int b_step = (kk / 4) * b_chunk_bytes + (kk % 4) * 32;
         if constexpr (ADVANCE)
             Wgmma<T, N>::template ss<0>(d, advance_descriptor(a_desc, a_step), advance_descriptor(b_desc, b_step), kk > 0);
@@ -132,15 +146,45 @@ __device__ __forceinline__ void stmatrix_x4_trans(unsigned int addr, const unsig
                  :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
 }
 
-// P (float32 accumulator of S, 64 x N) as the A operand of the next wgmma: k16 step kk takes S's
-// n-chunks 2kk and 2kk + 1, i.e. mma.m16n8k16's A fragment.
+// Four floats as e4m3 (round to nearest, saturating), the first in the lowest byte.
+__device__ __forceinline__ unsigned int pack_e4m3x4(float x0, float x1, float x2, float x3) {
+    unsigned short low, high;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(low) : "f"(x1), "f"(x0));   // the first operand goes high
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(high) : "f"(x3), "f"(x2));
+    return (unsigned int)low | ((unsigned int)high << 16);
+}
+
+// The key of position c (0..31) of a k32 step of P as the e4m3 A operand. A thread's A fragment
+// holds, for its rows g and g + 8, positions 4t..4t + 3 and 16 + 4t..16 + 4t + 3 (mma.m16n8k32's
+// layout), while its accumulator holds keys 2t, 2t + 1 of each 8-key chunk. Each thread packs
+// its own accumulators in order, with no exchange between threads, so position c holds the key
+// below; V^T is stored in the same key order (fp8_transpose_v in forward_sm90.cu), so P V sums
+// the same products.
+__host__ __device__ __forceinline__ constexpr int fp8_p_key(int c) {
+    return (c & 16) + 2 * ((c >> 2) & 3) + 8 * ((c >> 1) & 1) + (c & 1);
+}
+
+// P (float32 accumulator of S, 64 x N) as the A operand of the next wgmma. 16-bit: k16 step kk
+// takes S's n-chunks 2kk and 2kk + 1, i.e. mma.m16n8k16's A fragment. e4m3: k32 step kk takes
+// n-chunks 4kk..4kk + 3 in fp8_p_key's order.
 template <typename T, int N>
-__device__ __forceinline__ void accumulator_to_a(unsigned int (&a)[N / 16][4], const float (&s)[N / 2]) {
+__device__ __forceinline__ void accumulator_to_a(unsigned int (&a)[N / Sm90Element<T>::mma_k][4], const float (&s)[N / 2]) {
+    if constexpr (sizeof(T) == 1) {
 #pragma unroll
-    for (int kk = 0; kk < N / 16; ++kk) {
-        a[kk][0] = Mma<T>::pack(s[8 * kk + 0], s[8 * kk + 1]);
-        a[kk][1] = Mma<T>::pack(s[8 * kk + 2], s[8 * kk + 3]);
-        a[kk][2] = Mma<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
-        a[kk][3] = Mma<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
+        for (int kk = 0; kk < N / 32; ++kk) {
+            const float* c = s + 16 * kk;
+            a[kk][0] = pack_e4m3x4(c[0], c[1], c[4], c[5]);      // row g, keys 2t, 2t + 1, 8 + 2t, 9 + 2t
+            a[kk][1] = pack_e4m3x4(c[2], c[3], c[6], c[7]);      // row g + 8
+            a[kk][2] = pack_e4m3x4(c[8], c[9], c[12], c[13]);    // row g, the same keys + 16
+            a[kk][3] = pack_e4m3x4(c[10], c[11], c[14], c[15]);  // row g + 8
+        }
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < N / 16; ++kk) {
+            a[kk][0] = Mma<T>::pack(s[8 * kk + 0], s[8 * kk + 1]);
+            a[kk][1] = Mma<T>::pack(s[8 * kk + 2], s[8 * kk + 3]);
+            a[kk][2] = Mma<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
+            a[kk][3] = Mma<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
+        }
     }
 }

@@ -22,11 +22,19 @@ ARCHS = _compile.ALL_ARCHS
 # each moved the spills between instantiations without removing them (docs/performance.md). Every
 # other instantiation must not spill at all.
 VARLEN_BACKWARD_SPILL_LIMIT = 128
+# Known and measured: the FP8 forward at d = 256 holds O (128 registers), S of a 128-key block (64)
+# and P's e4m3 operand (16) at 240 registers a consumer, the most the split allows; its masked
+# instantiations (causal, window) spill 4-12 bytes. Its 128-key blocks are V^T's 128-byte rows
+# (docs/fp8.md). Every other Hopper instantiation must not spill.
+FP8_D256_SPILL_LIMIT = 16
 
 
 def spill_limit(spec) -> int:
+    from cupy_flash._dtypes import FP8_DTYPE
     from cupy_flash._features import FEATURE_VARLEN
 
+    if spec.family == "forward_sm90" and spec.dtype == FP8_DTYPE and spec.tile == 256:
+        return FP8_D256_SPILL_LIMIT
     return VARLEN_BACKWARD_SPILL_LIMIT if spec.family == "backward_tc" and spec.features & FEATURE_VARLEN else 0
 
 

@@ -75,6 +75,7 @@ def all_module_specs(features=(0,) + LARGEST_FEATURE_SETS) -> list:
     others', so the combinations cover them; 2^6 feature sets per module would be too many to
     build in CI)."""
     specs = [spec for dtype in CTYPES for module_specs in MODULES for spec in module_specs(dtype, features)]
+    specs += sm90.fp8_module_specs(features)
     return list(dict.fromkeys(specs))   # the decode family keeps fewer flags: equal specs once
 
 

@@ -38,6 +38,8 @@ FORWARD_SM90 = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 80, 2)}
 # queries a consumer) and of the head dim (128). m64nNk16 allows any multiple of 8 up to 256 for
 # 16-bit inputs; kernels_cu/sm90_wgmma_ops.cuh has one operation per width (bench/generate_wgmma_ops.py).
 SM90_WGMMA_WIDTHS = (32, 64, 80, 96, 112, 128, 144, 160, 176, 192, 224, 256)
+# The same for e4m3 (m64nNk32): the FP8 forward's key blocks and head-dim tiles (FORWARD_SM90_FP8).
+SM90_FP8_WGMMA_WIDTHS = (128, 256)
 # Plain calls (no variant flag) take these tiles instead, causal ones from FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS.
 # d = 64 192x128, three consumers (H100, interleaved against 128x128 on the same inputs,
 # bf16 and fp16): non-causal 2k-16k +8-17% (16k 444 -> 513 TFLOP/s), 1k 1.01-1.07x, 512 0.97-1.04x;
@@ -387,6 +389,74 @@ def grid_of(tiles: int, deterministic: bool, device) -> int:
     1.2-1.4x longer (H100, bf16 and fp16, d = 64-256). (``tiles`` is below 2^31: _checks bounds
     the portable kernels' grid, of smaller blocks, by it.)"""
     return tiles if deterministic else min(tiles, device.multiprocessors)
+
+
+# The FP8 forward (kernels_cu/forward_sm90.cu with T = fa_e4m3; docs/fp8.md): head-dim tile ->
+# (block_m, block_n, stages). Its key blocks are whole 128-key chunks of V^T. d = 256: Q, two stages
+# of K and V^T and a bfloat16 O staging tile fill 225 of the 227 KB.
+FORWARD_SM90_FP8 = {128: (128, 128, 2), 256: (128, 128, 2)}
+# What it takes: causal, windows, the sink, GQA/MQA (no score modifier: FP8's descales join the
+# scale; packed batches wait for a V^T per sequence).
+FORWARD_SM90_FP8_FEATURES = FEATURE_WINDOW | FEATURE_SINK
+FP8_TRANSPOSE_THREADS = 256   # fp8_transpose_v's __launch_bounds__
+FP8_TRANSPOSE_KEYS = 64       # the keys a block of fp8_transpose_v moves (kernels_cu/forward_sm90.cu)
+FP8_KEY_GROUP = 32            # V^T's key order repeats every 32 keys (fp8_p_key): its rows are padded to it
+
+
+def forward_sm90_fp8_tile(head_dim: int) -> int:
+    return next(tile for tile in FORWARD_SM90_FP8 if head_dim <= tile)
+
+
+class ForwardFp8(Family):
+    """The Hopper FP8 forward: e4m3 q, k, v with their descales, bfloat16 O; V^T written first by
+    fp8_transpose_v."""
+
+    name = "forward_sm90_fp8"
+
+    @staticmethod
+    def supports(device, shape, variant, setting: str, arrays=(), deterministic: bool = False) -> bool:
+        return (device.compute_capability == 90 and shape.head_dim <= max(FORWARD_SM90_FP8)
+                and variant.flags & ~FORWARD_SM90_FP8_FEATURES == 0)
+
+    @staticmethod
+    def module_spec(tile: int, features: int) -> ModuleSpec:
+        from .._compile import FP8_DTYPE
+
+        block_m, block_n, stages = FORWARD_SM90_FP8[tile]
+        spec = ModuleSpec("forward_sm90", FP8_DTYPE, tile, TARGET, features, (block_m, tile, block_n, stages))
+        return spec_with(spec, tuple(Forward.kernel(spec, causal) for causal in (False, True)) + (ForwardFp8.transpose(spec),),
+                         (Forward.smem(spec), TILE_COUNTER_BYTES) + tuple(Forward.tile_order(spec, c) for c in (False, True)))
+
+    @staticmethod
+    def transpose(spec: ModuleSpec) -> str:
+        return template("fp8_transpose_v", spec.ctype)
+
+    @staticmethod
+    def forward_launch(device, shape, variant) -> tuple:
+        """(the transpose's Launch less its grid, the main kernel's Launch, tile counter bytes)."""
+        tile = forward_sm90_fp8_tile(shape.head_dim)
+        return _fp8_kernels(current_device_id(), tile, variant.flags, variant.causal, device.multiprocessors,
+                            -(-shape.seqlen_q // FORWARD_SM90_FP8[tile][0]) * shape.batch * shape.heads)
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_kernels(device: int, tile: int, flags: int, causal: bool, multiprocessors: int, tiles: int):
+    spec = ForwardFp8.module_spec(tile, flags)
+    smem = device_value(spec, Forward.smem(spec))
+    order = device_value(spec, Forward.tile_order(spec, causal))
+    counter = device_value(spec, TILE_COUNTER_BYTES) if order == 2 else 0
+    name = Forward.kernel(spec, causal)
+    main = Launch(name, get_kernel(spec, name, smem), min(tiles, multiprocessors) if order > 0 else tiles,
+                  forward_sm90_threads(spec.config), smem)
+    transpose_name = ForwardFp8.transpose(spec)
+    transpose = Launch(transpose_name, get_kernel(spec, transpose_name), 0, FP8_TRANSPOSE_THREADS)
+    return transpose, main, counter
+
+
+def fp8_module_specs(features) -> list:
+    """The FP8 forward's modules CI's compile check builds: plain, and with every flag it takes."""
+    flag_sets = (0,) if tuple(features) == (0,) else (0, FORWARD_SM90_FP8_FEATURES)
+    return [ForwardFp8.module_spec(tile, flags) for tile in FORWARD_SM90_FP8 for flags in flag_sets]
 
 
 def module_specs(dtype: str, features) -> list:

@@ -1,0 +1,116 @@
+"""The FP8 forward's launch: ``flash_forward`` on e4m3 q, k, v (uint8 bits, ``quantize_fp8``'s) with
+their descales, on Hopper (kernels_cu/forward_sm90.cu with T = fa_e4m3; docs/fp8.md).
+
+A call writes V^T once (fp8_transpose_v: the e4m3 P V product reads V K-major), then runs the
+forward; O is bfloat16, lse float32 as for every forward."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy
+
+from . import _checks, _tma, families
+from ._features import check_variant
+from ._launch import Packed, TileCounters, cached, current_stream
+from ._params import make_params
+from ._streams import record_kernel_arrays
+from .families import sm90
+from .fp8 import check_fp8_call
+
+DESCALES = ("q_descale", "k_descale", "v_descale")
+_counters: dict = {}   # TileCounters by size
+_maps: dict = {}       # the encoded q, k, v^T, o maps by (addresses, layouts)
+
+
+def is_fp8_call(q, features: dict) -> bool:
+    """Whether a flash_forward call is an FP8 one: q holds uint8 bits, or a descale is given."""
+    return getattr(q, "dtype", None) == numpy.uint8 or any(features.get(name) is not None for name in DESCALES)
+
+
+def forward_fp8(out, q, k, v, softmax_scale, causal, features: dict):
+    """flash_forward's FP8 call (``out``: forward_into's), checked before any launch: (o bfloat16
+    like q's shape, lse float32 (batch, heads_q, seqlen_q))."""
+    import cupy
+
+    features = dict(features)
+    descales = {name: features.pop(name, None) for name in DESCALES}
+    _checks.check_no_extra_options("flash_forward", features)
+    q, k, v = (_checks.as_gpu_array(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
+    # Descales on the host are checked there (no synchronisation) and copied; GPU ones are read back.
+    descales = {name: x if x is None or isinstance(x, numpy.ndarray) else _checks.as_gpu_array(name, x)
+                for name, x in descales.items()}
+    call = check_fp8_call("flash_forward", dict(q=q, k=k, v=v), descales, features)
+    if call.packed:
+        raise ValueError("cu_seqlens_q / cu_seqlens_k: the FP8 kernels take dense batches only so far "
+                         "(attention_reference takes packed FP8 batches)")
+    shape = _checks.check_qkv(q, k, v, fp8=True)
+    scale = _checks.check_softmax_scale(softmax_scale, shape.head_dim)
+    causal = _checks.check_flag("causal", causal)
+    if features.get("sink") is not None:
+        features["sink"] = _checks.as_gpu_array("sink", features["sink"])
+    variant = check_variant(shape.batch, shape.heads, causal, seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k, **features)
+
+    with q.device:
+        _checks.same_device(q=q, k=k, v=v, **{name: x for name, x in descales.items() if not isinstance(x, numpy.ndarray)})
+        device = families.current_device()
+        if not sm90.ForwardFp8.supports(device, shape, variant, families.kernels_setting()):
+            raise ValueError(f"FP8 attention runs on the Hopper kernels (compute capability 9.0, head_dim <= "
+                             f"{max(sm90.FORWARD_SM90_FP8)}); this GPU has compute capability "
+                             f"{device.compute_capability / 10:.1f}")
+        q, k, v = (_checks.kernel_ready(x) for x in (q, k, v))
+        lse_shape = (shape.batch, shape.heads, shape.seqlen_q)
+        if out is not None:
+            out = (_checks.output_buffer("o", out[0], q.shape, _dtypes_bfloat16(), q.data.device_id),
+                   _checks.output_buffer("lse", out[1], lse_shape, "float32", q.data.device_id))
+        variant = variant.on_device()
+        q_descale, k_descale, v_descale = (cupy.ascontiguousarray(cupy.asarray(descales[name], dtype=cupy.float32))
+                                           for name in DESCALES)
+        if q_descale.shape[1] != shape.heads:   # per K/V head: each query head of its group takes it
+            q_descale = cupy.repeat(q_descale, shape.group, axis=1)
+        o, lse = out if out is not None else (cupy.empty(q.shape, dtype=_dtypes_bfloat16()),
+                                              cupy.empty(lse_shape, dtype=cupy.float32))
+        transpose, main, counter_bytes = sm90.ForwardFp8.forward_launch(device, shape, variant)
+        keys = -(-shape.seqlen_k // sm90.FP8_KEY_GROUP) * sm90.FP8_KEY_GROUP
+        vt = cupy.empty((shape.batch, shape.heads_kv, shape.head_dim, keys), dtype=cupy.uint8)
+        params = make_params(shape, scale, variant=variant, q=q, k=k, v=v, o=o, lse=lse, q_descale=q_descale,
+                             k_descale=k_descale, v_descale=v_descale)
+        record_kernel_arrays((q, k, v, o, lse, vt, q_descale, k_descale, v_descale) + variant.device_arrays())
+        stream, capturing = current_stream()
+        item = v.dtype.itemsize
+        transpose_arguments = (ctypes.c_uint64(v.data.ptr), *(ctypes.c_int64(v.strides[axis] // item) for axis in (0, 1, 2)),
+                               ctypes.c_int32(shape.heads_kv), ctypes.c_int32(shape.seqlen_k), ctypes.c_int32(shape.head_dim),
+                               ctypes.c_uint64(vt.data.ptr), ctypes.c_int32(keys))
+        transpose_grid = -(-keys // sm90.FP8_TRANSPOSE_KEYS) * shape.batch * shape.heads_kv
+        counters = cached(_counters, counter_bytes, lambda: TileCounters(counter_bytes)) if counter_bytes else None
+        counter = counters.address(stream, capturing) if counters is not None else 0
+        maps = _fp8_maps(q, k, vt, o, sm90.forward_sm90_fp8_tile(shape.head_dim))
+        record = ctypes.create_string_buffer(params.tobytes(), params.nbytes)
+        launches = ((transpose.kernel, transpose_grid, transpose.threads, 0, transpose_arguments, False),
+                    (main.kernel, main.grid, main.threads, main.smem, (maps, record, ctypes.c_uint64(counter)), False))
+        Packed(launches, stream, (sm90.ForwardFp8.name, (transpose.name, main.name))).run()
+        return o, lse
+
+
+def _dtypes_bfloat16():
+    from ._dtypes import bfloat16
+
+    return bfloat16()
+
+
+def _fp8_maps(q, k, vt, o, tile: int):
+    """The kernel's ForwardSm90Maps: q and k (e4m3, boxes of 128 bytes x the query / key block),
+    V^T (boxes of 128 keys x the head-dim tile) and o (bfloat16, the store box)."""
+    block_m, block_n, _ = sm90.FORWARD_SM90_FP8[tile]
+    layouts = tuple(_tma.layout_of(x) for x in (q, k, vt, o))
+    addresses = (q.data.ptr, k.data.ptr, vt.data.ptr, o.data.ptr)
+
+    def encode():
+        batch, heads_kv, head_dim, keys = vt.shape
+        vt_map = _tma.encode_tiled("uint8", vt.data.ptr, (keys, head_dim, heads_kv, batch),
+                                   (keys, head_dim * keys, heads_kv * head_dim * keys), (128, tile, 1, 1))
+        return (_tma.attention_map_at(q.data.ptr, layouts[0], "uint8", block_m, False)
+                + _tma.attention_map_at(k.data.ptr, layouts[1], "uint8", block_n, False)
+                + vt_map + _tma.attention_map_at(o.data.ptr, layouts[3], "bfloat16", _tma.STORE_ROWS, False))
+
+    return ctypes.create_string_buffer(cached(_maps, (addresses, layouts, tile), encode), 4 * _tma.MAP_BYTES)
