@@ -1,12 +1,13 @@
 """Small Hopper forward calls (kernels_cu/forward_sm90.cu) for compute-sanitizer's memcheck, racecheck
 and synccheck: every head-dim tile, both dtypes, causal and not, a persistent grid whose blocks take
 several tiles (more tiles than SMs), tiles that see no key, GQA, a window, softcap, a sink and a
-packed batch with an empty sequence; then the Hopper backward's. Exits with an error on a machine without a compute
-capability 9.0 GPU.
+packed batch with an empty sequence; the FP8 forward's; then the Hopper backward's. Exits with an
+error on a machine without a compute capability 9.0 GPU.
 
-    compute-sanitizer --tool racecheck python bench/sanitize_sm90.py [backward]
+    compute-sanitizer --tool racecheck python bench/sanitize_sm90.py [backward | fp8]
 
-With `backward`, only the backward's calls (the forward's still run to give them O and lse).
+With `backward`, only the backward's calls (the forward's still run to give them O and lse); with
+`fp8`, only the FP8 forward's.
 """
 
 # ruff: noqa: E402 - the imports follow the help guard, which must run first
@@ -31,7 +32,8 @@ rng = numpy.random.default_rng(0)
 def array(shape, dtype):
     return cupy.asarray(rng.standard_normal(shape, dtype=numpy.float32).astype(dtype))
 
-for dtype in (numpy.float16, ml_dtypes.bfloat16) if sys.argv[1:] != ["backward"] else ():
+part = sys.argv[1] if sys.argv[1:] else "all"
+for dtype in (numpy.float16, ml_dtypes.bfloat16) if part == "all" else ():
     for d in (40, 128, 256):
         for causal in (False, True):
             # 2 x 40 heads x 2 query blocks = 160 tiles: the persistent grid's blocks take two.
@@ -56,11 +58,23 @@ for dtype in (numpy.float16, ml_dtypes.bfloat16) if sys.argv[1:] != ["backward"]
     q, k = array((sum(lens_q), 4, 256), dtype), array((sum(lens_k), 2, 256), dtype)
     cupy_flash.flash_forward(q, k, k, causal=True, cu_seqlens_q=cupy.asarray(numpy.cumsum([0] + lens_q), dtype=cupy.int32),
                              cu_seqlens_k=cupy.asarray(numpy.cumsum([0] + lens_k), dtype=cupy.int32))
+# The FP8 forward (the same kernel on e4m3, V^T written first by fp8_transpose_v): both head-dim
+# tiles (d = 48 pads to 128), causal and not, GQA, rows that see no key, a window and a sink,
+# a persistent grid with more tiles than SMs, keys off every 32-key group.
+if part in ("all", "fp8"):
+    for d in (48, 128, 256):
+        for causal in (False, True):
+            fp8 = [cupy_flash.quantize_fp8(array(shape, numpy.float32)) for shape in ((2, 300, 40, d), (2, 150, 8, d),
+                                                                                      (2, 150, 8, d))]
+            (q8, qd), (k8, kd), (v8, vd) = fp8
+            cupy_flash.flash_forward(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+    cupy_flash.flash_forward(q8[:, :100], k8[:, :37], v8[:, :37], window_size=(20, 3), sink=cupy.zeros(40, cupy.float32),
+                             q_descale=qd, k_descale=kd, v_descale=vd)
 # The Hopper backward (kernels_cu/backward_sm90.cu; opted into with CUPY_FLASH_KERNELS=experimental):
 # every head-dim tile (96 pads to 128, 192 to 256: the head-dim split), key blocks past the
 # sequence, GQA, a window, packed batches.
 with families.use_kernels("experimental"):
-    for dtype in (numpy.float16, ml_dtypes.bfloat16):
+    for dtype in (numpy.float16, ml_dtypes.bfloat16) if part in ("all", "backward") else ():
         for d in (64, 96, 128, 192, 256):
             for causal in (False, True):
                 q, k, v = array((2, 200, 4, d), dtype), array((2, 150, 2, d), dtype), array((2, 150, 2, d), dtype)

@@ -1,0 +1,207 @@
+"""GPU (Hopper): the FP8 forward against float64 attention over the dequantised inputs, with the 2x
+rule against the reference that rounds as the FP8 scheme does (docs/fp8.md), and its argument checks.
+
+Inputs are quantised by quantize_fp8 (per (batch, head)), sometimes with 0.1% outliers and the
+Hadamard rotation; outputs are NaN-poisoned, and so is V^T's buffer (its padding must be written)."""
+
+import ml_dtypes
+import numpy
+import pytest
+from helpers import (
+    check_error_rule,
+    count_example,
+    launched_family,
+    launched_kernels,
+    max_finite_abs,
+    poisoned_allocations,
+    requires_hopper,
+)
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import cupy_flash
+from cupy_flash import attention_reference, families, quantize_fp8
+from cupy_flash.fp8 import dequantize_fp8, hadamard_rotation
+
+pytestmark = requires_hopper
+MAX_SCORES = 12_000_000
+
+
+@st.composite
+def fp8_problems(draw):
+    seqlen = st.one_of(st.integers(1, 160), st.integers(160, 700), st.integers(700, 1500))
+    seqlen_q, seqlen_k = draw(seqlen), draw(seqlen)
+    heads_kv = draw(st.integers(1, 3))
+    group = draw(st.sampled_from([1, 1, 2, 3]))
+    batch = draw(st.integers(1, 3))
+    while batch * heads_kv * group * seqlen_q * seqlen_k > MAX_SCORES and batch * heads_kv * group > 1:
+        batch, heads_kv, group = max(1, batch // 2), max(1, heads_kv - 1), max(1, group - 1)
+    features = {}
+    if draw(st.booleans()):
+        features["window_size"] = (draw(st.integers(-1, 300)), draw(st.integers(-1, 300)))
+    if draw(st.integers(0, 3)) == 0:
+        features["sink"] = [draw(st.floats(-3, 3)) for _ in range(heads_kv * group)]
+    return dict(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_kv=heads_kv, group=group,
+                head_dim=draw(st.sampled_from(range(16, 257, 16))), causal=draw(st.booleans()),
+                logit_std=draw(st.sampled_from([0.5, 2.0, 6.0])), outliers=draw(st.booleans()),
+                rotate=draw(st.booleans()), q_descale_per_kv_head=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
+                features=features)
+
+
+def _inputs(p):
+    import cupy
+
+    rng = numpy.random.default_rng(p["seed"])
+    b, d, heads = p["batch"], p["head_dim"], p["heads_kv"] * p["group"]
+    magnitude = (p["logit_std"] * d ** 0.5) ** 0.5 / d ** 0.5   # q.k / sqrt(d) of std ~ logit_std
+
+    def tensor(seqlen, h, scale):
+        x = rng.standard_normal((b, seqlen, h, d)) * scale
+        if p["outliers"]:   # 0.1% of entries 10-20x larger (FlashAttention-3's outlier study)
+            mask = rng.random(x.shape) < 1e-3
+            x[mask] *= rng.uniform(10, 20, mask.sum())
+        return cupy.asarray(x.astype(numpy.float32))
+
+    rotation = hadamard_rotation(d, p["seed"]) if p["rotate"] else None
+    q = tensor(p["seqlen_q"], heads, magnitude)
+    if rotation is not None:
+        q = q @ cupy.asarray(rotation, dtype=cupy.float32)
+    if p["q_descale_per_kv_head"]:   # one descale per K/V head's group of query heads
+        grouped = q.reshape(b, p["seqlen_q"], p["heads_kv"], p["group"] * d)
+        q8, q_descale = quantize_fp8(grouped)
+        q8 = q8.reshape(q.shape)
+    else:
+        q8, q_descale = quantize_fp8(q)
+    k8, k_descale = quantize_fp8(tensor(p["seqlen_k"], p["heads_kv"], magnitude), rotation=rotation)
+    v8, v_descale = quantize_fp8(tensor(p["seqlen_k"], p["heads_kv"], 1.0))
+    return q8, k8, v8, dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+
+
+def _options(p, descales):
+    opts = dict(causal=p["causal"], **descales)
+    for name, value in p["features"].items():
+        opts[name] = cupy_asarray(value) if name == "sink" else value
+    return opts
+
+
+def cupy_asarray(values):
+    import cupy
+
+    return cupy.asarray(numpy.asarray(values, dtype=numpy.float32))
+
+
+def describe(p):
+    return " ".join(f"{k}={v}" for k, v in p.items() if k != "features") + f" features={p['features']}"
+
+
+def check_fp8_forward(p):
+    q8, k8, v8, descales = _inputs(p)
+    opts = _options(p, descales)
+    with poisoned_allocations(), families.recording() as launched:
+        o, lse = cupy_flash.flash_forward(q8, k8, v8, **opts)
+    assert launched_family(launched) == "forward_sm90_fp8", launched
+    assert any(name.startswith("flash_forward_sm90_kernel<fa_e4m3") for name in launched_kernels(launched))
+    assert o.shape == q8.shape and o.dtype == numpy.dtype(ml_dtypes.bfloat16)
+    assert lse.shape == (q8.shape[0], q8.shape[2], q8.shape[1]) and lse.dtype == numpy.float32
+    o_exact, lse_exact = attention_reference(q8, k8, v8, **opts)
+    o_fp8, lse_fp8 = attention_reference(q8, k8, v8, upcast=False, rounding="fp8", **opts)
+    context = describe(p)
+    lse_magnitude = max_finite_abs(lse_exact)
+    # The FP8 tensor cores accumulate S = Q K^T with truncation (docs/fp8.md, "accumulation"), which
+    # a float64 reference does not: a score may move by FP8_ACCUMULATION per k32 step of the sum of
+    # its products' magnitudes, lse by as much, and O by that x 2 max|v|.
+    score_error = FP8_ACCUMULATION * -(-p["head_dim"] // 32) * largest_score_magnitude(q8, k8, descales, p["head_dim"])
+    v_magnitude = max_finite_abs(dequantize_fp8(v8, descales["v_descale"]))
+    check_error_rule("fp8 o", o, o_exact, o_fp8, context, lse_magnitude, 2.0**24 * score_error * 2 * v_magnitude)
+    check_error_rule("fp8 lse", lse, lse_exact, lse_fp8, context, lse_magnitude, 2.0**24 * score_error)
+
+
+# Measured (python -m bench.fp8_accumulation, H100): at most 2^-7.9 of sum |a_c b_c| over 8 k32
+# steps (all-positive data: the truncation's bias adds up), 2^-10.8 in one step with outliers.
+FP8_ACCUMULATION = 2.0**-10
+
+
+def largest_score_magnitude(q8, k8, descales, head_dim):
+    """max over (b, h, i, j) of softmax_scale x sum_c |q_ic k_jc| on the dequantised inputs."""
+    q = abs(dequantize_fp8(q8, _per_head(descales["q_descale"], q8.shape[2])))
+    k = abs(dequantize_fp8(k8, descales["k_descale"]))
+    group = q.shape[2] // k.shape[2]
+    k = k.repeat(group, axis=2) if group > 1 else k
+    return float((q.transpose(0, 2, 1, 3) @ k.transpose(0, 2, 3, 1)).max()) / head_dim ** 0.5
+
+
+def _per_head(descale, heads):
+    return descale.repeat(heads // descale.shape[1], axis=1) if descale.shape[1] != heads else descale
+
+
+BASE = dict(batch=1, seqlen_q=1, seqlen_k=1, heads_kv=1, group=1, head_dim=16, causal=False, logit_std=2.0,
+            outliers=False, rotate=False, q_descale_per_kv_head=False, seed=1, features={})
+
+
+@given(fp8_problems())
+@settings(deadline=None)
+@example(BASE)
+@example(dict(BASE, seqlen_q=300, seqlen_k=1000, heads_kv=2, group=3, head_dim=256, causal=True, seed=2))
+@example(dict(BASE, batch=2, seqlen_q=129, seqlen_k=257, head_dim=128, outliers=True, rotate=True, seed=3,
+              features={"window_size": (100, 20), "sink": [0.5]}))
+@example(dict(BASE, seqlen_q=500, seqlen_k=33, head_dim=64, causal=True, logit_std=6.0, seed=4))
+def test_fp8_forward_matches_reference(p):
+    count_example("fp8_forward_matches_reference")
+    check_fp8_forward(p)
+
+
+def _bad_calls():
+    """(label, change to a good call's keywords, the error type, words its message must hold)."""
+    import cupy
+
+    nan = cupy.asarray([[float("nan")]], dtype=cupy.float32)
+    return [
+        ("bf16 v", dict(v="bf16"), TypeError, "v has dtype"),
+        ("missing k_descale", dict(k_descale=None), ValueError, "k_descale is missing"),
+        ("non-finite v_descale", dict(v_descale=nan), ValueError, "v_descale holds a value"),
+        ("zero q_descale", dict(q_descale=cupy.zeros((1, 1), cupy.float32)), ValueError, "q_descale holds a value"),
+        ("misshapen k_descale", dict(k_descale=cupy.ones((2, 1), cupy.float32)), ValueError, "k_descale has shape"),
+        ("integer v_descale", dict(v_descale=cupy.ones((1, 1), cupy.int32)), TypeError, "v_descale has dtype"),
+        ("softcap", dict(softcap=2.0), ValueError, "softcap is not supported with FP8"),
+        ("alibi", dict(alibi_slopes=[0.5]), ValueError, "alibi_slopes is not supported with FP8"),
+        ("num_splits", dict(num_splits=2), ValueError, "num_splits"),
+        ("typo", dict(casual=True), TypeError, "casual"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_fp8_bad_input_raises_before_any_launch(case):
+    import cupy
+
+    label, change, error, words = _bad_calls()[case]
+    q8, k8, v8, descales = _inputs(dict(BASE, seqlen_q=5, seqlen_k=7, head_dim=32))
+    call = dict(q=q8, k=k8, v=v8, **descales)
+    for name, value in change.items():
+        call[name] = cupy.zeros(v8.shape, dtype=cupy.float32).astype(ml_dtypes.bfloat16) if isinstance(value, str) else value
+    call = {name: value for name, value in call.items() if value is not None}
+    with families.recording() as launched, pytest.raises(error) as raised:
+        cupy_flash.flash_forward(call.pop("q"), call.pop("k"), call.pop("v"), **call)
+    assert words in str(raised.value), (label, str(raised.value))
+    assert launched == [], label
+
+
+@pytest.mark.parametrize("head_dim", [8, 24, 272])
+def test_fp8_head_dims_off_sixteen_raise(head_dim):
+    import cupy
+
+    q8 = cupy.zeros((1, 4, 1, head_dim), dtype=cupy.uint8)
+    one = cupy.ones((1, 1), dtype=cupy.float32)
+    with pytest.raises(ValueError, match="head_dim"):
+        cupy_flash.flash_forward(q8, q8, q8, q_descale=one, k_descale=one, v_descale=one)
+
+
+def test_fp8_inputs_are_not_modified_and_calls_repeat_bitwise():
+    q8, k8, v8, descales = _inputs(dict(BASE, batch=2, seqlen_q=300, seqlen_k=400, heads_kv=2, group=2, head_dim=128,
+                                        causal=True))
+    before = [x.copy() for x in (q8, k8, v8, *descales.values())]
+    first = cupy_flash.flash_forward(q8, k8, v8, causal=True, **descales)
+    second = cupy_flash.flash_forward(q8, k8, v8, causal=True, **descales)
+    for x, y in zip(before, (q8, k8, v8, *descales.values())):
+        assert bool((x == y).all())
+    for x, y in zip(first, second):
+        assert bool((x.view(numpy.uint8) == y.view(numpy.uint8)).all())
