@@ -9,6 +9,7 @@ from cupy_flash.benchmark import (  # noqa: F401 - re-exported for bench/*.py
     make_sets,
     ours,
     time_calls,
+    time_queued,
     to_torch,
     torch_peer,
     torch_sets,

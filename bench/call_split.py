@@ -23,7 +23,7 @@ import time
 import cupy
 
 import cupy_flash
-from bench.attention import DTYPES, flops, make_sets, ours, time_calls, torch_peer, torch_sets
+from bench.attention import DTYPES, flops, make_sets, ours, time_calls, time_queued, torch_peer, torch_sets
 from cupy_flash import backward as _backward
 from cupy_flash import forward as _forward
 
@@ -65,15 +65,7 @@ def host_us(fn, sets, calls=40):
 
 
 def queued_ms(fn, sets, calls=30):
-    fn(sets[0])
-    cupy.cuda.Device().synchronize()
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for i in range(calls):
-        fn(sets[i % len(sets)])
-    end.record()
-    end.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end) / calls
+    return time_queued(fn, sets, calls, warmup=1)
 
 
 def launch_split(fn, sets, marks: LaunchMarks, calls=30) -> str:

@@ -71,6 +71,25 @@ def time_calls(fn, input_sets, min_calls=10, max_calls=100, budget_s=0.6, warmup
     return statistics.median(times)
 
 
+def time_queued(fn, input_sets, calls: int = 10, rounds: int = 1, warmup: int = 3) -> float:
+    """Median milliseconds per call over ``rounds`` CUDA-event pairs around ``calls`` back-to-back
+    calls each, rotating through input_sets: a call's host time overlaps the GPU's queue, as in a
+    model, where time_calls' event pair per call counts it."""
+    for i in range(warmup):
+        fn(input_sets[i % len(input_sets)])
+    cupy.cuda.Device().synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        for i in range(calls):
+            fn(input_sets[i % len(input_sets)])
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) / calls)
+    return statistics.median(times)
+
+
 def make_sets(batch, seqlen, heads, head_dim, dtype, count, seed=0):
     rng = cupy.random.default_rng(seed)
     sets = []
