@@ -19,7 +19,7 @@ MAP_BYTES = 128
 # cuda.h enums
 DATA_TYPES = {"float16": 6, "bfloat16": 9, "float32": 7, "uint8": 0}   # uint8: e4m3 bits (the FP8 forward)
 INTERLEAVE_NONE = 0
-SWIZZLE_128B = 3
+SWIZZLE_64B, SWIZZLE_128B = 2, 3
 L2_PROMOTION_128B = 2
 OOB_FILL_ZEROS = 0   # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: elements outside the tensor read as zero
 
@@ -44,9 +44,10 @@ def _encoder():
     return encode
 
 
-def encode_tiled(dtype: str, address: int, dims: tuple, byte_strides: tuple, box: tuple) -> bytes:
+def encode_tiled(dtype: str, address: int, dims: tuple, byte_strides: tuple, box: tuple, swizzle: int = SWIZZLE_128B) -> bytes:
     """A tensor map of a tensor of ``dims`` elements (innermost first) at ``address``, with the byte
-    strides of dims 1.. (``byte_strides``), read in boxes of ``box`` elements, 128-byte swizzled."""
+    strides of dims 1.. (``byte_strides``), read in boxes of ``box`` elements, 128-byte swizzled
+    (or ``swizzle``: SWIZZLE_64B)."""
     encode = _encoder()
     if encode is None:
         raise TensorMapError("the CUDA driver library (libcuda) has no cuTensorMapEncodeTiled")
@@ -55,7 +56,7 @@ def encode_tiled(dtype: str, address: int, dims: tuple, byte_strides: tuple, box
     aligned = (ctypes.addressof(buffer) + 63) & ~63   # the driver writes a 64-byte-aligned CUtensorMap
     u32, u64 = ctypes.c_uint32, ctypes.c_uint64
     result = encode(aligned, DATA_TYPES[dtype], rank, address, (u64 * rank)(*dims), (u64 * (rank - 1))(*byte_strides),
-                    (u32 * rank)(*box), (u32 * rank)(*([1] * rank)), INTERLEAVE_NONE, SWIZZLE_128B, L2_PROMOTION_128B,
+                    (u32 * rank)(*box), (u32 * rank)(*([1] * rank)), INTERLEAVE_NONE, swizzle, L2_PROMOTION_128B,
                     OOB_FILL_ZEROS)
     if result != 0:
         raise TensorMapError(f"cuTensorMapEncodeTiled returned {result} for {dtype} dims {dims} strides "

@@ -91,6 +91,12 @@ def decode_blocks_per_sm(tile: int) -> int:
 ROW_KERNEL_THREADS = 256
 
 
+# The FP8 forward's V^T pass (fp8_transpose_v, kernels_cu/forward_sm90.cu): threads a block, and the
+# keys a block moves.
+FP8_TRANSPOSE_THREADS = 256
+FP8_TRANSPOSE_KEYS = 64
+
+
 def cuda_defines() -> str:
     """The configuration values the kernels compile with, as #defines: _compile writes them into
     flash_interface.cuh, which every kernel file includes, so each is stated here only."""
@@ -99,7 +105,8 @@ def cuda_defines() -> str:
                   DECODE_ROWS=DECODE_ROWS, DECODE_STAGES=DECODE_STAGES,
                   DECODE_BLOCKS_PER_SM_TO_128=DECODE_BLOCKS_PER_SM[128],
                   DECODE_BLOCKS_PER_SM_ABOVE_128=DECODE_BLOCKS_PER_SM[256],
-                  COMBINE_BATCH=COMBINE_BATCH, COMBINE_MAX_WARPS=COMBINE_MAX_WARPS)
+                  COMBINE_BATCH=COMBINE_BATCH, COMBINE_MAX_WARPS=COMBINE_MAX_WARPS,
+                  FP8_TRANSPOSE_THREADS=FP8_TRANSPOSE_THREADS, FP8_TRANSPOSE_KEYS=FP8_TRANSPOSE_KEYS)
     return "".join(f"#define {name} {value}\n" for name, value in values.items())
 
 

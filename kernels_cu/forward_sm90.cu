@@ -188,17 +188,23 @@ __device__ __forceinline__ void load_into_slot(T* tile, const TensorMap* map, un
     for (int c = 0; c < D_TILE / ROW; ++c)
         tma_load_4d(smem_addr(tile + c * ROWS * ROW), map, full_bar, c * ROW, row, head, batch_coord);
 }
-// FP8: one slot's V^T, BLOCK_N keys from `row` as chunks of [D_TILE][128 keys].
+// FP8's V^T in shared memory: chunks of [D_TILE][KEYS keys], 128 keys (128-byte swizzle) where the
+// key block is whole 128-key rows, else 64 (64-byte swizzle; the map's: cupy_flash/forward_fp8.py).
+template <int BLOCK_N> struct VtChunk {
+    static constexpr int KEYS = BLOCK_N % 128 == 0 ? 128 : 64;
+};
+// FP8: one slot's V^T, BLOCK_N keys from `row`, in VtChunk's chunks.
 template <int D_TILE, int BLOCK_N, typename T>
 __device__ __forceinline__ void load_transposed_into_slot(T* tile, const TensorMap* map, unsigned long long* empty,
                                                           unsigned long long* full, unsigned int parity, int row, int head,
                                                           int batch_coord) {
+    constexpr int KEYS = VtChunk<BLOCK_N>::KEYS;
     barrier_wait(smem_addr(empty), parity ^ 1);
     const unsigned int full_bar = smem_addr(full);
     barrier_arrive_expect(full_bar, BLOCK_N * D_TILE * sizeof(T));
 #pragma unroll
-    for (int c = 0; c < BLOCK_N / 128; ++c)
-        tma_load_4d(smem_addr(tile + c * D_TILE * 128), map, full_bar, row + 128 * c, 0, head, batch_coord);
+    for (int c = 0; c < BLOCK_N / KEYS; ++c)
+        tma_load_4d(smem_addr(tile + c * D_TILE * KEYS), map, full_bar, row + KEYS * c, 0, head, batch_coord);
 }
 
 template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES>
@@ -435,7 +441,8 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
     constexpr bool FP8 = sizeof(T) == 1;
     constexpr int MMA_K = Sm90Element<T>::mma_k;
     constexpr unsigned int Q_CHUNK_BYTES = BLOCK_M * 128, KV_CHUNK_BYTES = BLOCK_N * 128;
-    constexpr unsigned int VT_CHUNK_BYTES = D_TILE * 128;   // FP8: 128 keys of V^T
+    constexpr int VT_KEYS = VtChunk<BLOCK_N>::KEYS;   // FP8: V^T's chunks, VT_KEYS bytes a row
+    constexpr unsigned int VT_CHUNK_BYTES = D_TILE * VT_KEYS;
     const int thread = threadIdx.x % 128, warp = thread / 32, lane = thread % 32;
     const int row_in_block = 64 * consumer + 16 * warp + lane / 4;   // this thread's rows: +0 and +8
     const int col_in_chunk = 2 * (lane % 4);                         // and columns 8i + this (+1)
@@ -467,8 +474,10 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
             warpgroup_arrive();
 #pragma unroll
             for (int kk = 0; kk < BLOCK_N / MMA_K; ++kk) {
-                if constexpr (FP8)   // V^T, K-major: 32-key steps along its 128-byte rows
+                if constexpr (FP8 && VT_KEYS == 128)   // V^T, K-major: 32-key steps along its rows
                     Wgmma<T, D_TILE>::template rs<0>(o, pa[kk], k_major_descriptor(v_base + (kk / 4) * VT_CHUNK_BYTES + (kk % 4) * 32), 1);
+                else if constexpr (FP8)
+                    Wgmma<T, D_TILE>::template rs<0>(o, pa[kk], k_major_descriptor_64b(v_base + (kk / 2) * VT_CHUNK_BYTES + (kk % 2) * 32), 1);
                 else
                     Wgmma<T, D_TILE>::template rs<1>(o, pa[kk], n_major_descriptor(v_base + kk * 2 * SWIZZLE_ATOM_BYTES, KV_CHUNK_BYTES), 1);
             }
@@ -549,8 +558,8 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
     static_assert(BLOCK_M % 64 == 0 && (CONSUMERS == 2 || CONSUMERS == 3), "64 query rows per consumer warpgroup");
     static_assert(D_TILE % Sm90Element<T>::row_elements == 0 && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
     static_assert(!(FEATURES & FEATURE_BIAS), "the bias runs on the portable kernels");
-    static_assert(sizeof(T) == 2 || (BLOCK_N % 128 == 0 && Storage::OWN_O && !ScoreMod<FEATURES>::active && !(FEATURES & FEATURE_VARLEN)),
-                  "FP8: V^T in 128-key chunks, O staged apart, no score modifier, no packed batch");
+    static_assert(sizeof(T) == 2 || (BLOCK_N % 64 == 0 && Storage::OWN_O && !ScoreMod<FEATURES>::active && !(FEATURES & FEATURE_VARLEN)),
+                  "FP8: V^T in 64- or 128-key chunks, O staged apart, no score modifier, no packed batch");
     static_assert(registers_fit_launch<CONSUMERS, DYNAMIC>(), "setmaxnreg split beyond the launch's registers: the block would hang");
     static_assert(sizeof(Storage) + SWIZZLE_ATOM_BYTES <= SM90_BLOCK_SMEM_BYTES, "shared memory of one sm_90 block");
     require_dynamic_smem(forward_sm90_smem_bytes<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>);
@@ -612,10 +621,10 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
 // into vt (batch, heads_kv, head_dim, keys) contiguous, keys = seqlen_k rounded up to 32 (zeros
 // past seqlen_k: masked keys' P is 0, and 0 x NaN would not be), each 32 keys in fp8_p_key's
 // order: vt[b, h, d, 32 g + c] = v[b, 32 g + fp8_p_key(c), h, d]. A block moves 64 keys of one
-// (batch, head), read as 16-byte vectors of v's rows and written as 4-byte words of vt's.
-constexpr int FP8_TRANSPOSE_KEYS = 64;
+// (batch, head), read as 16-byte vectors of v's rows and written as 4-byte words of vt's
+// (FP8_TRANSPOSE_KEYS, FP8_TRANSPOSE_THREADS: cupy_flash/_traits.py).
 template <typename T>
-__global__ void __launch_bounds__(256) fp8_transpose_v(const unsigned char* v, long long batch_stride, long long row_stride,
+__global__ void __launch_bounds__(FP8_TRANSPOSE_THREADS) fp8_transpose_v(const unsigned char* v, long long batch_stride, long long row_stride,
                                                        long long head_stride, int heads_kv, int seqlen_k, int head_dim,
                                                        unsigned char* vt, int keys) {
     static_assert(sizeof(T) == 1, "V^T is FP8's");

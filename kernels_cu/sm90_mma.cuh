@@ -83,15 +83,20 @@ __device__ __forceinline__ unsigned int swizzled_offset(int row, int col) {
 // dimension byte offset >> 4; 62-63: swizzle mode (1 = 128B). The start address may step inside
 // a swizzled row (the hardware applies the XOR to the full address, hence the 1024-byte alignment).
 __device__ __forceinline__ unsigned long long smem_descriptor(unsigned int addr, unsigned int leading_bytes,
-                                                              unsigned int stride_bytes) {
+                                                              unsigned int stride_bytes, unsigned long long swizzle = 1) {
     return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)((leading_bytes >> 4) & 0x3FFFu) << 16) |
-           ((unsigned long long)((stride_bytes >> 4) & 0x3FFFu) << 32) | (1ull << 62);
+           ((unsigned long long)((stride_bytes >> 4) & 0x3FFFu) << 32) | (swizzle << 62);
 }
 // K-major operand (the reduction dimension contiguous: Q and K for S = Q K^T): 8-row atoms
 // SWIZZLE_ATOM_BYTES apart; a k16 step is 32 bytes along the row, the next 64-column chunk the
 // next block. The leading offset is unused with this swizzle (1 by convention).
 __device__ __forceinline__ unsigned long long k_major_descriptor(unsigned int addr) {
     return smem_descriptor(addr, 16, SWIZZLE_ATOM_BYTES);
+}
+// K-major operand in 64-byte rows with 64-byte swizzle (mode 2: 8-row atoms of 512 bytes): the FP8
+// forward's V^T where a key block is not whole 128-key rows.
+__device__ __forceinline__ unsigned long long k_major_descriptor_64b(unsigned int addr) {
+    return smem_descriptor(addr, 16, 512, 2);
 }
 // N-major operand (B read with TRANS_B = 1: V for O += P V, keys x head_dim with head_dim
 // contiguous): along N, 64-element chunks are `chunk_bytes` apart (the leading offset); along K,

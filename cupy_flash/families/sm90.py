@@ -39,7 +39,7 @@ FORWARD_SM90 = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 80, 2)}
 # 16-bit inputs; kernels_cu/sm90_wgmma_ops.cuh has one operation per width (bench/generate_wgmma_ops.py).
 SM90_WGMMA_WIDTHS = (32, 64, 80, 96, 112, 128, 144, 160, 176, 192, 224, 256)
 # The same for e4m3 (m64nNk32): the FP8 forward's key blocks and head-dim tiles (FORWARD_SM90_FP8).
-SM90_FP8_WGMMA_WIDTHS = (128, 256)
+SM90_FP8_WGMMA_WIDTHS = (128, 192, 256)
 # Plain calls (no variant flag) take these tiles instead, causal ones from FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS.
 # d = 64 192x128, three consumers (H100, interleaved against 128x128 on the same inputs,
 # bf16 and fp16): non-causal 2k-16k +8-17% (16k 444 -> 513 TFLOP/s), 1k 1.01-1.07x, 512 0.97-1.04x;
@@ -394,12 +394,10 @@ def grid_of(tiles: int, deterministic: bool, device) -> int:
 # The FP8 forward (kernels_cu/forward_sm90.cu with T = fa_e4m3; docs/fp8.md): head-dim tile ->
 # (block_m, block_n, stages). Its key blocks are whole 128-key chunks of V^T. d = 256: Q, two stages
 # of K and V^T and a bfloat16 O staging tile fill 225 of the 227 KB.
-FORWARD_SM90_FP8 = {128: (128, 128, 2), 256: (128, 128, 2)}
+FORWARD_SM90_FP8 = {128: (128, 192, 2), 256: (128, 128, 2)}
 # What it takes: causal, windows, the sink, GQA/MQA (no score modifier: FP8's descales join the
 # scale; packed batches wait for a V^T per sequence).
 FORWARD_SM90_FP8_FEATURES = FEATURE_WINDOW | FEATURE_SINK
-FP8_TRANSPOSE_THREADS = 256   # fp8_transpose_v's __launch_bounds__
-FP8_TRANSPOSE_KEYS = 64       # the keys a block of fp8_transpose_v moves (kernels_cu/forward_sm90.cu)
 FP8_KEY_GROUP = 32            # V^T's key order repeats every 32 keys (fp8_p_key): its rows are padded to it
 
 
@@ -449,7 +447,7 @@ def _fp8_kernels(device: int, tile: int, flags: int, causal: bool, multiprocesso
     main = Launch(name, get_kernel(spec, name, smem), min(tiles, multiprocessors) if order > 0 else tiles,
                   forward_sm90_threads(spec.config), smem)
     transpose_name = ForwardFp8.transpose(spec)
-    transpose = Launch(transpose_name, get_kernel(spec, transpose_name), 0, FP8_TRANSPOSE_THREADS)
+    transpose = Launch(transpose_name, get_kernel(spec, transpose_name), 0, _traits.FP8_TRANSPOSE_THREADS)
     return transpose, main, counter
 
 
