@@ -10,15 +10,19 @@ import ctypes
 
 import numpy
 
-from . import _checks, _tma, families
+from . import _checks, _tma, _traits, families
 from ._features import check_variant
-from ._launch import Packed, TileCounters, cached, current_stream
-from ._params import make_params
+from ._launch import Packed, TileCounters, cached, current_stream, kept
+from ._params import PointerRecord, make_params
 from ._streams import record_kernel_arrays
 from .families import sm90
 from .fp8 import check_fp8_call
 
 DESCALES = ("q_descale", "k_descale", "v_descale")
+# fp8_transpose_v's parameters (kernels_cu/forward_sm90.cu; tests/test_compile.py holds them equal):
+# v, its batch, row and head strides, heads_kv, seqlen_k, head_dim, vt, keys.
+TRANSPOSE_PARAMETERS = (ctypes.c_uint64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
+                        ctypes.c_int32, ctypes.c_uint64, ctypes.c_int32)
 _counters: dict = {}   # TileCounters by size
 _maps: dict = {}       # the encoded q, k, v^T, o maps by (addresses, layouts)
 
@@ -30,18 +34,34 @@ def is_fp8_call(q, features: dict) -> bool:
 
 def forward_fp8(out, q, k, v, softmax_scale, causal, features: dict):
     """flash_forward's FP8 call (``out``: forward_into's), checked before any launch: (o bfloat16
-    like q's shape, lse float32 (batch, heads_q, seqlen_q))."""
-    import cupy
-
+    like q's shape, lse float32 (batch, heads_q, seqlen_q)). A call without variant keywords on
+    CuPy arrays that repeats a checked one (its shapes, strides, alignment, device, scale and causal)
+    takes that call's plan: only the descales are checked again (their values change)."""
     features = dict(features)
     descales = {name: features.pop(name, None) for name in DESCALES}
-    _checks.check_no_extra_options("flash_forward", features)
-    q, k, v = (_checks.as_gpu_array(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
     # Descales on the host are checked there (no synchronisation) and copied; GPU ones are read back.
     descales = {name: x if x is None or isinstance(x, numpy.ndarray) else _checks.as_gpu_array(name, x)
                 for name, x in descales.items()}
-    call = check_fp8_call("flash_forward", dict(q=q, k=k, v=v), descales, features)
-    if call.packed:
+    key = _plan_key(q, k, v, softmax_scale, causal, descales) if not features else None
+    plan = _plans.get(key) if key is not None else None
+    if plan is None:
+        _checks.check_no_extra_options("flash_forward", features)
+        q, k, v = (_checks.as_gpu_array(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
+    check_fp8_call("flash_forward", dict(q=q, k=k, v=v), descales, features)
+    if plan is None:
+        given = (q, k, v)
+        plan, q, k, v = _checked_plan(q, k, v, softmax_scale, causal, descales, features)
+        if key is not None and all(x is y for x, y in zip((q, k, v), given)):   # read in place: no copy made
+            kept(_plans, key, plan)
+    with q.device:
+        return plan.run(q, k, v, descales, out)
+
+
+def _checked_plan(q, k, v, softmax_scale, causal, descales: dict, features: dict):
+    """(plan, q, k, v kernel-ready) of an FP8 call whose FP8 data check_fp8_call passed: its shapes,
+    scale, variant and device checked."""
+    call_packed = features.get("cu_seqlens_q") is not None or features.get("cu_seqlens_k") is not None
+    if call_packed:
         raise ValueError("cu_seqlens_q / cu_seqlens_k: the FP8 kernels take dense batches only so far "
                          "(attention_reference takes packed FP8 batches)")
     shape = _checks.check_qkv(q, k, v, fp8=True)
@@ -50,7 +70,6 @@ def forward_fp8(out, q, k, v, softmax_scale, causal, features: dict):
     if features.get("sink") is not None:
         features["sink"] = _checks.as_gpu_array("sink", features["sink"])
     variant = check_variant(shape.batch, shape.heads, causal, seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k, **features)
-
     with q.device:
         _checks.same_device(q=q, k=k, v=v, **{name: x for name, x in descales.items() if not isinstance(x, numpy.ndarray)})
         device = families.current_device()
@@ -59,37 +78,74 @@ def forward_fp8(out, q, k, v, softmax_scale, causal, features: dict):
                              f"{max(sm90.FORWARD_SM90_FP8)}); this GPU has compute capability "
                              f"{device.compute_capability / 10:.1f}")
         q, k, v = (_checks.kernel_ready(x) for x in (q, k, v))
-        lse_shape = (shape.batch, shape.heads, shape.seqlen_q)
+        return Fp8ForwardPlan(device, shape, scale, variant.on_device(), q, k, v), q, k, v
+
+
+class Fp8ForwardPlan:
+    """An FP8 forward call's checked shape, variant, kernels and params record (its pointer fields
+    written per call): it launches V^T's pass, then the forward, on kernel-ready arrays."""
+
+    def __init__(self, device, shape, scale: float, variant, q, k, v):
+        import cupy
+
+        self.shape, self.variant = shape, variant
+        self.transpose, self.main, counter_bytes = sm90.ForwardFp8.forward_launch(device, shape, variant)
+        self.counters = cached(_counters, counter_bytes, lambda: TileCounters(counter_bytes)) if counter_bytes else None
+        self.keys = -(-shape.seqlen_k // sm90.FP8_KEY_GROUP) * sm90.FP8_KEY_GROUP
+        self.lse_shape = (shape.batch, shape.heads, shape.seqlen_q)
+        self.tile = sm90.forward_sm90_fp8_tile(shape.head_dim)
+        # Stand-ins for o and lse: make_params reads their strides; run() writes every address.
+        o, lse = cupy.empty(q.shape, dtype=_dtypes_bfloat16()), cupy.empty(self.lse_shape, dtype=cupy.float32)
+        params = make_params(shape, scale, variant=variant, q=q, k=k, v=v, o=o, lse=lse)
+        self.record = PointerRecord(params, {name: name for name in _RECORD_ARRAYS})
+
+    def run(self, q, k, v, descales: dict, out=None):
+        """(o, lse) of kernel-ready q, k, v of the planned shapes with their checked descales, into
+        ``out`` where given (checked here)."""
+        import cupy
+
+        shape = self.shape
         if out is not None:
             out = (_checks.output_buffer("o", out[0], q.shape, _dtypes_bfloat16(), q.data.device_id),
-                   _checks.output_buffer("lse", out[1], lse_shape, "float32", q.data.device_id))
-        variant = variant.on_device()
+                   _checks.output_buffer("lse", out[1], self.lse_shape, "float32", q.data.device_id))
         q_descale, k_descale, v_descale = (cupy.ascontiguousarray(cupy.asarray(descales[name], dtype=cupy.float32))
                                            for name in DESCALES)
         if q_descale.shape[1] != shape.heads:   # per K/V head: each query head of its group takes it
             q_descale = cupy.repeat(q_descale, shape.group, axis=1)
         o, lse = out if out is not None else (cupy.empty(q.shape, dtype=_dtypes_bfloat16()),
-                                              cupy.empty(lse_shape, dtype=cupy.float32))
-        transpose, main, counter_bytes = sm90.ForwardFp8.forward_launch(device, shape, variant)
-        keys = -(-shape.seqlen_k // sm90.FP8_KEY_GROUP) * sm90.FP8_KEY_GROUP
-        vt = cupy.empty((shape.batch, shape.heads_kv, shape.head_dim, keys), dtype=cupy.uint8)
-        params = make_params(shape, scale, variant=variant, q=q, k=k, v=v, o=o, lse=lse, q_descale=q_descale,
-                             k_descale=k_descale, v_descale=v_descale)
-        record_kernel_arrays((q, k, v, o, lse, vt, q_descale, k_descale, v_descale) + variant.device_arrays())
+                                              cupy.empty(self.lse_shape, dtype=cupy.float32))
+        vt = cupy.empty((shape.batch, shape.heads_kv, shape.head_dim, self.keys), dtype=cupy.uint8)
+        arrays = dict(q=q, k=k, v=v, o=o, lse=lse, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+        record = self.record.filled({name: x.data.ptr for name, x in arrays.items()})
+        record_kernel_arrays(tuple(arrays.values()) + (vt,) + self.variant.device_arrays())
         stream, capturing = current_stream()
-        item = v.dtype.itemsize
-        transpose_arguments = (ctypes.c_uint64(v.data.ptr), *(ctypes.c_int64(v.strides[axis] // item) for axis in (0, 1, 2)),
-                               ctypes.c_int32(shape.heads_kv), ctypes.c_int32(shape.seqlen_k), ctypes.c_int32(shape.head_dim),
-                               ctypes.c_uint64(vt.data.ptr), ctypes.c_int32(keys))
-        transpose_grid = -(-keys // sm90.FP8_TRANSPOSE_KEYS) * shape.batch * shape.heads_kv
-        counters = cached(_counters, counter_bytes, lambda: TileCounters(counter_bytes)) if counter_bytes else None
-        counter = counters.address(stream, capturing) if counters is not None else 0
-        maps = _fp8_maps(q, k, vt, o, sm90.forward_sm90_fp8_tile(shape.head_dim))
-        record = ctypes.create_string_buffer(params.tobytes(), params.nbytes)
+        values = (v.data.ptr, *v.strides[:3], shape.heads_kv, shape.seqlen_k, shape.head_dim, vt.data.ptr, self.keys)   # bytes
+        transpose_arguments = tuple(kind(value) for kind, value in zip(TRANSPOSE_PARAMETERS, values))
+        transpose_grid = -(-self.keys // _traits.FP8_TRANSPOSE_KEYS) * shape.batch * shape.heads_kv
+        counter = self.counters.address(stream, capturing) if self.counters is not None else 0
+        maps = _fp8_maps(q, k, vt, o, self.tile)
+        transpose, main = self.transpose, self.main
         launches = ((transpose.kernel, transpose_grid, transpose.threads, 0, transpose_arguments, False),
                     (main.kernel, main.grid, main.threads, main.smem, (maps, record, ctypes.c_uint64(counter)), False))
         Packed(launches, stream, (sm90.ForwardFp8.name, (transpose.name, main.name))).run()
         return o, lse
+
+
+_RECORD_ARRAYS = ("q", "k", "v", "o", "lse", "q_descale", "k_descale", "v_descale")
+# Plans of FP8 calls without variant keywords, by what their checks read (a key holds no array).
+_plans: dict = {}
+
+
+def _plan_key(q, k, v, softmax_scale, causal, descales: dict):
+    import cupy
+
+    if type(q) is not cupy.ndarray or type(k) is not cupy.ndarray or type(v) is not cupy.ndarray:
+        return None
+    return (q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype, v.dtype,
+            (q.data.ptr | k.data.ptr | v.data.ptr) & 15, q.data.device_id, k.data.device_id, v.data.device_id,
+            type(softmax_scale), softmax_scale, type(causal), causal, families.kernels_setting(),
+            tuple((type(x), getattr(x, "shape", None), getattr(getattr(x, "data", None), "device_id", None))
+                  for x in descales.values()))
 
 
 def _dtypes_bfloat16():
@@ -100,17 +156,21 @@ def _dtypes_bfloat16():
 
 def _fp8_maps(q, k, vt, o, tile: int):
     """The kernel's ForwardSm90Maps: q and k (e4m3, boxes of 128 bytes x the query / key block),
-    V^T (boxes of 128 keys x the head-dim tile) and o (bfloat16, the store box)."""
+    V^T (boxes of 128 keys x the head-dim tile, 128-byte swizzled where key blocks are whole 128-key
+    rows, else of 64 keys, 64-byte swizzled: VtChunk in forward_sm90.cu) and o (bfloat16, the store box)."""
     block_m, block_n, _ = sm90.FORWARD_SM90_FP8[tile]
+    vt_keys = 128 if block_n % 128 == 0 else 64
     layouts = tuple(_tma.layout_of(x) for x in (q, k, vt, o))
     addresses = (q.data.ptr, k.data.ptr, vt.data.ptr, o.data.ptr)
 
     def encode():
         batch, heads_kv, head_dim, keys = vt.shape
         vt_map = _tma.encode_tiled("uint8", vt.data.ptr, (keys, head_dim, heads_kv, batch),
-                                   (keys, head_dim * keys, heads_kv * head_dim * keys), (128, tile, 1, 1))
+                                   (keys, head_dim * keys, heads_kv * head_dim * keys), (vt_keys, tile, 1, 1),
+                                   _tma.SWIZZLE_128B if vt_keys == 128 else _tma.SWIZZLE_64B)
         return (_tma.attention_map_at(q.data.ptr, layouts[0], "uint8", block_m, False)
                 + _tma.attention_map_at(k.data.ptr, layouts[1], "uint8", block_n, False)
                 + vt_map + _tma.attention_map_at(o.data.ptr, layouts[3], "bfloat16", _tma.STORE_ROWS, False))
 
-    return ctypes.create_string_buffer(cached(_maps, (addresses, layouts, tile), encode), 4 * _tma.MAP_BYTES)
+    return ctypes.create_string_buffer(cached(_maps, (addresses, layouts, tile, block_m, block_n), encode),
+                                       4 * _tma.MAP_BYTES)

@@ -132,7 +132,9 @@ def test_hopper_launchers_match_their_kernels(reports):
     """Each Hopper launch's block size and argument record (Python: _traits, forward.py,
     backward.py) against the kernel's launch bounds and parameters (its PTX): a block short of a
     warpgroup, or a tensor-map record shorter than the kernel's struct, would fail only on an H100."""
-    from cupy_flash import backward, forward
+    import ctypes
+
+    from cupy_flash import backward, forward, forward_fp8
     from cupy_flash._params import PARAMS_DTYPE
 
     launches = {"forward_sm90": (sm90.forward_sm90_threads, (forward._SM90_MAPS_BYTES, PARAMS_DTYPE.itemsize, 8)),
@@ -140,7 +142,9 @@ def test_hopper_launchers_match_their_kernels(reports):
     checked = 0
     for spec, kernel in hopper_kernels(reports):
         threads, record = launches[spec.family]
-        if kernel.name.startswith("flash_backward_dq_sm90_kernel"):   # dQ apart: no tile counter
+        if kernel.name.startswith("fp8_transpose_v"):   # the FP8 forward's V^T pass
+            expected = (_traits.FP8_TRANSPOSE_THREADS, tuple(ctypes.sizeof(kind) for kind in forward_fp8.TRANSPOSE_PARAMETERS))
+        elif kernel.name.startswith("flash_backward_dq_sm90_kernel"):   # dQ apart: no tile counter
             expected = (sm90.backward_dq_sm90_threads(sm90.backward_sm90_module_dq_apart(spec.tile, spec.features)[0]),
                         (backward._SM90_MAPS_BYTES, PARAMS_DTYPE.itemsize))
         else:

@@ -205,3 +205,32 @@ def test_fp8_inputs_are_not_modified_and_calls_repeat_bitwise():
         assert bool((x == y).all())
     for x, y in zip(first, second):
         assert bool((x.view(numpy.uint8) == y.view(numpy.uint8)).all())
+
+
+def test_fp8_repeated_calls_take_their_plan_and_check_the_descales_each_time():
+    import cupy
+
+    from cupy_flash import forward_fp8
+
+    q8, k8, v8, descales = _inputs(dict(BASE, batch=2, seqlen_q=200, seqlen_k=300, heads_kv=2, group=2, head_dim=64))
+    forward_fp8._plans.clear()
+    first, _ = cupy_flash.flash_forward(q8, k8, v8, causal=True, **descales)
+    assert len(forward_fp8._plans) == 1
+    doubled = dict(descales, v_descale=descales["v_descale"] * 2)
+    with poisoned_allocations():
+        second, _ = cupy_flash.flash_forward(q8, k8, v8, causal=True, **doubled)
+    assert len(forward_fp8._plans) == 1
+    assert bool((as_float(second) == 2 * as_float(first)).all())   # O scales by v_descale exactly
+    host = {name: cupy.asnumpy(x) for name, x in descales.items()}
+    third, _ = cupy_flash.flash_forward(q8, k8, v8, causal=True, **host)   # host descales: a plan of their own
+    assert bool((third.view(numpy.uint16) == first.view(numpy.uint16)).all())
+    bad = dict(descales, k_descale=cupy.full_like(descales["k_descale"], float("inf")))
+    with families.recording() as launched, pytest.raises(ValueError, match="k_descale holds a value"):
+        cupy_flash.flash_forward(q8, k8, v8, causal=True, **bad)
+    assert launched == []
+
+
+def as_float(o):
+    import cupy
+
+    return (o.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
