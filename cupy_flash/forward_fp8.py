@@ -7,6 +7,7 @@ forward; O is bfloat16, lse float32 as for every forward."""
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import numpy
 
@@ -24,7 +25,6 @@ DESCALES = ("q_descale", "k_descale", "v_descale")
 TRANSPOSE_PARAMETERS = (ctypes.c_uint64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
                         ctypes.c_int32, ctypes.c_uint64, ctypes.c_int32)
 _counters: dict = {}   # TileCounters by size
-_maps: dict = {}       # the encoded q, k, v^T, o maps by (addresses, layouts)
 
 
 def is_fp8_call(q, features: dict) -> bool:
@@ -98,6 +98,27 @@ class Fp8ForwardPlan:
         o, lse = cupy.empty(q.shape, dtype=_dtypes_bfloat16()), cupy.empty(self.lse_shape, dtype=cupy.float32)
         params = make_params(shape, scale, variant=variant, q=q, k=k, v=v, o=o, lse=lse)
         self.record = PointerRecord(params, {name: name for name in _RECORD_ARRAYS})
+        self._encoded_maps: dict = {}   # the maps by the q, k, V^T, o addresses
+
+    def _maps(self, q, k, vt, o):
+        """The kernel's ForwardSm90Maps, by the arrays' addresses (their layouts are the plan's): q
+        and k (e4m3, boxes of 128 bytes x the query / key block), V^T (boxes of 128 keys x the
+        head-dim tile, 128-byte swizzled where key blocks are whole 128-key rows, else of 64 keys,
+        64-byte swizzled: VtChunk in forward_sm90.cu) and o (bfloat16, the store box)."""
+        def encode():
+            tile = self.tile
+            block_m, block_n, _ = sm90.FORWARD_SM90_FP8[tile]
+            vt_keys = 128 if block_n % 128 == 0 else 64
+            batch, heads_kv, head_dim, keys = vt.shape
+            vt_map = _tma.encode_tiled("uint8", vt.data.ptr, (keys, head_dim, heads_kv, batch),
+                                       (keys, head_dim * keys, heads_kv * head_dim * keys), (vt_keys, tile, 1, 1),
+                                       _tma.SWIZZLE_128B if vt_keys == 128 else _tma.SWIZZLE_64B)
+            return (_tma.attention_map_at(q.data.ptr, _tma.layout_of(q), "uint8", block_m, False)
+                    + _tma.attention_map_at(k.data.ptr, _tma.layout_of(k), "uint8", block_n, False)
+                    + vt_map + _tma.attention_map_at(o.data.ptr, _tma.layout_of(o), "bfloat16", _tma.STORE_ROWS, False))
+
+        addresses = (q.data.ptr, k.data.ptr, vt.data.ptr, o.data.ptr)
+        return ctypes.create_string_buffer(cached(self._encoded_maps, addresses, encode), 4 * _tma.MAP_BYTES)
 
     def run(self, q, k, v, descales: dict, out=None):
         """(o, lse) of kernel-ready q, k, v of the planned shapes with their checked descales, into
@@ -108,8 +129,7 @@ class Fp8ForwardPlan:
         if out is not None:
             out = (_checks.output_buffer("o", out[0], q.shape, _dtypes_bfloat16(), q.data.device_id),
                    _checks.output_buffer("lse", out[1], self.lse_shape, "float32", q.data.device_id))
-        q_descale, k_descale, v_descale = (cupy.ascontiguousarray(cupy.asarray(descales[name], dtype=cupy.float32))
-                                           for name in DESCALES)
+        q_descale, k_descale, v_descale = _descales_on_device(descales)
         if q_descale.shape[1] != shape.heads:   # per K/V head: each query head of its group takes it
             q_descale = cupy.repeat(q_descale, shape.group, axis=1)
         o, lse = out if out is not None else (cupy.empty(q.shape, dtype=_dtypes_bfloat16()),
@@ -123,7 +143,7 @@ class Fp8ForwardPlan:
         transpose_arguments = tuple(kind(value) for kind, value in zip(TRANSPOSE_PARAMETERS, values))
         transpose_grid = -(-self.keys // _traits.FP8_TRANSPOSE_KEYS) * shape.batch * shape.heads_kv
         counter = self.counters.address(stream, capturing) if self.counters is not None else 0
-        maps = _fp8_maps(q, k, vt, o, self.tile)
+        maps = self._maps(q, k, vt, o)
         transpose, main = self.transpose, self.main
         launches = ((transpose.kernel, transpose_grid, transpose.threads, 0, transpose_arguments, False),
                     (main.kernel, main.grid, main.threads, main.smem, (maps, record, ctypes.c_uint64(counter)), False))
@@ -131,6 +151,64 @@ class Fp8ForwardPlan:
         return o, lse
 
 
+def _descales_on_device(descales: dict) -> tuple:
+    """The three descales as contiguous float32 GPU arrays, in DESCALES' order. Host ones go up in
+    one copy from pinned memory, which does not wait for the stream (a copy from pageable memory
+    does: it held each call until the GPU had finished the last)."""
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    if all(isinstance(descales[name], numpy.ndarray) for name in DESCALES) and not stream.is_capturing():
+        host = [numpy.asarray(descales[name], dtype=numpy.float32) for name in DESCALES]
+        uploads = getattr(_pinned_uploads, "uploads", None)
+        if uploads is None:
+            uploads = _pinned_uploads.uploads = PinnedUploads()
+        joined = uploads.upload(numpy.concatenate([x.ravel() for x in host]), stream)
+        views, start = [], 0
+        for x in host:
+            views.append(joined[start:start + x.size].reshape(x.shape))
+            start += x.size
+        return tuple(views)
+    return tuple(cupy.ascontiguousarray(cupy.asarray(descales[name], dtype=cupy.float32)) for name in DESCALES)
+
+
+class PinnedUploads:
+    """Small host arrays to the GPU on a stream without waiting for it (one host thread's): each is
+    copied into a pinned buffer, then to a new device array by an asynchronous copy; a buffer is
+    reused once the event recorded after its copy has completed. With MAX_BUFFERS in flight, the
+    oldest copy is waited for."""
+
+    MAX_BUFFERS = 64
+
+    def __init__(self):
+        self._buffers: list = []   # (pinned memory, bytes, event of its last copy)
+
+    def upload(self, host: numpy.ndarray, stream):
+        import cupy
+
+        index = next((i for i, (_, size, event) in enumerate(self._buffers)
+                      if size >= host.nbytes and (event is None or event.done)), None)
+        if index is None and len(self._buffers) >= self.MAX_BUFFERS:   # the oldest copy, waited for
+            memory, size, event = self._buffers.pop(0)
+            event.synchronize()
+            if size >= host.nbytes:
+                self._buffers.append((memory, size, None))
+                index = len(self._buffers) - 1
+        if index is None:
+            self._buffers.append((cupy.cuda.alloc_pinned_memory(max(host.nbytes, 4096)), max(host.nbytes, 4096), None))
+            index = len(self._buffers) - 1
+        memory, size, _ = self._buffers[index]
+        staged = numpy.frombuffer(memory, dtype=host.dtype, count=host.size).reshape(host.shape)
+        staged[...] = host
+        device = cupy.empty(host.shape, dtype=host.dtype)
+        device.set(staged, stream=stream)
+        event = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(stream)
+        self._buffers[index] = (memory, size, event)
+        return device
+
+
+_pinned_uploads = threading.local()   # .uploads: this thread's PinnedUploads
 _RECORD_ARRAYS = ("q", "k", "v", "o", "lse", "q_descale", "k_descale", "v_descale")
 # Plans of FP8 calls without variant keywords, by what their checks read (a key holds no array).
 _plans: dict = {}
@@ -154,23 +232,3 @@ def _dtypes_bfloat16():
     return bfloat16()
 
 
-def _fp8_maps(q, k, vt, o, tile: int):
-    """The kernel's ForwardSm90Maps: q and k (e4m3, boxes of 128 bytes x the query / key block),
-    V^T (boxes of 128 keys x the head-dim tile, 128-byte swizzled where key blocks are whole 128-key
-    rows, else of 64 keys, 64-byte swizzled: VtChunk in forward_sm90.cu) and o (bfloat16, the store box)."""
-    block_m, block_n, _ = sm90.FORWARD_SM90_FP8[tile]
-    vt_keys = 128 if block_n % 128 == 0 else 64
-    layouts = tuple(_tma.layout_of(x) for x in (q, k, vt, o))
-    addresses = (q.data.ptr, k.data.ptr, vt.data.ptr, o.data.ptr)
-
-    def encode():
-        batch, heads_kv, head_dim, keys = vt.shape
-        vt_map = _tma.encode_tiled("uint8", vt.data.ptr, (keys, head_dim, heads_kv, batch),
-                                   (keys, head_dim * keys, heads_kv * head_dim * keys), (vt_keys, tile, 1, 1),
-                                   _tma.SWIZZLE_128B if vt_keys == 128 else _tma.SWIZZLE_64B)
-        return (_tma.attention_map_at(q.data.ptr, layouts[0], "uint8", block_m, False)
-                + _tma.attention_map_at(k.data.ptr, layouts[1], "uint8", block_n, False)
-                + vt_map + _tma.attention_map_at(o.data.ptr, layouts[3], "bfloat16", _tma.STORE_ROWS, False))
-
-    return ctypes.create_string_buffer(cached(_maps, (addresses, layouts, tile, block_m, block_n), encode),
-                                       4 * _tma.MAP_BYTES)

@@ -291,8 +291,22 @@ def check_fp8_call(function: str, arrays: dict, descales: dict, features: dict) 
         kind = getattr(getattr(descale, "dtype", None), "kind", None)
         if kind != "f":
             raise TypeError(f"{name}_descale has dtype {getattr(descale, 'dtype', type(descale).__name__)}; expected float")
-        xp = _xp(descale)
-        if not bool(xp.isfinite(descale).all()) or not bool((descale > 0).all()):
-            raise ValueError(f"{name}_descale holds a value that is not finite and positive")
+    _check_descale_values(descales)
     return Fp8Call(batch, heads, heads_kv, packed)
+
+
+def _check_descale_values(descales: dict) -> None:
+    """ValueError naming the first descale that holds a value not finite and positive. The GPU's are
+    read back together: one synchronisation a call, not one per array and test."""
+    by_library: dict = {}
+    for name, descale in descales.items():
+        by_library.setdefault(_xp(descale), []).append(name)
+    for xp, names in by_library.items():
+        joined = xp.concatenate([xp.ravel(descales[name]) for name in names])
+        if bool(xp.all(xp.isfinite(joined) & (joined > 0))):
+            continue
+        for name in names:
+            descale = descales[name]
+            if not bool(xp.all(xp.isfinite(descale) & (descale > 0))):
+                raise ValueError(f"{name} holds a value that is not finite and positive")
 

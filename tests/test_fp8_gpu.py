@@ -234,3 +234,32 @@ def as_float(o):
     import cupy
 
     return (o.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
+
+
+def test_fp8_host_descales_go_up_without_waiting_and_buffers_are_reused_only_when_done():
+    """Host descales reach the kernels through pinned buffers: a call queued behind long GPU work
+    returns before that work ends, and its result equals the GPU descales' bitwise, for more calls
+    in flight than PinnedUploads keeps buffers."""
+    import cupy
+
+    from cupy_flash import forward_fp8
+
+    q8, k8, v8, descales = _inputs(dict(BASE, batch=1, seqlen_q=100, seqlen_k=120, heads_kv=2, group=2, head_dim=64))
+    expected, _ = cupy_flash.flash_forward(q8, k8, v8, **descales)
+    host = {name: cupy.asnumpy(x) for name, x in descales.items()}
+    cupy_flash.flash_forward(q8, k8, v8, **host)   # the plan and a first buffer
+    cupy.cuda.Device().synchronize()
+    big = cupy.ones((4096, 4096), dtype=cupy.float32)
+    for _ in range(6):   # ~ tens of ms of queued work
+        big = big @ big * (1 / 4096)
+    matmuls_done = cupy.cuda.Event()
+    matmuls_done.record()
+    results = []
+    for i in range(forward_fp8.PinnedUploads.MAX_BUFFERS + 8):
+        factor = 2 ** (i % 3)   # O scales by it exactly
+        results.append((factor, cupy_flash.flash_forward(q8, k8, v8, **dict(host, v_descale=host["v_descale"] * factor))[0]))
+        if i == 0:
+            assert not matmuls_done.done   # the call returned while the queued work still ran
+    cupy.cuda.Device().synchronize()
+    for factor, o in results:
+        assert bool((as_float(o) == factor * as_float(expected)).all())
