@@ -70,6 +70,15 @@ if part in ("all", "fp8"):
             cupy_flash.flash_forward(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
     cupy_flash.flash_forward(q8[:, :100], k8[:, :37], v8[:, :37], window_size=(20, 3), sink=cupy.zeros(40, cupy.float32),
                              q_descale=qd, k_descale=kd, v_descale=vd)
+    # A packed batch with an empty sequence, keys off every 32-key group (V^T per sequence).
+    lens_q, lens_k = [70, 0, 200], [45, 9, 130]
+    cu_q, cu_k = (cupy.asarray(numpy.cumsum([0] + n), dtype=cupy.int32) for n in (lens_q, lens_k))
+    for d in (64, 256):
+        q8 = cupy.asarray(rng.integers(0, 120, (sum(lens_q), 4, d)), dtype=cupy.uint8)
+        k8 = cupy.asarray(rng.integers(0, 120, (sum(lens_k), 2, d)), dtype=cupy.uint8)
+        ones_q, ones_k = cupy.ones((3, 4), cupy.float32), cupy.ones((3, 2), cupy.float32)
+        cupy_flash.flash_forward(q8, k8, k8, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, q_descale=ones_q,
+                                 k_descale=ones_k, v_descale=ones_k)
 # The Hopper backward (kernels_cu/backward_sm90.cu; opted into with CUPY_FLASH_KERNELS=experimental):
 # every head-dim tile (96 pads to 128, 192 to 256: the head-dim split), key blocks past the
 # sequence, GQA, a window, packed batches.

@@ -228,10 +228,10 @@ def _check_max_seqlen(name: str, value, actual: int) -> int:
     return int(value)
 
 
-def check_packed(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+def check_packed(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, fp8: bool = False):
     """Shape and ``_features.Packed`` of a packed variable-length batch: q (total_q, heads_q, d),
     k and v (total_k, heads_kv, d), cu_seqlens int32 prefix sums on the GPU (read back once to
-    check them: non-decreasing from 0 to the total)."""
+    check them: non-decreasing from 0 to the total). ``fp8``: check_qkv's."""
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu is None:
             raise ValueError(f"{name} is missing: packed batches need both cu_seqlens_q and cu_seqlens_k")
@@ -239,7 +239,7 @@ def check_packed(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
         if getattr(x, "ndim", None) != 3:
             raise ValueError(f"{name} must have 3 dimensions (total_tokens, heads, head_dim) with cu_seqlens, "
                              f"got shape {tuple(getattr(x, 'shape', ()))}")
-    dense = check_qkv(_ShapeOf(q), _ShapeOf(k), _ShapeOf(v))
+    dense = check_qkv(_ShapeOf(q), _ShapeOf(k), _ShapeOf(v), fp8=fp8)
     cu_q, cu_k = as_gpu_array("cu_seqlens_q", cu_seqlens_q), as_gpu_array("cu_seqlens_k", cu_seqlens_k)
     if getattr(cu_q, "shape", None) != getattr(cu_k, "shape", None):
         raise ValueError(f"cu_seqlens_q has shape {tuple(cu_q.shape)} but cu_seqlens_k has shape "
@@ -255,7 +255,7 @@ def check_packed(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
     shape = AttentionShape(len(host_q) - 1, max(max_q, 1), max(max_k, 1), dense.heads, dense.head_dim,
                            dense.dtype, dense.heads_kv)
     _check_grid(shape)
-    return shape, Packed(cu_q, cu_k, total_q, total_k, host_q)
+    return shape, Packed(cu_q, cu_k, total_q, total_k, host_q, host_k)
 
 
 def prepare_qkv(q, k, v, softmax_scale, causal, features=None):

@@ -133,6 +133,7 @@ class Packed:
     total_q: int
     total_k: int
     host_cu_seqlens_q: object   # NumPy copy (checked on the host)
+    host_cu_seqlens_k: object = None
 
     def packed_row_of_padded(self, rows_per_sequence: int):
         """For each packed query row, its index in a (batch, rows_per_sequence) layout of the

@@ -71,6 +71,7 @@ FIELDS = (
     ("q_descale", "const float*", 1),     # FP8 forward: float32 (batch, heads_q): q's values are decode(q) x this
     ("k_descale", "const float*", 1),     #   and (batch, heads_kv) for k and v
     ("v_descale", "const float*", 1),
+    ("vt_rows", "const int*", 1),         # FP8 forward, packed: sequence b's first row of V^T (a multiple of 32)
 )
 
 POINTER_FIELDS = tuple(name for name, c_type, _ in FIELDS if c_type.endswith("*"))

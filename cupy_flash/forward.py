@@ -155,7 +155,7 @@ def flash_forward(q, k, v, *, softmax_scale=None, causal=False, num_splits=None,
 
     FP8 (Hopper): q, k, v uint8 arrays of e4m3 bits (``quantize_fp8``'s) with ``q_descale``
     (batch, heads_q) or (batch, heads_kv), ``k_descale`` and ``v_descale`` (batch, heads_kv); o is
-    bfloat16. Takes causal, window_size, sink and GQA/MQA (docs/fp8.md).
+    bfloat16. Takes causal, window_size, sink, GQA/MQA and packed batches (docs/fp8.md).
 
     Split-KV: with float16/bfloat16, when each K/V head has few query rows (group x seqlen_q <= 32,
     e.g. decoding) the keys are split into ranges computed in parallel and merged exactly

@@ -21,9 +21,10 @@ from .fp8 import check_fp8_call
 
 DESCALES = ("q_descale", "k_descale", "v_descale")
 # fp8_transpose_v's parameters (kernels_cu/forward_sm90.cu; tests/test_compile.py holds them equal):
-# v, its batch, row and head strides, heads_kv, seqlen_k, head_dim, vt, keys.
+# v, its batch, row and head strides, heads_kv, seqlen_k, head_dim, vt, keys; packed batches:
+# cu_seqlens_k, vt_rows and the sequences (else 0).
 TRANSPOSE_PARAMETERS = (ctypes.c_uint64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
-                        ctypes.c_int32, ctypes.c_uint64, ctypes.c_int32)
+                        ctypes.c_int32, ctypes.c_uint64, ctypes.c_int32, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int32)
 _counters: dict = {}   # TileCounters by size
 
 
@@ -60,16 +61,21 @@ def forward_fp8(out, q, k, v, softmax_scale, causal, features: dict):
 def _checked_plan(q, k, v, softmax_scale, causal, descales: dict, features: dict):
     """(plan, q, k, v kernel-ready) of an FP8 call whose FP8 data check_fp8_call passed: its shapes,
     scale, variant and device checked."""
-    call_packed = features.get("cu_seqlens_q") is not None or features.get("cu_seqlens_k") is not None
-    if call_packed:
-        raise ValueError("cu_seqlens_q / cu_seqlens_k: the FP8 kernels take dense batches only so far "
-                         "(attention_reference takes packed FP8 batches)")
-    shape = _checks.check_qkv(q, k, v, fp8=True)
+    packed_options = {name: features.pop(name, None) for name in _checks.PACKED_KEYWORDS}
+    packed = None
+    if packed_options["cu_seqlens_q"] is not None or packed_options["cu_seqlens_k"] is not None:
+        shape, packed = _checks.check_packed(q, k, v, fp8=True, **packed_options)
+    else:
+        for name in ("max_seqlen_q", "max_seqlen_k"):
+            if packed_options[name] is not None:
+                raise ValueError(f"{name} is only meaningful with cu_seqlens_q and cu_seqlens_k (packed batches)")
+        shape = _checks.check_qkv(q, k, v, fp8=True)
     scale = _checks.check_softmax_scale(softmax_scale, shape.head_dim)
     causal = _checks.check_flag("causal", causal)
     if features.get("sink") is not None:
         features["sink"] = _checks.as_gpu_array("sink", features["sink"])
-    variant = check_variant(shape.batch, shape.heads, causal, seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k, **features)
+    variant = check_variant(shape.batch, shape.heads, causal, seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k, packed=packed,
+                            **features)
     with q.device:
         _checks.same_device(q=q, k=k, v=v, **{name: x for name, x in descales.items() if not isinstance(x, numpy.ndarray)})
         device = families.current_device()
@@ -91,12 +97,24 @@ class Fp8ForwardPlan:
         self.shape, self.variant = shape, variant
         self.transpose, self.main, counter_bytes = sm90.ForwardFp8.forward_launch(device, shape, variant)
         self.counters = cached(_counters, counter_bytes, lambda: TileCounters(counter_bytes)) if counter_bytes else None
-        self.keys = -(-shape.seqlen_k // sm90.FP8_KEY_GROUP) * sm90.FP8_KEY_GROUP
-        self.lse_shape = (shape.batch, shape.heads, shape.seqlen_q)
+        group = sm90.FP8_KEY_GROUP
+        self.packed = variant.packed
+        if self.packed is None:
+            self.keys = -(-shape.seqlen_k // group) * group
+            self.vt_shape = (shape.batch, shape.heads_kv, shape.head_dim, self.keys)
+            self.lse_shape = (shape.batch, shape.heads, shape.seqlen_q)
+            self.vt_rows, self.sequences = None, 0
+        else:   # each sequence's keys from a row of V^T of its own, a multiple of 32
+            rows = numpy.diff(numpy.asarray(self.packed.host_cu_seqlens_k, dtype=numpy.int64))
+            vt_rows = numpy.concatenate([[0], numpy.cumsum(-(-rows // group) * group)])
+            self.keys = max(int(vt_rows[-1]), group)
+            self.vt_shape = (1, shape.heads_kv, shape.head_dim, self.keys)
+            self.lse_shape = (shape.heads, self.packed.total_q)
+            self.vt_rows, self.sequences = cupy.asarray(vt_rows.astype(numpy.int32)), shape.batch
         self.tile = sm90.forward_sm90_fp8_tile(shape.head_dim)
         # Stand-ins for o and lse: make_params reads their strides; run() writes every address.
         o, lse = cupy.empty(q.shape, dtype=_dtypes_bfloat16()), cupy.empty(self.lse_shape, dtype=cupy.float32)
-        params = make_params(shape, scale, variant=variant, q=q, k=k, v=v, o=o, lse=lse)
+        params = make_params(shape, scale, variant=variant, q=q, k=k, v=v, o=o, lse=lse, vt_rows=self.vt_rows)
         self.record = PointerRecord(params, {name: name for name in _RECORD_ARRAYS})
         self._encoded_maps: dict = {}   # the maps by the q, k, V^T, o addresses
 
@@ -113,9 +131,10 @@ class Fp8ForwardPlan:
             vt_map = _tma.encode_tiled("uint8", vt.data.ptr, (keys, head_dim, heads_kv, batch),
                                        (keys, head_dim * keys, heads_kv * head_dim * keys), (vt_keys, tile, 1, 1),
                                        _tma.SWIZZLE_128B if vt_keys == 128 else _tma.SWIZZLE_64B)
-            return (_tma.attention_map_at(q.data.ptr, _tma.layout_of(q), "uint8", block_m, False)
-                    + _tma.attention_map_at(k.data.ptr, _tma.layout_of(k), "uint8", block_n, False)
-                    + vt_map + _tma.attention_map_at(o.data.ptr, _tma.layout_of(o), "bfloat16", _tma.STORE_ROWS, False))
+            packed = self.packed is not None
+            return (_tma.attention_map_at(q.data.ptr, _tma.layout_of(q), "uint8", block_m, packed)
+                    + _tma.attention_map_at(k.data.ptr, _tma.layout_of(k), "uint8", block_n, packed)
+                    + vt_map + _tma.attention_map_at(o.data.ptr, _tma.layout_of(o), "bfloat16", _tma.STORE_ROWS, packed))
 
         addresses = (q.data.ptr, k.data.ptr, vt.data.ptr, o.data.ptr)
         return ctypes.create_string_buffer(cached(self._encoded_maps, addresses, encode), 4 * _tma.MAP_BYTES)
@@ -134,14 +153,16 @@ class Fp8ForwardPlan:
             q_descale = cupy.repeat(q_descale, shape.group, axis=1)
         o, lse = out if out is not None else (cupy.empty(q.shape, dtype=_dtypes_bfloat16()),
                                               cupy.empty(self.lse_shape, dtype=cupy.float32))
-        vt = cupy.empty((shape.batch, shape.heads_kv, shape.head_dim, self.keys), dtype=cupy.uint8)
+        vt = cupy.empty(self.vt_shape, dtype=cupy.uint8)
         arrays = dict(q=q, k=k, v=v, o=o, lse=lse, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
         record = self.record.filled({name: x.data.ptr for name, x in arrays.items()})
-        record_kernel_arrays(tuple(arrays.values()) + (vt,) + self.variant.device_arrays())
+        record_kernel_arrays(tuple(arrays.values()) + (vt,) + tuple(x for x in self.variant.device_arrays() if x is not None))
         stream, capturing = current_stream()
-        values = (v.data.ptr, *v.strides[:3], shape.heads_kv, shape.seqlen_k, shape.head_dim, vt.data.ptr, self.keys)   # bytes
+        strides = v.strides[:3] if self.packed is None else (0, *v.strides[:2])   # bytes: uint8
+        packed = (0, 0, 0) if self.packed is None else (self.packed.cu_seqlens_k.data.ptr, self.vt_rows.data.ptr, self.sequences)
+        values = (v.data.ptr, *strides, shape.heads_kv, shape.seqlen_k, shape.head_dim, vt.data.ptr, self.keys, *packed)
         transpose_arguments = tuple(kind(value) for kind, value in zip(TRANSPOSE_PARAMETERS, values))
-        transpose_grid = -(-self.keys // _traits.FP8_TRANSPOSE_KEYS) * shape.batch * shape.heads_kv
+        transpose_grid = -(-self.keys // _traits.FP8_TRANSPOSE_KEYS) * self.vt_shape[0] * shape.heads_kv
         counter = self.counters.address(stream, capturing) if self.counters is not None else 0
         maps = self._maps(q, k, vt, o)
         transpose, main = self.transpose, self.main

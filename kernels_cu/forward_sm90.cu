@@ -210,26 +210,29 @@ __device__ __forceinline__ void load_transposed_into_slot(T* tile, const TensorM
 template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES>
 __device__ __forceinline__ void produce_key_block(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>& smem,
                                                   const ForwardSm90Maps& maps, int key_row, int kv_head, int batch_coord,
-                                                  int ring) {
+                                                  int ring, int vt_offset) {
     const RingSlot slot = ring_slot<STAGES>(ring);
     load_into_slot<D_TILE, BLOCK_N>(&smem.k[slot.index][0][0][0], &maps.k, &smem.k_empty[slot.index], &smem.k_full[slot.index],
                                     slot.parity, key_row, kv_head, batch_coord);
     if constexpr (sizeof(T) == 1)
         load_transposed_into_slot<D_TILE, BLOCK_N>(&smem.v[slot.index][0][0][0], &maps.v, &smem.v_empty[slot.index],
-                                                   &smem.v_full[slot.index], slot.parity, key_row, kv_head, batch_coord);
+                                                   &smem.v_full[slot.index], slot.parity, key_row + vt_offset, kv_head, batch_coord);
     else
         load_into_slot<D_TILE, BLOCK_N>(&smem.v[slot.index][0][0][0], &maps.v, &smem.v_empty[slot.index], &smem.v_full[slot.index],
                                         slot.parity, key_row, kv_head, batch_coord);
 }
 
-template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES>
+template <int FEATURES, typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES>
 __device__ __forceinline__ void produce_tile(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>& smem,
-                                             const ForwardSm90Maps& maps, const ForwardSm90Work& w, int& ring, int& q_round) {
+                                             const ForwardSm90Maps& maps, const FlashParams& p, const ForwardSm90Work& w, int& ring,
+                                             int& q_round) {
     constexpr int ROW = Sm90Element<T>::row_elements, CHUNKS = D_TILE / ROW;
     constexpr unsigned int Q_BYTES = BLOCK_M * D_TILE * sizeof(T);
     if (w.blocks() <= 0) return;
+    // FP8 packed batches: V^T holds each sequence from a row of its own (vt_rows, a multiple of 32).
+    const int vt_offset = sizeof(T) == 1 && (FEATURES & FEATURE_VARLEN) ? p.vt_rows[w.block.b] - w.seq.k_row0 : 0;
     int key_row = w.seq.k_row0 + (w.kv_end - 1) * BLOCK_N;
-    produce_key_block(smem, maps, key_row, w.kv_head, w.batch_coord, ring++);
+    produce_key_block(smem, maps, key_row, w.kv_head, w.batch_coord, ring++, vt_offset);
     barrier_wait(smem_addr(&smem.q_empty), (q_round & 1) ^ 1);
     const unsigned int q_full = smem_addr(&smem.q_full);
     barrier_arrive_expect(q_full, Q_BYTES);
@@ -241,7 +244,7 @@ __device__ __forceinline__ void produce_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
 #pragma unroll 1
     for (int left = w.blocks() - 1; left > 0; --left) {
         key_row -= BLOCK_N;
-        produce_key_block(smem, maps, key_row, w.kv_head, w.batch_coord, ring++);
+        produce_key_block(smem, maps, key_row, w.kv_head, w.batch_coord, ring++, vt_offset);
     }
 }
 
@@ -558,8 +561,8 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
     static_assert(BLOCK_M % 64 == 0 && (CONSUMERS == 2 || CONSUMERS == 3), "64 query rows per consumer warpgroup");
     static_assert(D_TILE % Sm90Element<T>::row_elements == 0 && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
     static_assert(!(FEATURES & FEATURE_BIAS), "the bias runs on the portable kernels");
-    static_assert(sizeof(T) == 2 || (BLOCK_N % 64 == 0 && Storage::OWN_O && !ScoreMod<FEATURES>::active && !(FEATURES & FEATURE_VARLEN)),
-                  "FP8: V^T in 64- or 128-key chunks, O staged apart, no score modifier, no packed batch");
+    static_assert(sizeof(T) == 2 || (BLOCK_N % 64 == 0 && Storage::OWN_O && !ScoreMod<FEATURES>::active),
+                  "FP8: V^T in 64- or 128-key chunks, O staged apart, no score modifier");
     static_assert(registers_fit_launch<CONSUMERS, DYNAMIC>(), "setmaxnreg split beyond the launch's registers: the block would hang");
     static_assert(sizeof(Storage) + SWIZZLE_ATOM_BYTES <= SM90_BLOCK_SMEM_BYTES, "shared memory of one sm_90 block");
     require_dynamic_smem(forward_sm90_smem_bytes<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>);
@@ -593,7 +596,7 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
         if (threadIdx.x == 0) {
 #pragma unroll 1
             for (int tile = blockIdx.x, round = 0; tile < scheduler.num_tiles; ++round) {
-                produce_tile(smem, maps, scheduler.work(p, tile), ring, q_round);
+                produce_tile<FEATURES>(smem, maps, p, scheduler.work(p, tile), ring, q_round);
                 tile = scheduler.producer_next(tile, tile_counter, smem.tiles, round);
             }
             scheduler.release_counter(tile_counter);
@@ -620,13 +623,16 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
 // FP8's V^T (the header above): v (batch, seqlen_k, heads_kv, head_dim) e4m3, 16-byte-aligned rows,
 // into vt (batch, heads_kv, head_dim, keys) contiguous, keys = seqlen_k rounded up to 32 (zeros
 // past seqlen_k: masked keys' P is 0, and 0 x NaN would not be), each 32 keys in fp8_p_key's
-// order: vt[b, h, d, 32 g + c] = v[b, 32 g + fp8_p_key(c), h, d]. A block moves 64 keys of one
+// order: vt[b, h, d, 32 g + c] = v[b, 32 g + fp8_p_key(c), h, d]. A packed batch (vt_rows given:
+// v (total_k, heads_kv, head_dim), batch 1 here) puts sequence s's keys from vt row vt_rows[s], a
+// multiple of 32, so each 32-key group holds one sequence's keys. A block moves 64 keys of one
 // (batch, head), read as 16-byte vectors of v's rows and written as 4-byte words of vt's
 // (FP8_TRANSPOSE_KEYS, FP8_TRANSPOSE_THREADS: cupy_flash/_traits.py).
 template <typename T>
 __global__ void __launch_bounds__(FP8_TRANSPOSE_THREADS) fp8_transpose_v(const unsigned char* v, long long batch_stride, long long row_stride,
                                                        long long head_stride, int heads_kv, int seqlen_k, int head_dim,
-                                                       unsigned char* vt, int keys) {
+                                                       unsigned char* vt, int keys, const int* cu_seqlens_k, const int* vt_rows,
+                                                       int sequences) {
     static_assert(sizeof(T) == 1, "V^T is FP8's");
     __shared__ __align__(16) unsigned char tile[FP8_TRANSPOSE_KEYS][256 + 16];   // a padded row per key
     const long long key_blocks = keys / FP8_TRANSPOSE_KEYS + (keys % FP8_TRANSPOSE_KEYS != 0);
@@ -638,7 +644,19 @@ __global__ void __launch_bounds__(FP8_TRANSPOSE_THREADS) fp8_transpose_v(const u
     for (int i = threadIdx.x; i < FP8_TRANSPOSE_KEYS * units; i += blockDim.x) {
         const int r = i / units, u = i % units;
         uint4 x = make_uint4(0, 0, 0, 0);
-        if (key0 + r < seqlen_k) x = *reinterpret_cast<const uint4*>(src + (long long)(key0 + r) * row_stride + 16 * u);
+        int row = key0 + r, rows = seqlen_k;   // the key's row in its sequence, and the sequence's rows
+        long long first = 0;                   // the sequence's first row of v
+        if (vt_rows != nullptr) {   // packed: the sequence holding this row, the last s with vt_rows[s] <= row
+            int low = 0, high = sequences - 1;
+            while (low < high) {
+                const int middle = (low + high + 1) / 2;
+                if (vt_rows[middle] <= row) low = middle; else high = middle - 1;
+            }
+            rows = cu_seqlens_k[low + 1] - cu_seqlens_k[low];
+            row -= vt_rows[low];
+            first = cu_seqlens_k[low];
+        }
+        if (row < rows) x = *reinterpret_cast<const uint4*>(src + (first + row) * row_stride + 16 * u);
         *reinterpret_cast<uint4*>(&tile[r][16 * u]) = x;
     }
     __syncthreads();

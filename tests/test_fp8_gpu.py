@@ -263,3 +263,80 @@ def test_fp8_host_descales_go_up_without_waiting_and_buffers_are_reused_only_whe
     cupy.cuda.Device().synchronize()
     for factor, o in results:
         assert bool((as_float(o) == factor * as_float(expected)).all())
+
+
+@st.composite
+def fp8_packed_problems(draw):
+    batch = draw(st.integers(1, 4))
+    lengths = st.one_of(st.integers(0, 3), st.integers(1, 300), st.integers(300, 700))
+    lens_q, lens_k = [draw(lengths) for _ in range(batch)], [draw(lengths) for _ in range(batch)]
+    # Packed batches hold a token at least (flash_forward refuses empty tensors), as in test_attention_gpu.
+    lens_q[0], lens_k[0] = max(lens_q[0], int(sum(lens_q) == 0)), max(lens_k[0], int(sum(lens_k) == 0))
+    return dict(lens_q=lens_q, lens_k=lens_k,
+                heads_kv=draw(st.integers(1, 2)), group=draw(st.sampled_from([1, 2])),
+                head_dim=draw(st.sampled_from([16, 64, 128, 176, 256])), causal=draw(st.booleans()),
+                window=draw(st.sampled_from([None, (50, 10), (-1, 0)])), sink=draw(st.booleans()),
+                seed=draw(st.integers(0, 2**16)))
+
+
+def _packed_inputs(p):
+    """q, k, v packed (total, heads, d) as uint8 e4m3 bits, each sequence quantised on its own
+    (descales (batch, heads); 1 for an empty sequence), and cu_seqlens."""
+    import cupy
+
+    rng = numpy.random.default_rng(p["seed"])
+    d, heads = p["head_dim"], p["heads_kv"] * p["group"]
+    magnitude = (2.0 * d ** 0.5) ** 0.5 / d ** 0.5
+
+    def packed(lengths, h, scale):
+        bits, descales = [], []
+        for n in lengths:
+            if n == 0:
+                bits.append(cupy.zeros((0, h, d), dtype=cupy.uint8))
+                descales.append(cupy.ones((1, h), dtype=cupy.float32))
+                continue
+            x8, descale = quantize_fp8(cupy.asarray((rng.standard_normal((1, n, h, d)) * scale).astype(numpy.float32)))
+            bits.append(x8[0])
+            descales.append(descale)
+        return cupy.concatenate(bits), cupy.concatenate(descales)
+
+    q8, q_descale = packed(p["lens_q"], heads, magnitude)
+    k8, k_descale = packed(p["lens_k"], p["heads_kv"], magnitude)
+    v8, v_descale = packed(p["lens_k"], p["heads_kv"], 1.0)
+    cu = [cupy.asarray(numpy.concatenate([[0], numpy.cumsum(n)]).astype(numpy.int32)) for n in (p["lens_q"], p["lens_k"])]
+    return q8, k8, v8, dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale), cu
+
+
+@given(fp8_packed_problems())
+@settings(deadline=None, max_examples=40)
+@example(dict(lens_q=[70, 0, 200], lens_k=[45, 9, 130], heads_kv=2, group=2, head_dim=128, causal=True, window=None,
+              sink=True, seed=1))
+@example(dict(lens_q=[1, 33], lens_k=[0, 65], heads_kv=1, group=1, head_dim=256, causal=False, window=(50, 10),
+              sink=False, seed=2))
+def test_fp8_packed_batches_match_reference(p):
+    import cupy
+
+    count_example("fp8_packed_batches_match_reference")
+    q8, k8, v8, descales, (cu_q, cu_k) = _packed_inputs(p)
+    opts = dict(causal=p["causal"], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **descales)
+    if p["window"] is not None:
+        opts["window_size"] = p["window"]
+    if p["sink"]:
+        opts["sink"] = cupy.linspace(-1, 1, q8.shape[1], dtype=cupy.float32)
+    with poisoned_allocations(), families.recording() as launched:
+        o, lse = cupy_flash.flash_forward(q8, k8, v8, **opts)
+    assert launched_family(launched) == "forward_sm90_fp8", launched
+    assert o.shape == q8.shape and lse.shape == (q8.shape[1], q8.shape[0])
+    o_exact, lse_exact = attention_reference(q8, k8, v8, **opts)
+    o_fp8, lse_fp8 = attention_reference(q8, k8, v8, upcast=False, rounding="fp8", **opts)
+    context = " ".join(f"{k}={v}" for k, v in p.items())
+    lse_magnitude = max_finite_abs(lse_exact)
+    bounds_q, bounds_k = numpy.cumsum([0] + p["lens_q"]), numpy.cumsum([0] + p["lens_k"])
+    magnitude = max([largest_score_magnitude(q8[None, bounds_q[b]:bounds_q[b + 1]], k8[None, bounds_k[b]:bounds_k[b + 1]],
+                                             {name: x[b:b + 1] for name, x in descales.items()}, p["head_dim"])
+                     for b in range(len(p["lens_q"])) if p["lens_q"][b] and p["lens_k"][b]] or [0.0])
+    score_error = FP8_ACCUMULATION * -(-p["head_dim"] // 32) * magnitude
+    v_magnitude = max_finite_abs(cupy.concatenate([dequantize_fp8(v8[None, bounds_k[b]:bounds_k[b + 1]], descales["v_descale"][b:b + 1])
+                                                   .ravel() for b in range(len(p["lens_k"]))]))
+    check_error_rule("fp8 packed o", o, o_exact, o_fp8, context, lse_magnitude, 2.0**24 * score_error * 2 * v_magnitude)
+    check_error_rule("fp8 packed lse", lse, lse_exact, lse_fp8, context, lse_magnitude, 2.0**24 * score_error)

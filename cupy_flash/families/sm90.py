@@ -395,9 +395,9 @@ def grid_of(tiles: int, deterministic: bool, device) -> int:
 # (block_m, block_n, stages). Its key blocks are whole 128-key chunks of V^T. d = 256: Q, two stages
 # of K and V^T and a bfloat16 O staging tile fill 225 of the 227 KB.
 FORWARD_SM90_FP8 = {128: (128, 192, 2), 256: (128, 128, 2)}
-# What it takes: causal, windows, the sink, GQA/MQA (no score modifier: FP8's descales join the
-# scale; packed batches wait for a V^T per sequence).
-FORWARD_SM90_FP8_FEATURES = FEATURE_WINDOW | FEATURE_SINK
+# What it takes: causal, windows, the sink, GQA/MQA and packed batches (no score modifier: FP8's
+# descales join the scale).
+FORWARD_SM90_FP8_FEATURES = FEATURE_WINDOW | FEATURE_SINK | FEATURE_VARLEN
 FP8_KEY_GROUP = 32            # V^T's key order repeats every 32 keys (fp8_p_key): its rows are padded to it
 
 
