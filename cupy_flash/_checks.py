@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import sys
 
 import numpy
 
@@ -172,6 +173,8 @@ def as_gpu_array(name: str, x):
     if isinstance(x, numpy.ndarray):
         raise TypeError(f"{name} is a NumPy array in host memory; expected a CuPy array "
                         "(or a GPU array exposing __cuda_array_interface__ or __dlpack__)")
+    if "float8_e4m3fn" in str(getattr(x, "dtype", "")):
+        x = _fp8_bits(x)
     # DLPack first: it carries the dtype (bfloat16 included), where __cuda_array_interface__
     # has no code for bfloat16.
     if hasattr(type(x), "__dlpack__"):
@@ -188,6 +191,19 @@ def as_gpu_array(name: str, x):
     if array.dtype.kind == "V" and array.dtype.itemsize == 2 and "bfloat16" in str(getattr(x, "dtype", "")):
         array = array.view(bfloat16())
     return array
+
+
+def _fp8_bits(x):
+    """A PyTorch or JAX e4m3 array as uint8 bits, the form the FP8 calls take (CuPy holds no FP8
+    dtype and refuses it through DLPack): a view in PyTorch, a bitcast in JAX. Their modules are
+    loaded already where such an array exists."""
+    package = type(x).__module__.split(".")[0]
+    if package == "torch":
+        return x.view(sys.modules["torch"].uint8)
+    if package in ("jax", "jaxlib"):
+        jax = sys.modules["jax"]
+        return jax.lax.bitcast_convert_type(x, jax.numpy.uint8)
+    return x
 
 
 class _ShapeOf:

@@ -10,11 +10,13 @@ import pytest
 from helpers import (
     check_error_rule,
     count_example,
+    jax_on_gpu,
     launched_family,
     launched_kernels,
     max_finite_abs,
     poisoned_allocations,
     requires_hopper,
+    torch_on_gpu,
 )
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -340,3 +342,27 @@ def test_fp8_packed_batches_match_reference(p):
                                                    .ravel() for b in range(len(p["lens_k"]))]))
     check_error_rule("fp8 packed o", o, o_exact, o_fp8, context, lse_magnitude, 2.0**24 * score_error * 2 * v_magnitude)
     check_error_rule("fp8 packed lse", lse, lse_exact, lse_fp8, context, lse_magnitude, 2.0**24 * score_error)
+
+
+def _expected_for_frameworks():
+    q8, k8, v8, descales = _inputs(dict(BASE, batch=2, seqlen_q=150, seqlen_k=170, heads_kv=2, group=2, head_dim=64))
+    return (q8, k8, v8), descales, cupy_flash.flash_forward(q8, k8, v8, causal=True, **descales)
+
+
+def test_fp8_takes_pytorch_e4m3_tensors():
+    """torch.float8_e4m3fn tensors (taken as uint8 bits through DLPack, no copy) give the uint8
+    call's result bitwise."""
+    torch = torch_on_gpu()
+    inputs, descales, (expected, expected_lse) = _expected_for_frameworks()
+    as_torch = [torch.from_dlpack(x).view(torch.float8_e4m3fn) for x in inputs]
+    o, lse = cupy_flash.flash_forward(*as_torch, causal=True, **{n: torch.from_dlpack(x) for n, x in descales.items()})
+    assert bool((o.view(numpy.uint16) == expected.view(numpy.uint16)).all()) and bool((lse == expected_lse).all())
+
+
+def test_fp8_takes_jax_e4m3_arrays():
+    """jnp.float8_e4m3fn arrays (bitcast to uint8, then DLPack) give the uint8 call's result bitwise."""
+    jax = jax_on_gpu()
+    inputs, descales, (expected, expected_lse) = _expected_for_frameworks()
+    as_jax = [jax.lax.bitcast_convert_type(jax.dlpack.from_dlpack(x), jax.numpy.float8_e4m3fn) for x in inputs]
+    o, lse = cupy_flash.flash_forward(*as_jax, causal=True, **descales)
+    assert bool((o.view(numpy.uint16) == expected.view(numpy.uint16)).all()) and bool((lse == expected_lse).all())
