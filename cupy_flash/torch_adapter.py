@@ -52,7 +52,12 @@ def to_torch(array):
 
 
 def flash_attn_func(q, k, v, *, sink=None, bias=None, deterministic=False, **options):
-    """Exact attention with gradients through PyTorch's autograd; options as flash_forward's."""
+    """Exact attention with gradients through PyTorch's autograd; options as flash_forward's.
+    FP8: torch.float8_e4m3fn q, k, v with ``q_descale``, ``k_descale``, ``v_descale`` (FlashAttention-3's
+    keywords; docs/fp8.md), eager and without gradients until the FP8 backward exists; O bfloat16."""
+    if q.dtype == torch.float8_e4m3fn or any(options.get(name) is not None for name in _FP8_DESCALES):
+        return _forward_fp8(q, k, v, sink, bias, deterministic, options)
+    options = {name: value for name, value in options.items() if name not in _FP8_DESCALES or value is not None}
     if not options.keys() <= _OPTION_NAMES:
         unknown = sorted(set(options) - _OPTION_NAMES)
         raise TypeError(f"flash_attn_func got unexpected option(s) {unknown}; it takes {sorted(_OPTIONS + ('sink', 'bias'))}"
@@ -72,6 +77,25 @@ def flash_attn_func(q, k, v, *, sink=None, bias=None, deterministic=False, **opt
         if outputs is not None:
             return outputs[0]
     return _forward(q, k, v, *tensors, *static[:-1])[0]
+
+
+_FP8_DESCALES = ("q_descale", "k_descale", "v_descale")
+
+
+def _forward_fp8(q, k, v, sink, bias, deterministic, options):
+    """flash_attn_func's FP8 call: flash_forward on the framework's stream, its O handed over by
+    DLPack (no copy). Refused where it cannot be right: under torch.compile (the ops take no
+    descales) and where a gradient is wanted."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("flash_attn_func: FP8 inputs run eagerly only (not under torch.compile) so far")
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v) if isinstance(x, torch.Tensor)):
+        raise NotImplementedError("flash_attn_func: FP8 attention has no backward yet; call it under torch.no_grad()")
+    if deterministic:
+        raise ValueError("deterministic applies to the backward; FP8 calls have none yet")
+    device = q.device if isinstance(q, torch.Tensor) else None
+    given = {name: value for name, value in dict(options, sink=sink, bias=bias).items() if value is not None}
+    o, _ = forward.flash_forward(q, k, v, stream=torch.cuda.current_stream(device), **given)
+    return torch.from_dlpack(o)
 
 
 class _Attention(torch.autograd.Function):

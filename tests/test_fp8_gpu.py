@@ -366,3 +366,23 @@ def test_fp8_takes_jax_e4m3_arrays():
     as_jax = [jax.lax.bitcast_convert_type(jax.dlpack.from_dlpack(x), jax.numpy.float8_e4m3fn) for x in inputs]
     o, lse = cupy_flash.flash_forward(*as_jax, causal=True, **descales)
     assert bool((o.view(numpy.uint16) == expected.view(numpy.uint16)).all()) and bool((lse == expected_lse).all())
+
+
+def test_fp8_through_the_pytorch_adapter():
+    """flash_attn_func on torch.float8_e4m3fn tensors with FlashAttention-3's descale keywords: the
+    direct call's O bitwise, on PyTorch's current stream; a gradient or torch.compile is refused."""
+    torch = torch_on_gpu()
+    from cupy_flash.torch_adapter import flash_attn_func
+
+    inputs, descales, (expected, _) = _expected_for_frameworks()
+    q, k, v = (torch.from_dlpack(x).view(torch.float8_e4m3fn) for x in inputs)
+    torch_descales = {name: torch.from_dlpack(x) for name, x in descales.items()}
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        o = flash_attn_func(q, k, v, causal=True, **torch_descales)
+    side.synchronize()
+    assert o.dtype == torch.bfloat16 and o.shape == q.shape
+    assert bool((o.view(torch.int16) == torch.from_dlpack(expected.view(numpy.int16))).all())
+    wanting = torch.from_dlpack(inputs[0].astype(numpy.float32)).requires_grad_()
+    with pytest.raises(NotImplementedError, match="no backward yet"):
+        flash_attn_func(q, k, wanting, causal=True, **torch_descales)
