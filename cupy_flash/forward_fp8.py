@@ -12,6 +12,7 @@ import threading
 import numpy
 
 from . import _checks, _tma, _traits, families
+from ._dtypes import bfloat16
 from ._features import check_variant
 from ._launch import Packed, TileCounters, cached, current_stream, kept
 from ._params import PointerRecord, make_params
@@ -113,7 +114,7 @@ class Fp8ForwardPlan:
             self.vt_rows, self.sequences = cupy.asarray(vt_rows.astype(numpy.int32)), shape.batch
         self.tile = sm90.forward_sm90_fp8_tile(shape.head_dim)
         # Stand-ins for o and lse: make_params reads their strides; run() writes every address.
-        o, lse = cupy.empty(q.shape, dtype=_dtypes_bfloat16()), cupy.empty(self.lse_shape, dtype=cupy.float32)
+        o, lse = cupy.empty(q.shape, dtype=bfloat16()), cupy.empty(self.lse_shape, dtype=cupy.float32)
         params = make_params(shape, scale, variant=variant, q=q, k=k, v=v, o=o, lse=lse, vt_rows=self.vt_rows)
         self.record = PointerRecord(params, {name: name for name in _RECORD_ARRAYS})
         self._encoded_maps: dict = {}   # the maps by the q, k, V^T, o addresses
@@ -146,12 +147,12 @@ class Fp8ForwardPlan:
 
         shape = self.shape
         if out is not None:
-            out = (_checks.output_buffer("o", out[0], q.shape, _dtypes_bfloat16(), q.data.device_id),
+            out = (_checks.output_buffer("o", out[0], q.shape, bfloat16(), q.data.device_id),
                    _checks.output_buffer("lse", out[1], self.lse_shape, "float32", q.data.device_id))
         q_descale, k_descale, v_descale = _descales_on_device(descales)
         if q_descale.shape[1] != shape.heads:   # per K/V head: each query head of its group takes it
             q_descale = cupy.repeat(q_descale, shape.group, axis=1)
-        o, lse = out if out is not None else (cupy.empty(q.shape, dtype=_dtypes_bfloat16()),
+        o, lse = out if out is not None else (cupy.empty(q.shape, dtype=bfloat16()),
                                               cupy.empty(self.lse_shape, dtype=cupy.float32))
         vt = cupy.empty(self.vt_shape, dtype=cupy.uint8)
         arrays = dict(q=q, k=k, v=v, o=o, lse=lse, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
@@ -245,11 +246,5 @@ def _plan_key(q, k, v, softmax_scale, causal, descales: dict):
             type(softmax_scale), softmax_scale, type(causal), causal, families.kernels_setting(),
             tuple((type(x), getattr(x, "shape", None), getattr(getattr(x, "data", None), "device_id", None))
                   for x in descales.values()))
-
-
-def _dtypes_bfloat16():
-    from ._dtypes import bfloat16
-
-    return bfloat16()
 
 

@@ -48,7 +48,7 @@ struct ForwardSm90Storage {
                                   + 2 * SWIZZLE_ATOM_BYTES <= SM90_BLOCK_SMEM_BYTES;
     alignas(SWIZZLE_ATOM_BYTES) T q[CHUNKS][BLOCK_M][ROW];   // O's staging too where !OWN_O
     alignas(SWIZZLE_ATOM_BYTES) T k[STAGES][CHUNKS][BLOCK_N][ROW];
-    // FP8: the same bytes hold V^T, [BLOCK_N / 128][D_TILE][128 keys] a stage.
+    // FP8: the same bytes hold V^T, in VtChunk's chunks of [D_TILE][64 or 128 keys] a stage.
     alignas(SWIZZLE_ATOM_BYTES) T v[STAGES][CHUNKS][BLOCK_N][ROW];
     alignas(OWN_O ? SWIZZLE_ATOM_BYTES : 16) Out o[OWN_O ? D_TILE / SWIZZLE_ROW_ELEMENTS : 1][OWN_O ? BLOCK_M : 1][SWIZZLE_ROW_ELEMENTS];
     unsigned long long q_full, q_empty;
