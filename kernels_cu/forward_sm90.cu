@@ -175,15 +175,21 @@ struct TileScheduler : PersistentTiles<DYNAMIC, false> {
 // previous tile's epilogue has freed the Q tile, then the rest of its K and V. `ring` counts the
 // K/V blocks loaded so far (the ring's position), `q_round` the Q tiles. The producer runs in 24
 // registers (setmaxnreg): the loop keeps only the key row, the ring position and the count live.
-// One ring slot's K or V tile: wait until the consumers freed the slot (the parity opposite to
-// theirs), announce its bytes, load its 64-column chunks.
+// Claim a ring slot: wait until the consumers freed it (the parity opposite to theirs) and announce
+// the bytes its loads bring; returns the barrier they complete.
+__device__ __forceinline__ unsigned int claim_slot(unsigned long long* empty, unsigned long long* full, unsigned int parity,
+                                                   unsigned int bytes) {
+    barrier_wait(smem_addr(empty), parity ^ 1);
+    const unsigned int full_bar = smem_addr(full);
+    barrier_arrive_expect(full_bar, bytes);
+    return full_bar;
+}
+// One ring slot's K or V tile, in its 128-byte-row chunks.
 template <int D_TILE, int ROWS, typename T>
 __device__ __forceinline__ void load_into_slot(T* tile, const TensorMap* map, unsigned long long* empty, unsigned long long* full,
                                                unsigned int parity, int row, int head, int batch_coord) {
     constexpr int ROW = Sm90Element<T>::row_elements;
-    barrier_wait(smem_addr(empty), parity ^ 1);
-    const unsigned int full_bar = smem_addr(full);
-    barrier_arrive_expect(full_bar, ROWS * D_TILE * sizeof(T));
+    const unsigned int full_bar = claim_slot(empty, full, parity, ROWS * D_TILE * sizeof(T));
 #pragma unroll
     for (int c = 0; c < D_TILE / ROW; ++c)
         tma_load_4d(smem_addr(tile + c * ROWS * ROW), map, full_bar, c * ROW, row, head, batch_coord);
@@ -199,9 +205,7 @@ __device__ __forceinline__ void load_transposed_into_slot(T* tile, const TensorM
                                                           unsigned long long* full, unsigned int parity, int row, int head,
                                                           int batch_coord) {
     constexpr int KEYS = VtChunk<BLOCK_N>::KEYS;
-    barrier_wait(smem_addr(empty), parity ^ 1);
-    const unsigned int full_bar = smem_addr(full);
-    barrier_arrive_expect(full_bar, BLOCK_N * D_TILE * sizeof(T));
+    const unsigned int full_bar = claim_slot(empty, full, parity, BLOCK_N * D_TILE * sizeof(T));
 #pragma unroll
     for (int c = 0; c < BLOCK_N / KEYS; ++c)
         tma_load_4d(smem_addr(tile + c * D_TILE * KEYS), map, full_bar, row + KEYS * c, 0, head, batch_coord);
