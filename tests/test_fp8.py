@@ -223,3 +223,22 @@ def test_fp8_rounding_needs_fp8_inputs():
         cupy_flash.attention_reference(q, q, q, upcast=False, rounding="fp8")
     with pytest.raises(TypeError, match="q has dtype float64 but q_descale is given"):
         cupy_flash.attention_reference(q, q, q, q_descale=numpy.ones((1, 1)))
+
+
+@pytest.mark.parametrize("bad, named", [
+    ({"k_descale": numpy.inf}, "k_descale"),
+    ({"v_descale": 0.0}, "v_descale"),
+    ({"v_descale": -1.0, "k_descale": numpy.nan}, "k_descale"),   # the first of q, k, v that fails
+    ({"q_descale": numpy.nan, "v_descale": numpy.nan}, "q_descale"),
+])
+def test_descales_are_read_together_and_the_failing_one_is_named(bad, named):
+    """check_fp8_call tests all three descales in one pass (one read-back for GPU ones); where it
+    fails, the message names the first descale, in q, k, v order, that holds a bad value."""
+    arrays, descales = _fp8_call(numpy.random.default_rng(3))
+    for name, value in bad.items():
+        descales[name] = descales[name].copy()
+        descales[name].flat[-1] = value
+    with pytest.raises(ValueError, match=f"{named} holds a value that is not finite and positive"):
+        fp8.check_fp8_call("flash_forward", dict(zip("qkv", arrays)), descales, {})
+    good = _fp8_call(numpy.random.default_rng(3))[1]
+    assert fp8.check_fp8_call("flash_forward", dict(zip("qkv", arrays)), good, {}) is not None
