@@ -91,10 +91,12 @@ def decode_blocks_per_sm(tile: int) -> int:
 ROW_KERNEL_THREADS = 256
 
 
-# The FP8 forward's V^T pass (fp8_transpose_v, kernels_cu/forward_sm90.cu): threads a block, and the
-# keys a block moves.
+# The FP8 forward's V^T pass (fp8_transpose_v, kernels_cu/forward_sm90.cu): threads a block, the
+# keys a block moves, and the keys over which V^T's key order (fp8_p_key) repeats: one e4m3 wgmma's
+# K, to which each sequence's V^T rows are padded.
 FP8_TRANSPOSE_THREADS = 256
 FP8_TRANSPOSE_KEYS = 64
+FP8_KEY_GROUP = 32
 
 
 def cuda_defines() -> str:
@@ -106,7 +108,8 @@ def cuda_defines() -> str:
                   DECODE_BLOCKS_PER_SM_TO_128=DECODE_BLOCKS_PER_SM[128],
                   DECODE_BLOCKS_PER_SM_ABOVE_128=DECODE_BLOCKS_PER_SM[256],
                   COMBINE_BATCH=COMBINE_BATCH, COMBINE_MAX_WARPS=COMBINE_MAX_WARPS,
-                  FP8_TRANSPOSE_THREADS=FP8_TRANSPOSE_THREADS, FP8_TRANSPOSE_KEYS=FP8_TRANSPOSE_KEYS)
+                  FP8_TRANSPOSE_THREADS=FP8_TRANSPOSE_THREADS, FP8_TRANSPOSE_KEYS=FP8_TRANSPOSE_KEYS,
+                  FP8_KEY_GROUP=FP8_KEY_GROUP)
     return "".join(f"#define {name} {value}\n" for name, value in values.items())
 
 

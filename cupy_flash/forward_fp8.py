@@ -98,7 +98,7 @@ class Fp8ForwardPlan:
         self.shape, self.variant = shape, variant
         self.transpose, self.main, counter_bytes = sm90.ForwardFp8.forward_launch(device, shape, variant)
         self.counters = cached(_counters, counter_bytes, lambda: TileCounters(counter_bytes)) if counter_bytes else None
-        group = sm90.FP8_KEY_GROUP
+        group = _traits.FP8_KEY_GROUP
         self.packed = variant.packed
         if self.packed is None:
             self.keys = -(-shape.seqlen_k // group) * group

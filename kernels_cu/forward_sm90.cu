@@ -637,7 +637,7 @@ __global__ void __launch_bounds__(FP8_TRANSPOSE_THREADS) fp8_transpose_v(const u
                                                        long long head_stride, int heads_kv, int seqlen_k, int head_dim,
                                                        unsigned char* vt, int keys, const int* cu_seqlens_k, const int* vt_rows,
                                                        int sequences) {
-    static_assert(sizeof(T) == 1, "V^T is FP8's");
+    static_assert(sizeof(T) == 1 && FP8_KEY_GROUP == Sm90Element<T>::mma_k, "V^T is FP8's, its key order one k32 step's");
     __shared__ __align__(16) unsigned char tile[FP8_TRANSPOSE_KEYS][256 + 16];   // a padded row per key
     const long long key_blocks = keys / FP8_TRANSPOSE_KEYS + (keys % FP8_TRANSPOSE_KEYS != 0);
     const long long bh = blockIdx.x / key_blocks;
@@ -672,7 +672,7 @@ __global__ void __launch_bounds__(FP8_TRANSPOSE_THREADS) fp8_transpose_v(const u
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int position = c + e;
-            word |= (unsigned int)tile[(position & ~31) + fp8_p_key(position & 31)][d] << (8 * e);
+            word |= (unsigned int)tile[(position & ~(FP8_KEY_GROUP - 1)) + fp8_p_key(position & (FP8_KEY_GROUP - 1))][d] << (8 * e);
         }
         *reinterpret_cast<unsigned int*>(dst + (long long)d * keys + key0 + c) = word;
     }

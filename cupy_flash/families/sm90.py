@@ -400,7 +400,6 @@ FORWARD_SM90_FP8 = {128: (128, 192, 2), 256: (128, 128, 2)}
 # What it takes: causal, windows, the sink, GQA/MQA and packed batches (no score modifier: FP8's
 # descales join the scale).
 FORWARD_SM90_FP8_FEATURES = FEATURE_WINDOW | FEATURE_SINK | FEATURE_VARLEN
-FP8_KEY_GROUP = 32            # V^T's key order repeats every 32 keys (fp8_p_key): its rows are padded to it
 
 
 def forward_sm90_fp8_tile(head_dim: int) -> int:
