@@ -24,7 +24,8 @@ import sys
 import cupy
 
 import cupy_flash
-from cupy_flash.benchmark import time_queued
+from cupy_flash._dtypes import bfloat16
+from cupy_flash.benchmark import make_sets, time_queued
 from cupy_flash.fp8 import quantize_fp8
 
 SETS = 3
@@ -38,14 +39,6 @@ def fp8_sets(batch, seqlen, heads, d, seed):
         (q8, qd), (k8, kd), (v8, vd) = tensors
         sets.append((q8, k8, v8, *(cupy.asnumpy(x) for x in (qd, kd, vd))))
     return sets
-
-
-def bf16_sets(batch, seqlen, heads, d, seed):
-    rng = cupy.random.default_rng(seed)
-    from cupy_flash._dtypes import bfloat16
-
-    return [tuple(rng.standard_normal((batch, seqlen, heads, d), dtype=cupy.float32).astype(bfloat16()) for _ in range(3))
-            for _ in range(SETS)]
 
 
 def cudnn_fp8_forward():
@@ -129,7 +122,7 @@ def main(argv=None) -> int:
         heads = 2048 // d
         for seqlen in args.seqlens:
             batch = max(1, args.tokens // seqlen)
-            fp8, bf16 = fp8_sets(batch, seqlen, heads, d, 0), bf16_sets(batch, seqlen, heads, d, 1)
+            fp8, bf16 = fp8_sets(batch, seqlen, heads, d, 0), make_sets(batch, seqlen, heads, d, bfloat16(), SETS, seed=1)
             for causal in (False, True):
                 flops = 4.0 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
                 tflops = {}
@@ -137,7 +130,7 @@ def main(argv=None) -> int:
                                                           q_descale=s[3], k_descale=s[4], v_descale=s[5])
                 ms = time_queued(call, fp8, args.calls, args.rounds)
                 tflops["fp8"] = flops / ms / 1e9
-                ms = time_queued(lambda s: cupy_flash.flash_forward(*s, causal=causal), bf16, args.calls, args.rounds)
+                ms = time_queued(lambda s: cupy_flash.flash_forward(*s[:3], causal=causal), bf16, args.calls, args.rounds)
                 tflops["bf16"] = flops / ms / 1e9
                 for name, (make, _) in peers.items():
                     if make is None:
