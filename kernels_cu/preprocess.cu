@@ -170,3 +170,50 @@ __global__ void __launch_bounds__(ROW_KERNEL_THREADS) flash_kv_group_sum_kernel(
         }
     }
 }
+
+// FP8 inputs of the backward (docs/fp8.md, "The backward"): x, e4m3 bits strided as (batch, row,
+// head, head_dim), times its (batch or packed sequence, head) descale, rounded to T into a
+// contiguous array of x's shape. The backward's products then run in T on these values. A thread a
+// 16-byte vector: 16 e4m3 elements in, 16 T out. descale is (descale rows, descale_heads); a query
+// head h reads column h / (heads / descale_heads) (descales per K/V head's group). Packed batches
+// (cu_seqlens != null; batch 1, rows the total): a row's sequence comes from a binary search.
+__device__ __forceinline__ float e4m3_value(unsigned bits) {
+    const unsigned exponent = (bits >> 3) & 15u, mantissa = bits & 7u;
+    float magnitude = exponent != 0u ? __uint_as_float(((exponent + 120u) << 23) | (mantissa << 20))   // 2^(e-7) (1 + m/8)
+                                     : (float)mantissa * 0.001953125f;                                  // m 2^-9
+    if ((bits & 0x7fu) == 0x7fu) magnitude = __uint_as_float(0x7fc00000u);                               // e4m3's NaN
+    return (bits & 0x80u) ? -magnitude : magnitude;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(ROW_KERNEL_THREADS) fp8_dequantize_kernel(
+        const unsigned char* x, long long batch_stride, long long row_stride, long long head_stride, int batch,
+        int rows, int heads, int head_dim, const float* descale, int descale_heads, const int* cu_seqlens,
+        int sequences, T* out) {
+    constexpr int VEC = Vec<T>::N;
+    const int vectors = head_dim / 16;
+    const long long total = (long long)batch * rows * heads * vectors;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+        const long long column = i % vectors * 16, r = i / vectors;
+        const int h = (int)(r % heads);
+        const long long row = r / heads % rows, b = r / heads / rows;
+        long long scale_row = b;
+        if (cu_seqlens != nullptr) {   // the last sequence s with cu_seqlens[s] <= row
+            int lo = 0, hi = sequences;
+            while (hi - lo > 1) {
+                const int mid = (lo + hi) / 2;
+                if (cu_seqlens[mid] <= row) lo = mid; else hi = mid;
+            }
+            scale_row = lo;
+        }
+        const float scale = descale[scale_row * descale_heads + h / (heads / descale_heads)];
+        const uint4 raw = *reinterpret_cast<const uint4*>(x + b * batch_stride + row * row_stride + h * head_stride + column);
+        const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+        float values[16];
+#pragma unroll
+        for (int e = 0; e < 16; ++e) values[e] = e4m3_value((words[e / 4] >> (8 * (e % 4))) & 0xffu) * scale;
+        T* o = out + i * 16;   // contiguous: ((b * rows + row) * heads + h) * head_dim + column
+#pragma unroll
+        for (int part = 0; part < 16; part += VEC) *reinterpret_cast<uint4*>(o + part) = pack(values + part, T{});
+    }
+}

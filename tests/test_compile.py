@@ -155,6 +155,25 @@ def test_hopper_launchers_match_their_kernels(reports):
 
 
 @pytest.mark.compile
+def test_fp8_dequantize_launcher_matches_its_kernel(reports):
+    """The FP8 backward's dequantisation (backward_fp8.DEQUANTIZE_PARAMETERS, a row kernel's block)
+    against fp8_dequantize_kernel's parameters and launch bounds, on every arch."""
+    import ctypes
+
+    from cupy_flash import backward_fp8
+
+    expected = (_traits.ROW_KERNEL_THREADS, tuple(ctypes.sizeof(kind) for kind in backward_fp8.DEQUANTIZE_PARAMETERS))
+    checked = 0
+    for (spec, _), report in reports.items():
+        if spec.family == "preprocess" and not isinstance(report, Exception):
+            for kernel in report.kernels:
+                if kernel.name.startswith("fp8_dequantize_kernel"):
+                    assert (kernel.max_threads, kernel.param_bytes) == expected, kernel.name
+                    checked += 1
+    assert checked > 0
+
+
+@pytest.mark.compile
 def test_hopper_kernels_reach_shared_memory_as_shared(reports):
     """No generic loads or stores in the Hopper kernels (PTX): shared storage reached through a
     pointer that lost its address space (an integer cast) compiles to generic LD.E / ST.E, and the

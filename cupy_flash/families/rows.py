@@ -1,6 +1,7 @@
 """The row kernels (kernels_cu/preprocess.cu, every dtype, any GPU): a warp per row, looping over
 the rows. The backward's preprocess (delta = rowsum(dO * O), lse in log2, the dQ accumulator
-zeroed), the scale-and-cast of the dQ accumulator, and the GQA sum of per-query-head dK/dV."""
+zeroed), the scale-and-cast of the dQ accumulator, the GQA sum of per-query-head dK/dV, and the
+FP8 backward's dequantisation of q, k, v (a thread per 16 elements)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,12 @@ _MAX_ROW_BLOCKS = 1 << 16   # the row kernels loop over rows, so the grid never 
 _ROW_BLOCKS_PER_SM = 32
 
 PREPROCESS, DQ_CONVERT, KV_GROUP_SUM = "flash_preprocess_kernel", "flash_dq_convert_kernel", "flash_kv_group_sum_kernel"
+FP8_DEQUANTIZE = "fp8_dequantize_kernel"
 
 
 def module_spec(dtype: str) -> ModuleSpec:
     spec = ModuleSpec("preprocess", dtype)
-    return spec_with(spec, (template(kernel, spec.ctype) for kernel in (PREPROCESS, DQ_CONVERT, KV_GROUP_SUM)))
+    return spec_with(spec, (template(kernel, spec.ctype) for kernel in (PREPROCESS, DQ_CONVERT, KV_GROUP_SUM, FP8_DEQUANTIZE)))
 
 
 def row_kernel_grid(rows: int) -> int:
@@ -41,6 +43,15 @@ def row_launch(kernel: str, shape, rows: int | None = None, record: str = "main"
     grid = min(row_kernel_grid(rows), _ROW_BLOCKS_PER_SM * current_device().multiprocessors)
     name = template(kernel, spec.ctype)
     return Launch(name, get_kernel(spec, name), grid, _traits.ROW_KERNEL_THREADS, record=record)
+
+
+def dequantize_launch(dtype: str, vectors: int) -> Launch:
+    """The Launch of fp8_dequantize_kernel writing ``dtype`` over ``vectors`` 16-element vectors
+    (a thread each, looping past the grid's cap)."""
+    spec = module_spec(dtype)
+    name = template(FP8_DEQUANTIZE, spec.ctype)
+    grid = min(-(-vectors // _traits.ROW_KERNEL_THREADS), _ROW_BLOCKS_PER_SM * current_device().multiprocessors)
+    return Launch(name, get_kernel(spec, name), max(grid, 1), _traits.ROW_KERNEL_THREADS)
 
 
 def launch_preprocess(params, shape):
