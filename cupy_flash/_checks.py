@@ -116,12 +116,16 @@ def check_flag(name: str, value) -> bool:
     return bool(value)
 
 
-def check_backward_extras(shape: AttentionShape, q, do, o, lse, packed=None) -> None:
+def check_backward_extras(shape: AttentionShape, q, do, o, lse, packed=None, fp8: bool = False) -> None:
+    """do and o of q's shape and dtype (``fp8``: bfloat16, the FP8 forward's o), lse of the
+    forward's shape, float32."""
     for name, x in (("do", do), ("o", o)):
         if getattr(x, "ndim", None) != q.ndim or tuple(x.shape) != tuple(q.shape):
             raise ValueError(f"{name} has shape {tuple(getattr(x, 'shape', ()))} but q has shape {tuple(q.shape)}; "
                              "they must match")
-        if x.dtype != q.dtype:
+        if fp8 and x.dtype != bfloat16():
+            raise TypeError(f"{name} has dtype {x.dtype}; FP8 calls take it in bfloat16 (the FP8 forward's o)")
+        if not fp8 and x.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {x.dtype} but q has dtype {q.dtype}")
     if packed is None:
         expected, labels = (shape.batch, shape.heads, shape.seqlen_q), "(batch, heads, seqlen_q)"
@@ -274,22 +278,23 @@ def check_packed(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
     return shape, Packed(cu_q, cu_k, total_q, total_k, host_q, host_k)
 
 
-def prepare_qkv(q, k, v, softmax_scale, causal, features=None):
+def prepare_qkv(q, k, v, softmax_scale, causal, features=None, fp8: bool = False):
     """GPU views of q, k, v and their checked shape, scale and variant (``_features.Variant``, with
     its arrays on the GPU): the checks shared by the forward and backward entry points. ``features``
     are the feature keywords (window_size, softcap, alibi_slopes, sink, bias, cu_seqlens_q/k,
-    max_seqlen_q/k). For a packed batch the shape's seqlens are the longest sequence's."""
+    max_seqlen_q/k). For a packed batch the shape's seqlens are the longest sequence's. ``fp8``:
+    check_qkv's."""
     features = dict(features or {})
     packed_options = {name: features.pop(name, None) for name in PACKED_KEYWORDS}
     q, k, v = (as_gpu_array(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
     packed = None
     if packed_options["cu_seqlens_q"] is not None or packed_options["cu_seqlens_k"] is not None:
-        shape, packed = check_packed(q, k, v, **packed_options)
+        shape, packed = check_packed(q, k, v, fp8=fp8, **packed_options)
     else:
         for name in ("max_seqlen_q", "max_seqlen_k"):
             if packed_options[name] is not None:
                 raise ValueError(f"{name} is only meaningful with cu_seqlens_q and cu_seqlens_k (packed batches)")
-        shape = check_qkv(q, k, v)
+        shape = check_qkv(q, k, v, fp8=fp8)
     scale = check_softmax_scale(softmax_scale, shape.head_dim)
     causal = check_flag("causal", causal)
     for name in ("alibi_slopes", "sink", "bias"):

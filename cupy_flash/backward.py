@@ -23,8 +23,10 @@ from ._launch import (
 )
 from ._params import PointerRecord, make_params
 from ._streams import STREAM_DOC, on_stream, record_kernel_arrays
+from .backward_fp8 import dequantized_call
 from .families import rows
 from .forward import _plan_key as forward_plan_key
+from .forward_fp8 import is_fp8_call
 
 
 def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, deterministic=False,
@@ -44,6 +46,10 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
     The variant keywords (window_size, softcap, alibi_slopes, sink, bias, cu_seqlens_q/k,
     max_seqlen_q/k) must be those of the forward. With MQA/GQA, dk and dv sum the gradients of
     each K/V head's group of query heads.
+
+    FP8 inputs (q, k, v as ``flash_forward`` took them: uint8 bits of e4m3 with ``q_descale``,
+    ``k_descale``, ``v_descale``; do, o bfloat16) give the gradients of attention over the
+    dequantised inputs, in bfloat16; the products run on bfloat16 tensor cores (docs/fp8.md).
 
     Returns ``(dq, dk, dv)`` with the shapes and dtype of q, k, v; with ``sink`` also dsink
     (float32, like sink); with ``return_dbias=True`` (and a bias) last dbias, the gradient of the
@@ -71,6 +77,8 @@ def backward_into(out, do, q, k, v, o, lse, *, softmax_scale=None, causal=False,
     """flash_backward writing dq, dk, dv into ``out`` = (dq, dk, dv), C-contiguous GPU arrays like
     q, k, v on q's device (None: allocated): the adapters hand over their framework's buffers.
     dsink and dbias, where asked for, are allocated as in flash_backward."""
+    if is_fp8_call(q, features):   # the bfloat16 backward on the dequantised inputs (backward_fp8)
+        (q, k, v), features = dequantized_call(do, q, k, v, o, lse, softmax_scale, causal, return_dbias, features)
     key = _plan_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic) \
         if not features and return_dbias is False else None
     if key is not None:

@@ -13,7 +13,6 @@ import numpy
 
 from . import _checks, _tma, _traits, families
 from ._dtypes import bfloat16
-from ._features import check_variant
 from ._launch import Packed, TileCounters, cached, current_stream, kept
 from ._params import PointerRecord, make_params
 from ._streams import record_kernel_arrays
@@ -62,21 +61,7 @@ def forward_fp8(out, q, k, v, softmax_scale, causal, features: dict):
 def _checked_plan(q, k, v, softmax_scale, causal, descales: dict, features: dict):
     """(plan, q, k, v kernel-ready) of an FP8 call whose FP8 data check_fp8_call passed: its shapes,
     scale, variant and device checked."""
-    packed_options = {name: features.pop(name, None) for name in _checks.PACKED_KEYWORDS}
-    packed = None
-    if packed_options["cu_seqlens_q"] is not None or packed_options["cu_seqlens_k"] is not None:
-        shape, packed = _checks.check_packed(q, k, v, fp8=True, **packed_options)
-    else:
-        for name in ("max_seqlen_q", "max_seqlen_k"):
-            if packed_options[name] is not None:
-                raise ValueError(f"{name} is only meaningful with cu_seqlens_q and cu_seqlens_k (packed batches)")
-        shape = _checks.check_qkv(q, k, v, fp8=True)
-    scale = _checks.check_softmax_scale(softmax_scale, shape.head_dim)
-    causal = _checks.check_flag("causal", causal)
-    if features.get("sink") is not None:
-        features["sink"] = _checks.as_gpu_array("sink", features["sink"])
-    variant = check_variant(shape.batch, shape.heads, causal, seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k, packed=packed,
-                            **features)
+    q, k, v, shape, scale, variant = _checks.prepare_qkv(q, k, v, softmax_scale, causal, features, fp8=True)
     with q.device:
         _checks.same_device(q=q, k=k, v=v, **{name: x for name, x in descales.items() if not isinstance(x, numpy.ndarray)})
         device = families.current_device()
@@ -149,7 +134,7 @@ class Fp8ForwardPlan:
         if out is not None:
             out = (_checks.output_buffer("o", out[0], q.shape, bfloat16(), q.data.device_id),
                    _checks.output_buffer("lse", out[1], self.lse_shape, "float32", q.data.device_id))
-        q_descale, k_descale, v_descale = _descales_on_device(descales)
+        q_descale, k_descale, v_descale = descales_on_device(descales)
         if q_descale.shape[1] != shape.heads:   # per K/V head: each query head of its group takes it
             q_descale = cupy.repeat(q_descale, shape.group, axis=1)
         o, lse = out if out is not None else (cupy.empty(q.shape, dtype=bfloat16()),
@@ -173,7 +158,7 @@ class Fp8ForwardPlan:
         return o, lse
 
 
-def _descales_on_device(descales: dict) -> tuple:
+def descales_on_device(descales: dict) -> tuple:
     """The three descales as contiguous float32 GPU arrays, in DESCALES' order. Host ones go up in
     one copy from pinned memory, which does not wait for the stream (a copy from pageable memory
     does: it held each call until the GPU had finished the last)."""

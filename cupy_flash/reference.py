@@ -510,20 +510,26 @@ def _fp8_output(V, extras, xp):
 
 
 def _fp8_backward(do, q, k, v, softmax_scale, causal, features):
-    """Gradients as the FP8 backward rounds: dV = P^T dO with P in bfloat16, dP = dO V^T, delta from
-    the FP8 forward's o (bfloat16), dS = P (dP - delta) in e4m3 with a scale per 128 x 128 tile
-    (fp8.round_fp8_tiles) as the operand of dQ = scale dS K and dK = scale dS^T Q; GQA sums exact,
-    then every gradient rounded to bfloat16 (dsink float32)."""
+    """Gradients as the FP8 backward computes them (docs/fp8.md, "The backward"): the bfloat16
+    backward over q, k, v (their dequantised values) rounded to bfloat16, given the FP8 forward's
+    lse and o. P = exp(scale q k^T - lse) on the rounded operands with the forward's lse (of the
+    exact scores), delta = rowsum(dO o) with the forward's o (P x 2^8 in e4m3); P and dS = P (dP -
+    delta) rounded to bfloat16 as the operands of dV = P^T dO, dQ = scale dS K and dK = scale dS^T
+    Q; dP, the products and GQA's group sums exact (float32 and better in the kernels); every
+    gradient rounded to bfloat16 once (dsink float32)."""
     from ._dtypes import bfloat16
-    from .fp8 import round_fp8_tiles
 
-    _, _, xp, scale, Q, K, V, P, _, extras = _softmax_parts(q, k, v, softmax_scale, causal, True, **features)
+    _, _, xp, scale, _, _, V, _, lse, extras = _softmax_parts(q, k, v, softmax_scale, causal, True, **features)
     rnd = lambda a: round_to_dtype(a, bfloat16(), xp).astype(xp.float64)   # noqa: E731
-    dO = _bhnd(_to_float(do, xp, xp.float64))
     O = _fp8_output(V, extras, xp).astype(xp.float64)
+    _, _, _, _, Q, K, V, P, lse_rounded, _ = _softmax_parts(*(rnd(x) for x in (q, k, v)), softmax_scale, causal, True,
+                                                            **features)
+    finite = xp.isfinite(lse)
+    P = P * xp.where(finite, xp.exp(lse_rounded - xp.where(finite, lse, 0.0)), 0.0)[..., None]   # exp(s - forward's lse)
+    dO = _bhnd(_to_float(do, xp, xp.float64))
     delta = (dO * O).sum(axis=-1, keepdims=True)
     dV = rnd(P).swapaxes(-1, -2) @ dO
-    dS = round_fp8_tiles(P * (dO @ V.swapaxes(-1, -2) - delta), "e4m3")
+    dS = rnd(P * (dO @ V.swapaxes(-1, -2) - delta))
     dQ, dK = scale * (dS @ K), scale * (dS.swapaxes(-1, -2) @ Q)
     group = Q.shape[1] // k.shape[2]
     if group > 1:

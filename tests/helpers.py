@@ -320,6 +320,26 @@ def gradient_term_scales(do, q, k, v, softmax_scale=None, causal=False, o=None, 
     return scales
 
 
+def packed_gradient_term_scales(batch: int, do, q, k, v, o, opts) -> dict:
+    """gradient_term_scales of each sequence, combined: the largest of each (dsink's delta term,
+    a sum over the batch, in quadrature)."""
+    from cupy_flash.reference import features_of_sequence
+
+    cu_q, cu_k = (numpy.asarray(opts[n].get()) for n in ("cu_seqlens_q", "cu_seqlens_k"))
+    dense = {n: x for n, x in opts.items() if not n.startswith(("cu_", "max_"))}
+    combined = {}
+    for b in range(batch):
+        rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if rq.start == rq.stop or rk.start == rk.stop:
+            continue
+        scales = gradient_term_scales(do[None, rq], q[None, rq], k[None, rk], v[None, rk], o=o[None, rq],
+                                      **features_of_sequence(dense, b))
+        for name, value in scales.items():
+            before = combined.get(name, 0.0)
+            combined[name] = math.hypot(before, value) if name == "delta:dsink" else max(before, value)
+    return combined
+
+
 def low_precision_outputs(q, k, v, **options) -> tuple:
     """The two dense low-precision forms of o and of lse, ((o_dense, o_flash), (lse_dense,
     lse_flash)), for check_error_rule: the forward's P is rounded once in either form, and on an

@@ -28,6 +28,7 @@ from helpers import (
     low_precision_gradients,
     low_precision_outputs,
     max_finite_abs,
+    packed_gradient_term_scales,
     poisoned_allocations,
     random_array,
     requires_gpu,
@@ -403,7 +404,7 @@ def test_packed_batches_match_reference(path, p, deterministic):
     exact = attention_reference_backward(do, q, k, v, **opts)
     low = low_precision_gradients(do, q, k, v, **opts)
     assert len(grads) == len(exact)
-    term_scales = _packed_term_scales(p, do, q, k, v, o, opts)
+    term_scales = packed_gradient_term_scales(p["batch"], do, q, k, v, o, opts)
     for name, ours, x, e, lo in zip(("dq", "dk", "dv", "dsink"), grads, (q, k, v, None), exact, low):
         if x is not None:
             assert ours.shape == x.shape and ours.dtype == x.dtype
@@ -411,26 +412,6 @@ def test_packed_batches_match_reference(path, p, deterministic):
         check_error_rule(name, ours, e, lo, context, lse_magnitude,
                          float(abs(e).max()) * max(p["lens_q"] + p["lens_k"]) if name == "dsink" else
                          term_scales.get(name, 0.0), term_scales.get("delta:" + name, 0.0))
-
-
-def _packed_term_scales(p, do, q, k, v, o, opts) -> dict:
-    """gradient_term_scales of each sequence, combined: the largest of each (dsink's delta term,
-    a sum over the batch, in quadrature)."""
-    from cupy_flash.reference import features_of_sequence
-
-    cu_q, cu_k = (numpy.asarray(opts[n].get()) for n in ("cu_seqlens_q", "cu_seqlens_k"))
-    dense = {n: x for n, x in opts.items() if not n.startswith(("cu_", "max_"))}
-    combined = {}
-    for b in range(p["batch"]):
-        rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
-        if rq.start == rq.stop or rk.start == rk.stop:
-            continue
-        scales = gradient_term_scales(do[None, rq], q[None, rq], k[None, rk], v[None, rk], o=o[None, rq],
-                                      **features_of_sequence(dense, b))
-        for name, value in scales.items():
-            before = combined.get(name, 0.0)
-            combined[name] = math.hypot(before, value) if name == "delta:dsink" else max(before, value)
-    return combined
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)

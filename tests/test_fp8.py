@@ -151,8 +151,9 @@ def _dequantized(arrays, descales):
 def test_fp8_reference_reads_the_dequantised_values_and_rounds_as_the_scheme(options):
     """upcast=True: float64 attention over the dequantised inputs, the accuracy rule's exact. With
     upcast=False and rounding='fp8': P x 2^8 rounded to e4m3 as the P V operand, o in bfloat16;
-    the backward's dS rounded per 128 x 128 tile, gradients in bfloat16. Its errors sit where the
-    study (docs/fp8.md) puts them: a few percent, far above bf16's, far below 1."""
+    the backward in bfloat16 over the rounded dequantised inputs and the FP8 forward's o,
+    gradients in bfloat16. Its errors sit where the study (docs/fp8.md) puts them: a few
+    percent (o; the gradients through delta), far above bf16's, far below 1."""
     rng = numpy.random.default_rng(8)
     arrays, descales = _fp8_call(rng)
     values = _dequantized(arrays, descales)
@@ -185,6 +186,32 @@ def test_fp8_reference_forward_is_the_formula():
     expected = (operand @ v / p.sum(axis=1, keepdims=True)).astype(numpy.float32).astype(ml_dtypes.bfloat16)
     o, _ = cupy_flash.attention_reference(*arrays, **descales, upcast=False, rounding="fp8")
     assert numpy.array_equal(o[0, :, 0], expected.astype(numpy.float32))
+
+
+def test_fp8_reference_backward_is_the_formula():
+    """The backward's FP8 form (docs/fp8.md, "The backward") written out here for one head."""
+    rng = numpy.random.default_rng(11)
+    arrays, descales = _fp8_call(rng, (1, 40, 1, 16), heads_kv=1, seqlen_k=50)
+    exact = [x[0, :, 0] for x in _dequantized(arrays, descales)]
+    q, k, v = (bf16(x) for x in exact)
+    s = exact[0] @ exact[1].T / 4.0
+    lse = numpy.log(numpy.exp(s - s.max(axis=1, keepdims=True)).sum(axis=1, keepdims=True)) + s.max(axis=1, keepdims=True)
+    o, _ = cupy_flash.attention_reference(*arrays, **descales, upcast=False, rounding="fp8")
+    do = bf16(rng.standard_normal((1, 40, 1, 16)))
+    p = numpy.exp(q @ k.T / 4.0 - lse)   # the rounded operands' scores, the forward's lse
+    ds = bf16(p * (do[0, :, 0] @ v.T - (do[0, :, 0] * o[0, :, 0]).sum(axis=1, keepdims=True)))
+    expected = [bf16(ds @ k / 4.0), bf16(ds.T @ q / 4.0), bf16(bf16(p).T @ do[0, :, 0])]
+    grads = cupy_flash.attention_reference_backward(do.astype(ml_dtypes.bfloat16), *arrays, **descales, upcast=False,
+                                                    rounding="fp8")
+    for name, ours, want in zip(("dq", "dk", "dv"), grads, expected):
+        # the same roundings: equal but where a sum taken in another order lands a value past a tie
+        assert numpy.mean(ours[0, :, 0] == want) > 0.95, name
+        assert numpy.allclose(ours[0, :, 0], want, rtol=2**-7, atol=1e-6 * abs(want).max()), name
+
+
+def bf16(x):
+    """float64 x rounded to bfloat16 (through float32, as the kernels round), as float64."""
+    return numpy.asarray(x, dtype=numpy.float32).astype(ml_dtypes.bfloat16).astype(numpy.float64)
 
 
 def test_fp8_reference_packed_batch_equals_its_sequences():

@@ -1,5 +1,7 @@
-"""GPU (Hopper): the FP8 forward against float64 attention over the dequantised inputs, with the 2x
-rule against the reference that rounds as the FP8 scheme does (docs/fp8.md), and its argument checks.
+"""GPU (Hopper): the FP8 forward and backward against float64 attention over the dequantised inputs,
+with the 2x / 3x rule against the reference that rounds as the FP8 scheme does (docs/fp8.md), and
+their argument checks. The backward runs on both kernel paths (its products are the bfloat16
+backward's).
 
 Inputs are quantised by quantize_fp8 (per (batch, head)), sometimes with 0.1% outliers and the
 Hadamard rotation; outputs are NaN-poisoned, and so is V^T's buffer (its padding must be written)."""
@@ -8,13 +10,18 @@ import ml_dtypes
 import numpy
 import pytest
 from helpers import (
+    KERNEL_PATHS,
     check_error_rule,
     count_example,
+    gradient_term_scales,
     jax_on_gpu,
+    kernel_path,
     launched_family,
     launched_kernels,
     max_finite_abs,
+    packed_gradient_term_scales,
     poisoned_allocations,
+    random_array,
     requires_hopper,
     torch_on_gpu,
 )
@@ -22,7 +29,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import cupy_flash
-from cupy_flash import attention_reference, families, quantize_fp8
+from cupy_flash import attention_reference, attention_reference_backward, families, quantize_fp8
 from cupy_flash.fp8 import dequantize_fp8, hadamard_rotation
 
 pytestmark = requires_hopper
@@ -152,6 +159,58 @@ def test_fp8_forward_matches_reference(p):
     check_fp8_forward(p)
 
 
+def check_fp8_backward(context, path, q8, k8, v8, opts, o, lse, do, score_error, term_scales):
+    """flash_backward on the FP8 forward's o and lse on kernel path ``path``: dq, dk, dv (and dsink)
+    in bfloat16 against float64 over the dequantised inputs, 3x the FP8 reference's error. The
+    floors: the forward's lse off by score_error (its truncated accumulation: every P moves by that
+    factor) and delta from the kernel's o, not the reference's (gradient_term_scales' delta terms)."""
+    with poisoned_allocations(), kernel_path(path), families.recording() as launched:
+        grads = cupy_flash.flash_backward(do, q8, k8, v8, o, lse, **opts)
+    kernels = launched_kernels(launched)
+    assert kernels[:3] == ["fp8_dequantize_kernel<fa_bf16>"] * 3, kernels
+    assert launched[1][0] == ("backward_sm90" if path == "hopper" else "backward_tc"), launched
+    exact = attention_reference_backward(do, q8, k8, v8, **opts)
+    low = attention_reference_backward(do, q8, k8, v8, upcast=False, rounding="fp8", **opts)
+    assert len(grads) == len(exact) == len(low)
+    context += f" kernels={path}"
+    for name, ours, x, e, lo in zip(("dq", "dk", "dv", "dsink"), grads, (q8, k8, v8, None), exact, low):
+        if x is not None:
+            assert ours.shape == x.shape and ours.dtype == numpy.dtype(ml_dtypes.bfloat16), (name, ours.dtype)
+        term = float(abs(e).max()) * q8.shape[0] * q8.shape[1] if name == "dsink" else term_scales.get(name, 0.0)
+        check_error_rule(f"fp8 {name}", ours, e, lo, context, 0.0, 2.0**24 * 2 * score_error * term,
+                         term_scales.get("delta:" + name, 0.0), factor=3.0)
+
+
+def dequantised_arrays(q8, k8, v8, descales):
+    """q, k, v as float32 values (the inputs the gradients are of), for gradient_term_scales."""
+    import cupy
+
+    return tuple(cupy.asarray(dequantize_fp8(x, _per_head(descales[f"{n}_descale"], x.shape[-2])), dtype=cupy.float32)
+                 for n, x in zip("qkv", (q8, k8, v8)))
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+@given(fp8_problems())
+@settings(deadline=None, max_examples=40)
+@example(BASE)
+@example(dict(BASE, seqlen_q=300, seqlen_k=1000, heads_kv=2, group=3, head_dim=256, causal=True, seed=2))
+@example(dict(BASE, batch=2, seqlen_q=129, seqlen_k=257, head_dim=128, outliers=True, rotate=True, seed=3,
+              features={"window_size": (100, 20), "sink": [0.5]}))
+@example(dict(BASE, seqlen_q=500, seqlen_k=33, head_dim=64, causal=True, logit_std=6.0, q_descale_per_kv_head=True,
+              seed=4))
+def test_fp8_backward_matches_reference(path, p):
+    count_example("fp8_backward_matches_reference")
+    q8, k8, v8, descales = _inputs(p)
+    opts = _options(p, descales)
+    o, lse = cupy_flash.flash_forward(q8, k8, v8, **opts)
+    score_error = FP8_ACCUMULATION * -(-p["head_dim"] // 32) * largest_score_magnitude(q8, k8, descales, p["head_dim"])
+    rng = numpy.random.default_rng(p["seed"] + 1)
+    do = random_array(rng, q8.shape, "bfloat16")
+    features = {n: x for n, x in opts.items() if not n.endswith("_descale")}
+    term_scales = gradient_term_scales(do, *dequantised_arrays(q8, k8, v8, descales), o=o, **features)
+    check_fp8_backward(describe(p), path, q8, k8, v8, opts, o, lse, do, score_error, term_scales)
+
+
 def _bad_calls():
     """(label, change to a good call's keywords, the error type, words its message must hold)."""
     import cupy
@@ -183,6 +242,46 @@ def test_fp8_bad_input_raises_before_any_launch(case):
     call = {name: value for name, value in call.items() if value is not None}
     with families.recording() as launched, pytest.raises(error) as raised:
         cupy_flash.flash_forward(call.pop("q"), call.pop("k"), call.pop("v"), **call)
+    assert words in str(raised.value), (label, str(raised.value))
+    assert launched == [], label
+
+
+def _bad_backward_calls():
+    """(label, change to a good backward call's keywords, the error type, words its message must hold)."""
+    import cupy
+
+    return [
+        ("fp16 do", dict(do="float16"), TypeError, "do has dtype"),
+        ("float32 o", dict(o="float32"), TypeError, "o has dtype"),
+        ("bf16 k", dict(k="bfloat16"), TypeError, "k has dtype"),
+        ("missing v_descale", dict(v_descale=None), ValueError, "v_descale is missing"),
+        ("misshapen q_descale", dict(q_descale=cupy.ones((3, 1), cupy.float32)), ValueError, "q_descale has shape"),
+        ("softcap", dict(softcap=1.5), ValueError, "softcap is not supported with FP8"),
+        ("return_dbias", dict(return_dbias=True), ValueError, "return_dbias"),
+        ("short lse", dict(lse="short"), ValueError, "lse has shape"),
+        ("typo", dict(window=(4, 4)), TypeError, "window"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_fp8_backward_bad_input_raises_before_any_launch(case):
+    import cupy
+
+    label, change, error, words = _bad_backward_calls()[case]
+    q8, k8, v8, descales = _inputs(dict(BASE, seqlen_q=5, seqlen_k=7, head_dim=32))
+    o, lse = cupy_flash.flash_forward(q8, k8, v8, **descales)
+    call = dict(do=o.copy(), q=q8, k=k8, v=v8, o=o, lse=lse, **descales)
+    for name, value in change.items():
+        if isinstance(value, str) and value == "short":
+            value = lse[:, :, :-1]
+        elif isinstance(value, str):
+            value = cupy.zeros(call[name].shape, dtype=cupy.float32).astype(
+                ml_dtypes.bfloat16 if value == "bfloat16" else value)
+        call[name] = value
+    call = {name: value for name, value in call.items() if value is not None}
+    arrays = [call.pop(name) for name in ("do", "q", "k", "v", "o", "lse")]
+    with families.recording() as launched, pytest.raises(error) as raised:
+        cupy_flash.flash_backward(*arrays, **call)
     assert words in str(raised.value), (label, str(raised.value))
     assert launched == [], label
 
@@ -309,13 +408,14 @@ def _packed_inputs(p):
     return q8, k8, v8, dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale), cu
 
 
+@pytest.mark.parametrize("path", KERNEL_PATHS)
 @given(fp8_packed_problems())
-@settings(deadline=None, max_examples=40)
+@settings(deadline=None, max_examples=25)
 @example(dict(lens_q=[70, 0, 200], lens_k=[45, 9, 130], heads_kv=2, group=2, head_dim=128, causal=True, window=None,
               sink=True, seed=1))
 @example(dict(lens_q=[1, 33], lens_k=[0, 65], heads_kv=1, group=1, head_dim=256, causal=False, window=(50, 10),
               sink=False, seed=2))
-def test_fp8_packed_batches_match_reference(p):
+def test_fp8_packed_batches_match_reference(path, p):
     import cupy
 
     count_example("fp8_packed_batches_match_reference")
@@ -342,6 +442,22 @@ def test_fp8_packed_batches_match_reference(p):
                                                    .ravel() for b in range(len(p["lens_k"]))]))
     check_error_rule("fp8 packed o", o, o_exact, o_fp8, context, lse_magnitude, 2.0**24 * score_error * 2 * v_magnitude)
     check_error_rule("fp8 packed lse", lse, lse_exact, lse_fp8, context, lse_magnitude, 2.0**24 * score_error)
+    do = random_array(numpy.random.default_rng(p["seed"] + 1), q8.shape, "bfloat16")
+    values = [packed_dequantised(x, descales[f"{n}_descale"], lengths)
+              for n, x, lengths in zip("qkv", (q8, k8, v8), (p["lens_q"], p["lens_k"], p["lens_k"]))]
+    features = {n: x for n, x in opts.items() if not n.endswith("_descale")}
+    term_scales = packed_gradient_term_scales(len(p["lens_q"]), do, *values, o, features)
+    check_fp8_backward(context, path, q8, k8, v8, opts, o, lse, do, score_error, term_scales)
+
+
+def packed_dequantised(x8, descale, lengths):
+    """A packed FP8 array's float32 values: each token times its sequence's (and head's) descale."""
+    import cupy
+
+    from cupy_flash.fp8 import decode_fp8
+
+    per_token = _per_head(numpy.repeat(cupy.asnumpy(descale), lengths, axis=0), x8.shape[1])
+    return cupy.asarray(decode_fp8(x8) * cupy.asarray(per_token)[:, :, None], dtype=cupy.float32)
 
 
 def _expected_for_frameworks():
