@@ -7,7 +7,8 @@ error on a machine without a compute capability 9.0 GPU.
     compute-sanitizer --tool racecheck python bench/sanitize_sm90.py [backward | fp8]
 
 With `backward`, only the backward's calls (the forward's still run to give them O and lse); with
-`fp8`, only the FP8 forward's.
+`fp8`, only the FP8 calls' (the forward's, and the backward's: the dequantisation, then the bf16
+backward).
 """
 
 # ruff: noqa: E402 - the imports follow the help guard, which must run first
@@ -67,7 +68,11 @@ if part in ("all", "fp8"):
             fp8 = [cupy_flash.quantize_fp8(array(shape, numpy.float32)) for shape in ((2, 300, 40, d), (2, 150, 8, d),
                                                                                       (2, 150, 8, d))]
             (q8, qd), (k8, kd), (v8, vd) = fp8
-            cupy_flash.flash_forward(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+            o, lse = cupy_flash.flash_forward(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+            with families.use_kernels("experimental"):   # GQA: q's descales per query head, then per K/V head
+                cupy_flash.flash_backward(o, q8, k8, v8, o, lse, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+                cupy_flash.flash_backward(o, q8, k8, v8, o, lse, causal=causal, q_descale=kd,
+                                          k_descale=kd, v_descale=vd)
     cupy_flash.flash_forward(q8[:, :100], k8[:, :37], v8[:, :37], window_size=(20, 3), sink=cupy.zeros(40, cupy.float32),
                              q_descale=qd, k_descale=kd, v_descale=vd)
     # A packed batch with an empty sequence, keys off every 32-key group (V^T per sequence).
@@ -77,8 +82,11 @@ if part in ("all", "fp8"):
         q8 = cupy.asarray(rng.integers(0, 120, (sum(lens_q), 4, d)), dtype=cupy.uint8)
         k8 = cupy.asarray(rng.integers(0, 120, (sum(lens_k), 2, d)), dtype=cupy.uint8)
         ones_q, ones_k = cupy.ones((3, 4), cupy.float32), cupy.ones((3, 2), cupy.float32)
-        cupy_flash.flash_forward(q8, k8, k8, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, q_descale=ones_q,
-                                 k_descale=ones_k, v_descale=ones_k)
+        o, lse = cupy_flash.flash_forward(q8, k8, k8, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, q_descale=ones_q,
+                                          k_descale=ones_k, v_descale=ones_k)
+        with families.use_kernels("experimental"):
+            cupy_flash.flash_backward(o, q8, k8, k8, o, lse, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                      q_descale=ones_q, k_descale=ones_k, v_descale=ones_k)
 # The Hopper backward (kernels_cu/backward_sm90.cu; opted into with CUPY_FLASH_KERNELS=experimental):
 # every head-dim tile (96 pads to 128, 192 to 256: the head-dim split), key blocks past the
 # sequence, GQA, a window, packed batches.
