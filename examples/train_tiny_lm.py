@@ -3,12 +3,15 @@
     python examples/train_tiny_lm.py                      # 300 steps, then the same run with dense attention
     python examples/train_tiny_lm.py --steps 100 --out /tmp/lm
     python examples/train_tiny_lm.py --dtype bfloat16     # attention in bfloat16 (tensor-core kernels)
+    python examples/train_tiny_lm.py --attention fp8 --steps 1000   # FP8 attention against bf16 (Hopper)
 
 Character-level, on examples/data/tiny_corpus.txt: token + position embeddings, 2 pre-norm blocks
 (RMSNorm, causal multi-head attention through cupy_flash, a ReLU MLP), a final RMSNorm and an output
 projection; cross-entropy loss; every gradient written by hand; Adam. The run is repeated with the
 dense float64 reference attention (cupy_flash.attention_reference and its backward) from the same
-initial weights and batches: the two loss curves should lie on each other. Writes loss_curves.json
+initial weights and batches: the two loss curves should lie on each other. With --attention fp8, the
+two runs are FP8 attention (q, k, v quantised per (batch, head), the FP8 forward and backward) and
+bfloat16 attention, from the same weights and batches. Writes loss_curves.json
 and loss_curves.png (with matplotlib, if installed) under --out. Needs an NVIDIA GPU and CuPy.
 """
 
@@ -44,6 +47,23 @@ class FlashAttention:
     def backward(self, do, saved):
         q, k, v, o, lse = saved
         grads = cupy_flash.flash_backward(to_dtype(do, self.dtype), q, k, v, o, lse, causal=True)
+        return [to_float32(g) for g in grads]
+
+
+class Fp8Attention:
+    """cupy_flash on FP8 (Hopper): q, k, v quantised to e4m3 with a descale per (batch, head)
+    (quantize_fp8), the FP8 forward, and flash_backward's gradients of attention over the
+    dequantised inputs, taken straight through the quantisation to the float32 q, k, v."""
+
+    def forward(self, q, k, v):
+        (q8, q_descale), (k8, k_descale), (v8, v_descale) = (cupy_flash.quantize_fp8(x) for x in (q, k, v))
+        descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+        o, lse = cupy_flash.flash_forward(q8, k8, v8, causal=True, **descales)
+        return to_float32(o), (q8, k8, v8, o, lse, descales)
+
+    def backward(self, do, saved):
+        q8, k8, v8, o, lse, descales = saved
+        grads = cupy_flash.flash_backward(to_dtype(do, "bfloat16"), q8, k8, v8, o, lse, causal=True, **descales)
         return [to_float32(g) for g in grads]
 
 
@@ -196,21 +216,31 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                         help="attention's input dtype (the model stays float32)")
+    parser.add_argument("--attention", default="flash", choices=["flash", "fp8"],
+                        help="flash: cupy_flash in --dtype against the dense reference; fp8: FP8 against bfloat16")
     parser.add_argument("--out", default=os.path.join(HERE, "out"))
     args = parser.parse_args()
     require_gpu("train_tiny_lm")   # one line and exit status 1 where there is none
     with open(os.path.join(HERE, "data", "tiny_corpus.txt")) as f:
         text = f.read()
     curves = {}
-    for name, attention in (("flash", FlashAttention(args.dtype)), ("dense reference", DenseAttention())):
+    if args.attention == "fp8":
+        runs = (("fp8", Fp8Attention(), "cupy_flash FP8 attention (e4m3 q, k, v)"),
+                ("bfloat16", FlashAttention("bfloat16"), "cupy_flash bfloat16 attention"))
+    else:
+        runs = (("flash", FlashAttention(args.dtype), "cupy_flash attention"),
+                ("dense reference", DenseAttention(), "dense float64 reference attention"))
+    for name, attention, _ in runs:
         print(f"{name} attention:", flush=True)
         started = time.time()
         curves[name] = train(text, attention, args)
         print(f"  {args.steps} steps in {time.time() - started:.1f} s", flush=True)
-    flash, dense = numpy.array(curves["flash"]), numpy.array(curves["dense reference"])
+    (first, _, first_label), (second, _, second_label) = runs
+    ours, baseline = numpy.array(curves[first]), numpy.array(curves[second])
     tail = max(1, args.steps // 10)
-    print(f"loss: first {flash[0]:.3f}, last {tail} steps {flash[-tail:].mean():.3f} (flash) / "
-          f"{dense[-tail:].mean():.3f} (dense); max |flash - dense| over the run {numpy.abs(flash - dense).max():.4f}")
+    print(f"loss: first {ours[0]:.3f}, last {tail} steps {ours[-tail:].mean():.4f} ({first}) / "
+          f"{baseline[-tail:].mean():.4f} ({second}), {ours[-tail:].mean() / baseline[-tail:].mean() - 1:+.2%}; "
+          f"max |{first} - {second}| over the run {numpy.abs(ours - baseline).max():.4f}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "loss_curves.json"), "w") as f:
         json.dump({"args": vars(args), **curves}, f)
@@ -223,8 +253,8 @@ def main():
         print("matplotlib not installed: loss_curves.json only")
         return
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(flash, label="cupy_flash attention", linewidth=2)
-    ax.plot(dense, label="dense float64 reference attention", linestyle="--")
+    ax.plot(ours, label=first_label, linewidth=2)
+    ax.plot(baseline, label=second_label, linestyle="--")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/char)")
     ax.set_title("tiny character LM, CuPy only, hand-written gradients")
