@@ -18,7 +18,7 @@ from ._dtypes import bfloat16
 from ._launch import Packed, current_stream
 from ._streams import record_kernel_arrays
 from .families import rows
-from .forward_fp8 import DESCALES, descales_on_device
+from .forward_fp8 import DESCALES, upload_descales
 from .fp8 import check_fp8_call
 
 # fp8_dequantize_kernel's parameters (tests/test_compile.py holds them equal): x, its batch, row and
@@ -48,19 +48,21 @@ def dequantized_call(do, q, k, v, o, lse, softmax_scale, causal, return_dbias, f
         _checks.same_device(q=q, k=k, v=v, do=do, o=o, lse=lse,
                             **{name: x for name, x in descales.items() if not isinstance(x, numpy.ndarray)})
         q, k, v = (_checks.kernel_ready(x) for x in (q, k, v))
-        on_device = descales_on_device(descales)
+        stream, capturing = current_stream()
+        uploaded = upload_descales(descales, shape.heads, stream, capturing)
         packed = variant.packed
         cu_seqlens = (None, None, None) if packed is None else (packed.cu_seqlens_q, packed.cu_seqlens_k, packed.cu_seqlens_k)
-        dequantised, launches = zip(*(_dequantize(x, descale, cu, shape.batch)
-                                      for x, descale, cu in zip((q, k, v), on_device, cu_seqlens)))
-        record_kernel_arrays((q, k, v) + tuple(on_device) + dequantised)
-        stream, _ = current_stream()
+        dequantised, launches = zip(*(_dequantize(x, descale_at, cu, shape.batch)
+                                      for x, descale_at, cu in zip((q, k, v), uploaded.addresses, cu_seqlens)))
+        record_kernel_arrays((q, k, v) + uploaded.held + dequantised)
         Packed(tuple(launch for launch, _ in launches), stream, ("rows", tuple(name for _, name in launches))).run()
+        uploaded.launched(stream)
     return tuple(dequantised), features
 
 
-def _dequantize(x, descale, cu_seqlens, sequences: int) -> tuple:
-    """(a new bfloat16 array for x dequantised, (the launch writing it as Packed takes it, its kernel's name))."""
+def _dequantize(x, descale_at: int, cu_seqlens, sequences: int) -> tuple:
+    """(a new bfloat16 array for x dequantised with its descales (float32 per (batch, head) of x) at
+    ``descale_at``, (the launch writing it as Packed takes it, its kernel's name))."""
     import cupy
 
     out = cupy.empty(x.shape, dtype=bfloat16())
@@ -72,7 +74,6 @@ def _dequantize(x, descale, cu_seqlens, sequences: int) -> tuple:
         strides, cu = (0, *x.strides[:2]), cu_seqlens.data.ptr
     vectors = batch * row_count * heads * (head_dim // 16)
     launch = rows.dequantize_launch("bfloat16", vectors)
-    values = (x.data.ptr, *strides, batch, row_count, heads, head_dim, descale.data.ptr, descale.shape[1], cu, sequences,
-              out.data.ptr)
+    values = (x.data.ptr, *strides, batch, row_count, heads, head_dim, descale_at, heads, cu, sequences, out.data.ptr)
     arguments = tuple(kind(value) for kind, value in zip(DEQUANTIZE_PARAMETERS, values))
     return out, ((launch.kernel, launch.grid, launch.threads, 0, arguments, False), launch.name)

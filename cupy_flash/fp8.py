@@ -302,11 +302,12 @@ def _check_descale_values(descales: dict) -> None:
     for name, descale in descales.items():
         by_library.setdefault(_xp(descale), []).append(name)
     for xp, names in by_library.items():
-        joined = xp.concatenate([xp.ravel(descales[name]) for name in names])
+        # in float32, as the kernels read them (a float64 value past float32's range is refused)
+        joined = xp.concatenate([xp.ravel(descales[name]) for name in names]).astype(xp.float32)
         if bool(xp.all(xp.isfinite(joined) & (joined > 0))):
             continue
         for name in names:
-            descale = descales[name]
+            descale = descales[name].astype(xp.float32)
             if not bool(xp.all(xp.isfinite(descale) & (descale > 0))):
                 raise ValueError(f"{name} holds a value that is not finite and positive")
 

@@ -329,6 +329,13 @@ def test_fp8_repeated_calls_take_their_plan_and_check_the_descales_each_time():
     with families.recording() as launched, pytest.raises(ValueError, match="k_descale holds a value"):
         cupy_flash.flash_forward(q8, k8, v8, causal=True, **bad)
     assert launched == []
+    # host descales on the short path: a value to refuse sends the call to the checks, which name it
+    for name, value in (("q_descale", float("nan")), ("v_descale", 0.0), ("k_descale", 1e300)):
+        bad = dict(host, **{name: numpy.full_like(host[name], value, dtype=numpy.float64)})
+        cupy_flash.flash_forward(q8, k8, v8, causal=True, **dict(host, **{name: host[name].astype(numpy.float64)}))
+        with families.recording() as launched, pytest.raises(ValueError, match=f"{name} holds a value"):
+            cupy_flash.flash_forward(q8, k8, v8, causal=True, **bad)
+        assert launched == [], name
 
 
 def as_float(o):
@@ -340,7 +347,7 @@ def as_float(o):
 def test_fp8_host_descales_go_up_without_waiting_and_buffers_are_reused_only_when_done():
     """Host descales reach the kernels through pinned buffers: a call queued behind long GPU work
     returns before that work ends, and its result equals the GPU descales' bitwise, for more calls
-    in flight than PinnedUploads keeps buffers."""
+    in flight than DescaleRing keeps slots."""
     import cupy
 
     from cupy_flash import forward_fp8
@@ -356,7 +363,7 @@ def test_fp8_host_descales_go_up_without_waiting_and_buffers_are_reused_only_whe
     matmuls_done = cupy.cuda.Event()
     matmuls_done.record()
     results = []
-    for i in range(forward_fp8.PinnedUploads.MAX_BUFFERS + 8):
+    for i in range(forward_fp8.DescaleRing.SLOTS + 8):
         factor = 2 ** (i % 3)   # O scales by it exactly
         results.append((factor, cupy_flash.flash_forward(q8, k8, v8, **dict(host, v_descale=host["v_descale"] * factor))[0]))
         if i == 0:
