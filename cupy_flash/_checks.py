@@ -137,6 +137,17 @@ def check_backward_extras(shape: AttentionShape, q, do, o, lse, packed=None, fp8
         raise TypeError(f"lse has dtype {lse.dtype}; expected float32 (as returned by flash_forward)")
 
 
+def backward_extras_key(ndarray: type, do, o, lse, deterministic) -> tuple | None:
+    """What the backward's checks and plan read of do, o, lse and deterministic (for the plan
+    caches' keys), or None where one is not an ``ndarray`` (a CuPy array)."""
+    if type(do) is not ndarray or type(o) is not ndarray or type(lse) is not ndarray:
+        return None
+    do_data, o_data, lse_data = do.data, o.data, lse.data
+    return (do.shape, do.strides, do.dtype, do_data.ptr % 16, do_data.device_id,
+            o.shape, o.strides, o.dtype, o_data.ptr % 16, o_data.device_id,
+            lse.shape, lse.strides, lse.dtype, lse_data.device_id, type(deterministic), deterministic)
+
+
 PACKED_KEYWORDS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
 FEATURE_KEYWORDS = ("window_size", "softcap", "alibi_slopes", "sink", "bias") + PACKED_KEYWORDS
 

@@ -8,7 +8,7 @@ import math
 
 import numpy
 
-from . import _checks, _launch, _tma, families
+from . import _checks, _launch, _tma, backward_fp8, families
 from ._features import broadcast_strides
 from ._launch import (
     Packed,
@@ -23,7 +23,6 @@ from ._launch import (
 )
 from ._params import PointerRecord, make_params
 from ._streams import STREAM_DOC, on_stream, record_kernel_arrays
-from .backward_fp8 import dequantized_call
 from .families import rows
 from .forward import _plan_key as forward_plan_key
 from .forward_fp8 import is_fp8_call
@@ -57,13 +56,17 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
     atomic adds, so ``deterministic=True`` with ``return_dbias`` needs a bias that broadcasts over
     no axis (every axis of size 1 is one of size 1 in (batch, heads_q, seqlen_q, seqlen_k) too).
     """
-    # A repeated plain call on CuPy arrays takes its checked plan (_plans) and launches (as flash_forward).
-    if stream is None and return_dbias is False and not features:
-        plan = _plans.get(_plan_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic))
-        if plan is not None:
-            result = plan.call(do, q, k, v, o, lse)
-            if result is not None:
-                return result
+    # A repeated plain call on CuPy arrays takes its checked plan (_plans) and launches (as
+    # flash_forward); a repeated FP8 one with host descales, its FP8 plan (backward_fp8).
+    if stream is None and return_dbias is False:
+        result = None
+        if not features:
+            plan = _plans.get(_plan_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic))
+            result = plan.call(do, q, k, v, o, lse) if plan is not None else None
+        elif is_fp8_call(q, features):
+            result = backward_fp8.repeated_call(do, q, k, v, o, lse, softmax_scale, causal, deterministic, features)
+        if result is not None:
+            return result
     return backward_into(None, do, q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal,
                          deterministic=deterministic, return_dbias=return_dbias, stream=stream, **features)
 
@@ -77,14 +80,21 @@ def backward_into(out, do, q, k, v, o, lse, *, softmax_scale=None, causal=False,
     """flash_backward writing dq, dk, dv into ``out`` = (dq, dk, dv), C-contiguous GPU arrays like
     q, k, v on q's device (None: allocated): the adapters hand over their framework's buffers.
     dsink and dbias, where asked for, are allocated as in flash_backward."""
+    fp8 = None   # an FP8 call: (its plan key, what keep_fp8_plan needs) where its plan may be kept
     if is_fp8_call(q, features):   # the bfloat16 backward on the dequantised inputs (backward_fp8)
-        (q, k, v), features = dequantized_call(do, q, k, v, o, lse, softmax_scale, causal, return_dbias, features)
+        fp8_key = backward_fp8.plan_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic, features) \
+            if return_dbias is False else None
+        (q, k, v), features, dequantisation, in_place = backward_fp8.dequantized_call(
+            do, q, k, v, o, lse, softmax_scale, causal, return_dbias, features)
+        fp8 = (fp8_key, dequantisation, q.shape[-2]) if fp8_key is not None and in_place else None
     key = _plan_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic) \
         if not features and return_dbias is False else None
     if key is not None:
         plan = _plans.get(key)
         if plan is not None and plan.device == plan.cuda.get_device():
             out = _check_gradient_outputs(out, q, k, v) if out is not None else None
+            if fp8 is not None:
+                backward_fp8.keep_plan(fp8[0], fp8[1], plan, fp8[2])
             return plan.run(dict(do=do, q=q, k=k, v=v, o=o, lse=lse), out)[0]
     _checks.check_no_extra_options("flash_backward", features)
     given = (do, q, k, v, o, lse)
@@ -114,6 +124,8 @@ def backward_into(out, do, q, k, v, o, lse, *, softmax_scale=None, causal=False,
         plan = backward_plan(arrays, shape, scale, variant, deterministic, dbias_layout)
         if key is not None and all(x is y for x, y in zip((do, q, k, v, o, lse), given)):   # checked, no copy made
             kept(_plans, key, plan)
+            if fp8 is not None:
+                backward_fp8.keep_plan(fp8[0], fp8[1], plan, fp8[2])
         grads, temporaries = plan.run(dict(do=do, q=q, k=k, v=v, o=o, lse=lse), (dq, dk, dv))
         if variant.sink is not None:
             # The sink's probability in row i is exp(sink - lse_i) and its dP is 0 (it carries no
@@ -143,13 +155,8 @@ _plans: dict = {}
 
 def _plan_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic):
     key = forward_plan_key(q, k, v, softmax_scale, causal)
-    ndarray = type(q)
-    if key is None or type(do) is not ndarray or type(o) is not ndarray or type(lse) is not ndarray:
-        return None
-    do_data, o_data, lse_data = do.data, o.data, lse.data
-    return key + (do.shape, do.strides, do.dtype, do_data.ptr % 16, do_data.device_id,
-                  o.shape, o.strides, o.dtype, o_data.ptr % 16, o_data.device_id,
-                  lse.shape, lse.strides, lse.dtype, lse_data.device_id, type(deterministic), deterministic)
+    extras = _checks.backward_extras_key(type(q), do, o, lse, deterministic) if key is not None else None
+    return None if extras is None else key + extras
 
 
 def _check_gradient_outputs(out, q, k, v):

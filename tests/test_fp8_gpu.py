@@ -338,6 +338,40 @@ def test_fp8_repeated_calls_take_their_plan_and_check_the_descales_each_time():
         assert launched == [], name
 
 
+def test_fp8_backward_repeated_calls_take_their_plan():
+    """A repeated FP8 backward with host descales takes its short path (backward_fp8's plan): the
+    checked route's gradients bitwise, new descale values included; a value to refuse still raises
+    before any launch; GPU descales take the checked route. (deterministic: bitwise comparable.)"""
+    import cupy
+
+    from cupy_flash import backward_fp8
+
+    q8, k8, v8, descales = _inputs(dict(BASE, batch=2, seqlen_q=200, seqlen_k=300, heads_kv=2, group=2, head_dim=64))
+    host = {name: cupy.asnumpy(x) for name, x in descales.items()}
+    o, lse = cupy_flash.flash_forward(q8, k8, v8, causal=True, **host)
+    do = random_array(numpy.random.default_rng(5), q8.shape, "bfloat16")
+    backward_fp8._plans.clear()
+    checked = cupy_flash.flash_backward(do, q8, k8, v8, o, lse, causal=True, deterministic=True, **host)
+    assert len(backward_fp8._plans) == 1
+    doubled = dict(host, q_descale=host["q_descale"] * 2)
+    for descale_set in (host, doubled):
+        backward_fp8._plans.clear()
+        expected = cupy_flash.flash_backward(do, q8, k8, v8, o, lse, causal=True, deterministic=True, **descale_set)
+        with poisoned_allocations(), families.recording() as launched:
+            short = cupy_flash.flash_backward(do, q8, k8, v8, o, lse, causal=True, deterministic=True, **descale_set)
+        assert launched_kernels(launched)[:3] == ["fp8_dequantize_kernel<fa_bf16>"] * 3
+        for x, y in zip(expected, short):
+            assert bool((x.view(numpy.uint16) == y.view(numpy.uint16)).all())
+    assert not bool((short[0].view(numpy.uint16) == checked[0].view(numpy.uint16)).all())   # dq moved with q_descale
+    bad = dict(host, k_descale=numpy.full_like(host["k_descale"], float("nan")))
+    with families.recording() as launched, pytest.raises(ValueError, match="k_descale holds a value"):
+        cupy_flash.flash_backward(do, q8, k8, v8, o, lse, causal=True, deterministic=True, **bad)
+    assert launched == []
+    gpu = cupy_flash.flash_backward(do, q8, k8, v8, o, lse, causal=True, deterministic=True, **descales)
+    for x, y in zip(checked, gpu):
+        assert bool((x.view(numpy.uint16) == y.view(numpy.uint16)).all())
+
+
 def as_float(o):
     import cupy
 
