@@ -238,9 +238,9 @@ class UploadedDescales(typing.NamedTuple):
 
 def upload_descales(descales: dict, heads: int, stream: int, capturing: bool) -> UploadedDescales:
     """Checked descales (check_fp8_call's) on the GPU for launches on the stream at ``stream``. Host
-    ones go up through this thread's DescaleRing, without waiting for the stream, unless it is
-    capturing a graph (a captured copy would read the pinned slot when replayed, rewritten by then:
-    there they go up in arrays of their own)."""
+    ones go up through this thread's DescaleRing, without waiting for the stream (on a capturing
+    stream the checks refuse them: a captured copy would read the pinned slot when replayed,
+    rewritten by then); GPU ones as contiguous float32 arrays, q's repeated per query head."""
     import cupy
 
     if not capturing and all(type(descales[name]) is numpy.ndarray for name in DESCALES):

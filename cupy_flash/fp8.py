@@ -291,16 +291,32 @@ def check_fp8_call(function: str, arrays: dict, descales: dict, features: dict) 
         kind = getattr(getattr(descale, "dtype", None), "kind", None)
         if kind != "f":
             raise TypeError(f"{name}_descale has dtype {getattr(descale, 'dtype', type(descale).__name__)}; expected float")
-    _check_descale_values(descales)
+    _check_descale_values(descales, _xp(q) is not numpy and _capturing())
     return Fp8Call(batch, heads, heads_kv, packed)
 
 
-def _check_descale_values(descales: dict) -> None:
+def _capturing() -> bool:
+    """Whether CuPy's current stream is capturing a CUDA graph."""
+    import cupy
+
+    return cupy.cuda.get_current_stream().is_capturing()
+
+
+def _check_descale_values(descales: dict, capturing: bool = False) -> None:
     """ValueError naming the first descale that holds a value not finite and positive. The GPU's are
-    read back together: one synchronisation a call, not one per array and test."""
+    read back together: one synchronisation a call, not one per array and test. On a stream that
+    is capturing a CUDA graph they are not read (a capture cannot synchronise; the graph reads
+    them when replayed): host descales are refused there instead (a captured copy would read host
+    memory when replayed)."""
     by_library: dict = {}
     for name, descale in descales.items():
         by_library.setdefault(_xp(descale), []).append(name)
+    if capturing:
+        if numpy in by_library:
+            raise ValueError(f"{by_library[numpy][0]} is a host array, but the stream is capturing a CUDA graph: "
+                             "descales must be GPU arrays there (a captured copy would read host memory when "
+                             "replayed)")
+        return
     for xp, names in by_library.items():
         # in float32, as the kernels read them (a float64 value past float32's range is refused)
         joined = xp.concatenate([xp.ravel(descales[name]) for name in names]).astype(xp.float32)

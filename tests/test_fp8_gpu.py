@@ -372,6 +372,38 @@ def test_fp8_backward_repeated_calls_take_their_plan():
         assert bool((x.view(numpy.uint16) == y.view(numpy.uint16)).all())
 
 
+def test_fp8_calls_captured_in_a_cuda_graph_replay_the_eager_results():
+    """The FP8 forward and backward with GPU descales captured in a CUDA graph (the descales' values
+    are not read back there) replay the eager calls' bits; host descales are refused in a capture."""
+    import cupy
+
+    q8, k8, v8, descales = _inputs(dict(BASE, batch=2, seqlen_q=200, seqlen_k=300, heads_kv=2, group=2, head_dim=128))
+    do = random_array(numpy.random.default_rng(6), q8.shape, "bfloat16")
+
+    def calls():
+        o, lse = cupy_flash.flash_forward(q8, k8, v8, causal=True, **descales)
+        return (o, lse) + cupy_flash.flash_backward(do, q8, k8, v8, o, lse, causal=True, deterministic=True, **descales)
+
+    eager = calls()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        calls()
+        stream.begin_capture()
+        captured = calls()
+        graph = stream.end_capture()
+        graph.launch()
+        stream.synchronize()
+        host = {name: cupy.asnumpy(x) for name, x in descales.items()}
+        stream.begin_capture()
+        try:
+            with pytest.raises(ValueError, match="q_descale is a host array, but the stream is capturing"):
+                cupy_flash.flash_forward(q8, k8, v8, causal=True, **host)
+        finally:
+            stream.end_capture()
+    for x, y in zip(eager, captured):
+        assert bool((x.view(numpy.uint8) == y.view(numpy.uint8)).all())
+
+
 def as_float(o):
     import cupy
 
