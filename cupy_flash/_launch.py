@@ -37,6 +37,8 @@ import typing
 
 import numpy
 
+from ._streams import as_cupy_stream
+
 # CUlaunchAttributeID CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
@@ -266,7 +268,7 @@ def _pool_bytes(nbytes: int, stream: int):
     use on the stream at ``stream``."""
     import cupy
 
-    with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc), cupy.cuda.ExternalStream(stream):
+    with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc), as_cupy_stream(stream):
         return cupy.empty((max(nbytes, 1),), dtype=cupy.uint8)
 
 
