@@ -54,7 +54,7 @@ def to_torch(array):
 def flash_attn_func(q, k, v, *, sink=None, bias=None, deterministic=False, **options):
     """Exact attention with gradients through PyTorch's autograd; options as flash_forward's.
     FP8: torch.float8_e4m3fn q, k, v with ``q_descale``, ``k_descale``, ``v_descale`` (FlashAttention-3's
-    keywords; docs/fp8.md), eager and without gradients until the FP8 backward exists; O bfloat16."""
+    keywords; docs/fp8.md), eager or under torch.compile, without gradients; O bfloat16."""
     if q.dtype == torch.float8_e4m3fn or any(options.get(name) is not None for name in _FP8_DESCALES):
         return _forward_fp8(q, k, v, sink, bias, deterministic, options)
     options = {name: value for name, value in options.items() if name not in _FP8_DESCALES or value is not None}
@@ -83,19 +83,35 @@ _FP8_DESCALES = ("q_descale", "k_descale", "v_descale")
 
 
 def _forward_fp8(q, k, v, sink, bias, deterministic, options):
-    """flash_attn_func's FP8 call: flash_forward on the framework's stream, its O handed over by
-    DLPack (no copy). Refused where it cannot be right: under torch.compile (the ops take no
-    descales) and where a gradient is wanted."""
-    if torch.compiler.is_compiling():
-        raise NotImplementedError("flash_attn_func: FP8 inputs run eagerly only (not under torch.compile) so far")
+    """flash_attn_func's FP8 call. Eager: flash_forward on the framework's stream, its O handed over
+    by DLPack (no copy). Traced (torch.compile): the op cupy_flash::forward_fp8, descales as tensors
+    (CUDA ones; CPU ones go up as host descales). Refused where a gradient is wanted: autograd would
+    round a float8 input's gradient to e4m3 (flash_backward takes FP8 inputs: the gradients of the
+    dequantised inputs, in bfloat16)."""
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v) if isinstance(x, torch.Tensor)):
-        raise NotImplementedError("flash_attn_func: FP8 attention has no backward yet; call it under torch.no_grad()")
+        raise NotImplementedError("flash_attn_func: FP8 inputs take no gradient here (autograd would round a float8 "
+                                  "input's gradient to e4m3); cupy_flash.flash_backward takes FP8 inputs")
     if deterministic:
-        raise ValueError("deterministic applies to the backward; FP8 calls have none yet")
+        raise ValueError("deterministic applies to the backward; FP8 calls of flash_attn_func have none")
+    if torch.compiler.is_compiling():
+        unknown = sorted(set(options) - set(_FP8_DESCALES) - _FP8_OP_OPTIONS)
+        if bias is not None or unknown:
+            raise TypeError(f"flash_attn_func (FP8, traced) got unexpected option(s) {unknown or ['bias']}; it takes "
+                            f"{sorted(_FP8_OP_OPTIONS | set(_FP8_DESCALES) | {'sink'})}")
+        window = options.get("window_size")
+        return torch.ops.cupy_flash.forward_fp8(
+            q, k, v, *(options.get(name) for name in _FP8_DESCALES), sink, options.get("cu_seqlens_q"),
+            options.get("cu_seqlens_k"), options.get("max_seqlen_q"), options.get("max_seqlen_k"),
+            options.get("softmax_scale"), bool(options.get("causal", False)),
+            None if window is None else [int(n) for n in window])[0]
     device = q.device if isinstance(q, torch.Tensor) else None
     given = {name: value for name, value in dict(options, sink=sink, bias=bias).items() if value is not None}
     o, _ = forward.flash_forward(q, k, v, stream=torch.cuda.current_stream(device), **given)
     return torch.from_dlpack(o)
+
+
+_FP8_OP_OPTIONS = frozenset(("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
+                             "window_size"))
 
 
 class _Attention(torch.autograd.Function):
@@ -323,6 +339,35 @@ def _backward_kernel(do, q, k, v, o, lse, sink, bias, alibi_slopes, cu_seqlens_q
 
 _LIBRARY.impl("forward", _forward_kernel, "CUDA")
 _LIBRARY.impl("backward", _backward_kernel, "CUDA")
+
+# The FP8 forward (no autograd formula: flash_attn_func refuses FP8 inputs that want a gradient).
+_LIBRARY.define("forward_fp8(Tensor q, Tensor k, Tensor v, Tensor q_descale, Tensor k_descale, Tensor v_descale, "
+                "Tensor? sink, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int? max_seqlen_q, int? max_seqlen_k, "
+                "float? softmax_scale, bool causal, int[]? window_size) -> (Tensor, Tensor)")
+
+
+def _forward_fp8_kernel(q, k, v, q_descale, k_descale, v_descale, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                        max_seqlen_k, softmax_scale, causal, window_size):
+    """cupy_flash::forward_fp8: (o bfloat16, lse) of flash_forward on float8_e4m3fn q, k, v; CPU
+    descales are host descales (NumPy views), CUDA ones GPU descales."""
+    o = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32, device=q.device)
+    descales = {name: (x.numpy() if x.device.type == "cpu" else x.detach())
+                for name, x in zip(_FP8_DESCALES, (q_descale, k_descale, v_descale))}
+    features = _features(sink, None, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                         window_size, 0.0)
+    with _torch_memory(q.device), _on_torch_stream(q):
+        forward_into((o, lse), q.detach(), k.detach(), v.detach(), **features, **descales)
+    return o, lse
+
+
+_LIBRARY.impl("forward_fp8", _forward_fp8_kernel, "CUDA")
+
+
+@torch.library.register_fake("cupy_flash::forward_fp8", lib=_LIBRARY)
+def _(q, k, v, q_descale, k_descale, v_descale, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      softmax_scale, causal, window_size):
+    return q.new_empty(q.shape, dtype=torch.bfloat16), q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
 
 
 @torch.library.register_fake("cupy_flash::forward", lib=_LIBRARY)

@@ -573,5 +573,30 @@ def test_fp8_through_the_pytorch_adapter():
     assert o.dtype == torch.bfloat16 and o.shape == q.shape
     assert bool((o.view(torch.int16) == torch.from_dlpack(expected.view(numpy.int16))).all())
     wanting = torch.from_dlpack(inputs[0].astype(numpy.float32)).requires_grad_()
-    with pytest.raises(NotImplementedError, match="no backward yet"):
+    with pytest.raises(NotImplementedError, match="FP8 inputs take no gradient here"):
         flash_attn_func(q, k, wanting, causal=True, **torch_descales)
+
+
+def test_fp8_through_the_pytorch_adapter_under_torch_compile():
+    """torch.compile(fullgraph=True) of a function calling flash_attn_func on float8 tensors traces
+    the op cupy_flash::forward_fp8: the eager O bitwise, with CUDA descales and with CPU ones (host
+    descales), and under a CUDA graph (mode='reduce-overhead') with CUDA descales."""
+    torch = torch_on_gpu()
+    from cupy_flash.torch_adapter import flash_attn_func
+
+    inputs, descales, (expected, _) = _expected_for_frameworks()
+    q, k, v = (torch.from_dlpack(x).view(torch.float8_e4m3fn) for x in inputs)
+    on_gpu = {name: torch.from_dlpack(x) for name, x in descales.items()}
+    on_host = {name: x.cpu() for name, x in on_gpu.items()}
+    want = torch.from_dlpack(expected.view(numpy.int16))
+
+    def attention(q, k, v, q_descale, k_descale, v_descale):
+        return flash_attn_func(q, k, v, causal=True, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale) * 2
+
+    for label, mode, scales in (("gpu", None, on_gpu), ("host", None, on_host), ("graph", "reduce-overhead", on_gpu)):
+        compiled = torch.compile(attention, fullgraph=True, mode=mode)
+        for _ in range(3):   # the graph mode records on a later call
+            o = compiled(q, k, v, **scales)
+        torch.cuda.synchronize()
+        assert o.dtype == torch.bfloat16
+        assert bool(((o / 2).view(torch.int16) == want).all()), label
