@@ -97,6 +97,9 @@ ROW_KERNEL_THREADS = 256
 FP8_TRANSPOSE_THREADS = 256
 FP8_TRANSPOSE_KEYS = 64
 FP8_KEY_GROUP = 32
+# quantize_fp8's GPU path (fp8_group_amax_kernel, kernels_cu/preprocess.cu): rows of one (batch,
+# head) a block reduces to its amax (one atomic a warp).
+FP8_AMAX_ROWS = 64
 
 
 def cuda_defines() -> str:
@@ -109,7 +112,7 @@ def cuda_defines() -> str:
                   DECODE_BLOCKS_PER_SM_ABOVE_128=DECODE_BLOCKS_PER_SM[256],
                   COMBINE_BATCH=COMBINE_BATCH, COMBINE_MAX_WARPS=COMBINE_MAX_WARPS,
                   FP8_TRANSPOSE_THREADS=FP8_TRANSPOSE_THREADS, FP8_TRANSPOSE_KEYS=FP8_TRANSPOSE_KEYS,
-                  FP8_KEY_GROUP=FP8_KEY_GROUP)
+                  FP8_KEY_GROUP=FP8_KEY_GROUP, FP8_AMAX_ROWS=FP8_AMAX_ROWS)
     return "".join(f"#define {name} {value}\n" for name, value in values.items())
 
 

@@ -189,6 +189,8 @@ def quantize_fp8(x, *, fmt="e4m3", granularity="head", rotation=None):
     array, descale float32 (1, 1). A group's descale is its largest magnitude over the format's
     largest value (1 where the group is all zero), so the group spans the format's range.
     rotation: None, or a (head_dim, head_dim) orthogonal matrix such as ``hadamard_rotation(d, seed)``.
+    On CuPy arrays of the kernels' dtypes with e4m3, per-head descales, no rotation and head_dim a
+    multiple of 16, two kernels compute the same bits (families.rows.quantize_e4m3).
     """
     spec = fp8_format(fmt)
     if granularity not in GRANULARITIES:
@@ -201,6 +203,17 @@ def quantize_fp8(x, *, fmt="e4m3", granularity="head", rotation=None):
     if dtype_name(x.dtype) is None and numpy.dtype(x.dtype) != numpy.float64:
         raise TypeError(f"x has dtype {x.dtype}; expected float16, bfloat16, float32 or float64")
     xp = _xp(x)
+    if (xp is not numpy and fmt == "e4m3" and granularity == "head" and rotation is None and dtype_name(x.dtype)
+            and x.size and x.shape[3] % 16 == 0):
+        from ._checks import kernel_ready
+        from .families import rows
+
+        if x.shape[1] <= rows.max_quantize_rows():   # the same bits by two kernels: no float64 copies
+            with x.device:
+                bits, descale = rows.quantize_e4m3(kernel_ready(x))
+            if not bool(xp.isfinite(descale).all()):
+                raise ValueError("x holds inf or NaN; FP8 quantisation needs finite values")
+            return bits, descale
     values = as_float(x, xp, xp.float64)
     if rotation is not None:
         rotation = xp.asarray(rotation, dtype=xp.float64)

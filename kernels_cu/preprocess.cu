@@ -217,3 +217,84 @@ __global__ void __launch_bounds__(ROW_KERNEL_THREADS) fp8_dequantize_kernel(
         for (int part = 0; part < 16; part += VEC) *reinterpret_cast<uint4*>(o + part) = pack(values + part, T{});
     }
 }
+
+// quantize_fp8's GPU path (cupy_flash/fp8.py: e4m3, a descale per (batch, head), no rotation),
+// computed as its array arithmetic is, so the bits agree: amax = max |x| over the group (exact),
+// descale = float32(amax / 448) (1 for an all-zero group), and each element the e4m3 of
+// x / descale as NumPy's float64 quotient rounds (e4m3_bits_of_quotient).
+// amax (batch x heads unsigned, zeroed first) as the bits of non-negative floats, which order as
+// unsigned integers do: grid (batch x heads, row blocks of FP8_AMAX_ROWS, _traits).
+template <typename T>
+__global__ void __launch_bounds__(ROW_KERNEL_THREADS) fp8_group_amax_kernel(
+        const T* x, long long batch_stride, long long row_stride, long long head_stride, int rows, int heads,
+        int head_dim, unsigned* amax) {
+    constexpr int VEC = Vec<T>::N;
+    const int group = blockIdx.x, b = group / heads, h = group % heads;
+    const int first = blockIdx.y * FP8_AMAX_ROWS, count = min(FP8_AMAX_ROWS, rows - first);
+    const int vectors = head_dim / VEC;
+    const T* base = x + b * batch_stride + h * head_stride;
+    float largest = 0.f;
+    bool nan = false;   // fmaxf drops NaN: a NaN element makes the group's amax NaN (above every other's bits)
+    for (int i = threadIdx.x; i < count * vectors; i += blockDim.x) {
+        float values[VEC];
+        unpack(*reinterpret_cast<const uint4*>(base + (first + i / vectors) * row_stride + i % vectors * VEC), values, T{});
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            largest = fmaxf(largest, fabsf(values[e]));
+            nan |= values[e] != values[e];
+        }
+    }
+    unsigned bits = nan ? 0x7fc00000u : __float_as_uint(largest);
+    for (int offset = 16; offset > 0; offset >>= 1) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, offset));
+    if ((threadIdx.x & 31) == 0) atomicMax(amax + group, bits);
+}
+
+// e4m3 of x / scale as NumPy's float64 quotient rounds (to nearest even, saturated, sign kept),
+// in float32: q = x / scale rounded once, then q's e4m3 rounding, n = |q| / quantum (exact) and
+// its nearest integer. Only where n lands on a half can q's rounding have moved the quotient onto
+// a tie: there the exact residual x - q scale (fmaf; a correctly rounded quotient's residual is a
+// float) says which side the exact quotient lies on, and only a true tie goes to even.
+__device__ __forceinline__ unsigned e4m3_bits_of_quotient(float x, float scale) {
+    const float q = x / scale;
+    const unsigned sign = (__float_as_uint(q) >> 24) & 0x80u;
+    const float a = fabsf(q);
+    if (!(a < 448.f)) return sign | 0x7eu;   // saturated (the largest finite value)
+    const int binade = max((int)(__float_as_uint(a) >> 23) - 127, -6);   // -6: the subnormals' quantum too
+    const float n = a * __uint_as_float((unsigned)(127 + 3 - binade) << 23);   // a / 2^(binade - 3), exact
+    float r = rintf(n);
+    if (n - floorf(n) == 0.5f) {
+        const float residual = fmaf(-q, scale, x);
+        const float beyond = x >= 0.f ? residual : -residual;   // > 0: |x / scale| exceeds |q|
+        if (beyond != 0.f) r = beyond > 0.f ? floorf(n) + 1.f : floorf(n);
+    }
+    return sign | (unsigned)((binade + 6) * 8 + (int)r);   // subnormal (binade -6, r < 8) and normal alike
+}
+
+// bits (contiguous like x) and descale (batch x heads float32) from amax: a thread per 16 elements.
+template <typename T>
+__global__ void __launch_bounds__(ROW_KERNEL_THREADS) fp8_quantize_kernel(
+        const T* x, long long batch_stride, long long row_stride, long long head_stride, int batch, int rows, int heads,
+        int head_dim, const unsigned* amax, unsigned char* bits, float* descale) {
+    constexpr int VEC = Vec<T>::N;
+    const int vectors = head_dim / 16;
+    const long long total = (long long)batch * rows * heads * vectors;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+        const long long column = i % vectors * 16, r = i / vectors;
+        const int h = (int)(r % heads);
+        const long long row = r / heads % rows, b = r / heads / rows;
+        const float largest = __uint_as_float(amax[b * heads + h]);
+        const float scale = largest > 0.f ? (float)((double)largest / 448.0) : 1.f;
+        if (i < (long long)batch * heads) {
+            const float own = __uint_as_float(amax[i]);
+            descale[i] = own > 0.f ? (float)((double)own / 448.0) : (own == 0.f ? 1.f : own);   // NaN stays
+        }
+        const T* source = x + b * batch_stride + row * row_stride + h * head_stride + column;
+        float values[16];
+#pragma unroll
+        for (int part = 0; part < 16; part += VEC) unpack(*reinterpret_cast<const uint4*>(source + part), values + part, T{});
+        unsigned words[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int e = 0; e < 16; ++e) words[e / 4] |= e4m3_bits_of_quotient(values[e], scale) << (8 * (e % 4));
+        *reinterpret_cast<uint4*>(bits + i * 16) = make_uint4(words[0], words[1], words[2], words[3]);
+    }
+}

@@ -211,6 +211,50 @@ def test_fp8_backward_matches_reference(path, p):
     check_fp8_backward(describe(p), path, q8, k8, v8, opts, o, lse, do, score_error, term_scales)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_quantize_fp8_on_the_gpu_gives_the_array_arithmetics_bits(dtype, monkeypatch):
+    """quantize_fp8's kernels (CuPy, e4m3, per head, no rotation) against its NumPy float64 path:
+    bits and descales equal, on strided views, all-zero groups, negative zeros, ties of e4m3's grid
+    (normal and subnormal, in a group whose descale is 1), values past its subnormals and a wide
+    range; inf or NaN refused; a rotation keeps the array path."""
+    import cupy
+
+    from cupy_flash.families import rows
+
+    calls = []
+    quantize_e4m3 = rows.quantize_e4m3
+    monkeypatch.setattr(rows, "quantize_e4m3", lambda x: calls.append(x.shape) or quantize_e4m3(x))
+    rng = numpy.random.default_rng(7)
+    for seqlen, heads, head_dim in ((1, 1, 16), (37, 3, 64), (300, 2, 128), (65, 5, 256)):
+        x = rng.standard_normal((2, seqlen, heads, head_dim)) * numpy.exp(rng.uniform(-8, 8, (2, 1, heads, 1)))
+        x[0, :, 0] = numpy.clip(x[0, :, 0], -1, 1)   # a group whose amax is 448: descale 1, x's own grid
+        x[0, 0, 0, :8] = [448.0, -0.0, 3.125, -4.75, 1.5 * 2.0**-9, 2.0**-10, -2.5 * 2.0**-9, 1e-30]   # ties, -0, tiny
+        if heads > 1:
+            x[1, :, -1] = 0.0   # an all-zero group: descale 1
+        wide = numpy.concatenate([x, x[:, :, :1]], axis=2)   # a view with a head stride of its own
+        for strided in (False, True):
+            host = x.astype(DTYPES_BY_NAME[dtype])
+            device = cupy.asarray(wide.astype(DTYPES_BY_NAME[dtype]))[:, :, :heads] if strided else cupy.asarray(host)
+            before = len(calls)
+            bits, descale = quantize_fp8(device)
+            assert len(calls) == before + 1   # the kernels ran
+            expected_bits, expected_descale = quantize_fp8(host)
+            context = (dtype, seqlen, heads, head_dim, strided)
+            assert bool((cupy.asnumpy(bits) == expected_bits).all()), context
+            assert bool((cupy.asnumpy(descale) == expected_descale).all()), context
+    bad = cupy.zeros((1, 4, 1, 16), dtype=cupy.float32)
+    bad[0, 2, 0, 3] = float("nan")
+    with pytest.raises(ValueError, match="inf or NaN"):
+        quantize_fp8(bad)
+    before = len(calls)
+    rotated = quantize_fp8(cupy.asarray(x[..., :64].astype(numpy.float32)), rotation=hadamard_rotation(64, 1))
+    expected = quantize_fp8(x[..., :64].astype(numpy.float32), rotation=hadamard_rotation(64, 1))
+    assert len(calls) == before and bool((cupy.asnumpy(rotated[0]) == expected[0]).all())
+
+
+DTYPES_BY_NAME = {"float16": numpy.float16, "bfloat16": ml_dtypes.bfloat16, "float32": numpy.float32}
+
+
 def _bad_calls():
     """(label, change to a good call's keywords, the error type, words its message must hold)."""
     import cupy

@@ -22,12 +22,13 @@ _MAX_ROW_BLOCKS = 1 << 16   # the row kernels loop over rows, so the grid never 
 _ROW_BLOCKS_PER_SM = 32
 
 PREPROCESS, DQ_CONVERT, KV_GROUP_SUM = "flash_preprocess_kernel", "flash_dq_convert_kernel", "flash_kv_group_sum_kernel"
-FP8_DEQUANTIZE = "fp8_dequantize_kernel"
+FP8_DEQUANTIZE, FP8_GROUP_AMAX, FP8_QUANTIZE = "fp8_dequantize_kernel", "fp8_group_amax_kernel", "fp8_quantize_kernel"
 
 
 def module_spec(dtype: str) -> ModuleSpec:
     spec = ModuleSpec("preprocess", dtype)
-    return spec_with(spec, (template(kernel, spec.ctype) for kernel in (PREPROCESS, DQ_CONVERT, KV_GROUP_SUM, FP8_DEQUANTIZE)))
+    return spec_with(spec, (template(kernel, spec.ctype) for kernel in (PREPROCESS, DQ_CONVERT, KV_GROUP_SUM, FP8_DEQUANTIZE,
+                                                                      FP8_GROUP_AMAX, FP8_QUANTIZE)))
 
 
 def row_kernel_grid(rows: int) -> int:
@@ -52,6 +53,38 @@ def dequantize_launch(dtype: str, vectors: int) -> Launch:
     name = template(FP8_DEQUANTIZE, spec.ctype)
     grid = min(-(-vectors // _traits.ROW_KERNEL_THREADS), _ROW_BLOCKS_PER_SM * current_device().multiprocessors)
     return Launch(name, get_kernel(spec, name), max(grid, 1), _traits.ROW_KERNEL_THREADS)
+
+
+def max_quantize_rows() -> int:
+    """The longest sequence quantize_e4m3 takes: fp8_group_amax_kernel's row blocks are its grid's y."""
+    return _traits.FP8_AMAX_ROWS * 65535
+
+
+def quantize_e4m3(x):
+    """quantize_fp8's GPU path (fp8_group_amax_kernel, then fp8_quantize_kernel, on the current
+    stream): x kernel-ready, (batch, seqlen, heads, head_dim) float16 / bfloat16 / float32 with
+    head_dim a multiple of 16 and seqlen at most max_quantize_rows(); returns (e4m3 bits, C-contiguous
+    like x; descale float32 (batch, heads)), quantize_fp8's bits."""
+    import cupy
+    import numpy
+
+    from .._dtypes import dtype_name
+
+    batch, seqlen, heads, head_dim = (int(n) for n in x.shape)
+    spec = module_spec(dtype_name(x.dtype))
+    strides = tuple(numpy.int64(s // x.dtype.itemsize) for s in x.strides[:3])
+    amax = cupy.zeros((batch, heads), dtype=cupy.uint32)
+    bits, descale = cupy.empty(x.shape, dtype=cupy.uint8), cupy.empty((batch, heads), dtype=cupy.float32)
+    group_amax = get_kernel(spec, template(FP8_GROUP_AMAX, spec.ctype))
+    group_amax((batch * heads, -(-seqlen // _traits.FP8_AMAX_ROWS)), (_traits.ROW_KERNEL_THREADS,),
+               (x, *strides, numpy.int32(seqlen), numpy.int32(heads), numpy.int32(head_dim), amax))
+    vectors = batch * seqlen * heads * (head_dim // 16)
+    grid = min(-(-vectors // _traits.ROW_KERNEL_THREADS), _ROW_BLOCKS_PER_SM * current_device().multiprocessors)
+    quantize = get_kernel(spec, template(FP8_QUANTIZE, spec.ctype))
+    quantize((max(grid, 1),), (_traits.ROW_KERNEL_THREADS,),
+             (x, *strides, numpy.int32(batch), numpy.int32(seqlen), numpy.int32(heads), numpy.int32(head_dim), amax, bits,
+              descale))
+    return bits, descale
 
 
 def launch_preprocess(params, shape):
