@@ -15,6 +15,8 @@ NaN stays NaN.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 
@@ -308,6 +310,21 @@ def check_fp8_call(function: str, arrays: dict, descales: dict, features: dict) 
     return Fp8Call(batch, heads, heads_kv, packed)
 
 
+_trusted = contextvars.ContextVar("cupy_flash_fp8_trusted_descales", default=False)
+
+
+@contextlib.contextmanager
+def trusted_descales():
+    """Inside, FP8 calls do not read GPU descales back to check them: for descales the adapters'
+    quantisation computed on the GPU just before (no synchronisation a call; an input that held inf
+    or NaN gives a descale and outputs of inf or NaN, as in any other precision)."""
+    token = _trusted.set(True)
+    try:
+        yield
+    finally:
+        _trusted.reset(token)
+
+
 def _capturing() -> bool:
     """Whether CuPy's current stream is capturing a CUDA graph."""
     import cupy
@@ -330,6 +347,8 @@ def _check_descale_values(descales: dict, capturing: bool = False) -> None:
                              "descales must be GPU arrays there (a captured copy would read host memory when "
                              "replayed)")
         return
+    if _trusted.get():   # GPU descales the adapters' quantisation computed: not read back
+        by_library = {xp: names for xp, names in by_library.items() if xp is numpy}
     for xp, names in by_library.items():
         # in float32, as the kernels read them (a float64 value past float32's range is refused)
         joined = xp.concatenate([xp.ravel(descales[name]) for name in names]).astype(xp.float32)

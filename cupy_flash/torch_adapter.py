@@ -82,6 +82,20 @@ def flash_attn_func(q, k, v, *, sink=None, bias=None, deterministic=False, **opt
 _FP8_DESCALES = ("q_descale", "k_descale", "v_descale")
 
 
+def flash_attn_fp8_func(q, k, v, *, softmax_scale=None, causal=False, window_size=None, sink=None,
+                        deterministic=False):
+    """FP8 attention with gradients on float16 / bfloat16 / float32 CUDA tensors (Hopper): q, k, v
+    are quantised to e4m3 inside, a descale per (batch, head) (quantize_fp8's bits, no
+    synchronisation: an input holding inf or NaN gives inf or NaN), then the FP8 forward; O comes
+    back in q's dtype. The backward gives the gradients of attention over the dequantised inputs
+    (flash_backward's FP8 call), taken straight through the quantisation, in the inputs' dtypes;
+    sink may require grad. Options as flash_forward's FP8 call (causal, window, sink, GQA / MQA).
+    Eager or traced (torch.compile): the ops cupy_flash::fp8_attention and its backward."""
+    window = None if window_size is None else [int(n) for n in window_size]
+    o = torch.ops.cupy_flash.fp8_attention(q, k, v, sink, softmax_scale, bool(causal), window, bool(deterministic))[0]
+    return o if o.dtype == q.dtype else o.to(q.dtype)
+
+
 def _forward_fp8(q, k, v, sink, bias, deterministic, options):
     """flash_attn_func's FP8 call. Eager: flash_forward on the framework's stream, its O handed over
     by DLPack (no copy). Traced (torch.compile): the op cupy_flash::forward_fp8, descales as tensors
@@ -362,6 +376,93 @@ def _forward_fp8_kernel(q, k, v, q_descale, k_descale, v_descale, sink, cu_seqle
 
 
 _LIBRARY.impl("forward_fp8", _forward_fp8_kernel, "CUDA")
+
+# flash_attn_fp8_func: quantisation and the FP8 forward, then its backward (autograd formula below).
+_FP8_OPTIONS = "Tensor? sink, float? softmax_scale, bool causal, int[]? window_size, bool deterministic"
+_LIBRARY.define(f"fp8_attention(Tensor q, Tensor k, Tensor v, {_FP8_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, "
+                "Tensor, Tensor, Tensor, Tensor)")
+_LIBRARY.define("fp8_attention_backward(Tensor do, Tensor q8, Tensor k8, Tensor v8, Tensor q_descale, Tensor k_descale, "
+                f"Tensor v_descale, Tensor o, Tensor lse, {_FP8_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+def _fp8_features(sink, softmax_scale, causal, window_size) -> dict:
+    return _features(sink, None, None, None, None, None, None, softmax_scale, causal, window_size, 0.0)
+
+
+def _fp8_attention_kernel(q, k, v, sink, softmax_scale, causal, window_size, deterministic):
+    """cupy_flash::fp8_attention: (o bfloat16, lse, q8, k8, v8 (uint8 e4m3 bits), q, k, v descales)."""
+    from . import fp8
+    from ._checks import kernel_ready
+    from .families import rows
+
+    if q.get_device() < 0 or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"flash_attn_fp8_func takes float16, bfloat16 or float32 CUDA tensors; q is {q.dtype} on {q.device}")
+    o = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(_lse_shape(q, None), dtype=torch.float32, device=q.device)
+    with _torch_memory(q.device), _on_torch_stream(q), fp8.trusted_descales():
+        views = _views(("q", "k", "v"), (q, k, v))
+        for name, x in zip(("q", "k", "v"), views):
+            if x.ndim != 4 or x.shape[3] % 16:
+                raise ValueError(f"flash_attn_fp8_func: {name} must be (batch, seqlen, heads, head_dim) with head_dim a "
+                                 f"multiple of 16, got shape {tuple(x.shape)}")
+        quantised = [rows.quantize_e4m3(kernel_ready(x)) for x in views]
+        descales = {name: descale for name, (_, descale) in zip(_FP8_DESCALES, quantised)}
+        forward_into((o, lse), *(bits for bits, _ in quantised), **_fp8_features(sink, softmax_scale, causal, window_size),
+                     **descales)
+    return (o, lse) + tuple(to_torch(bits) for bits, _ in quantised) + tuple(to_torch(d) for _, d in quantised)
+
+
+def _fp8_attention_backward_kernel(do, q8, k8, v8, q_descale, k_descale, v_descale, o, lse, sink, softmax_scale,
+                                   causal, window_size, deterministic):
+    """cupy_flash::fp8_attention_backward: (dq, dk, dv bfloat16, dsink float32 or empty)."""
+    from . import fp8
+
+    grads = tuple(torch.empty(x.shape, dtype=torch.bfloat16, device=x.device) for x in (q8, k8, v8))
+    do = do.to(torch.bfloat16).contiguous()
+    with _torch_memory(q8.device), _on_torch_stream(q8), fp8.trusted_descales():
+        views = _views(("do", "q", "k", "v", "o", "lse", *_FP8_DESCALES),
+                       (do, q8, k8, v8, o, lse, q_descale, k_descale, v_descale))
+        descales = dict(zip(_FP8_DESCALES, views[6:]))
+        result = backward_into(grads, *views[:6], deterministic=deterministic,
+                               **_fp8_features(sink, softmax_scale, causal, window_size), **descales)
+        dsink = to_torch(result[3]).clone() if sink is not None else q8.new_empty(0, dtype=torch.float32)
+    return grads + (dsink,)
+
+
+_LIBRARY.impl("fp8_attention", _fp8_attention_kernel, "CUDA")
+_LIBRARY.impl("fp8_attention_backward", _fp8_attention_backward_kernel, "CUDA")
+
+
+@torch.library.register_fake("cupy_flash::fp8_attention", lib=_LIBRARY)
+def _(q, k, v, sink, softmax_scale, causal, window_size, deterministic):
+    bits = tuple(x.new_empty(x.shape, dtype=torch.uint8) for x in (q, k, v))
+    descales = tuple(x.new_empty((x.shape[0], x.shape[2]), dtype=torch.float32) for x in (q, k, v))
+    return (q.new_empty(q.shape, dtype=torch.bfloat16), q.new_empty(_lse_shape(q, None), dtype=torch.float32)) + bits + descales
+
+
+@torch.library.register_fake("cupy_flash::fp8_attention_backward", lib=_LIBRARY)
+def _(do, q8, k8, v8, q_descale, k_descale, v_descale, o, lse, sink, softmax_scale, causal, window_size, deterministic):
+    dsink = sink.new_empty(sink.shape) if sink is not None else q8.new_empty(0, dtype=torch.float32)
+    return tuple(x.new_empty(x.shape, dtype=torch.bfloat16) for x in (q8, k8, v8)) + (dsink,)
+
+
+def _fp8_setup_context(ctx, inputs, output):
+    q, k, v, sink, *static = inputs
+    ctx.save_for_backward(*output[2:], output[0], output[1], sink)   # q8, k8, v8, descales, o, lse, sink
+    ctx.static = static   # softmax_scale, causal, window_size, deterministic
+    ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+
+
+def _fp8_backward_formula(ctx, do, *_unused):
+    q8, k8, v8, q_descale, k_descale, v_descale, o, lse, sink = ctx.saved_tensors
+    dq, dk, dv, dsink = torch.ops.cupy_flash.fp8_attention_backward(do, q8, k8, v8, q_descale, k_descale, v_descale, o,
+                                                                     lse, sink, *ctx.static)
+    grads = tuple(g if g.dtype == dtype else g.to(dtype) for g, dtype in zip((dq, dk, dv), ctx.dtypes))
+    return grads + (dsink if sink is not None else None,) + (None,) * 4
+
+
+torch.library.register_autograd("cupy_flash::fp8_attention", _fp8_backward_formula, setup_context=_fp8_setup_context,
+                                lib=_LIBRARY)
 
 
 @torch.library.register_fake("cupy_flash::forward_fp8", lib=_LIBRARY)

@@ -621,6 +621,46 @@ def test_fp8_through_the_pytorch_adapter():
         flash_attn_func(q, k, wanting, causal=True, **torch_descales)
 
 
+def test_fp8_attention_with_gradients_through_the_pytorch_adapter():
+    """flash_attn_fp8_func on bf16 tensors that require grad: O and dq, dk, dv bitwise those of the
+    CuPy route (quantize_fp8, the FP8 flash_forward, the FP8 flash_backward), eager and under
+    torch.compile(fullgraph=True); float16 inputs get float16 O and gradients."""
+    import cupy
+
+    torch = torch_on_gpu()
+    from cupy_flash.torch_adapter import flash_attn_fp8_func
+
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(2, n, h, 64, device="cuda", generator=generator).to(torch.bfloat16)
+               for n, h in ((150, 4), (170, 2), (170, 2)))
+    weight = torch.randn(2, 150, 4, 64, device="cuda", generator=generator).to(torch.bfloat16)
+
+    def loss_and_grads(function, inputs):
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        o = function(*leaves)
+        (o.float() * weight.float()).sum().backward()
+        return [o.detach()] + [x.grad for x in leaves]
+
+    def attention(q, k, v):
+        return flash_attn_fp8_func(q, k, v, causal=True, deterministic=True)
+
+    quantised = [quantize_fp8(cupy.from_dlpack(x.view(torch.int16)).view(ml_dtypes.bfloat16)) for x in (q, k, v)]
+    descales = {f"{name}_descale": descale for name, (_, descale) in zip("qkv", quantised)}
+    bits = [x8 for x8, _ in quantised]
+    o_ref, lse_ref = cupy_flash.flash_forward(*bits, causal=True, **descales)
+    do = cupy.from_dlpack(weight.view(torch.int16)).view(ml_dtypes.bfloat16)
+    expected = [o_ref] + list(cupy_flash.flash_backward(do, *bits, o_ref, lse_ref, causal=True, deterministic=True,
+                                                        **descales))
+    compiled = torch.compile(attention, fullgraph=True)
+    for label, function in (("eager", attention), ("compiled", compiled)):
+        results = loss_and_grads(function, (q, k, v))
+        for name, ours, want in zip(("o", "dq", "dk", "dv"), results, expected):
+            assert ours.dtype == torch.bfloat16, (label, name)
+            assert bool((ours.view(torch.int16) == torch.from_dlpack(want.view(numpy.int16))).all()), (label, name)
+    halves = loss_and_grads(attention, [x.to(torch.float16) for x in (q, k, v)])
+    assert all(x.dtype == torch.float16 for x in halves)
+
+
 def test_fp8_through_the_pytorch_adapter_under_torch_compile():
     """torch.compile(fullgraph=True) of a function calling flash_attn_func on float8 tensors traces
     the op cupy_flash::forward_fp8: the eager O bitwise, with CUDA descales and with CPU ones (host
