@@ -10,6 +10,7 @@ microseconds of Python per call, warm (plans made, the pool's blocks in place), 
 on a problem small enough that the GPU keeps up (the median of 7 runs of 500 calls, the calls of a
 group interleaved run by run). Rows:
 - ``flash_forward``, ``flash_backward``, ``flash_decode`` on CuPy arrays;
+- on Hopper, the FP8 ``flash_forward`` and ``flash_backward`` with host descales, beside bf16's;
 - ``torch_adapter.flash_attn_func``: a forward without grad, a forward that records its autograd
   node, and forward + ``backward()``, beside SDPA's cuDNN backend doing the same and a trivial
   ``torch.autograd.Function`` (what any autograd node costs);
@@ -75,6 +76,26 @@ def direct_rows(dtype, baseline=None):
             f"flash_backward{label}": lambda m=module, o=o, lse=lse: m.flash_backward(do, q, k, v, o, lse, causal=True),
             f"flash_decode{label} (GQA 16/2, 4k cache)": lambda m=module: m.flash_decode(query, *cache, cache_seqlens=lengths),
         })
+    return list(host_us(calls).items())
+
+
+def fp8_rows():
+    """flash_forward and flash_backward on e4m3 q, k, v with host descales (Hopper only), timed
+    beside the bf16 direct calls of the same shape."""
+    if cupy.cuda.Device().compute_capability != "90":
+        return []
+    quantised = [cupy_flash.quantize_fp8(random(SHAPE, cupy.float32, s)) for s in range(3)]
+    q8, k8, v8 = (x8 for x8, _ in quantised)
+    descales = {name: cupy.asnumpy(descale) for name, (_, descale) in zip(("q_descale", "k_descale", "v_descale"), quantised)}
+    o, lse = cupy_flash.flash_forward(q8, k8, v8, causal=True, **descales)
+    do = random(SHAPE, DTYPES["bf16"], 9)
+    bf16 = [random(SHAPE, DTYPES["bf16"], s) for s in range(3)]
+    o16, lse16 = cupy_flash.flash_forward(*bf16, causal=True)
+    calls = {"flash_forward fp8 (host descales)": lambda: cupy_flash.flash_forward(q8, k8, v8, causal=True, **descales),
+             "flash_forward bf16 (beside it)": lambda: cupy_flash.flash_forward(*bf16, causal=True),
+             "flash_backward fp8 (host descales)": lambda: cupy_flash.flash_backward(do, q8, k8, v8, o, lse, causal=True,
+                                                                                      **descales),
+             "flash_backward bf16 (beside it)": lambda: cupy_flash.flash_backward(do, *bf16, o16, lse16, causal=True)}
     return list(host_us(calls).items())
 
 
@@ -189,7 +210,7 @@ def main(argv=None):
         from bench.variants import load_baseline
 
         baseline = load_baseline(args.baseline)
-    rows = direct_rows(dtype, baseline) + torch_rows(args.dtype) + jax_rows(args.dtype)
+    rows = direct_rows(dtype, baseline) + fp8_rows() + torch_rows(args.dtype) + jax_rows(args.dtype)
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     print(f"\nHost microseconds per call ({args.dtype}, q {SHAPE}, causal; median of 7 interleaved runs of 500 calls; "
           f"{device})\n")
