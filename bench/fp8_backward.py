@@ -18,13 +18,12 @@ from bench import help_first
 help_first("fp8_backward", __doc__)
 
 import argparse
-import json
 import sys
 
 import cupy
 
 import cupy_flash
-from bench.fp8_forward import SETS, fp8_sets
+from bench.fp8_forward import SETS, cudnn_fp8, cudnn_scalars, fp8_sets, table_row, time_peer, write_results
 from cupy_flash._dtypes import bfloat16
 from cupy_flash.benchmark import make_sets, time_queued
 
@@ -49,49 +48,35 @@ def bf16_backward_sets(batch, seqlen, heads, d, causal, seed):
     return sets
 
 
+def _backward_graph(cudnn, torch, g, dims, strides, causal):
+    """cuDNN's FP8 backward (sdpa_fp8_backward): e4m3 q, k, v, o, dO and gradients."""
+    e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+    batch, heads, seqlen, d = dims
+    q, k, v, o, do = (g.tensor(name=n, dim=dims, stride=strides, data_type=e4m3) for n in ("q", "k", "v", "o", "dO"))
+    stats = g.tensor(name="stats", dim=(batch, heads, seqlen, 1), stride=(seqlen * heads, seqlen, 1, 1), data_type=f32)
+    scales = cudnn_scalars(g, cudnn, ("descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s",
+                                      "descale_dP", "scale_s", "scale_dQ", "scale_dK", "scale_dV", "scale_dP"))
+    dq, dk, dv, *amaxes = g.sdpa_fp8_backward(q=q, k=k, v=v, o=o, dO=do, stats=stats, **scales, attn_scale=d ** -0.5,
+                                              use_causal_mask=causal)
+    for t in (dq, dk, dv):
+        t.set_output(True).set_dim(dims).set_stride(strides).set_data_type(e4m3)
+    for a in amaxes:
+        a.set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(f32)
+    packs = []
+    for _ in range(SETS):
+        data = {t: torch.randn(batch, seqlen, heads, d, device="cuda").to(torch.float8_e4m3fn) for t in (q, k, v, o, do)}
+        data[stats] = torch.randn(batch, heads, seqlen, 1, device="cuda") + 8
+        for t in (dq, dk, dv):
+            data[t] = torch.empty(batch, seqlen, heads, d, device="cuda", dtype=torch.float8_e4m3fn)
+        for t in list(scales.values()) + amaxes:
+            data[t] = torch.ones(1, 1, 1, 1, device="cuda")
+        packs.append(data)
+    return packs
+
+
 def cudnn_fp8_backward():
     """A maker of cuDNN's FP8 SDPA backward calls through the frontend, or the reason there is none."""
-    try:
-        import cudnn
-        import torch
-    except ImportError as error:
-        return None, f"nvidia-cudnn-frontend not importable: {error}"
-    e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
-    handle = cudnn.create_handle()
-
-    def make(batch, seqlen, heads, d, causal):
-        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
-        g = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
-        dims, strides = (batch, heads, seqlen, d), (seqlen * heads * d, d, heads * d, 1)
-        q, k, v, o, do = (g.tensor(name=n, dim=dims, stride=strides, data_type=e4m3) for n in ("q", "k", "v", "o", "dO"))
-        stats = g.tensor(name="stats", dim=(batch, heads, seqlen, 1), stride=(seqlen * heads, seqlen, 1, 1), data_type=f32)
-        names = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s", "descale_dP", "scale_s",
-                 "scale_dQ", "scale_dK", "scale_dV", "scale_dP")
-        scales = {n: g.tensor(name=n, dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=f32) for n in names}
-        dq, dk, dv, *amaxes = g.sdpa_fp8_backward(q=q, k=k, v=v, o=o, dO=do, stats=stats, **scales, attn_scale=d ** -0.5,
-                                                  use_causal_mask=causal)
-        for t in (dq, dk, dv):
-            t.set_output(True).set_dim(dims).set_stride(strides).set_data_type(e4m3)
-        for a in amaxes:
-            a.set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(f32)
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        g.check_support()
-        g.build_plans()
-        workspace = torch.empty(max(1, g.get_workspace_size()), dtype=torch.uint8, device="cuda")
-        packs = []
-        for _ in range(SETS):
-            data = {t: torch.randn(batch, seqlen, heads, d, device="cuda").to(torch.float8_e4m3fn) for t in (q, k, v, o, do)}
-            data[stats] = torch.randn(batch, heads, seqlen, 1, device="cuda") + 8
-            for t in (dq, dk, dv):
-                data[t] = torch.empty(batch, seqlen, heads, d, device="cuda", dtype=torch.float8_e4m3fn)
-            for t in list(scales.values()) + amaxes:
-                data[t] = torch.ones(1, 1, 1, 1, device="cuda")
-            packs.append(data)
-        return lambda pack: g.execute(pack, workspace, handle=handle), packs
-
-    return make, f"cudnn backend {cudnn.backend_version()}"
+    return cudnn_fp8(_backward_graph)
 
 
 def main(argv=None) -> int:
@@ -125,21 +110,11 @@ def main(argv=None) -> int:
                 tflops["bf16"] = flops / ms / 1e9
                 del fp8, bf16
                 if make_cudnn is not None:
-                    try:
-                        call, sets = make_cudnn(batch, seqlen, heads, d, causal)
-                        tflops["cudnn_fp8"] = flops / time_queued(call, sets, args.calls, args.rounds) / 1e9
-                    except Exception as error:   # noqa: BLE001 - a peer that refuses a shape is reported
-                        tflops["cudnn_fp8"] = None
-                        print(f"# cudnn_fp8 d={d} seqlen={seqlen} causal={causal}: {type(error).__name__}: "
-                              f"{str(error)[:160]}", file=sys.stderr)
-                cell = lambda name: f"{tflops[name]:.0f}" if tflops.get(name) else "-"   # noqa: E731
-                ratio = lambda a, b: f"{tflops[a] / tflops[b]:.2f}" if tflops.get(a) and tflops.get(b) else "-"   # noqa: E731
-                print(f"| {d} | {seqlen} | {int(causal)} | {cell('fp8')} | {cell('bf16')} | {ratio('fp8', 'bf16')} | "
-                      f"{cell('cudnn_fp8')} | {ratio('fp8', 'cudnn_fp8')} |", flush=True)
+                    time_peer(tflops, "cudnn_fp8", make_cudnn, flops, args, (batch, seqlen, heads, d, causal))
+                print(table_row((d, seqlen, int(causal)), tflops, ("fp8", "bf16", ("fp8", "bf16"), "cudnn_fp8",
+                                                                   ("fp8", "cudnn_fp8"))), flush=True)
                 rows.append(dict(head_dim=d, seqlen=seqlen, batch=batch, heads=heads, causal=causal, tflops=tflops))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), rows=rows), f, indent=1)
+    write_results(args.json, rows)
     return 0
 
 

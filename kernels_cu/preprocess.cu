@@ -185,6 +185,16 @@ __device__ __forceinline__ float e4m3_value(unsigned bits) {
     return (bits & 0x80u) ? -magnitude : magnitude;
 }
 
+// Vector i (16 elements) of a (batch, rows, heads, head_dim) array in memory order: where it is.
+struct Fp8Vector {
+    long long b, row, column;
+    int h;
+};
+__device__ __forceinline__ Fp8Vector fp8_vector(long long i, int vectors, int heads, int rows) {
+    const long long r = i / vectors;
+    return {r / heads / rows, r / heads % rows, i % vectors * 16, (int)(r % heads)};
+}
+
 template <typename T>
 __global__ void __launch_bounds__(ROW_KERNEL_THREADS) fp8_dequantize_kernel(
         const unsigned char* x, long long batch_stride, long long row_stride, long long head_stride, int batch,
@@ -194,9 +204,7 @@ __global__ void __launch_bounds__(ROW_KERNEL_THREADS) fp8_dequantize_kernel(
     const int vectors = head_dim / 16;
     const long long total = (long long)batch * rows * heads * vectors;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
-        const long long column = i % vectors * 16, r = i / vectors;
-        const int h = (int)(r % heads);
-        const long long row = r / heads % rows, b = r / heads / rows;
+        const auto [b, row, column, h] = fp8_vector(i, vectors, heads, rows);
         long long scale_row = b;
         if (cu_seqlens != nullptr) {   // the last sequence s with cu_seqlens[s] <= row
             int lo = 0, hi = sequences;
@@ -279,9 +287,7 @@ __global__ void __launch_bounds__(ROW_KERNEL_THREADS) fp8_quantize_kernel(
     const int vectors = head_dim / 16;
     const long long total = (long long)batch * rows * heads * vectors;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
-        const long long column = i % vectors * 16, r = i / vectors;
-        const int h = (int)(r % heads);
-        const long long row = r / heads % rows, b = r / heads / rows;
+        const auto [b, row, column, h] = fp8_vector(i, vectors, heads, rows);
         const float largest = __uint_as_float(amax[b * heads + h]);
         const float scale = largest > 0.f ? (float)((double)largest / 448.0) : 1.f;
         if (i < (long long)batch * heads) {
