@@ -100,6 +100,88 @@ def _attention(static: tuple):
     return attention
 
 
+def flash_attention_fp8(q, k, v, **options):
+    """FP8 attention on float16 / bfloat16 / float32 JAX arrays (Hopper), differentiable in q, k,
+    v: q, k, v are quantised to e4m3 inside (a descale per (batch, head), quantize_fp8's bits, no
+    synchronisation: an input holding inf or NaN gives inf or NaN), then the FP8 forward; o comes
+    back in q's dtype. The gradient is that of attention over the dequantised inputs
+    (flash_backward's FP8 call), taken straight through the quantisation, in the inputs' dtypes.
+    Options: softmax_scale, causal, window_size, deterministic (static); head_dim a multiple of 16."""
+    static = _checks.check_traced_call("flash_attention_fp8 (JAX)", q, k, v, options)
+    if dict(static)["softcap"]:
+        raise ValueError("softcap is not supported with FP8 inputs (they take causal, window_size, sink, "
+                         "GQA/MQA and packed batches)")
+    if q.shape[-1] % 16:
+        raise ValueError(f"q has head_dim {q.shape[-1]}; FP8 attention takes a multiple of 16 (rows are read in "
+                         "16-byte units)")
+    o = _fp8_attention(static, tuple(numpy.dtype(x.dtype).name for x in (q, k, v)))(q, k, v)
+    return o if o.dtype == q.dtype else o.astype(q.dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _fp8_attention(static: tuple, dtypes: tuple):
+    """The custom_vjp function of q, k, v (of ``dtypes``) -> o (bfloat16) for one set of options."""
+    options = dict(static)
+    deterministic = options.pop("deterministic")
+    del options["softcap"]
+    if options["window_size"] is None:
+        del options["window_size"]
+
+    def forward_call(q, k, v):
+        lead, (batch, seqlen_q, heads, _) = q.shape[:-4], q.shape[-4:]
+        results = ((jax.ShapeDtypeStruct(q.shape, jax.numpy.bfloat16),
+                    jax.ShapeDtypeStruct(lead + (batch, heads, seqlen_q), numpy.float32))
+                   + tuple(jax.ShapeDtypeStruct(x.shape, numpy.uint8) for x in (q, k, v))
+                   + tuple(jax.ShapeDtypeStruct(x.shape[:-4] + (x.shape[-4], x.shape[-2]), numpy.float32) for x in (q, k, v)))
+        return buffer_callback(functools.partial(_fp8_forward_callback, options), results,
+                               vmap_method="broadcast_all")(q, k, v)
+
+    @jax.custom_vjp
+    def attention(q, k, v):
+        return forward_call(q, k, v)[0]
+
+    def attention_forward(q, k, v):
+        outputs = forward_call(q, k, v)
+        return outputs[0], outputs
+
+    def attention_backward(saved, do):
+        o, lse, *quantised = saved
+        results = tuple(jax.ShapeDtypeStruct(x.shape, jax.numpy.bfloat16) for x in quantised[:3])
+        grads = buffer_callback(functools.partial(_fp8_backward_callback, options, deterministic), results,
+                                vmap_method="broadcast_all")(do.astype(jax.numpy.bfloat16), o, lse, *quantised)
+        return tuple(g if g.dtype == dtype else g.astype(dtype) for g, dtype in zip(grads, dtypes))
+
+    attention.defvjp(attention_forward, attention_backward)
+    return attention
+
+
+def _fp8_forward_callback(options, context, outputs, q, k, v):
+    """flash_attention_fp8's forward: q, k, v quantised into their outputs, then the FP8 forward."""
+    from . import fp8
+    from ._checks import kernel_ready
+    from .families import rows
+
+    o, lse, *quantised = outputs
+    with _on_xla_stream(context, q), fp8.trusted_descales():
+        bits, descales = quantised[:3], quantised[3:]
+        for x, x8, descale in zip((q, k, v), bits, descales):
+            rows.quantize_e4m3(kernel_ready(_folded(x)), out=(_folded(x8), _folded(descale, rank=2)))
+        forward_into((_folded(o), _folded(lse, rank=3)), *(_folded(x8) for x8 in bits), **options,
+                     **{name: _folded(d, rank=2) for name, d in zip(("q_descale", "k_descale", "v_descale"), descales)})
+
+
+def _fp8_backward_callback(options, deterministic, context, outputs, do, o, lse, q8, k8, v8, q_descale, k_descale,
+                           v_descale):
+    """flash_attention_fp8's backward: flash_backward's FP8 call into XLA's dq, dk, dv."""
+    from . import fp8
+
+    with _on_xla_stream(context, q8), fp8.trusted_descales():
+        descales = {name: _folded(d, rank=2) for name, d in zip(("q_descale", "k_descale", "v_descale"),
+                                                                 (q_descale, k_descale, v_descale))}
+        backward_into(tuple(_folded(x) for x in outputs), _folded(do), *(_folded(x) for x in (q8, k8, v8, o)),
+                      _folded(lse, rank=3), deterministic=deterministic, **options, **descales)
+
+
 # -------------------------------------------------------------------------------------------------
 # The callbacks: XLA's buffers, launched on by address on XLA's stream.
 

@@ -661,6 +661,43 @@ def test_fp8_attention_with_gradients_through_the_pytorch_adapter():
     assert all(x.dtype == torch.float16 for x in halves)
 
 
+def test_fp8_attention_with_gradients_under_jax_jit():
+    """jax_adapter.flash_attention_fp8 under jax.jit and jax.grad: o and dq, dk, dv bitwise those of
+    the CuPy route (quantize_fp8, the FP8 flash_forward, the FP8 flash_backward, deterministic)."""
+    import cupy
+
+    jax = jax_on_gpu()
+    jnp = jax.numpy
+    from cupy_flash.jax_adapter import flash_attention_fp8
+
+    keys = jax.random.split(jax.random.PRNGKey(4), 4)
+    q, k, v = (jax.random.normal(key, (2, n, h, 64), dtype=jnp.float32).astype(jnp.bfloat16)
+               for key, (n, h) in zip(keys, ((150, 4), (170, 2), (170, 2))))
+    weight = jax.random.normal(keys[3], (2, 150, 4, 64), dtype=jnp.float32).astype(jnp.bfloat16)
+
+    def attention(q, k, v):
+        return flash_attention_fp8(q, k, v, causal=True, deterministic=True)
+
+    def loss(q, k, v):
+        return (attention(q, k, v).astype(jnp.float32) * weight.astype(jnp.float32)).sum()
+
+    o = jax.jit(attention)(q, k, v)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    def as_cupy(x):   # bfloat16 through its bits
+        return cupy.from_dlpack(jax.lax.bitcast_convert_type(x, jnp.uint16)).view(ml_dtypes.bfloat16)
+
+    quantised = [quantize_fp8(as_cupy(x)) for x in (q, k, v)]
+    descales = {f"{name}_descale": descale for name, (_, descale) in zip("qkv", quantised)}
+    bits = [x8 for x8, _ in quantised]
+    o_ref, lse_ref = cupy_flash.flash_forward(*bits, causal=True, **descales)
+    expected = [o_ref] + list(cupy_flash.flash_backward(as_cupy(weight), *bits, o_ref, lse_ref, causal=True,
+                                                        deterministic=True, **descales))
+    for name, ours, want in zip(("o", "dq", "dk", "dv"), [o, *grads], expected):
+        assert ours.dtype == jnp.bfloat16, name
+        assert bool((as_cupy(ours).view(numpy.uint16) == want.view(numpy.uint16)).all()), name
+
+
 def test_fp8_through_the_pytorch_adapter_under_torch_compile():
     """torch.compile(fullgraph=True) of a function calling flash_attn_func on float8 tensors traces
     the op cupy_flash::forward_fp8: the eager O bitwise, with CUDA descales and with CPU ones (host

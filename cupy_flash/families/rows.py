@@ -60,11 +60,12 @@ def max_quantize_rows() -> int:
     return _traits.FP8_AMAX_ROWS * 65535
 
 
-def quantize_e4m3(x):
+def quantize_e4m3(x, out=None):
     """quantize_fp8's GPU path (fp8_group_amax_kernel, then fp8_quantize_kernel, on the current
     stream): x kernel-ready, (batch, seqlen, heads, head_dim) float16 / bfloat16 / float32 with
     head_dim a multiple of 16 and seqlen at most max_quantize_rows(); returns (e4m3 bits, C-contiguous
-    like x; descale float32 (batch, heads)), quantize_fp8's bits."""
+    like x; descale float32 (batch, heads)), quantize_fp8's bits, written into ``out`` = (bits,
+    descale), C-contiguous CuPy arrays of those shapes, where given."""
     import cupy
     import numpy
 
@@ -74,7 +75,8 @@ def quantize_e4m3(x):
     spec = module_spec(dtype_name(x.dtype))
     strides = tuple(numpy.int64(s // x.dtype.itemsize) for s in x.strides[:3])
     amax = cupy.zeros((batch, heads), dtype=cupy.uint32)
-    bits, descale = cupy.empty(x.shape, dtype=cupy.uint8), cupy.empty((batch, heads), dtype=cupy.float32)
+    bits, descale = out if out is not None else (cupy.empty(x.shape, dtype=cupy.uint8),
+                                                 cupy.empty((batch, heads), dtype=cupy.float32))
     group_amax = get_kernel(spec, template(FP8_GROUP_AMAX, spec.ctype))
     group_amax((batch * heads, -(-seqlen // _traits.FP8_AMAX_ROWS)), (_traits.ROW_KERNEL_THREADS,),
                (x, *strides, numpy.int32(seqlen), numpy.int32(heads), numpy.int32(head_dim), amax))
