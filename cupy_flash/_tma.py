@@ -16,6 +16,9 @@ import typing
 from ._launch import driver_function
 
 MAP_BYTES = 128
+# kernels_cu/forward_sm90.cu: ForwardSm90Maps, the q, k, v (V^T for FP8) and o maps of the Hopper
+# forward, bf16 and FP8 alike (tests/test_compile.py holds them equal)
+FORWARD_MAPS_BYTES = 4 * MAP_BYTES
 # cuda.h enums
 DATA_TYPES = {"float16": 6, "bfloat16": 9, "float32": 7, "uint8": 0}   # uint8: e4m3 bits (the FP8 forward)
 INTERLEAVE_NONE = 0

@@ -24,7 +24,7 @@ from ._streams import STREAM_DOC, on_stream, record_kernel_arrays
 from .decode import check_num_splits, launch_decode, uses_split_path
 from .forward_fp8 import forward_fp8, is_fp8_call
 
-_SM90_MAPS_BYTES = 4 * _tma.MAP_BYTES   # kernels_cu/forward_sm90.cu: ForwardSm90Maps (tests/test_compile.py holds them equal)
+_SM90_MAPS_BYTES = _tma.FORWARD_MAPS_BYTES
 _NAMES = ("q", "k", "v", "o", "lse")   # a forward launch's arrays, in the order of its addresses
 _BINDINGS = {name: name for name in _NAMES}   # the pointer fields a forward call fills
 

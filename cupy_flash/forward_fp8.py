@@ -218,7 +218,7 @@ class Fp8ForwardPlan(OutputAndLse):
                     + vt_map + _tma.attention_map_at(o_at, o_layout, "bfloat16", _tma.STORE_ROWS, packed))
 
         addresses = (q_at, k_at, vt_at, o_at)
-        return ctypes.create_string_buffer(cached(self._encoded_maps, addresses, encode), 4 * _tma.MAP_BYTES)
+        return ctypes.create_string_buffer(cached(self._encoded_maps, addresses, encode), _tma.FORWARD_MAPS_BYTES)
 
 
 class UploadedDescales(typing.NamedTuple):
