@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import math
 
 import numpy
@@ -80,21 +81,22 @@ def backward_into(out, do, q, k, v, o, lse, *, softmax_scale=None, causal=False,
     """flash_backward writing dq, dk, dv into ``out`` = (dq, dk, dv), C-contiguous GPU arrays like
     q, k, v on q's device (None: allocated): the adapters hand over their framework's buffers.
     dsink and dbias, where asked for, are allocated as in flash_backward."""
-    fp8 = None   # an FP8 call: (its plan key, what keep_fp8_plan needs) where its plan may be kept
+    keep_fp8_plan = None   # an FP8 call whose plan may be kept: keeps it with the bf16 plan it runs
     if is_fp8_call(q, features):   # the bfloat16 backward on the dequantised inputs (backward_fp8)
         fp8_key = backward_fp8.plan_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic, features) \
             if return_dbias is False else None
         (q, k, v), features, dequantisation, in_place = backward_fp8.dequantized_call(
             do, q, k, v, o, lse, softmax_scale, causal, return_dbias, features)
-        fp8 = (fp8_key, dequantisation, q.shape[-2]) if fp8_key is not None and in_place else None
+        if fp8_key is not None and in_place:
+            keep_fp8_plan = functools.partial(backward_fp8.keep_plan, fp8_key, dequantisation, heads=q.shape[-2])
     key = _plan_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic) \
         if not features and return_dbias is False else None
     if key is not None:
         plan = _plans.get(key)
         if plan is not None and plan.device == plan.cuda.get_device():
             out = _check_gradient_outputs(out, q, k, v) if out is not None else None
-            if fp8 is not None:
-                backward_fp8.keep_plan(fp8[0], fp8[1], plan, fp8[2])
+            if keep_fp8_plan is not None:
+                keep_fp8_plan(plan)
             return plan.run(dict(do=do, q=q, k=k, v=v, o=o, lse=lse), out)[0]
     _checks.check_no_extra_options("flash_backward", features)
     given = (do, q, k, v, o, lse)
@@ -124,8 +126,8 @@ def backward_into(out, do, q, k, v, o, lse, *, softmax_scale=None, causal=False,
         plan = backward_plan(arrays, shape, scale, variant, deterministic, dbias_layout)
         if key is not None and all(x is y for x, y in zip((do, q, k, v, o, lse), given)):   # checked, no copy made
             kept(_plans, key, plan)
-            if fp8 is not None:
-                backward_fp8.keep_plan(fp8[0], fp8[1], plan, fp8[2])
+            if keep_fp8_plan is not None:
+                keep_fp8_plan(plan)
         grads, temporaries = plan.run(dict(do=do, q=q, k=k, v=v, o=o, lse=lse), (dq, dk, dv))
         if variant.sink is not None:
             # The sink's probability in row i is exp(sink - lse_i) and its dP is 0 (it carries no

@@ -5,7 +5,9 @@ The gradients are those of attention over the dequantised inputs (q x q_descale,
 bfloat16: the straight-through gradients a model that quantises its q, k, v wants. The products
 run on bfloat16 tensor cores: fp8_dequantize_kernel (kernels_cu/preprocess.cu) writes q, k, v
 times their descales in bfloat16, and the bfloat16 backward runs on them with the FP8 forward's o
-and lse. Every check runs before the first launch."""
+and lse. Every check runs before the first launch. A repeated call with host descales takes
+Fp8BackwardPlan's short path (the forward's DescaleRing, the Dequantisation's packed launches, the
+bf16 plan's own short path)."""
 
 from __future__ import annotations
 
@@ -144,7 +146,8 @@ def repeated_call(do, q, k, v, o, lse, softmax_scale, causal, deterministic, fea
     return None if plan is None else plan.call(do, q, k, v, o, lse, features)
 
 
-def keep_plan(key, dequantisation: Dequantisation, backward_plan, heads: int) -> None:
+def keep_plan(key, dequantisation: Dequantisation, backward_plan, *, heads: int) -> None:
+    """Keep the FP8 plan of a checked call (``key``: plan_key's) with the bf16 plan it ran."""
     kept(_plans, key, Fp8BackwardPlan(dequantisation, backward_plan, heads))
 
 
