@@ -20,7 +20,7 @@ from ._dtypes import bfloat16
 from ._launch import Packed, cuda_calls, current_stream, kept, packed_once, ready_stream
 from ._streams import record_kernel_arrays
 from .families import rows
-from .forward_fp8 import DESCALES, descale_ring, upload_descales
+from .forward_fp8 import DESCALES, short_path_descales, upload_descales
 from .forward_fp8 import _plan_key as fp8_plan_key
 from .fp8 import check_fp8_call
 
@@ -111,22 +111,19 @@ class Fp8BackwardPlan:
         self.dequantisation, self.backward_plan, self.heads = dequantisation, backward_plan, heads
 
     def call(self, do, q, k, v, o, lse, descales: dict):
-        """(dq, dk, dv) of a call that repeats the checked one this plan was made from, with host
-        descales; or None where the checked route must take it (GPU descales, whose read-back it
-        makes; a descale value to refuse, which it names; another current device; a capturing
-        stream)."""
-        if any(type(descales[name]) is not numpy.ndarray for name in DESCALES):
-            return None
+        """(dq, dk, dv) of a call that repeats the checked one this plan was made from, with
+        descales the short path takes (forward_fp8.short_path_descales); or None where the checked
+        route must take it (GPU descales outside trusted_descales, whose read-back it makes; a
+        descale value to refuse, which it names; another current device; a capturing stream)."""
         stream = ready_stream(self.backward_plan)
         if stream is None:
             return None
-        ring = descale_ring(descales, self.heads)
-        slot = ring.stage(descales, self.heads, stream)
-        if slot is None:
+        uploaded = short_path_descales(descales, self.heads, stream)
+        if uploaded is None:
             return None
         dequantised = self.dequantisation.outputs()
-        self.dequantisation.launch((q, k, v), ring.addresses(slot), dequantised, stream, False)
-        ring.launched(slot, stream)
+        self.dequantisation.launch((q, k, v), uploaded.addresses, dequantised, stream, False)
+        uploaded.launched(stream)
         return self.backward_plan.call(do, *dequantised, o, lse)
 
 

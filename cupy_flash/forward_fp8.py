@@ -30,7 +30,7 @@ from ._launch import (
 from ._params import PointerRecord, make_params
 from ._streams import record_kernel_arrays
 from .families import sm90
-from .fp8 import check_fp8_call
+from .fp8 import check_fp8_call, descales_trusted
 
 DESCALES = ("q_descale", "k_descale", "v_descale")
 # fp8_transpose_v's parameters (kernels_cu/forward_sm90.cu; tests/test_compile.py holds them equal):
@@ -134,18 +134,16 @@ class Fp8ForwardPlan(OutputAndLse):
         self._launches: dict = {}       # Packed by the arrays' addresses, stream and thread (packed_once)
 
     def call(self, q, k, v, descales: dict):
-        """The repeated plain call with host descales (forward_fp8's plan cache found this plan):
-        (o, lse) in new arrays, V^T in the stream's kept workspace where it fits; or None where the
-        checked route must take it (GPU descales, whose read-back that route makes; a descale value
-        to refuse, which it names; another current device; a capturing stream)."""
-        if any(type(descales[name]) is not numpy.ndarray for name in DESCALES):
-            return None
+        """The repeated plain call (forward_fp8's plan cache found this plan) with descales the
+        short path takes (short_path_descales): (o, lse) in new arrays, V^T in the stream's kept
+        workspace where it fits; or None where the checked route must take it (GPU descales outside
+        trusted_descales, whose read-back that route makes; a descale value to refuse, which it
+        names; another current device; a capturing stream)."""
         stream = ready_stream(self)
         if stream is None:
             return None
-        ring = descale_ring(descales, self.shape.heads)
-        slot = ring.stage(descales, self.shape.heads, stream)
-        if slot is None:
+        uploaded = short_path_descales(descales, self.shape.heads, stream)
+        if uploaded is None:
             return None
         o, lse = self.outputs()
         if self.vt_bytes <= KEPT_WORKSPACE_BYTES:
@@ -153,9 +151,9 @@ class Fp8ForwardPlan(OutputAndLse):
         else:
             vt = self.cuda.alloc(self.vt_bytes)   # held until the launches are out
             vt_at = vt.ptr
-        self.launch((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr) + ring.addresses(slot) + (vt_at,),
+        self.launch((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr) + uploaded.addresses + (vt_at,),
                     stream, False)
-        ring.launched(slot, stream)
+        uploaded.launched(stream)
         return o, lse
 
     def run(self, q, k, v, descales: dict, out=None):
@@ -253,6 +251,26 @@ def upload_descales(descales: dict, heads: int, stream: int, capturing: bool) ->
     if arrays[0].shape[1] != heads:   # per K/V head: each query head of its group takes it
         arrays[0] = cupy.repeat(arrays[0], heads // arrays[0].shape[1], axis=1)
     return UploadedDescales(tuple(x.data.ptr for x in arrays), tuple(arrays))
+
+
+def short_path_descales(descales: dict, heads: int, stream: int) -> UploadedDescales | None:
+    """The descales of a repeated call's short path on the stream at ``stream``, or None where the
+    checked route must take them: host ones staged in this thread's DescaleRing (None: a value to
+    refuse); GPU ones inside trusted_descales (fp8.py) only, as they are where they are float32,
+    C-contiguous and q's per query head (the plan key held their shapes, dtypes and device)."""
+    if all(type(descales[name]) is numpy.ndarray for name in DESCALES):
+        ring = descale_ring(descales, heads)
+        slot = ring.stage(descales, heads, stream)
+        return None if slot is None else UploadedDescales(ring.addresses(slot), (), ring, slot)
+    if not descales_trusted():
+        return None
+    import cupy
+
+    arrays = tuple(descales[name] for name in DESCALES)
+    if any(type(x) is not cupy.ndarray or x.dtype != numpy.float32 or not x.flags.c_contiguous for x in arrays) \
+            or arrays[0].shape[1] != heads:
+        return None
+    return UploadedDescales(tuple(x.data.ptr for x in arrays), arrays)
 
 
 class DescaleRing:

@@ -315,14 +315,21 @@ _trusted = contextvars.ContextVar("cupy_flash_fp8_trusted_descales", default=Fal
 
 @contextlib.contextmanager
 def trusted_descales():
-    """Inside, FP8 calls do not read GPU descales back to check them: for descales the adapters'
-    quantisation computed on the GPU just before (no synchronisation a call; an input that held inf
-    or NaN gives a descale and outputs of inf or NaN, as in any other precision)."""
+    """Inside (this thread, this task), FP8 calls do not read GPU descales back to check them: no
+    synchronisation a call, and a repeated call takes its short path with GPU descales too. Their
+    values are then the caller's to keep finite and positive (a descale of inf or NaN gives outputs
+    of inf or NaN, as such an input would in any precision). The adapters' own quantisation runs
+    inside it."""
     token = _trusted.set(True)
     try:
         yield
     finally:
         _trusted.reset(token)
+
+
+def descales_trusted() -> bool:
+    """Whether the calls run inside trusted_descales."""
+    return _trusted.get()
 
 
 def _capturing() -> bool:
@@ -347,7 +354,7 @@ def _check_descale_values(descales: dict, capturing: bool = False) -> None:
                              "descales must be GPU arrays there (a captured copy would read host memory when "
                              "replayed)")
         return
-    if _trusted.get():   # GPU descales the adapters' quantisation computed: not read back
+    if _trusted.get():   # inside trusted_descales: GPU descales not read back
         by_library = {xp: names for xp, names in by_library.items() if xp is numpy}
     for xp, names in by_library.items():
         # in float32, as the kernels read them (a float64 value past float32's range is refused)

@@ -448,6 +448,40 @@ def test_fp8_calls_captured_in_a_cuda_graph_replay_the_eager_results():
         assert bool((x.view(numpy.uint8) == y.view(numpy.uint8)).all())
 
 
+def test_fp8_trusted_gpu_descales_are_not_read_back():
+    """Inside fp8.trusted_descales, GPU descales are not read back: forward and backward calls
+    queued behind long GPU work return before it ends (their short paths), with the checked
+    calls' bits; a NaN descale is not refused there and gives NaN."""
+    import cupy
+
+    from cupy_flash.fp8 import trusted_descales
+
+    q8, k8, v8, descales = _inputs(dict(BASE, batch=2, seqlen_q=200, seqlen_k=300, heads_kv=2, group=2, head_dim=64))
+    assert descales["q_descale"].shape == (2, 4)   # per query head, float32: the short path takes them as they are
+    do = random_array(numpy.random.default_rng(8), q8.shape, "bfloat16")
+    o_checked, lse_checked = cupy_flash.flash_forward(q8, k8, v8, causal=True, **descales)
+    grads_checked = cupy_flash.flash_backward(do, q8, k8, v8, o_checked, lse_checked, causal=True, deterministic=True,
+                                              **descales)
+    with trusted_descales():
+        o, lse = cupy_flash.flash_forward(q8, k8, v8, causal=True, **descales)   # plans kept
+        cupy_flash.flash_backward(do, q8, k8, v8, o, lse, causal=True, deterministic=True, **descales)
+        cupy.cuda.Device().synchronize()
+        big = cupy.ones((4096, 4096), dtype=cupy.float32)
+        for _ in range(6):   # ~ tens of ms of queued work
+            big = big @ big * (1 / 4096)
+        matmuls_done = cupy.cuda.Event()
+        matmuls_done.record()
+        o, lse = cupy_flash.flash_forward(q8, k8, v8, causal=True, **descales)
+        grads = cupy_flash.flash_backward(do, q8, k8, v8, o, lse, causal=True, deterministic=True, **descales)
+        assert not matmuls_done.done   # neither call waited for the queued work
+        nan = dict(descales, v_descale=cupy.full_like(descales["v_descale"], float("nan")))
+        o_nan, _ = cupy_flash.flash_forward(q8, k8, v8, causal=True, **nan)
+    cupy.cuda.Device().synchronize()
+    for x, y in zip((o_checked, lse_checked, *grads_checked), (o, lse, *grads)):
+        assert bool((x.view(numpy.uint8) == y.view(numpy.uint8)).all())
+    assert bool(cupy.isnan(as_float(o_nan)).all())
+
+
 def as_float(o):
     import cupy
 
