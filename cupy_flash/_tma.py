@@ -96,12 +96,14 @@ def map_strides(x, packed: bool) -> tuple:
     return tuple(int(s) if n > 1 else row_bytes for n, s in zip(sizes, strides))
 
 
-def attention_map_at(address: int, layout: Layout, dtype: str, rows: int, packed: bool) -> bytes:
+def attention_map_at(address: int, layout: Layout, dtype: str, rows: int, packed: bool, row_bytes: int = SWIZZLE_BYTES) -> bytes:
     """The map of q, k, v or o (batch, seqlen, heads, head_dim), or packed (total, heads, head_dim), of
     ``layout`` at ``address``, as a 4-D tensor (head_dim, seqlen, heads, batch) in boxes of 128 bytes
     of head_dim (64 elements of a 16-bit type, 32 of float32: the backward's dq_accum) x ``rows``
     rows of one head: what the Hopper kernels load (or store, or add) at once. Past the tensor's
-    edges (head_dim, seqlen, batch) a load reads zeros and a store or add writes nothing."""
+    edges (head_dim, seqlen, batch) a load reads zeros and a store or add writes nothing.
+    ``row_bytes`` 64: boxes of 64 bytes, 64-byte swizzled (e4m3 at d <= 64: operand_row_elements,
+    kernels_cu/sm90_mma.cuh)."""
     if packed:
         total, heads, head_dim = layout.shape
         dims = (head_dim, total, heads, 1)
@@ -109,7 +111,8 @@ def attention_map_at(address: int, layout: Layout, dtype: str, rows: int, packed
         batch, seqlen, heads, head_dim = layout.shape
         dims = (head_dim, seqlen, heads, batch)
     assert layout.strides[-1] == layout.itemsize
-    return encode_tiled(dtype, address, dims, map_strides(layout, packed), (SWIZZLE_BYTES // layout.itemsize, rows, 1, 1))
+    swizzle = {SWIZZLE_BYTES: SWIZZLE_128B, 64: SWIZZLE_64B}[row_bytes]
+    return encode_tiled(dtype, address, dims, map_strides(layout, packed), (row_bytes // layout.itemsize, rows, 1, 1), swizzle)
 
 
 def maps_supported(x) -> bool:

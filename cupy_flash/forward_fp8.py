@@ -198,7 +198,7 @@ class Fp8ForwardPlan(OutputAndLse):
 
     def _maps(self, q_at: int, k_at: int, vt_at: int, o_at: int):
         """The kernel's ForwardSm90Maps, by the arrays' addresses (their layouts are the plan's): q
-        and k (e4m3, boxes of 128 bytes x the query / key block), V^T (boxes of 128 keys x the
+        and k (e4m3, boxes of 128 bytes, 64 at the 64 tile, x the query / key block), V^T (boxes of 128 keys x the
         head-dim tile, 128-byte swizzled where key blocks are whole 128-key rows, else of 64 keys,
         64-byte swizzled: VtChunk in forward_sm90.cu) and o (bfloat16, the store box)."""
         def encode():
@@ -211,8 +211,9 @@ class Fp8ForwardPlan(OutputAndLse):
                                        _tma.SWIZZLE_128B if vt_keys == 128 else _tma.SWIZZLE_64B)
             packed = self.packed is not None
             q_layout, k_layout, o_layout = self.layouts
-            return (_tma.attention_map_at(q_at, q_layout, "uint8", block_m, packed)
-                    + _tma.attention_map_at(k_at, k_layout, "uint8", block_n, packed)
+            row_bytes = min(tile, _tma.SWIZZLE_BYTES)   # e4m3 rows: 128 bytes, or the 64 of d <= 64's tile
+            return (_tma.attention_map_at(q_at, q_layout, "uint8", block_m, packed, row_bytes)
+                    + _tma.attention_map_at(k_at, k_layout, "uint8", block_n, packed, row_bytes)
                     + vt_map + _tma.attention_map_at(o_at, o_layout, "bfloat16", _tma.STORE_ROWS, packed))
 
         addresses = (q_at, k_at, vt_at, o_at)

@@ -42,7 +42,7 @@
 template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES>
 struct ForwardSm90Storage {
     using Out = typename Sm90Element<T>::output;
-    static constexpr int ROW = Sm90Element<T>::row_elements;   // elements of a 128-byte swizzled row
+    static constexpr int ROW = operand_row_elements<T, D_TILE>;   // elements of a swizzled row of Q and K
     static constexpr int CHUNKS = D_TILE / ROW;
     static constexpr bool OWN_O = (BLOCK_M * (sizeof(T) + sizeof(Out)) + 2 * STAGES * BLOCK_N * sizeof(T)) * D_TILE
                                   + 2 * SWIZZLE_ATOM_BYTES <= SM90_BLOCK_SMEM_BYTES;
@@ -188,7 +188,7 @@ __device__ __forceinline__ unsigned int claim_slot(unsigned long long* empty, un
 template <int D_TILE, int ROWS, typename T>
 __device__ __forceinline__ void load_into_slot(T* tile, const TensorMap* map, unsigned long long* empty, unsigned long long* full,
                                                unsigned int parity, int row, int head, int batch_coord) {
-    constexpr int ROW = Sm90Element<T>::row_elements;
+    constexpr int ROW = operand_row_elements<T, D_TILE>;
     const unsigned int full_bar = claim_slot(empty, full, parity, ROWS * D_TILE * sizeof(T));
 #pragma unroll
     for (int c = 0; c < D_TILE / ROW; ++c)
@@ -230,7 +230,7 @@ template <int FEATURES, typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int ST
 __device__ __forceinline__ void produce_tile(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>& smem,
                                              const ForwardSm90Maps& maps, const FlashParams& p, const ForwardSm90Work& w, int& ring,
                                              int& q_round) {
-    constexpr int ROW = Sm90Element<T>::row_elements, CHUNKS = D_TILE / ROW;
+    constexpr int ROW = operand_row_elements<T, D_TILE>, CHUNKS = D_TILE / ROW;
     constexpr unsigned int Q_BYTES = BLOCK_M * D_TILE * sizeof(T);
     if (w.blocks() <= 0) return;
     // FP8 packed batches: V^T holds each sequence from a row of its own (vt_rows, a multiple of 32).
@@ -447,7 +447,8 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
     constexpr bool OWN_O = ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>::OWN_O;
     constexpr bool FP8 = sizeof(T) == 1;
     constexpr int MMA_K = Sm90Element<T>::mma_k;
-    constexpr unsigned int Q_CHUNK_BYTES = BLOCK_M * 128, KV_CHUNK_BYTES = BLOCK_N * 128;
+    constexpr int ROW_BYTES = operand_row_elements<T, D_TILE> * sizeof(T);   // Q's and K's rows: 128 or 64 bytes
+    constexpr unsigned int Q_CHUNK_BYTES = BLOCK_M * ROW_BYTES, KV_CHUNK_BYTES = BLOCK_N * ROW_BYTES;
     constexpr int VT_KEYS = VtChunk<BLOCK_N>::KEYS;   // FP8: V^T's chunks, VT_KEYS bytes a row
     constexpr unsigned int VT_CHUNK_BYTES = D_TILE * VT_KEYS;
     const int thread = threadIdx.x % 128, warp = thread / 32, lane = thread % 32;
@@ -472,7 +473,7 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
             barrier_wait(smem_addr(&smem.k_full[slot.index]), slot.parity);
             const unsigned int k_base = smem_addr(&smem.k[slot.index][0][0][0]);
             warpgroup_arrive();
-            mma_k_major<T, BLOCK_N, D_TILE, false>(s, q_base, Q_CHUNK_BYTES, k_base, KV_CHUNK_BYTES);
+            mma_k_major<T, BLOCK_N, D_TILE, false, ROW_BYTES>(s, q_base, Q_CHUNK_BYTES, k_base, KV_CHUNK_BYTES);
             warpgroup_commit();
         };
         auto issue_values = [&](unsigned int (&pa)[BLOCK_N / MMA_K][4], const RingSlot& slot) {
@@ -563,7 +564,8 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
     constexpr int CONSUMERS = BLOCK_M / 64;
     constexpr bool DYNAMIC = DynamicTiles<D_TILE, IS_CAUSAL, FEATURES>::value;   // tiles from the counter
     static_assert(BLOCK_M % 64 == 0 && (CONSUMERS == 2 || CONSUMERS == 3), "64 query rows per consumer warpgroup");
-    static_assert(D_TILE % Sm90Element<T>::row_elements == 0 && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
+    static_assert(D_TILE % operand_row_elements<T, D_TILE> == 0 && operand_row_elements<T, D_TILE> * sizeof(T) >= 64
+                  && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
     static_assert(!(FEATURES & FEATURE_BIAS), "the bias runs on the portable kernels");
     static_assert(sizeof(T) == 2 || (BLOCK_N % 64 == 0 && Storage::OWN_O && !ScoreMod<FEATURES>::active),
                   "FP8: V^T in 64- or 128-key chunks, O staged apart, no score modifier");

@@ -61,6 +61,12 @@ template <> struct Sm90Element<fa_e4m3> {
     using output = fa_bf16;
 };
 
+// The rows of K-major operands tiled by head dim (Q and K for S = Q K^T): 128-byte swizzled rows,
+// or where the head-dim tile is shorter (e4m3 at d <= 64) one 64-byte row, 64-byte swizzled
+// (k_major_descriptor_64b's layout; the TMA map's box and swizzle match: cupy_flash/forward_fp8.py).
+template <typename T, int D_TILE>
+constexpr int operand_row_elements = D_TILE < Sm90Element<T>::row_elements ? D_TILE : Sm90Element<T>::row_elements;
+
 // The block's storage at the first SWIZZLE_ATOM_BYTES boundary of dynamic shared memory. The
 // offset is added to the __shared__ array's pointer, not to an integer, so the compiler still knows
 // the storage is shared and its plain C++ accesses compile to ld/st.shared (LDS/STS). Through an
@@ -122,18 +128,25 @@ template <typename T, int N> struct Wgmma;   // sm90_wgmma_ops.cuh
 // backward: d = 256 +3.5%, d = 64 / 128 unchanged), else built per product (the forward: advanced,
 // d = 64 measured 0.95-0.98x on all 16 shapes, bf16 and fp16, 1k-16k, interleaved A B B A twice;
 // d = 128 / 256 0.95-1.02x).
-template <typename T, int N, int D_TILE, bool ADVANCE = true>
+// ROW_BYTES: the operands' rows, 128 bytes (k_major_descriptor) or 64 (k_major_descriptor_64b:
+// operand_row_elements' short tile).
+template <typename T, int N, int D_TILE, bool ADVANCE = true, int ROW_BYTES = 128>
 __device__ __forceinline__ void mma_k_major(float (&d)[N / 2], unsigned int a, unsigned int a_chunk_bytes, unsigned int b,
                                             unsigned int b_chunk_bytes) {
-    const unsigned long long a_desc = k_major_descriptor(a), b_desc = k_major_descriptor(b);
+    static_assert(ROW_BYTES == 128 || ROW_BYTES == 64, "128- or 64-byte rows");
+    constexpr int STEPS = ROW_BYTES / 32;   // 32-byte K steps inside a row
+    auto descriptor = [](unsigned int addr) {
+        return ROW_BYTES == 128 ? k_major_descriptor(addr) : k_major_descriptor_64b(addr);
+    };
+    const unsigned long long a_desc = descriptor(a), b_desc = descriptor(b);
 #pragma unroll
     for (int kk = 0; kk < D_TILE / Sm90Element<T>::mma_k; ++kk) {
-        const unsigned int a_step = (kk / 4) * a_chunk_bytes + (kk % 4) * 32;   // 32-byte K steps inside a 128-byte row
-        const unsigned int b_step = (kk / 4) * b_chunk_bytes + (kk % 4) * 32;
+        const unsigned int a_step = (kk / STEPS) * a_chunk_bytes + (kk % STEPS) * 32;
+        const unsigned int b_step = (kk / STEPS) * b_chunk_bytes + (kk % STEPS) * 32;
         if constexpr (ADVANCE)
             Wgmma<T, N>::template ss<0>(d, advance_descriptor(a_desc, a_step), advance_descriptor(b_desc, b_step), kk > 0);
         else
-            Wgmma<T, N>::template ss<0>(d, k_major_descriptor(a + a_step), k_major_descriptor(b + b_step), kk > 0);
+            Wgmma<T, N>::template ss<0>(d, descriptor(a + a_step), descriptor(b + b_step), kk > 0);
     }
 }
 

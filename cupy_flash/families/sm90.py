@@ -39,7 +39,7 @@ FORWARD_SM90 = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 80, 2)}
 # 16-bit inputs; kernels_cu/sm90_wgmma_ops.cuh has one operation per width (bench/generate_wgmma_ops.py).
 SM90_WGMMA_WIDTHS = (32, 64, 80, 96, 112, 128, 144, 160, 176, 192, 224, 256)
 # The same for e4m3 (m64nNk32): the FP8 forward's key blocks and head-dim tiles (FORWARD_SM90_FP8).
-SM90_FP8_WGMMA_WIDTHS = (128, 192, 256)
+SM90_FP8_WGMMA_WIDTHS = (64, 128, 192, 256)
 # Plain calls (no variant flag) take these tiles instead, causal ones from FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS.
 # d = 64 192x128, three consumers (H100, interleaved against 128x128 on the same inputs,
 # bf16 and fp16): non-causal 2k-16k +8-17% (16k 444 -> 513 TFLOP/s), 1k 1.01-1.07x, 512 0.97-1.04x;
@@ -395,8 +395,10 @@ def grid_of(tiles: int, deterministic: bool, device) -> int:
 # (block_m, block_n, stages). Key blocks are multiples of 64 keys (V^T's chunks: VtChunk). Measured
 # (H100, interleaved): d = 128 128 x 192 1.04-1.06x 128 x 128, 192 x 64 (three consumers)
 # 0.93-0.96x; d = 256 128 x 64 0.82-0.88x 128 x 128, where Q, two stages of K and V^T and a bfloat16
-# O staging tile fill 225 of the 227 KB.
-FORWARD_SM90_FP8 = {128: (128, 192, 2), 256: (128, 128, 2)}
+# O staging tile fill 225 of the 227 KB. d <= 64 (Q and K in 64-byte rows: operand_row_elements,
+# sm90_mma.cuh): 128 x 256 against 128 x 192 1.00-1.09x at 1k-16k, 128 x 128 0.93-1.10x (best at 1k
+# causal only), one process each on one H100.
+FORWARD_SM90_FP8 = {64: (128, 256, 2), 128: (128, 192, 2), 256: (128, 128, 2)}
 # What it takes: causal, windows, the sink, GQA/MQA and packed batches (no score modifier: FP8's
 # descales join the scale).
 FORWARD_SM90_FP8_FEATURES = FEATURE_WINDOW | FEATURE_SINK | FEATURE_VARLEN
