@@ -307,8 +307,9 @@ class DescaleRing:
         if q_descale.shape[1] != heads:
             q_descale = numpy.repeat(q_descale, heads // q_descale.shape[1], axis=1)
         values = self.host[slot, :self.total]
-        numpy.concatenate((q_descale.ravel(), descales["k_descale"].ravel(), descales["v_descale"].ravel()), out=values,
-                          casting="same_kind")
+        with numpy.errstate(over="ignore"):   # past float32's range: inf, refused below
+            numpy.concatenate((q_descale.ravel(), descales["k_descale"].ravel(), descales["v_descale"].ravel()),
+                              out=values, casting="same_kind")
         if not (values.min() > 0 and values.max() < numpy.inf):   # NaN fails both
             return None
         offset = 4 * slot * self.stride

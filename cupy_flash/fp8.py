@@ -358,11 +358,13 @@ def _check_descale_values(descales: dict, capturing: bool = False) -> None:
         by_library = {xp: names for xp, names in by_library.items() if xp is numpy}
     for xp, names in by_library.items():
         # in float32, as the kernels read them (a float64 value past float32's range is refused)
-        joined = xp.concatenate([xp.ravel(descales[name]) for name in names]).astype(xp.float32)
+        with numpy.errstate(over="ignore"):
+            joined = xp.concatenate([xp.ravel(descales[name]) for name in names]).astype(xp.float32)
         if bool(xp.all(xp.isfinite(joined) & (joined > 0))):
             continue
         for name in names:
-            descale = descales[name].astype(xp.float32)
+            with numpy.errstate(over="ignore"):
+                descale = descales[name].astype(xp.float32)
             if not bool(xp.all(xp.isfinite(descale) & (descale > 0))):
                 raise ValueError(f"{name} holds a value that is not finite and positive")
 

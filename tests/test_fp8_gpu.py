@@ -482,6 +482,44 @@ def test_fp8_trusted_gpu_descales_are_not_read_back():
     assert bool(cupy.isnan(as_float(o_nan)).all())
 
 
+def test_fp8_short_paths_alternating_streams_and_descales_keep_their_bits():
+    """The short paths' caches (plans, packed launches, the DescaleRing's slots) on two streams in
+    turn, one of them queued behind long GPU work, with two descale sets in turn, for more calls
+    than the ring has slots: each call gives the checked route's bits for its own descales."""
+    import cupy
+
+    from cupy_flash import backward_fp8, forward_fp8
+
+    q8, k8, v8, descales = _inputs(dict(BASE, batch=2, seqlen_q=150, seqlen_k=170, heads_kv=2, group=2, head_dim=64))
+    do = random_array(numpy.random.default_rng(9), q8.shape, "bfloat16")
+    host = {name: cupy.asnumpy(x) for name, x in descales.items()}
+    sets = [host, dict(host, v_descale=host["v_descale"] * 2, q_descale=host["q_descale"] * 0.5)]
+
+    def call(scales):
+        o, lse = cupy_flash.flash_forward(q8, k8, v8, causal=True, **scales)
+        return (o, lse) + cupy_flash.flash_backward(do, q8, k8, v8, o, lse, causal=True, deterministic=True, **scales)
+
+    expected = []
+    for scales in sets:   # the checked route
+        forward_fp8._plans.clear()
+        backward_fp8._plans.clear()
+        expected.append(call(scales))
+    call(sets[0])   # plans kept
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    big = cupy.ones((4096, 4096), dtype=cupy.float32)
+    results = []
+    for i in range(2 * forward_fp8.DescaleRing.SLOTS + 3):
+        with streams[i % 2]:
+            if i == 0:
+                for _ in range(4):   # stream 0 queued behind ~ tens of ms of work
+                    big = big @ big * (1 / 4096)
+            results.append((i % 2, call(sets[i % 2])))
+    cupy.cuda.Device().synchronize()
+    for which, outputs in results:
+        for x, y in zip(expected[which], outputs):
+            assert bool((x.view(numpy.uint8) == y.view(numpy.uint8)).all()), which
+
+
 def as_float(o):
     import cupy
 
