@@ -49,16 +49,71 @@ from .forward import forward_into
 def flash_attention(q, k, v, **options):
     """Exact attention ``softmax(softmax_scale * q k^T) v`` on JAX arrays, differentiable in q, k
     and v; q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim),
-    float16, bfloat16 or float32 on a CUDA GPU. Returns o like q."""
+    float16, bfloat16 or float32 on a CUDA GPU. Returns o like q. FP8 inputs: flash_forward's."""
     return flash_forward(q, k, v, **options)[0]
 
 
 def flash_forward(q, k, v, **options):
     """(o, lse) as cupy_flash.flash_forward gives them, on JAX arrays; differentiable in q, k, v
     through o. lse comes under ``jax.lax.stop_gradient``: the backward takes o's cotangent only
-    (as flash_backward does), so a loss that uses lse gets no gradient through it."""
+    (as flash_backward does), so a loss that uses lse gets no gradient through it.
+
+    FP8 (Hopper): jnp.float8_e4m3fn (or uint8 bits) q, k, v with ``q_descale``, ``k_descale``,
+    ``v_descale`` as JAX arrays: the FP8 forward, o bfloat16, inference only (no gradient). Under
+    jit the descales' values are not read back to check them (fp8.trusted_descales)."""
+    if any(name in options for name in _DESCALES) or q.dtype == jax.numpy.float8_e4m3fn:
+        return _fp8_inference(q, k, v, dict(options))
     o, lse = _attention(_checks.check_traced_call("flash_attention (JAX)", q, k, v, options))(q, k, v)
     return o, jax.lax.stop_gradient(lse)
+
+
+_DESCALES = ("q_descale", "k_descale", "v_descale")
+_FP8_INFERENCE_OPTIONS = ("softmax_scale", "causal", "window_size")
+
+
+def _fp8_inference(q, k, v, options: dict) -> tuple:
+    """flash_forward's FP8 call on JAX arrays: checked while tracing (shapes, dtypes, options), then
+    a buffer_callback running the FP8 forward on XLA's buffers."""
+    descales = {name: options.pop(name, None) for name in _DESCALES}
+    unknown = sorted(set(options) - set(_FP8_INFERENCE_OPTIONS))
+    if unknown:
+        raise TypeError(f"flash_attention (JAX, FP8) got unsupported option(s) {unknown}; it takes "
+                        f"{list(_FP8_INFERENCE_OPTIONS) + list(_DESCALES)}")
+    bits = []
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype == jax.numpy.float8_e4m3fn:
+            x = jax.lax.bitcast_convert_type(x, jax.numpy.uint8)
+        elif x.dtype != jax.numpy.uint8:
+            raise TypeError(f"{name} has dtype {x.dtype} but FP8 calls take q, k and v all in float8_e4m3fn (or uint8 bits)")
+        bits.append(x)
+    shape = _checks.check_qkv(*(_checks._Described(x) for x in bits), fp8=True)
+    for name, descale in descales.items():
+        if descale is None:
+            raise ValueError(f"{name} is missing: FP8 inputs need q_descale, k_descale and v_descale")
+        shapes = [(shape.batch, shape.heads_kv)] + ([(shape.batch, shape.heads)] if name == "q_descale" else [])
+        if tuple(descale.shape) not in shapes or not jax.numpy.issubdtype(descale.dtype, jax.numpy.floating):
+            raise ValueError(f"{name} has shape {tuple(descale.shape)} and dtype {descale.dtype}; expected float "
+                             f"{' or '.join(str(s) for s in shapes)} (batch, heads)")
+    scale = _checks.check_softmax_scale(options.get("softmax_scale"), shape.head_dim)
+    causal = _checks.check_flag("causal", options.get("causal", False))
+    window = options.get("window_size")
+    static = (("softmax_scale", float(scale)), ("causal", causal),
+              ("window_size", None if window is None else tuple(int(n) for n in window)))
+    results = (jax.ShapeDtypeStruct(q.shape, jax.numpy.bfloat16),
+               jax.ShapeDtypeStruct((shape.batch, shape.heads, shape.seqlen_q), numpy.float32))
+    scales = tuple(descales[name].astype(jax.numpy.float32) for name in _DESCALES)
+    o, lse = buffer_callback(functools.partial(_fp8_inference_callback, static), results)(*bits, *scales)
+    return o, jax.lax.stop_gradient(lse)
+
+
+def _fp8_inference_callback(static, context, outputs, q8, k8, v8, q_descale, k_descale, v_descale):
+    from . import fp8
+
+    options = {name: value for name, value in static if value is not None}
+    o, lse = outputs
+    with _on_xla_stream(context, q8), fp8.trusted_descales():
+        forward_into((_as_cupy(o), _as_cupy(lse)), *(_as_cupy(x) for x in (q8, k8, v8)), **options,
+                     **{name: _as_cupy(d) for name, d in zip(_DESCALES, (q_descale, k_descale, v_descale))})
 
 
 @functools.lru_cache(maxsize=256)

@@ -673,6 +673,36 @@ def test_fp8_takes_jax_e4m3_arrays():
     assert bool((o.view(numpy.uint16) == expected.view(numpy.uint16)).all()) and bool((lse == expected_lse).all())
 
 
+def test_fp8_jax_adapter_under_jit_takes_e4m3_arrays_with_descales():
+    """jax_adapter.flash_forward on jnp.float8_e4m3fn arrays with descales as JAX arrays, under
+    jax.jit: the CuPy call's o and lse bitwise; a missing descale or a bf16 k is refused while
+    tracing."""
+    import cupy
+
+    jax = jax_on_gpu()
+    jnp = jax.numpy
+    from cupy_flash.jax_adapter import flash_forward as jax_forward
+
+    inputs, descales, (expected, expected_lse) = _expected_for_frameworks()
+    q, k, v = (jax.lax.bitcast_convert_type(jax.dlpack.from_dlpack(x), jnp.float8_e4m3fn) for x in inputs)
+    scales = [jax.dlpack.from_dlpack(descales[f"{name}_descale"]) for name in "qkv"]
+
+    @jax.jit
+    def attention(q, k, v, q_descale, k_descale, v_descale):
+        return jax_forward(q, k, v, causal=True, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+
+    o, lse = attention(q, k, v, *scales)
+    assert o.dtype == jnp.bfloat16
+    bits = cupy.from_dlpack(jax.lax.bitcast_convert_type(o, jnp.uint16))
+    assert bool((bits == expected.view(numpy.uint16)).all())
+    assert bool((cupy.from_dlpack(lse) == expected_lse).all())
+    with pytest.raises(ValueError, match="v_descale is missing"):
+        jax.jit(lambda q, k, v, a, b: jax_forward(q, k, v, q_descale=a, k_descale=b))(q, k, v, *scales[:2])
+    with pytest.raises(TypeError, match="k has dtype"):
+        jax.jit(lambda q, k, v: jax_forward(q, k, v, q_descale=scales[0], k_descale=scales[1], v_descale=scales[2]))(
+            q, k.astype(jnp.bfloat16), v)
+
+
 def test_fp8_through_the_pytorch_adapter():
     """flash_attn_func on torch.float8_e4m3fn tensors with FlashAttention-3's descale keywords: the
     direct call's O bitwise, on PyTorch's current stream; a gradient or torch.compile is refused."""
