@@ -466,11 +466,7 @@ def test_fp8_trusted_gpu_descales_are_not_read_back():
         o, lse = cupy_flash.flash_forward(q8, k8, v8, causal=True, **descales)   # plans kept
         cupy_flash.flash_backward(do, q8, k8, v8, o, lse, causal=True, deterministic=True, **descales)
         cupy.cuda.Device().synchronize()
-        big = cupy.ones((4096, 4096), dtype=cupy.float32)
-        for _ in range(6):   # ~ tens of ms of queued work
-            big = big @ big * (1 / 4096)
-        matmuls_done = cupy.cuda.Event()
-        matmuls_done.record()
+        matmuls_done = queued_gpu_work()
         o, lse = cupy_flash.flash_forward(q8, k8, v8, causal=True, **descales)
         grads = cupy_flash.flash_backward(do, q8, k8, v8, o, lse, causal=True, deterministic=True, **descales)
         assert not matmuls_done.done   # neither call waited for the queued work
@@ -506,18 +502,29 @@ def test_fp8_short_paths_alternating_streams_and_descales_keep_their_bits():
         expected.append(call(scales))
     call(sets[0])   # plans kept
     streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
-    big = cupy.ones((4096, 4096), dtype=cupy.float32)
     results = []
     for i in range(2 * forward_fp8.DescaleRing.SLOTS + 3):
         with streams[i % 2]:
             if i == 0:
-                for _ in range(4):   # stream 0 queued behind ~ tens of ms of work
-                    big = big @ big * (1 / 4096)
+                queued_gpu_work()   # stream 0's calls queue behind it
             results.append((i % 2, call(sets[i % 2])))
     cupy.cuda.Device().synchronize()
     for which, outputs in results:
         for x, y in zip(expected[which], outputs):
             assert bool((x.view(numpy.uint8) == y.view(numpy.uint8)).all()), which
+
+
+def queued_gpu_work():
+    """An event recorded after ~tens of ms of matrix products queued on the current stream: the
+    launches after it wait behind them."""
+    import cupy
+
+    big = cupy.ones((4096, 4096), dtype=cupy.float32)
+    for _ in range(6):
+        big = big @ big * (1 / 4096)
+    done = cupy.cuda.Event()
+    done.record()
+    return done
 
 
 def as_float(o):
@@ -539,11 +546,7 @@ def test_fp8_host_descales_go_up_without_waiting_and_buffers_are_reused_only_whe
     host = {name: cupy.asnumpy(x) for name, x in descales.items()}
     cupy_flash.flash_forward(q8, k8, v8, **host)   # the plan and a first buffer
     cupy.cuda.Device().synchronize()
-    big = cupy.ones((4096, 4096), dtype=cupy.float32)
-    for _ in range(6):   # ~ tens of ms of queued work
-        big = big @ big * (1 / 4096)
-    matmuls_done = cupy.cuda.Event()
-    matmuls_done.record()
+    matmuls_done = queued_gpu_work()
     results = []
     for i in range(forward_fp8.DescaleRing.SLOTS + 8):
         factor = 2 ** (i % 3)   # O scales by it exactly
