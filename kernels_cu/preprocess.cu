@@ -38,6 +38,16 @@ __device__ __forceinline__ float group_sum(float x, int lanes) {
     return x;
 }
 
+// A packed batch's sequence holding row `row`: the last s < sequences with cu_seqlens[s] <= row.
+__device__ __forceinline__ int sequence_of_row(const int* cu_seqlens, int sequences, long long row) {
+    int lo = 0, hi = sequences;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (cu_seqlens[mid] <= row) lo = mid; else hi = mid;
+    }
+    return lo;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(ROW_KERNEL_THREADS) flash_preprocess_kernel(const FlashParams p) {
     constexpr int VEC = Vec<T>::N;
@@ -73,12 +83,8 @@ __global__ void __launch_bounds__(ROW_KERNEL_THREADS) flash_preprocess_kernel(co
                 // (s, h, r - cu_seqlens_q[s]); the sequence comes from a binary search.
                 long long stats = b * p.delta_batch_stride + h * p.delta_stride + row;
                 if (p.cu_seqlens_q != nullptr) {
-                    int lo = 0, hi = (int)p.packed_sequences;   // sequences: find the last s with cu[s] <= row
-                    while (hi - lo > 1) {
-                        const int mid = (lo + hi) / 2;
-                        if (p.cu_seqlens_q[mid] <= row) lo = mid; else hi = mid;
-                    }
-                    stats = (lo * p.heads + h) * p.delta_stride + (row - p.cu_seqlens_q[lo]);
+                    const int s = sequence_of_row(p.cu_seqlens_q, (int)p.packed_sequences, row);
+                    stats = (s * p.heads + h) * p.delta_stride + (row - p.cu_seqlens_q[s]);
                 }
                 p.delta[stats] = dot_sum;
                 if (p.lse_log2 != nullptr) {
@@ -205,15 +211,7 @@ __global__ void __launch_bounds__(ROW_KERNEL_THREADS) fp8_dequantize_kernel(
     const long long total = (long long)batch * rows * heads * vectors;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
         const auto [b, row, column, h] = fp8_vector(i, vectors, heads, rows);
-        long long scale_row = b;
-        if (cu_seqlens != nullptr) {   // the last sequence s with cu_seqlens[s] <= row
-            int lo = 0, hi = sequences;
-            while (hi - lo > 1) {
-                const int mid = (lo + hi) / 2;
-                if (cu_seqlens[mid] <= row) lo = mid; else hi = mid;
-            }
-            scale_row = lo;
-        }
+        const long long scale_row = cu_seqlens != nullptr ? sequence_of_row(cu_seqlens, sequences, row) : b;
         const float scale = descale[scale_row * descale_heads + h / (heads / descale_heads)];
         const uint4 raw = *reinterpret_cast<const uint4*>(x + b * batch_stride + row * row_stride + h * head_stride + column);
         const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
