@@ -9,6 +9,7 @@ needs CuPy: it accepts CuPy arrays, and arrays of other frameworks through
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import sys
@@ -135,6 +136,28 @@ def check_backward_extras(shape: AttentionShape, q, do, o, lse, packed=None, fp8
         raise ValueError(f"lse has shape {tuple(getattr(lse, 'shape', ()))}; expected {labels} = {expected}")
     if lse.dtype != numpy.float32:
         raise TypeError(f"lse has dtype {lse.dtype}; expected float32 (as returned by flash_forward)")
+
+
+@functools.lru_cache(maxsize=None)
+def cupy_ndarray():
+    """cupy.ndarray, looked up once (the plan caches' keys ask for it on every call)."""
+    import cupy
+
+    return cupy.ndarray
+
+
+def qkv_key(q, k, v, softmax_scale, causal, kernels_setting: str) -> tuple | None:
+    """What a forward's checks and plan read of q, k, v and its options (for the plan caches'
+    keys), or None where one is not a CuPy array."""
+    ndarray = cupy_ndarray()
+    if type(q) is not ndarray or type(k) is not ndarray or type(v) is not ndarray:
+        return None
+    q_data, k_data, v_data = q.data, k.data, v.data
+    # The addresses' alignment as one value: a kept plan's arrays were read in place, 16-byte aligned
+    # (readable_in_place), so only a key whose three are aligned can find one.
+    return (q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype, v.dtype,
+            (q_data.ptr | k_data.ptr | v_data.ptr) & 15, q_data.device_id, k_data.device_id, v_data.device_id,
+            type(softmax_scale), softmax_scale, type(causal), causal, kernels_setting)
 
 
 def backward_extras_key(ndarray: type, do, o, lse, deterministic) -> tuple | None:

@@ -262,6 +262,18 @@ def kept_workspace(nbytes: int, device: int, stream: int):
     return workspace
 
 
+def short_call_workspace(nbytes: int, device: int, stream: int, allocate) -> tuple:
+    """A short call's workspace of ``nbytes`` on the stream at ``stream`` (not capturing): (its
+    address, what holds it, which the caller holds until its launches are out). Up to
+    KEPT_WORKSPACE_BYTES the one kept for the stream; larger, ``allocate(nbytes)``, an object with
+    ``ptr`` or ``data_ptr()``."""
+    if nbytes <= KEPT_WORKSPACE_BYTES:
+        held = kept_workspace(nbytes, device, stream)
+        return held.data.ptr, held
+    held = allocate(nbytes)
+    return (held.ptr if hasattr(held, "ptr") else held.data_ptr()), held
+
+
 def _pool_bytes(nbytes: int, stream: int):
     """``nbytes`` bytes from CuPy's default pool (whatever allocator the caller set: the PyTorch
     adapter routes allocations into PyTorch's, whose CUDA-graph pools hold nothing past a call) for

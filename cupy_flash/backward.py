@@ -18,9 +18,9 @@ from ._launch import (
     cuda_calls,
     current_stream,
     kept,
-    kept_workspace,
     packed_once,
     ready_stream,
+    short_call_workspace,
 )
 from ._params import PointerRecord, make_params
 from ._streams import STREAM_DOC, on_stream, record_kernel_arrays
@@ -237,11 +237,7 @@ class BackwardPlan:
         holds it, which the caller holds until its launches are out). Up to
         _launch.KEPT_WORKSPACE_BYTES the one kept for the stream; larger, ``allocate(bytes)``
         (CuPy's allocator by default), an object with ``ptr`` or ``data_ptr()``."""
-        if self.workspace_bytes <= _launch.KEPT_WORKSPACE_BYTES:
-            held = kept_workspace(self.workspace_bytes, self.device, stream)
-            return held.data.ptr, held
-        held = (allocate or self.cuda.alloc)(self.workspace_bytes)
-        return (held.ptr if hasattr(held, "ptr") else held.data_ptr()), held
+        return short_call_workspace(self.workspace_bytes, self.device, stream, allocate or self.cuda.alloc)
 
     def outputs(self):
         """New (dq, dk, dv) from CuPy's allocator on the current stream."""

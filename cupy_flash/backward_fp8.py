@@ -20,7 +20,7 @@ from ._dtypes import bfloat16
 from ._launch import Packed, cuda_calls, current_stream, kept, packed_once, ready_stream
 from ._streams import record_kernel_arrays
 from .families import rows
-from .forward_fp8 import DESCALES, short_path_descales, upload_descales
+from .forward_fp8 import DESCALES, popped_descales, short_path_descales, upload_descales
 from .forward_fp8 import _plan_key as fp8_plan_key
 from .fp8 import check_fp8_call
 
@@ -37,7 +37,7 @@ def dequantized_call(do, q, k, v, o, lse, softmax_scale, causal, return_dbias, f
     ValueError naming the argument, before any launch, for what the FP8 forward refuses and for do,
     o, lse unlike its outputs (do and o bfloat16)."""
     features = dict(features)
-    descales = _descales(features)
+    descales = popped_descales(features)
     _checks.check_no_extra_options("flash_backward", features)
     q, k, v = (_checks.as_gpu_array(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
     check_fp8_call("flash_backward", dict(q=q, k=k, v=v), descales, features)
@@ -146,13 +146,6 @@ def repeated_call(do, q, k, v, o, lse, softmax_scale, causal, deterministic, fea
 def keep_plan(key, dequantisation: Dequantisation, backward_plan, *, heads: int) -> None:
     """Keep the FP8 plan of a checked call (``key``: plan_key's) with the bf16 plan it ran."""
     kept(_plans, key, Fp8BackwardPlan(dequantisation, backward_plan, heads))
-
-
-def _descales(features: dict) -> dict:
-    """The descales popped from ``features``: host (NumPy) ones as they are, others as GPU arrays."""
-    descales = {name: features.pop(name, None) for name in DESCALES}
-    return {name: x if x is None or isinstance(x, numpy.ndarray) else _checks.as_gpu_array(name, x)
-            for name, x in descales.items()}
 
 
 # Plans of FP8 calls without variant keywords whose q, k, v were read in place, by plan_key.

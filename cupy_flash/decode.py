@@ -3,7 +3,6 @@ against a (paged) K/V cache, and ``merge_attention_states``."""
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 
@@ -372,7 +371,7 @@ _plans: dict = {}
 
 def _plan_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, softmax_scale, causal, window_size,
               softcap, num_splits):
-    ndarray = _cupy_ndarray()
+    ndarray = _checks.cupy_ndarray()
     if type(q) is not ndarray or type(k_cache) is not ndarray or type(v_cache) is not ndarray \
             or type(cache_seqlens) is not ndarray:
         return None
@@ -395,13 +394,6 @@ def _plan_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, sof
             cache_seqlens.shape, cache_seqlens.strides, cache_seqlens.dtype, cache_seqlens.data.device_id,
             *optional, aligned & 15, type(softmax_scale), softmax_scale, type(causal), causal, window_size,
             type(softcap), softcap, type(num_splits), num_splits)
-
-
-@functools.lru_cache(maxsize=None)
-def _cupy_ndarray():
-    import cupy
-
-    return cupy.ndarray
 
 
 def _contiguous(x):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 
 from . import _checks, _tma, families
 from ._launch import (
@@ -250,22 +249,7 @@ def plain_causal_tiles_from(keys: int):
 
 
 def _plan_key(q, k, v, softmax_scale, causal):
-    ndarray = _cupy_ndarray()
-    if type(q) is not ndarray or type(k) is not ndarray or type(v) is not ndarray:
-        return None
-    q_data, k_data, v_data = q.data, k.data, v.data
-    # The addresses' alignment as one value: a kept plan's arrays were read in place, 16-byte aligned
-    # (_checks.readable_in_place), so only a key whose three are aligned can find one.
-    return (q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype, v.dtype,
-            (q_data.ptr | k_data.ptr | v_data.ptr) & 15, q_data.device_id, k_data.device_id, v_data.device_id,
-            type(softmax_scale), softmax_scale, type(causal), causal, families.kernels_setting())
-
-
-@functools.lru_cache(maxsize=None)
-def _cupy_ndarray():
-    import cupy
-
-    return cupy.ndarray
+    return _checks.qkv_key(q, k, v, softmax_scale, causal, families.kernels_setting())
 
 
 @on_stream

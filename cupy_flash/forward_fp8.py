@@ -15,7 +15,6 @@ import numpy
 from . import _checks, _tma, _traits, families
 from ._dtypes import bfloat16
 from ._launch import (
-    KEPT_WORKSPACE_BYTES,
     OutputAndLse,
     Packed,
     TileCounters,
@@ -23,9 +22,9 @@ from ._launch import (
     cuda_calls,
     current_stream,
     kept,
-    kept_workspace,
     packed_once,
     ready_stream,
+    short_call_workspace,
 )
 from ._params import PointerRecord, make_params
 from ._streams import record_kernel_arrays
@@ -53,10 +52,7 @@ def forward_fp8(out, q, k, v, softmax_scale, causal, features: dict):
     and its descales' kinds, shapes and dtypes) takes that call's plan: only the descales' values
     are checked again (they change); with host descales, on Fp8ForwardPlan.call's short path."""
     features = dict(features)
-    descales = {name: features.pop(name, None) for name in DESCALES}
-    # Descales on the host are checked there (no synchronisation) and copied; GPU ones are read back.
-    descales = {name: x if x is None or isinstance(x, numpy.ndarray) else _checks.as_gpu_array(name, x)
-                for name, x in descales.items()}
+    descales = popped_descales(features)
     key = _plan_key(q, k, v, softmax_scale, causal, descales) if not features else None
     plan = _plans.get(key) if key is not None else None
     if plan is not None and out is None:
@@ -74,6 +70,14 @@ def forward_fp8(out, q, k, v, softmax_scale, causal, features: dict):
             kept(_plans, key, plan)
     with q.device:
         return plan.run(q, k, v, descales, out)
+
+
+def popped_descales(features: dict) -> dict:
+    """The descales popped from ``features``: host (NumPy) ones as they are (checked there, without
+    a synchronisation, and copied), others as GPU arrays (read back to be checked)."""
+    descales = {name: features.pop(name, None) for name in DESCALES}
+    return {name: x if x is None or isinstance(x, numpy.ndarray) else _checks.as_gpu_array(name, x)
+            for name, x in descales.items()}
 
 
 def _checked_plan(q, k, v, softmax_scale, causal, descales: dict, features: dict):
@@ -146,11 +150,7 @@ class Fp8ForwardPlan(OutputAndLse):
         if uploaded is None:
             return None
         o, lse = self.outputs()
-        if self.vt_bytes <= KEPT_WORKSPACE_BYTES:
-            vt_at = kept_workspace(self.vt_bytes, self.device, stream).data.ptr
-        else:
-            vt = self.cuda.alloc(self.vt_bytes)   # held until the launches are out
-            vt_at = vt.ptr
+        vt_at, _vt = short_call_workspace(self.vt_bytes, self.device, stream, self.cuda.alloc)   # held until launched
         self.launch((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr) + uploaded.addresses + (vt_at,),
                     stream, False)
         uploaded.launched(stream)
@@ -243,11 +243,10 @@ def upload_descales(descales: dict, heads: int, stream: int, capturing: bool) ->
     import cupy
 
     if not capturing and all(type(descales[name]) is numpy.ndarray for name in DESCALES):
-        ring = descale_ring(descales, heads)
-        slot = ring.stage(descales, heads, stream)
-        if slot is None:
+        uploaded = _staged(descales, heads, stream)
+        if uploaded is None:
             raise ValueError("a descale holds a value that is not finite and positive in float32")
-        return UploadedDescales(ring.addresses(slot), (), ring, slot)
+        return uploaded
     arrays = [cupy.ascontiguousarray(cupy.asarray(descales[name], dtype=cupy.float32)) for name in DESCALES]
     if arrays[0].shape[1] != heads:   # per K/V head: each query head of its group takes it
         arrays[0] = cupy.repeat(arrays[0], heads // arrays[0].shape[1], axis=1)
@@ -260,9 +259,7 @@ def short_path_descales(descales: dict, heads: int, stream: int) -> UploadedDesc
     refuse); GPU ones inside trusted_descales (fp8.py) only, as they are where they are float32,
     C-contiguous and q's per query head (the plan key held their shapes, dtypes and device)."""
     if all(type(descales[name]) is numpy.ndarray for name in DESCALES):
-        ring = descale_ring(descales, heads)
-        slot = ring.stage(descales, heads, stream)
-        return None if slot is None else UploadedDescales(ring.addresses(slot), (), ring, slot)
+        return _staged(descales, heads, stream)
     if not descales_trusted():
         return None
     import cupy
@@ -272,6 +269,14 @@ def short_path_descales(descales: dict, heads: int, stream: int) -> UploadedDesc
             or arrays[0].shape[1] != heads:
         return None
     return UploadedDescales(tuple(x.data.ptr for x in arrays), arrays)
+
+
+def _staged(descales: dict, heads: int, stream: int) -> UploadedDescales | None:
+    """Host descales staged in this thread's DescaleRing and copied up on the stream at ``stream``;
+    None (nothing queued) where a value is not finite and positive in float32."""
+    ring = descale_ring(descales, heads)
+    slot = ring.stage(descales, heads, stream)
+    return None if slot is None else UploadedDescales(ring.addresses(slot), (), ring, slot)
 
 
 class DescaleRing:
@@ -355,14 +360,9 @@ _plans: dict = {}
 
 
 def _plan_key(q, k, v, softmax_scale, causal, descales: dict):
-    import cupy
-
-    if type(q) is not cupy.ndarray or type(k) is not cupy.ndarray or type(v) is not cupy.ndarray:
-        return None
-    return (q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype, v.dtype,
-            (q.data.ptr | k.data.ptr | v.data.ptr) & 15, q.data.device_id, k.data.device_id, v.data.device_id,
-            type(softmax_scale), softmax_scale, type(causal), causal, families.kernels_setting(),
-            tuple((type(x), getattr(x, "shape", None), getattr(x, "dtype", None),
-                   getattr(getattr(x, "data", None), "device_id", None)) for x in descales.values()))
+    key = _checks.qkv_key(q, k, v, softmax_scale, causal, families.kernels_setting())
+    return None if key is None else key + tuple(
+        (type(x), getattr(x, "shape", None), getattr(x, "dtype", None), getattr(getattr(x, "data", None), "device_id", None))
+        for x in descales.values())
 
 

@@ -46,13 +46,16 @@ def row_launch(kernel: str, shape, rows: int | None = None, record: str = "main"
     return Launch(name, get_kernel(spec, name), grid, _traits.ROW_KERNEL_THREADS, record=record)
 
 
+def _vector_grid(vectors: int) -> int:
+    """Blocks of the FP8 vector kernels (a thread per 16 elements, looping past the grid's cap)."""
+    return max(min(-(-vectors // _traits.ROW_KERNEL_THREADS), _ROW_BLOCKS_PER_SM * current_device().multiprocessors), 1)
+
+
 def dequantize_launch(dtype: str, vectors: int) -> Launch:
-    """The Launch of fp8_dequantize_kernel writing ``dtype`` over ``vectors`` 16-element vectors
-    (a thread each, looping past the grid's cap)."""
+    """The Launch of fp8_dequantize_kernel writing ``dtype`` over ``vectors`` 16-element vectors."""
     spec = module_spec(dtype)
     name = template(FP8_DEQUANTIZE, spec.ctype)
-    grid = min(-(-vectors // _traits.ROW_KERNEL_THREADS), _ROW_BLOCKS_PER_SM * current_device().multiprocessors)
-    return Launch(name, get_kernel(spec, name), max(grid, 1), _traits.ROW_KERNEL_THREADS)
+    return Launch(name, get_kernel(spec, name), _vector_grid(vectors), _traits.ROW_KERNEL_THREADS)
 
 
 def max_quantize_rows() -> int:
@@ -80,10 +83,8 @@ def quantize_e4m3(x, out=None):
     group_amax = get_kernel(spec, template(FP8_GROUP_AMAX, spec.ctype))
     group_amax((batch * heads, -(-seqlen // _traits.FP8_AMAX_ROWS)), (_traits.ROW_KERNEL_THREADS,),
                (x, *strides, numpy.int32(seqlen), numpy.int32(heads), numpy.int32(head_dim), amax))
-    vectors = batch * seqlen * heads * (head_dim // 16)
-    grid = min(-(-vectors // _traits.ROW_KERNEL_THREADS), _ROW_BLOCKS_PER_SM * current_device().multiprocessors)
     quantize = get_kernel(spec, template(FP8_QUANTIZE, spec.ctype))
-    quantize((max(grid, 1),), (_traits.ROW_KERNEL_THREADS,),
+    quantize((_vector_grid(batch * seqlen * heads * (head_dim // 16)),), (_traits.ROW_KERNEL_THREADS,),
              (x, *strides, numpy.int32(batch), numpy.int32(seqlen), numpy.int32(heads), numpy.int32(head_dim), amax, bits,
               descale))
     return bits, descale
