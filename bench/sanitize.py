@@ -16,10 +16,11 @@ import cupy_flash
 rng = numpy.random.default_rng(0)
 for dtype in (numpy.float16, ml_dtypes.bfloat16, numpy.float32):
     for causal in (False, True):
-        for (nq, nk, d) in ((70, 45, 72), (33, 130, 256), (129, 129, 32)):
+        # (the last: v's head_dim apart from q's, FEATURE_HEAD_DIM_V)
+        for (nq, nk, d, d_v) in ((70, 45, 72, 72), (33, 130, 256, 256), (129, 129, 32, 32), (70, 45, 40, 104)):
             q = cupy.asarray(rng.standard_normal((1, nq, 2, d), dtype=numpy.float32).astype(dtype))
             k = cupy.asarray(rng.standard_normal((1, nk, 2, d), dtype=numpy.float32).astype(dtype))
-            v = cupy.asarray(rng.standard_normal((1, nk, 2, d), dtype=numpy.float32).astype(dtype))
+            v = cupy.asarray(rng.standard_normal((1, nk, 2, d_v), dtype=numpy.float32).astype(dtype))
             o, lse = cupy_flash.flash_forward(q, k, v, causal=causal)
             for deterministic in (False, True):
                 cupy_flash.flash_backward(o, q, k, v, o, lse, causal=causal, deterministic=deterministic)

@@ -4,11 +4,11 @@ several tiles (more tiles than SMs), tiles that see no key, GQA, a window, softc
 packed batch with an empty sequence; the FP8 forward's; then the Hopper backward's. Exits with an
 error on a machine without a compute capability 9.0 GPU.
 
-    compute-sanitizer --tool racecheck python bench/sanitize_sm90.py [backward | fp8]
+    compute-sanitizer --tool racecheck python bench/sanitize_sm90.py [backward | fp8 | head_dim_v]
 
 With `backward`, only the backward's calls (the forward's still run to give them O and lse); with
 `fp8`, only the FP8 calls' (the forward's, and the backward's: the dequantisation, then the bf16
-backward).
+backward); with `head_dim_v`, only calls whose v has a head_dim of its own (forward and backward).
 """
 
 # ruff: noqa: E402 - the imports follow the help guard, which must run first
@@ -126,6 +126,24 @@ with families.use_kernels("experimental"):
             o, lse = cupy_flash.flash_forward(q, k, k, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
             cupy_flash.flash_backward(array(q.shape, dtype), q, k, k, o, lse, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                                       deterministic=d == 256)
+if part in ("all", "head_dim_v"):
+    # v's head_dim apart from q's (FEATURE_HEAD_DIM_V): DeepSeek's 192 / 128, v wider than q (whole
+    # chunks of V's tile past q's head dim), GQA, causal and not, a packed batch, more tiles than SMs.
+    with families.use_kernels("experimental"):
+        for dtype in (numpy.float16, ml_dtypes.bfloat16):
+            for d, d_v in ((192, 128), (64, 256), (128, 40)):
+                for causal in (False, True):
+                    q, k, v = array((2, 200, 40, d), dtype), array((2, 150, 8, d), dtype), array((2, 150, 8, d_v), dtype)
+                    o, lse = cupy_flash.flash_forward(q, k, v, causal=causal)
+                    cupy_flash.flash_backward(array(o.shape, dtype), q, k, v, o, lse, causal=causal,
+                                              deterministic=causal)
+            lens_q, lens_k = [70, 0, 200], [45, 9, 130]
+            cu_q, cu_k = (cupy.asarray(numpy.cumsum([0] + n), dtype=cupy.int32) for n in (lens_q, lens_k))
+            q, k, v = array((sum(lens_q), 4, 192), dtype), array((sum(lens_k), 2, 192), dtype), array((sum(lens_k), 2, 128), dtype)
+            o, lse = cupy_flash.flash_forward(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+            cupy_flash.flash_backward(array(o.shape, dtype), q, k, v, o, lse, causal=True, cu_seqlens_q=cu_q,
+                                      cu_seqlens_k=cu_k)
+with families.use_kernels("experimental"):
     # Repeated plain calls on new arrays: the later ones take the kept plans (launches on new
     # addresses, tensor maps encoded for them, the backward's workspace).
     for _ in range(3):

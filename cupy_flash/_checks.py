@@ -30,21 +30,31 @@ class AttentionShape:
     seqlen_q: int
     seqlen_k: int
     heads: int               # query heads
-    head_dim: int
+    head_dim: int            # q's and k's
     dtype: str
     heads_kv: int = 0        # K/V heads (GQA/MQA: a divisor of heads); 0 means heads
+    head_dim_v: int = 0      # v's and o's; 0 means head_dim
 
     def __post_init__(self):
         if self.heads_kv == 0:
             object.__setattr__(self, "heads_kv", self.heads)
+        if self.head_dim_v == 0:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
 
     @property
     def group(self) -> int:
         return self.heads // self.heads_kv
 
     @property
+    def widest_head_dim(self) -> int:
+        """The larger of head_dim and head_dim_v: what a kernel's head-dim tile must hold."""
+        return max(self.head_dim, self.head_dim_v)
+
+    @property
     def tile(self) -> int:
-        return _traits.head_dim_tile(self.head_dim)
+        """The head-dim tile of the kernels' instantiation: the larger head dim's (the kernels read
+        zeros past each tensor's own head dim)."""
+        return _traits.head_dim_tile(self.widest_head_dim)
 
 
 def _require_rank4(name: str, x) -> None:
@@ -65,16 +75,21 @@ def check_qkv(q, k, v, fp8: bool = False) -> AttentionShape:
         if x.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {x.dtype} but q has dtype {q.dtype}")
     batch, seqlen_q, heads, head_dim = (int(n) for n in q.shape)
+    head_dim_v = int(v.shape[3])
     multiple = 16 if kind == FP8_DTYPE else 8
-    if head_dim % multiple or not multiple <= head_dim <= _traits.MAX_HEAD_DIM:
-        raise ValueError(f"q has head_dim {head_dim}; expected a multiple of {multiple} from {multiple} to "
-                         f"{_traits.MAX_HEAD_DIM}" + (" (FP8 rows are read in 16-byte units)" if multiple == 16 else ""))
+    for name, d in (("q", head_dim), ("v", head_dim_v)):
+        if d % multiple or not multiple <= d <= _traits.MAX_HEAD_DIM:
+            raise ValueError(f"{name} has head_dim {d}; expected a multiple of {multiple} from {multiple} to "
+                             f"{_traits.MAX_HEAD_DIM}" + (" (FP8 rows are read in 16-byte units)" if multiple == 16 else ""))
     labels = ("batch", "seqlen", "heads", "head_dim")
     for axis in (0, 3):
         if k.shape[axis] != q.shape[axis]:
             raise ValueError(f"k has {labels[axis]} {k.shape[axis]} but q has {labels[axis]} {q.shape[axis]}")
-    if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"v has shape {tuple(v.shape)} but k has shape {tuple(k.shape)}; they must match")
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise ValueError(f"v has shape {tuple(v.shape)} but k has shape {tuple(k.shape)}; they must match but in "
+                         "the head_dim (v's may differ: o takes it)")
+    if kind == FP8_DTYPE and head_dim_v != head_dim:
+        raise ValueError(f"v has head_dim {head_dim_v} but q and k have {head_dim}; FP8 calls take one head_dim")
     heads_kv = int(k.shape[2])
     if heads_kv < 1 or heads % heads_kv:
         raise ValueError(f"k has {heads_kv} heads but q has {heads}; the query heads must be a multiple "
@@ -86,7 +101,7 @@ def check_qkv(q, k, v, fp8: bool = False) -> AttentionShape:
     for label, n in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
         if n >= MAX_SEQLEN:
             raise ValueError(f"{label} is {n}; at most {MAX_SEQLEN - 1} is supported")
-    shape = AttentionShape(batch, seqlen_q, seqlen_k, heads, head_dim, kind, heads_kv)
+    shape = AttentionShape(batch, seqlen_q, seqlen_k, heads, head_dim, kind, heads_kv, head_dim_v)
     _check_grid(shape)
     return shape
 
@@ -118,12 +133,13 @@ def check_flag(name: str, value) -> bool:
 
 
 def check_backward_extras(shape: AttentionShape, q, do, o, lse, packed=None, fp8: bool = False) -> None:
-    """do and o of q's shape and dtype (``fp8``: bfloat16, the FP8 forward's o), lse of the
-    forward's shape, float32."""
+    """do and o of o's shape (q's, with v's head_dim) and q's dtype (``fp8``: bfloat16, the FP8
+    forward's o), lse of the forward's shape, float32."""
+    o_shape = tuple(q.shape[:-1]) + (shape.head_dim_v,)
     for name, x in (("do", do), ("o", o)):
-        if getattr(x, "ndim", None) != q.ndim or tuple(x.shape) != tuple(q.shape):
-            raise ValueError(f"{name} has shape {tuple(getattr(x, 'shape', ()))} but q has shape {tuple(q.shape)}; "
-                             "they must match")
+        if getattr(x, "ndim", None) != q.ndim or tuple(x.shape) != o_shape:
+            raise ValueError(f"{name} has shape {tuple(getattr(x, 'shape', ()))}; expected o's {o_shape} (q's, "
+                             "with v's head_dim)")
         if fp8 and x.dtype != bfloat16():
             raise TypeError(f"{name} has dtype {x.dtype}; FP8 calls take it in bfloat16 (the FP8 forward's o)")
         if not fp8 and x.dtype != q.dtype:
@@ -307,7 +323,7 @@ def check_packed(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=Non
     max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, int(numpy.diff(host_q).max()))
     max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, int(numpy.diff(host_k).max()))
     shape = AttentionShape(len(host_q) - 1, max(max_q, 1), max(max_k, 1), dense.heads, dense.head_dim,
-                           dense.dtype, dense.heads_kv)
+                           dense.dtype, dense.heads_kv, dense.head_dim_v)
     _check_grid(shape)
     return shape, Packed(cu_q, cu_k, total_q, total_k, host_q, host_k)
 
@@ -335,7 +351,7 @@ def prepare_qkv(q, k, v, softmax_scale, causal, features=None, fp8: bool = False
         if features.get(name) is not None:
             features[name] = as_gpu_array(name, features[name])
     variant = check_variant(shape.batch, shape.heads, causal, seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k,
-                            packed=packed, **features)
+                            packed=packed, head_dim_v=shape.head_dim_v != shape.head_dim, **features)
     return q, k, v, shape, scale, variant
 
 

@@ -26,11 +26,17 @@ FEATURE_ALIBI = 4
 FEATURE_SINK = 8
 FEATURE_BIAS = 16
 FEATURE_VARLEN = 32
+# v's head_dim (o's) differs from q's and k's: the kernels read head_dim_v for v, o, dO and dV. A
+# flag, so calls with one head_dim run the instantiations they ran before (no register held for a
+# second bound: the mma.sync forward spilled 36 bytes with one at d = 128).
+FEATURE_HEAD_DIM_V = 64
 FORWARD_ONLY_FEATURES = FEATURE_SINK   # the backward reads the sink only through lse
-DECODE_FEATURES = FEATURE_WINDOW | FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK   # flash_decode's variants
-ALL_FEATURES = FEATURE_WINDOW | FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK | FEATURE_BIAS | FEATURE_VARLEN
+# flash_decode's variants
+DECODE_FEATURES = FEATURE_WINDOW | FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK | FEATURE_HEAD_DIM_V
+ALL_FEATURES = (FEATURE_WINDOW | FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK | FEATURE_BIAS | FEATURE_VARLEN
+                | FEATURE_HEAD_DIM_V)
 FEATURE_NAMES = {FEATURE_WINDOW: "window", FEATURE_SOFTCAP: "softcap", FEATURE_ALIBI: "alibi",
-                 FEATURE_SINK: "sink", FEATURE_BIAS: "bias", FEATURE_VARLEN: "varlen"}
+                 FEATURE_SINK: "sink", FEATURE_BIAS: "bias", FEATURE_VARLEN: "varlen", FEATURE_HEAD_DIM_V: "head_dim_v"}
 
 
 def cuda_defines() -> str:
@@ -55,6 +61,7 @@ class Variant:
     sink: object = None           # (heads_q,)
     bias: object = None           # broadcastable to (batch, heads_q, seqlen_q, seqlen_k)
     packed: object = None         # a ``Packed`` batch (cu_seqlens): variable-length sequences
+    head_dim_v: bool = False      # v's head_dim differs from q's (FEATURE_HEAD_DIM_V)
 
     @property
     def plain(self) -> bool:
@@ -69,7 +76,8 @@ class Variant:
                 | (FEATURE_ALIBI if self.alibi_slopes is not None else 0)
                 | (FEATURE_SINK if self.sink is not None else 0)
                 | (FEATURE_BIAS if self.bias is not None else 0)
-                | (FEATURE_VARLEN if self.packed is not None else 0))
+                | (FEATURE_VARLEN if self.packed is not None else 0)
+                | (FEATURE_HEAD_DIM_V if self.head_dim_v else 0))
 
     @property
     def backward_flags(self) -> int:
@@ -206,12 +214,13 @@ def check_bias(bias, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int) -> 
 
 def check_variant(batch: int, heads_q: int, causal: bool, *, window_size=None, softcap=0.0,
                   alibi_slopes=None, sink=None, bias=None, seqlen_q: int = 0, seqlen_k: int = 0,
-                  packed: Packed | None = None) -> Variant:
+                  packed: Packed | None = None, head_dim_v: bool = False) -> Variant:
     """Checks every feature keyword; raises TypeError/ValueError naming the argument. (MQA/GQA is
     a property of the shapes, not of the variant: ``AttentionShape.group``; a packed batch is
-    checked by ``_checks.check_packed``.) seqlen_q, seqlen_k: what a bias must broadcast to."""
+    checked by ``_checks.check_packed``.) seqlen_q, seqlen_k: what a bias must broadcast to;
+    head_dim_v: whether v's head_dim differs from q's (the shapes say it: FEATURE_HEAD_DIM_V)."""
     if (window_size is None and alibi_slopes is None and sink is None and bias is None and packed is None
-            and type(softcap) is float and softcap == 0.0):
+            and type(softcap) is float and softcap == 0.0 and not head_dim_v):
         return _PLAIN[causal]   # the plain call, without the per-call checks' overhead
     left, right = check_window(window_size)
     cap = check_softcap(softcap)
@@ -229,4 +238,5 @@ def check_variant(batch: int, heads_q: int, causal: bool, *, window_size=None, s
     window_right = 0 if causal else (min(right, UNBOUNDED) if right >= 0 else UNBOUNDED)
     return Variant(causal=right_bounded, window_right=window_right,
                    window_left=min(left, UNBOUNDED) if left >= 0 else None,
-                   softcap=cap, alibi_slopes=alibi_slopes, sink=sink, bias=bias, packed=packed)
+                   softcap=cap, alibi_slopes=alibi_slopes, sink=sink, bias=bias, packed=packed,
+                   head_dim_v=bool(head_dim_v))

@@ -214,11 +214,13 @@ FLOAT32 = numpy.dtype(numpy.float32)
 
 
 class OutputAndLse:
-    """Base of the forward's and decode's plans: their outputs, o (q's shape and dtype) and lse
+    """Base of the forward's and decode's plans: their outputs, o (q's shape with v's head_dim, and
+    q's dtype) and lse
     (float32), new from CuPy's allocator on each call (CudaCalls.empty)."""
 
-    def plan_outputs(self, q, lse_shape: tuple) -> None:
-        self.o_shape, self.o_dtype, self.lse_shape = tuple(q.shape), q.dtype, lse_shape
+    def plan_outputs(self, o, lse_shape: tuple) -> None:
+        """``o``: an array (or stand-in) of o's shape and dtype."""
+        self.o_shape, self.o_dtype, self.lse_shape = tuple(o.shape), o.dtype, lse_shape
 
     def outputs(self):
         empty = self.cuda.empty

@@ -72,6 +72,7 @@ FIELDS = (
     ("k_descale", "const float*", 1),     #   and (batch, heads_kv) for k and v
     ("v_descale", "const float*", 1),
     ("vt_rows", "const int*", 1),         # FP8 forward, packed: sequence b's first row of V^T (a multiple of 32)
+    ("head_dim_v", "long long", 1),       # v's, o's, dout's and dv's head_dim (head_dim: q's, k's, dq's, dk's)
 )
 
 POINTER_FIELDS = tuple(name for name, c_type, _ in FIELDS if c_type.endswith("*"))
@@ -117,6 +118,7 @@ def make_params(shape, softmax_scale: float, delta_stride: int | None = None, va
     record["seqlen_q"] = shape.seqlen_q
     record["seqlen_k"] = shape.seqlen_k
     record["head_dim"] = shape.head_dim
+    record["head_dim_v"] = shape.head_dim_v
     record["delta_stride"] = shape.seqlen_q if delta_stride is None else delta_stride
     record["delta_batch_stride"] = shape.heads * record["delta_stride"][0]
     record["lse_head_stride"] = shape.seqlen_q

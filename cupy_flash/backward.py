@@ -33,8 +33,9 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
                    return_dbias=False, stream=None, **features):
     """Gradients of ``o = flash_forward(q, k, v)[0]`` given the output gradient ``do``.
 
-    ``o`` and ``lse`` are what ``flash_forward`` returned for the same q, k, v and options; the
-    scores are recomputed from ``lse``, so nothing O(seqlen^2) is stored or allocated.
+    ``o`` and ``lse`` are what ``flash_forward`` returned for the same q, k, v and options (do and
+    o have v's head_dim); the scores are recomputed from ``lse``, so nothing O(seqlen^2) is stored
+    or allocated.
 
     ``deterministic=False`` accumulates dQ with float32 atomics (fast; the summation order, and so
     the last bits, may vary run to run). ``deterministic=True`` sums dQ in a fixed order (float16
@@ -338,15 +339,15 @@ def backward_plan(arrays: dict, shape, scale, variant, deterministic: bool, dbia
     # sequences are.
     row_stats = schedule.row_multiple is not None
     padded = -(-shape.seqlen_q // schedule.row_multiple) * schedule.row_multiple if row_stats else shape.seqlen_q
-    expanded = k.shape[:-2] + (shape.heads, shape.head_dim)   # MQA/GQA: per-query-head dK, dV, summed after
+    expanded = k.shape[:-2] + (shape.heads,)   # MQA/GQA: per-query-head dK, dV, summed after
     temporaries = (
         ("delta", (bh, padded) if row_stats else (shape.batch, shape.heads, shape.seqlen_q), cupy.float32, None),
         ("lse_log2", (bh, padded), cupy.float32, None) if row_stats else None,
         ("dq_accum", q.shape, cupy.float32, None) if schedule.dq_accum else None,
         ("dq_semaphore", (bh * -(-shape.seqlen_q // schedule.block_m),), cupy.int32, 0) if schedule.dq_semaphores else None,
         # float32, so the group sum rounds once (kernels_cu/preprocess.cu)
-        ("dk_heads", expanded, cupy.float32, None) if shape.group > 1 else None,
-        ("dv_heads", expanded, cupy.float32, None) if shape.group > 1 else None,
+        ("dk_heads", expanded + (shape.head_dim,), cupy.float32, None) if shape.group > 1 else None,
+        ("dv_heads", expanded + (shape.head_dim_v,), cupy.float32, None) if shape.group > 1 else None,
         (("dbias", dbias_layout[0], cupy.float32, 0) if dbias_layout is not None else None),
     )
     temporaries = tuple(t for t in temporaries if t is not None)

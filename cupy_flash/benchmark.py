@@ -8,7 +8,9 @@
 (``python -m bench`` in the repository's root is the same command.)
 Shapes as FlashAttention's benchmark: batch * seqlen = 16384 tokens, heads = 2048 / head_dim.
 FLOPs as FlashAttention counts them: forward 4 * batch * heads * seqlen_q * seqlen_k * head_dim,
-halved when causal; backward 2.5 x forward. Timing: CUDA events around each call, warm-up calls
+halved when causal; backward 2.5 x forward. With ``--head-dim-v`` (v's head_dim apart from q's and
+k's), each product at its own width: forward 2 (head_dim + head_dim_v), backward 2 (3 head_dim + 2
+head_dim_v) per (query, key) pair, as FlashAttention-3 counts them. Timing: CUDA events around each call, warm-up calls
 excluded, median of many calls, several input sets rotated so no call finds its inputs in L2 from
 the call before. The peers run in the same process on the same data (zero-copy through DLPack);
 without PyTorch, ours alone is timed. With --rounds N each shape times ours and the peers N times,
@@ -53,9 +55,13 @@ def event_milliseconds(call) -> float:
     return cupy.cuda.get_elapsed_time(start, stop)
 
 
-def flops(batch, heads, seqlen, head_dim, causal, mode):
-    forward = 4.0 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
-    return {"fwd": forward, "bwd": 2.5 * forward, "bwd_det": 2.5 * forward, "fwd_bwd": 3.5 * forward}[mode]
+def flops(batch, heads, seqlen, head_dim, causal, mode, head_dim_v=None):
+    """FLOPs of one call: S = Q K^T and dQ, dK at head_dim, O = P V, dP and dV at head_dim_v
+    (default head_dim: forward 4 N^2 d, backward 2.5 x that)."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    pairs = 2.0 * batch * heads * seqlen * seqlen / (2 if causal else 1)
+    forward, backward = pairs * (head_dim + head_dim_v), pairs * (3 * head_dim + 2 * head_dim_v)
+    return {"fwd": forward, "bwd": backward, "bwd_det": backward, "fwd_bwd": forward + backward}[mode]
 
 
 def time_calls(fn, input_sets, min_calls=10, max_calls=100, budget_s=0.6, warmup=3):
@@ -90,12 +96,12 @@ def time_queued(fn, input_sets, calls: int = 10, rounds: int = 1, warmup: int = 
     return statistics.median(times)
 
 
-def make_sets(batch, seqlen, heads, head_dim, dtype, count, seed=0):
+def make_sets(batch, seqlen, heads, head_dim, dtype, count, seed=0, head_dim_v=None):
     rng = cupy.random.default_rng(seed)
+    widths = (head_dim, head_dim, head_dim_v or head_dim, head_dim_v or head_dim)   # q, k, v, do
     sets = []
     for _ in range(count):
-        arrays = [rng.standard_normal((batch, seqlen, heads, head_dim), dtype=cupy.float32).astype(dtype)
-                  for _ in range(4)]   # q, k, v, do
+        arrays = [rng.standard_normal((batch, seqlen, heads, d), dtype=cupy.float32).astype(dtype) for d in widths]
         sets.append(arrays)
     return sets
 
@@ -200,10 +206,12 @@ def run(args):
     for index, (dtype_name, head_dim, seqlen, causal) in enumerate(shapes, 1):
         batch = max(1, args.tokens // seqlen)
         heads = args.features // head_dim
-        sets = make_sets(batch, seqlen, heads, head_dim, DTYPES[dtype_name], args.sets)
-        row = dict(dtype=dtype_name, head_dim=head_dim, seqlen=seqlen, causal=bool(causal), batch=batch, heads=heads)
+        head_dim_v = args.head_dim_v or head_dim
+        sets = make_sets(batch, seqlen, heads, head_dim, DTYPES[dtype_name], args.sets, head_dim_v=head_dim_v)
+        row = dict(dtype=dtype_name, head_dim=head_dim, seqlen=seqlen, causal=bool(causal), batch=batch, heads=heads,
+                   head_dim_v=head_dim_v)
         for mode in args.modes:
-            work = flops(batch, heads, seqlen, head_dim, causal, mode)
+            work = flops(batch, heads, seqlen, head_dim, causal, mode, head_dim_v)
             our_sets = sets
             if mode in ("bwd", "bwd_det"):
                 our_sets = [s + list(cupy_flash.flash_forward(s[0], s[1], s[2], causal=bool(causal))) for s in sets]
@@ -251,7 +259,8 @@ def run(args):
 
 
 def format_row(row, modes, peers):
-    parts = [f"{row['dtype']} d={row['head_dim']:3d} N={row['seqlen']:5d} causal={int(row['causal'])}"]
+    d = f"{row['head_dim']}" + (f"/{row['head_dim_v']}" if row.get("head_dim_v", row["head_dim"]) != row["head_dim"] else "")
+    parts = [f"{row['dtype']} d={d:>3} N={row['seqlen']:5d} causal={int(row['causal'])}"]
     for mode in modes:
         ours_tf = row[f"ours_{mode}"]
         text = f"{mode} ours {ours_tf:6.1f}"
@@ -270,7 +279,8 @@ def print_table(result):
     print("\n| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in result["rows"]:
-        cells = [row["dtype"], str(row["head_dim"]), str(row["seqlen"]), str(int(row["causal"]))]
+        d = f"{row['head_dim']}" + (f"/{row['head_dim_v']}" if row.get("head_dim_v", row["head_dim"]) != row["head_dim"] else "")
+        cells = [row["dtype"], d, str(row["seqlen"]), str(int(row["causal"]))]
         for mode in modes:
             ours_tf = row[f"ours_{mode}"]
             cells.append(f"{ours_tf:.0f}")
@@ -318,6 +328,8 @@ def main(argv=None, prog="python -m cupy_flash bench"):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=sorted(DTYPES))
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256])
+    parser.add_argument("--head-dim-v", type=int, default=0,
+                        help="v's head_dim (o's), apart from q's and k's (0: each shape's head_dim)")
     parser.add_argument("--seqlens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--causal", nargs="+", type=int, default=[0, 1], choices=[0, 1])
     parser.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd", "bwd_det", "fwd_bwd"],

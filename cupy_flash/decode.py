@@ -87,13 +87,13 @@ class DecodePlan(_launch.OutputAndLse):
     are split (its partials in one workspace); the params record with each array's field written
     per call. flash_decode keeps the plans of its calls without ALiBi or a sink (_plans)."""
 
-    def __init__(self, record, launches: tuple, q, lse_shape: tuple, partials: tuple, held: tuple):
+    def __init__(self, record, launches: tuple, o, lse_shape: tuple, partials: tuple, held: tuple):
         self.cuda = _launch.cuda_calls()
         self.record = record              # a PointerRecord over _NAMES
         self.device = self.cuda.get_device()
         early = _launch.supports_early(self.device)
         self.launches = tuple(launch._replace(early=launch.early and early) for launch in launches)   # _launch.Launch
-        self.plan_outputs(q, lse_shape)
+        self.plan_outputs(o, lse_shape)
         # o_partial and lse_partial in one workspace (empty when the keys are not split)
         self.partial_offsets = (0, -(-partials[0] // 256) * 256) if partials else ()
         self.workspace_bytes = sum(-(-n // 256) * 256 for n in partials)
@@ -159,11 +159,12 @@ def decode_plan(q, k, v, shape, scale, variant, num_splits=None, *, cache=None) 
     lse_shape = (shape.batch, shape.heads, shape.seqlen_q)
     # The record is filled from stand-ins (make_params reads addresses and strides; the plan
     # writes each call's addresses).
-    arrays = dict(q=q, k=k, v=v, o=cupy.ndarray(q.shape, q.dtype, q.data), lse=cupy.ndarray(lse_shape, numpy.float32, q.data))
+    o_shape = tuple(q.shape[:-1]) + (shape.head_dim_v,)
+    arrays = dict(q=q, k=k, v=v, o=cupy.ndarray(o_shape, q.dtype, q.data), lse=cupy.ndarray(lse_shape, numpy.float32, q.data))
     partials = ()
     if num_splits > 1:
         # Partials: normalised O per split (float32) and its lse; O(splits x outputs), never seqlen^2.
-        partial_shapes = ((num_splits, shape.batch, shape.seqlen_q, shape.heads, shape.head_dim),
+        partial_shapes = ((num_splits, shape.batch, shape.seqlen_q, shape.heads, shape.head_dim_v),
                           (num_splits, shape.batch, shape.heads, shape.seqlen_q))
         arrays["o_partial"], arrays["lse_partial"] = (cupy.ndarray(s, numpy.float32, q.data) for s in partial_shapes)
         partials = tuple(4 * math.prod(s) for s in partial_shapes)
@@ -183,7 +184,7 @@ def decode_plan(q, k, v, shape, scale, variant, num_splits=None, *, cache=None) 
     launches = family.decode_launches(device_info(device), shape, variant, grid, num_splits, new_rows)
     record = PointerRecord(params, {name: name for name in _NAMES if name in arrays and arrays[name] is not None})
     held = tuple(x for x in variant.device_arrays() if x is not None)
-    return DecodePlan(record, tuple(launches), q, lse_shape, partials, held)
+    return DecodePlan(record, tuple(launches), arrays["o"], lse_shape, partials, held)
 
 
 def launch_decode(q, k, v, shape, scale, variant, num_splits=None, *, cache=None, out=None):
@@ -211,11 +212,14 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, blo
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {x.dtype} but q has dtype {q.dtype}")
-    if tuple(v_cache.shape) != tuple(k_cache.shape):
-        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has shape {tuple(k_cache.shape)}")
+    if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
+        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has shape {tuple(k_cache.shape)}; "
+                         "they must match but in the head_dim (v's may differ: o takes it)")
     batch, seqlen_q, heads, head_dim = (int(n) for n in q.shape)
-    if head_dim % 8 or not 8 <= head_dim <= _traits.MAX_HEAD_DIM:
-        raise ValueError(f"q has head_dim {head_dim}; expected a multiple of 8 from 8 to {_traits.MAX_HEAD_DIM}")
+    head_dim_v = int(v_cache.shape[3])
+    for name, d in (("q", head_dim), ("v_cache", head_dim_v)):
+        if d % 8 or not 8 <= d <= _traits.MAX_HEAD_DIM:
+            raise ValueError(f"{name} has head_dim {d}; expected a multiple of 8 from 8 to {_traits.MAX_HEAD_DIM}")
     if int(k_cache.shape[3]) != head_dim:
         raise ValueError(f"k_cache has head_dim {k_cache.shape[3]} but q has head_dim {head_dim}")
     heads_kv = int(k_cache.shape[2])
@@ -251,16 +255,17 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, blo
                                  f"got shape {tuple(getattr(x, 'shape', ()))}")
             if x.dtype != q.dtype:
                 raise TypeError(f"{name} has dtype {x.dtype} but q has dtype {q.dtype}")
-            if (int(x.shape[0]), int(x.shape[2]), int(x.shape[3])) != (batch, heads_kv, head_dim):
+            d = head_dim if name == "k_new" else head_dim_v
+            if (int(x.shape[0]), int(x.shape[2]), int(x.shape[3])) != (batch, heads_kv, d):
                 raise ValueError(f"{name} has shape {tuple(x.shape)}; expected (batch, seqlen_new, heads_kv, "
-                                 f"head_dim) = ({batch}, *, {heads_kv}, {head_dim})")
-        if tuple(v_new.shape) != tuple(k_new.shape):
+                                 f"head_dim) = ({batch}, *, {heads_kv}, {d})")
+        if tuple(v_new.shape[:3]) != tuple(k_new.shape[:3]):
             raise ValueError(f"v_new has shape {tuple(v_new.shape)} but k_new has shape {tuple(k_new.shape)}")
         if int(k_new.shape[1]) < 1:
             raise ValueError("k_new has no rows; pass k_new=None to append nothing")
     if capacity >= _checks.MAX_SEQLEN:
         raise ValueError(f"the cache holds {capacity} keys per sequence; at most {_checks.MAX_SEQLEN - 1} supported")
-    shape = _checks.AttentionShape(batch, seqlen_q, capacity, heads, head_dim, kind, heads_kv)
+    shape = _checks.AttentionShape(batch, seqlen_q, capacity, heads, head_dim, kind, heads_kv, head_dim_v)
     return shape, page_shift
 
 
@@ -296,6 +301,7 @@ def flash_decode(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, 
     on the device only (never copied to the host), so the call can be captured in a CUDA graph and
     replayed as the lengths change; it is not modified (advance it yourself, e.g.
     ``cache_seqlens += seqlen_new``).
+    v_cache's (and v_new's) head_dim may differ from q's and k_cache's (o takes it).
     k_new, v_new: (batch, seqlen_new, heads_kv, head_dim), written into the cache in place at rows
     cache_seqlens[b] .. + seqlen_new - 1 before the attention, which then sees
     cache_seqlens[b] + seqlen_new keys. The caller leaves room: rows past the capacity are dropped.
@@ -305,7 +311,7 @@ def flash_decode(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, 
     num_splits: split the keys into this many ranges computed in parallel and merged exactly
     (default: chosen from the SM count and the work, sized for the capacity).
 
-    Returns (o, lse): o like q; lse float32 (batch, heads_q, seqlen_q).
+    Returns (o, lse): o like q with v's head_dim; lse float32 (batch, heads_q, seqlen_q).
     """
     # A repeated call on CuPy arrays without ALiBi or a sink takes its checked plan (_plans) and launches.
     if stream is None and alibi_slopes is None and sink is None:
@@ -342,7 +348,7 @@ def _decode_checked(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_tabl
     for name in ("alibi_slopes", "sink"):
         if features[name] is not None:
             features[name] = _checks.as_gpu_array(name, features[name])
-    variant = check_variant(shape.batch, shape.heads, causal, **features)
+    variant = check_variant(shape.batch, shape.heads, causal, head_dim_v=shape.head_dim_v != shape.head_dim, **features)
     with q.device:
         arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
         if block_table is not None:

@@ -159,11 +159,11 @@ def _rows(x, start, stop):
 class _ForwardRank:
     """One rank's running (o, lse) over the K/V shards attended so far (float32)."""
 
-    def __init__(self, q, rank, world, causal, scale, backend):
+    def __init__(self, q, rank, world, causal, scale, backend, head_dim_v):
         xp = _xp(q)
         self.q, self.rank, self.world, self.causal, self.scale, self.backend = q, rank, world, causal, scale, backend
-        batch, seqlen, heads, head_dim = q.shape
-        self.o = xp.zeros((batch, seqlen, heads, head_dim), dtype=xp.float32)
+        batch, seqlen, heads, _ = q.shape
+        self.o = xp.zeros((batch, seqlen, heads, head_dim_v), dtype=xp.float32)   # v's head_dim
         self.lse = xp.full((batch, heads, seqlen), -numpy.inf, dtype=xp.float32)
 
     def attend(self, step, k, v):
@@ -323,7 +323,7 @@ def _run_forward(ring, qs, ks, vs, causal, softmax_scale, backend):
     if causal and qs[0].shape[1] % 2:
         raise ValueError(f"q has local_seqlen {qs[0].shape[1]}; causal zigzag shards hold two equal chunks")
     scale = check_softmax_scale(softmax_scale, qs[0].shape[3])
-    ranks = [_ForwardRank(q, r, world, causal, scale, backend) for q, r in zip(qs, ring.ranks)]
+    ranks = [_ForwardRank(q, r, world, causal, scale, backend, vs[0].shape[3]) for q, r in zip(qs, ring.ranks)]
     payloads = [(k, v) for k, v in zip(ks, vs)]
     for step in range(world):
         handle = ring.start_shift(payloads) if step < world - 1 else None

@@ -36,12 +36,12 @@ class ForwardPlan(OutputAndLse):
     loop) reuse it: see flash_forward's plan cache. It launches on addresses (``launch``), so the
     adapters run it on their framework's buffers."""
 
-    def __init__(self, family: str, launch: Launch, params, q, lse_shape: tuple, variant, maps: tuple = (),
+    def __init__(self, family: str, launch: Launch, params, o, lse_shape: tuple, variant, maps: tuple = (),
                  tile_counter_bytes: int = 0):
         self.cuda = cuda_calls()
         self.family, self.kernel_launch = family, launch
         self.record = PointerRecord(params, _BINDINGS)
-        self.plan_outputs(q, lse_shape)
+        self.plan_outputs(o, lse_shape)
         # The variant's device arrays (slopes, sink, bias as float32, cu_seqlens) that params points
         # at: held as long as the plan, so they outlive the launch. Plain plans hold none.
         self.variant_arrays = tuple(x for x in variant.device_arrays() if x is not None)
@@ -118,14 +118,14 @@ def forward_plan(q, k, v, shape, scale, variant, config: tuple = ()) -> ForwardP
     lse_shape = lse_shape_of(shape, variant)
     # The record is filled from stand-ins of o and lse (make_params reads their strides and
     # addresses); run() writes the real addresses.
-    o = cupy.ndarray(q.shape, dtype=q.dtype, memptr=q.data)
+    o = cupy.ndarray(o_shape_of(q, shape), dtype=q.dtype, memptr=q.data)
     lse = cupy.ndarray(lse_shape, dtype=cupy.float32, memptr=q.data)
     params = make_params(shape, scale, variant=variant, q=q, k=k, v=v, o=o, lse=lse)
     device = families.current_device()
     family = families.forward_family(device, shape, variant, arrays=(q, k, v))
     options = {"config": config} if config else {}
     launch, maps, counter_bytes = family.forward_launch(device, shape, variant, (q, k, v, o), **options)
-    return ForwardPlan(family.name, launch, params, q, lse_shape, variant, maps, counter_bytes)
+    return ForwardPlan(family.name, launch, params, o, lse_shape, variant, maps, counter_bytes)
 
 
 def flash_forward(q, k, v, *, softmax_scale=None, causal=False, num_splits=None, stream=None, **features):
@@ -133,7 +133,8 @@ def flash_forward(q, k, v, *, softmax_scale=None, causal=False, num_splits=None,
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim) with
     heads_q a multiple of heads_kv (MQA/GQA); float16, bfloat16 (``ml_dtypes.bfloat16``) or
-    float32, head_dim a multiple of 8 up to 256. CuPy arrays, or GPU arrays of other frameworks
+    float32, head_dim a multiple of 8 up to 256; v's head_dim may differ (o takes it), also a
+    multiple of 8 up to 256. CuPy arrays, or GPU arrays of other frameworks
     (taken through ``__cuda_array_interface__``/DLPack without a copy). Views whose rows are not
     contiguous and 16-byte aligned are copied once.
 
@@ -161,7 +162,7 @@ def flash_forward(q, k, v, *, softmax_scale=None, causal=False, num_splits=None,
     (``num_splits``: how many; default chosen from the SM count and the work; giving it takes this
     path whenever the variant allows: not with bias or packed batches).
 
-    Returns ``(o, lse)``: o like q; lse float32 (batch, heads_q, seqlen_q) (packed: (heads_q,
+    Returns ``(o, lse)``: o like q with v's head_dim; lse float32 (batch, heads_q, seqlen_q) (packed: (heads_q,
     total_q)), the natural-log logsumexp of the logits (the sink included), -inf (with o = 0) for
     a row that sees no key.
     """
@@ -193,7 +194,7 @@ def forward_into(out, q, k, v, *, softmax_scale=None, causal=False, num_splits=N
     if key is not None:
         plan = _plans.get(key)
         if plan is not None and plan.device == plan.cuda.get_device():
-            return plan.run(q, k, v, check_outputs(out, plan.lse_shape, q))
+            return plan.run(q, k, v, check_outputs(out, plan.o_shape, plan.lse_shape, q))
     _checks.check_no_extra_options("flash_forward", features)
     num_splits = check_num_splits(num_splits)
     given = (q, k, v)
@@ -201,7 +202,7 @@ def forward_into(out, q, k, v, *, softmax_scale=None, causal=False, num_splits=N
     with q.device:
         _checks.same_device(q=q, k=k, v=v)
         q, k, v = (_checks.kernel_ready(x) for x in (q, k, v))
-        out = check_outputs(out, lse_shape_of(shape, variant), q)
+        out = check_outputs(out, o_shape_of(q, shape), lse_shape_of(shape, variant), q)
         if uses_split_path(shape, variant, num_splits):
             return launch_decode(q, k, v, shape, scale, variant, num_splits, out=out)
         plan = forward_plan(q, k, v, shape, scale, variant)
@@ -215,13 +216,18 @@ def lse_shape_of(shape, variant) -> tuple:
     return (shape.batch, shape.heads, shape.seqlen_q) if variant.packed is None else (shape.heads, variant.packed.total_q)
 
 
-def check_outputs(out, lse_shape: tuple, q):
+def o_shape_of(q, shape) -> tuple:
+    """o's shape: q's, with v's head_dim."""
+    return tuple(q.shape[:-1]) + (shape.head_dim_v,)
+
+
+def check_outputs(out, o_shape: tuple, lse_shape: tuple, q):
     """``out`` = (o, lse) as CuPy views (None: None), or ValueError naming the one that does not fit:
-    o like q (shape and dtype), lse float32 of ``lse_shape``, both C-contiguous on q's device."""
+    o of ``o_shape`` and q's dtype, lse float32 of ``lse_shape``, both C-contiguous on q's device."""
     if out is None:
         return None
     device = q.data.device_id
-    return (_checks.output_buffer("o", out[0], q.shape, q.dtype, device),
+    return (_checks.output_buffer("o", out[0], o_shape, q.dtype, device),
             _checks.output_buffer("lse", out[1], lse_shape, "float32", device))
 
 

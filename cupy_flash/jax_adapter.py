@@ -49,7 +49,8 @@ from .forward import forward_into
 def flash_attention(q, k, v, **options):
     """Exact attention ``softmax(softmax_scale * q k^T) v`` on JAX arrays, differentiable in q, k
     and v; q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim),
-    float16, bfloat16 or float32 on a CUDA GPU. Returns o like q. FP8 inputs: flash_forward's."""
+    float16, bfloat16 or float32 on a CUDA GPU (v's head_dim may differ). Returns o like q with v's
+    head_dim. FP8 inputs: flash_forward's."""
     return flash_forward(q, k, v, **options)[0]
 
 
@@ -129,7 +130,7 @@ def _attention(static: tuple):
     def forward_call(q, k, v):
         batch, seqlen_q, heads, _ = q.shape[-4:]
         lead = q.shape[:-4]
-        results = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+        results = (jax.ShapeDtypeStruct(q.shape[:-1] + v.shape[-1:], q.dtype),   # o: q's shape, v's head_dim
                    jax.ShapeDtypeStruct(lead + (batch, heads, seqlen_q), numpy.float32))
         return buffer_callback(_ForwardCallback(options), results, vmap_method="broadcast_all")(q, k, v)
 
@@ -409,7 +410,7 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, **o
     options = dict(options)
     if options.get("window_size") is not None:
         options["window_size"] = tuple(int(n) for n in options["window_size"])
-    results = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+    results = (jax.ShapeDtypeStruct(q.shape[:-1] + v_cache.shape[-1:], q.dtype),
                jax.ShapeDtypeStruct((shape.batch, shape.heads, shape.seqlen_q), numpy.float32),
                jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
     new = () if k_new is None else (k_new, v_new)

@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_kernel(const 
     float* delta_tile = lse_tile + BLOCK_M;
 
     const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3;
-    const int head_dim = (int)p.head_dim;
+    const int head_dim = (int)p.head_dim, head_dim_v = head_dim_v_of<FEATURES>(p);
     const KeyBlock block = key_block_of(p, false);
     const long long b = block.b, h = block.h;
     const int kv_start = block.kv_block * BLOCK_N;
@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_kernel(const 
     const long long k_row = seq.k_row0 + kv_start;
 
     load_tile<T, BLOCK_N, D_TILE, LD>(k_tile, static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, k_row, kv_head_of(h, p)), p.k_strides[1], seqlen_k - kv_start, head_dim);
-    load_tile<T, BLOCK_N, D_TILE, LD>(v_tile, static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, k_row, kv_head_of(h, p)), p.v_strides[1], seqlen_k - kv_start, head_dim);
+    load_tile<T, BLOCK_N, D_TILE, LD>(v_tile, static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, k_row, kv_head_of(h, p)), p.v_strides[1], seqlen_k - kv_start, head_dim_v);
 
     const int2 q_range = q_block_range<IS_CAUSAL, FEATURES>(seq, kv_start, BLOCK_M, BLOCK_N, band);
 
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_kernel(const 
         __syncthreads();   // previous iteration is done with the Q, dO, P^T and dS^T tiles
         const long long q_row = seq.q_row0 + q_start;
         load_tile<T, BLOCK_M, D_TILE, LD>(q_tile, static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, q_row, h), p.q_strides[1], seqlen_q - q_start, head_dim);
-        load_tile<T, BLOCK_M, D_TILE, LD>(do_tile, static_cast<const T*>(p.dout) + tensor_offset(p.dout_strides, b, q_row, h), p.dout_strides[1], seqlen_q - q_start, head_dim);
+        load_tile<T, BLOCK_M, D_TILE, LD>(do_tile, static_cast<const T*>(p.dout) + tensor_offset(p.dout_strides, b, q_row, h), p.dout_strides[1], seqlen_q - q_start, head_dim_v);
         load_row_stats<BLOCK_M>(lse_tile, delta_tile, p, b, h, seq, q_start);
         __syncthreads();
 
@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_kernel(const 
         }
     __syncthreads();
     store_tile<T, BLOCK_N, D_TILE, LD>(static_cast<T*>(p.dk) + tensor_offset(p.dk_strides, b, k_row, h), p.dk_strides[1], k_tile, seqlen_k - kv_start, head_dim, p.softmax_scale);
-    store_tile<T, BLOCK_N, D_TILE, LD>(static_cast<T*>(p.dv) + tensor_offset(p.dv_strides, b, k_row, h), p.dv_strides[1], v_tile, seqlen_k - kv_start, head_dim, 1.f);
+    store_tile<T, BLOCK_N, D_TILE, LD>(static_cast<T*>(p.dv) + tensor_offset(p.dv_strides, b, k_row, h), p.dv_strides[1], v_tile, seqlen_k - kv_start, head_dim_v, 1.f);
 }
 
 // Deterministic dQ: one block per (query block, batch, head), looping over key blocks in order;
@@ -195,11 +195,12 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_dq_kernel(con
     if (at.past_sequence()) return;
     const auto& [b, h, seq, band, mod, q, k, v] = at.head;
     const int q_start = at.q_start, seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, head_dim = (int)p.head_dim;
+    const int head_dim_v = head_dim_v_of<FEATURES>(p);
     const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3;
     const long long q_row = seq.q_row0 + q_start;
 
     load_tile<T, BLOCK_M, D_TILE, LD>(q_tile, q + q_start * p.q_strides[1], p.q_strides[1], seqlen_q - q_start, head_dim);
-    load_tile<T, BLOCK_M, D_TILE, LD>(do_tile, static_cast<const T*>(p.dout) + tensor_offset(p.dout_strides, b, q_row, h), p.dout_strides[1], seqlen_q - q_start, head_dim);
+    load_tile<T, BLOCK_M, D_TILE, LD>(do_tile, static_cast<const T*>(p.dout) + tensor_offset(p.dout_strides, b, q_row, h), p.dout_strides[1], seqlen_q - q_start, head_dim_v);
     load_row_stats<BLOCK_M>(lse_tile, delta_tile, p, b, h, seq, q_start);
 
     const int2 kv_range = kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start, BLOCK_M, BLOCK_N, band);
@@ -214,7 +215,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_dq_kernel(con
         const int kv_start = kv_block * BLOCK_N;
         __syncthreads();   // previous K tile no longer read (and Q, dO, stats are loaded)
         load_tile<T, BLOCK_N, D_TILE, LD>(k_tile, k + kv_start * p.k_strides[1], p.k_strides[1], seqlen_k - kv_start, head_dim);
-        load_tile<T, BLOCK_N, D_TILE, LD>(v_tile, v + kv_start * p.v_strides[1], p.v_strides[1], seqlen_k - kv_start, head_dim);
+        load_tile<T, BLOCK_N, D_TILE, LD>(v_tile, v + kv_start * p.v_strides[1], p.v_strides[1], seqlen_k - kv_start, head_dim_v);
         __syncthreads();
 
         float s[ROWS][SCOLS], dp[ROWS][SCOLS];

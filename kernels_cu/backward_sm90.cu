@@ -395,11 +395,11 @@ __device__ __forceinline__ void score_gradients_in_place(float (&dp)[N / 2], con
 // accumulator layout (keys first_key + 0 and + 8; COLUMNS head-dim columns from column0). Under
 // GQA/MQA (p.group > 1) they go to the per-query-head buffers as float32, 8-byte stores: the group
 // sum rounds once (rounded here too, dV was 2.9x the dense error at one key, d = 8, bf16).
-template <typename T, int COLUMNS>
+template <typename T, int COLUMNS, int FEATURES>
 __device__ __forceinline__ void store_key_gradients(const float (&dk)[COLUMNS / 2], const float (&dv)[COLUMNS / 2],
                                                     const FlashParams& p, const BackwardSm90Block& at, int first_key,
                                                     int column0, int query_col) {
-    const int head_dim = (int)p.head_dim;
+    const int head_dim = (int)p.head_dim, head_dim_v = head_dim_v_of<FEATURES>(p);
     const long long dk_offset = tensor_offset(p.dk_strides, at.block.b, at.seq.k_row0, at.block.h);
     const long long dv_offset = tensor_offset(p.dv_strides, at.block.b, at.seq.k_row0, at.block.h);
     const bool per_head = p.group > 1;
@@ -408,17 +408,17 @@ __device__ __forceinline__ void store_key_gradients(const float (&dk)[COLUMNS / 
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int key = first_key + 8 * r, col = column0 + 8 * i + query_col;
-            if (at.keys_here && key < at.seq.seqlen_k && col < head_dim) {
+            if (at.keys_here && key < at.seq.seqlen_k) {
                 const long long dk_at = dk_offset + (long long)key * p.dk_strides[1] + col;
                 const long long dv_at = dv_offset + (long long)key * p.dv_strides[1] + col;
                 const float dk0 = dk[4 * i + 2 * r] * p.softmax_scale, dk1 = dk[4 * i + 2 * r + 1] * p.softmax_scale;
                 const float dv0 = dv[4 * i + 2 * r], dv1 = dv[4 * i + 2 * r + 1];
                 if (per_head) {
-                    *reinterpret_cast<float2*>(static_cast<float*>(p.dk) + dk_at) = make_float2(dk0, dk1);
-                    *reinterpret_cast<float2*>(static_cast<float*>(p.dv) + dv_at) = make_float2(dv0, dv1);
+                    if (col < head_dim) *reinterpret_cast<float2*>(static_cast<float*>(p.dk) + dk_at) = make_float2(dk0, dk1);
+                    if (col < head_dim_v) *reinterpret_cast<float2*>(static_cast<float*>(p.dv) + dv_at) = make_float2(dv0, dv1);
                 } else {
-                    *reinterpret_cast<unsigned int*>(static_cast<T*>(p.dk) + dk_at) = Mma<T>::pack(dk0, dk1);
-                    *reinterpret_cast<unsigned int*>(static_cast<T*>(p.dv) + dv_at) = Mma<T>::pack(dv0, dv1);
+                    if (col < head_dim) *reinterpret_cast<unsigned int*>(static_cast<T*>(p.dk) + dk_at) = Mma<T>::pack(dk0, dk1);
+                    if (col < head_dim_v) *reinterpret_cast<unsigned int*>(static_cast<T*>(p.dv) + dv_at) = Mma<T>::pack(dv0, dv1);
                 }
             }
         }
@@ -872,7 +872,7 @@ __device__ __forceinline__ void backward_sm90_key_split(BackwardSm90Storage<T, D
         if (publisher && order.count() > 0) publish_dq(semaphores + order.last() / TURN_BLOCKS);
     }
 
-    store_key_gradients<T, D_TILE>(dk, dv, p, at, first_key, 0, query_col);
+    store_key_gradients<T, D_TILE, FEATURES>(dk, dv, p, at, first_key, 0, query_col);
 }
 
 // A head-dim-split consumer's view of its tile (values of backward_sm90_head_dim_split's), and
@@ -1109,7 +1109,7 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
     barrier_arrive(smem_addr(&smem.kv_empty));   // K and V: last read by this tile's products (wait<0> above)
     ring += order.count();
 
-    store_key_gradients<T, COLUMNS>(dk, dv, p, at, first_key, column0, query_col);   // this consumer's columns
+    store_key_gradients<T, COLUMNS, FEATURES>(dk, dv, p, at, first_key, column0, query_col);   // this consumer's columns
 }
 
 // The product split (d = 256 without dQ: ADDS_DQ false, the calls that take the dQ kernel). Each
@@ -1242,5 +1242,5 @@ __device__ __forceinline__ void backward_sm90_product_split(BackwardSm90Storage<
     barrier_arrive(smem_addr(&smem.kv_empty));   // K and V: last read by this tile's products
     ring += order.count();
 
-    store_key_gradients<T, COLUMNS>(dk, dv, p, at, first_key, column0, query_col);   // this consumer's columns
+    store_key_gradients<T, COLUMNS, FEATURES>(dk, dv, p, at, first_key, column0, query_col);   // this consumer's columns
 }

@@ -71,13 +71,13 @@ struct BackwardTilesTc {
 // Starts loading the key block's K and V tiles (cp.async).
 template <typename T, int D_TILE, int BLOCK_N, int LD, int THREADS>
 __device__ __forceinline__ void load_kv_tiles_tc(const FlashParams& p, T* k_tile, T* v_tile, long long b, long long h,
-                                                 const Sequence& seq, int kv_start, int seqlen_k, int head_dim) {
+                                                 const Sequence& seq, int kv_start, int seqlen_k, int head_dim, int head_dim_v) {
     async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(
         k_tile, static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, seq.k_row0 + kv_start, kv_head_of_wide(h, p)),
         p.k_strides[1], seqlen_k - kv_start, head_dim);
     async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(
         v_tile, static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, seq.k_row0 + kv_start, kv_head_of_wide(h, p)),
-        p.v_strides[1], seqlen_k - kv_start, head_dim);
+        p.v_strides[1], seqlen_k - kv_start, head_dim_v);
 }
 
 // Zeroes the dK and dV accumulators.
@@ -271,7 +271,7 @@ template <typename T, int D_TILE, int BLOCK_N, int LD, int THREADS, int KV_M, in
 __device__ __forceinline__ void write_dkdv_tc(const float (&dk_acc)[KV_M][KV_N][4], const float (&dv_acc)[KV_M][KV_N][4],
                                               const FlashParams& p, long long b, long long h, const Sequence& seq, T* k_tile,
                                               T* v_tile, int kv_start, int kv_key, int kv_col, int g, int t, int seqlen_k,
-                                              int head_dim) {
+                                              int head_dim, int head_dim_v) {
     cp_async_wait<0>();
     __syncthreads();
     // GQA/MQA (p.group > 1): per-query-head float32 dK and dV instead, 8-byte stores straight from
@@ -290,9 +290,9 @@ __device__ __forceinline__ void write_dkdv_tc(const float (&dk_acc)[KV_M][KV_N][
                 const float dk0 = dk_acc[m][j][2 * r] * p.softmax_scale, dk1 = dk_acc[m][j][2 * r + 1] * p.softmax_scale;
                 const float dv0 = dv_acc[m][j][2 * r], dv1 = dv_acc[m][j][2 * r + 1];
                 if (per_head) {
-                    if (kv_start + key < seqlen_k && col < head_dim) {
-                        *reinterpret_cast<float2*>(dk32 + key * p.dk_strides[1] + col) = make_float2(dk0, dk1);
-                        *reinterpret_cast<float2*>(dv32 + key * p.dv_strides[1] + col) = make_float2(dv0, dv1);
+                    if (kv_start + key < seqlen_k) {
+                        if (col < head_dim) *reinterpret_cast<float2*>(dk32 + key * p.dk_strides[1] + col) = make_float2(dk0, dk1);
+                        if (col < head_dim_v) *reinterpret_cast<float2*>(dv32 + key * p.dv_strides[1] + col) = make_float2(dv0, dv1);
                     }
                 } else {
                     *reinterpret_cast<unsigned int*>(k_tile + key * LD + col) = Mma<T>::pack(dk0, dk1);
@@ -309,9 +309,9 @@ __device__ __forceinline__ void write_dkdv_tc(const float (&dk_acc)[KV_M][KV_N][
     for (int idx = threadIdx.x; idx < BLOCK_N * CHUNKS; idx += THREADS) {
         const int r = idx / CHUNKS;
         const int c = (idx % CHUNKS) * 8;
-        if (kv_start + r < seqlen_k && c < head_dim) {
-            *reinterpret_cast<uint4*>(dk + r * p.dk_strides[1] + c) = *reinterpret_cast<const uint4*>(k_tile + r * LD + c);
-            *reinterpret_cast<uint4*>(dv + r * p.dv_strides[1] + c) = *reinterpret_cast<const uint4*>(v_tile + r * LD + c);
+        if (kv_start + r < seqlen_k) {
+            if (c < head_dim) *reinterpret_cast<uint4*>(dk + r * p.dk_strides[1] + c) = *reinterpret_cast<const uint4*>(k_tile + r * LD + c);
+            if (c < head_dim_v) *reinterpret_cast<uint4*>(dv + r * p.dv_strides[1] + c) = *reinterpret_cast<const uint4*>(v_tile + r * LD + c);
         }
     }
 }
@@ -337,7 +337,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int head_dim = (int)p.head_dim;
+    const int head_dim = (int)p.head_dim, head_dim_v = head_dim_v_of<FEATURES>(p);
     const KeyBlock block = key_block_of(p, p.dq_semaphore == nullptr);
     const long long b = block.b, h = block.h, bh = block.bh;
     const int kv_block = block.kv_block, kv_start = kv_block * BLOCK_N;
@@ -366,7 +366,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
         async_load_tile<T, BLOCK_M, D_TILE, LD, THREADS>(q_tiles + stage * BLOCK_M * LD, q + q_start * p.q_strides[1],
                                                          p.q_strides[1], seqlen_q - q_start, head_dim);
         async_load_tile<T, BLOCK_M, D_TILE, LD, THREADS>(do_tiles + stage * BLOCK_M * LD, dout + q_start * p.dout_strides[1],
-                                                         p.dout_strides[1], seqlen_q - q_start, head_dim);
+                                                         p.dout_strides[1], seqlen_q - q_start, head_dim_v);
         // delta and lse_log2 rows are padded to a multiple of every BLOCK_M, so each chunk is whole.
         constexpr int CHUNKS = BLOCK_M / 4;
         for (int i = threadIdx.x; i < 2 * CHUNKS; i += THREADS) {
@@ -377,7 +377,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
         }
     };
 
-    load_kv_tiles_tc<T, D_TILE, BLOCK_N, LD, THREADS>(p, k_tile, v_tile, b, h, seq, kv_start, seqlen_k, head_dim);
+    load_kv_tiles_tc<T, D_TILE, BLOCK_N, LD, THREADS>(p, k_tile, v_tile, b, h, seq, kv_start, seqlen_k, head_dim, head_dim_v);
     if (q_block_begin < q_block_end) load_query_block(q_block_begin, 0);
     cp_async_commit();
 
@@ -464,5 +464,5 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_backward_tc_kernel(co
     if (semaphores != nullptr) publish_last_dq_tc<BLOCK_M, BLOCK_N, IS_CAUSAL, FEATURES>(p);
 
     write_dkdv_tc<T, D_TILE, BLOCK_N, LD, THREADS>(dk_acc, dv_acc, p, b, h, seq, k_tile, v_tile, kv_start, kv_key, kv_col, g, t,
-                                                   seqlen_k, head_dim);
+                                                   seqlen_k, head_dim, head_dim_v);
 }

@@ -561,6 +561,12 @@ __device__ __forceinline__ float2 join_sink(float lse, float sink) {
     return make_float2(joined, expf(lse - joined));
 }
 
+// v's head_dim (o's, dO's, dV's): its own under FEATURE_HEAD_DIM_V, else q's and k's.
+template <int FEATURES>
+__device__ __forceinline__ int head_dim_v_of(const FlashParams& p) {
+    return (int)((FEATURES & FEATURE_HEAD_DIM_V) ? p.head_dim_v : p.head_dim);
+}
+
 // The forward's score units: raw q.k scores (times scale_log2 in the exp2's fma; times
 // softmax_scale to natural units), or with a score modifier log2-unit logits (scale 1; ln 2).
 template <int FEATURES>

@@ -64,10 +64,10 @@ __global__ void flash_append_kernel(const FlashParams p) {
         T* v_dst = static_cast<T*>(const_cast<void*>(p.v)) + cache_offset(p, p.v_strides, b, (int)position, kv_head);
         const T* k_src = static_cast<const T*>(p.k_new) + tensor_offset(p.k_new_strides, b, t, kv_head);
         const T* v_src = static_cast<const T*>(p.v_new) + tensor_offset(p.v_new_strides, b, t, kv_head);
-        for (int c = 8 * lane; c < p.head_dim; c += 8 * 32) {
+        for (int c = 8 * lane; c < p.head_dim; c += 8 * 32)
             *reinterpret_cast<uint4*>(k_dst + c) = *reinterpret_cast<const uint4*>(k_src + c);
+        for (int c = 8 * lane; c < p.head_dim_v; c += 8 * 32)
             *reinterpret_cast<uint4*>(v_dst + c) = *reinterpret_cast<const uint4*>(v_src + c);
-        }
     }
 }
 
@@ -91,12 +91,12 @@ __device__ __forceinline__ void prefetch_split_to_l2(const FlashParams& p, long 
     // A window may start far past the split's first keys.
     if (p.block_table != nullptr || (FEATURES & FEATURE_WINDOW)) return;
     const long long known = decode_seqlen_k(p, b);
-    const int row_bytes = (int)p.head_dim * (int)sizeof(T);
+    const int k_row_bytes = (int)p.head_dim * (int)sizeof(T), v_row_bytes = head_dim_v_of<FEATURES>(p) * (int)sizeof(T);
     const long long first = min((long long)split * p.keys_per_split, known);
-    const long long last = min(min(first + p.keys_per_split, known), first + PREFETCH_BYTES / (2 * row_bytes));
+    const long long last = min(min(first + p.keys_per_split, known), first + PREFETCH_BYTES / (k_row_bytes + v_row_bytes));
     // Lines of 128 bytes per row: one more than whole lines, the last clamped to the row's end, so a
     // row that straddles a line boundary is covered wherever it starts.
-    const int lines = row_bytes / 128 + 1;
+    const int lines = max(k_row_bytes, v_row_bytes) / 128 + 1;
     const int count = (int)(last - first) * 2 * lines;
     for (int i = threadIdx.x; i < count; i += blockDim.x) {
         const int key = (int)first + i / (2 * lines), line = i % lines;
@@ -104,7 +104,7 @@ __device__ __forceinline__ void prefetch_split_to_l2(const FlashParams& p, long 
         const long long* strides = is_v ? p.v_strides : p.k_strides;
         const long long row = b * strides[0] + (long long)key * strides[1] + kv_head * strides[2];
         const char* at = reinterpret_cast<const char*>(static_cast<const T*>(is_v ? p.v : p.k) + row);
-        asm volatile("prefetch.global.L2 [%0];" :: "l"(at + min(128 * line, row_bytes - 1)));
+        asm volatile("prefetch.global.L2 [%0];" :: "l"(at + min(128 * line, (is_v ? v_row_bytes : k_row_bytes) - 1)));
     }
 }
 
@@ -152,7 +152,8 @@ __device__ __forceinline__ void thread_rows(const FlashParams& p, long long b, l
 }
 
 // One warp's loads of key tiles into its stages: K and V rows tile_start .. tile_start + 15 (keys
-// past key_end and columns past head_dim as zeros), cp.async with the cache's read-once L2 policy.
+// past key_end and columns past head_dim (K) or head_dim_v (V) as zeros), cp.async with the cache's
+// read-once L2 policy.
 // Its members are references to the kernel's values, as a [&] lambda's captures are (held by
 // value, the stage addresses compile to other code).
 template <typename T, int D_TILE>
@@ -162,7 +163,7 @@ struct DecodeTileLoader {
     const T* const& v;
     T* const& my_tiles;   // [STAGES][K, V][KEYS][LD]
     const long long &b, &kv_head;
-    const int &key_end, &head_dim, &lane;
+    const int &key_end, &head_dim, &head_dim_v, &lane;
     const unsigned long long& read_once;
 
     __device__ __forceinline__ void operator()(int tile_start, int stage) const {
@@ -187,10 +188,11 @@ struct DecodeTileLoader {
             for (int part = 0; part < (CHUNKS > 32 ? CHUNKS / 32 : 1); ++part) {
                 const int r = (CHUNKS >= 32 ? pass : pass * ROWS_PER_PASS + lane / CHUNKS);
                 const int col = CHUNKS >= 32 ? (lane + 32 * part) * 8 : c;
-                const bool valid = tile_start + r < key_end && col < head_dim;
-                cp_async_16_once(smem_addr(k_dst + r * LD + col), k + (valid ? k_row + r * p.k_strides[1] + col : 0), valid,
+                const bool key_valid = tile_start + r < key_end;
+                const bool k_valid = key_valid && col < head_dim, v_valid = key_valid && col < head_dim_v;
+                cp_async_16_once(smem_addr(k_dst + r * LD + col), k + (k_valid ? k_row + r * p.k_strides[1] + col : 0), k_valid,
                                  read_once);
-                cp_async_16_once(smem_addr(v_dst + r * LD + col), v + (valid ? v_row + r * p.v_strides[1] + col : 0), valid,
+                cp_async_16_once(smem_addr(v_dst + r * LD + col), v + (v_valid ? v_row + r * p.v_strides[1] + col : 0), v_valid,
                                  read_once);
             }
         }
@@ -347,7 +349,7 @@ __device__ __forceinline__ void scale_warp_o(const FlashParams& p, float* merge_
 // (conflict-free shared loads), summed over the warps and stored.
 template <typename T, int D_TILE, int NUM_WARPS, int MERGE_LD>
 __device__ __forceinline__ void store_block_o(const FlashParams& p, const float* merge_o, int row0, int row_count,
-                                              long long group, long long kv_head, int split, long long b, int head_dim,
+                                              long long group, long long kv_head, int split, long long b, int head_dim_v,
                                               bool split_output) {
     constexpr int ROWS = DECODE_ROWS;
     static_assert(ROWS * 8 == 32 * NUM_WARPS && D_TILE % 32 == 0, "epilogue: 8 threads per row, chunks of 32 columns");
@@ -364,10 +366,10 @@ __device__ __forceinline__ void store_block_o(const FlashParams& p, const float*
                 const float4 more = *reinterpret_cast<const float4*>(&merge_o[(w * ROWS + row) * MERGE_LD + c]);
                 sum.x += more.x; sum.y += more.y; sum.z += more.z; sum.w += more.w;
             }
-            if (c >= head_dim) continue;
+            if (c >= head_dim_v) continue;
             if (split_output) {
                 float* dst = static_cast<float*>(p.o_partial) +
-                             ((((long long)split * p.batch + b) * p.seqlen_q + token) * p.heads + head) * p.head_dim + c;
+                             ((((long long)split * p.batch + b) * p.seqlen_q + token) * p.heads + head) * head_dim_v + c;
                 *reinterpret_cast<float4*>(dst) = sum;
             } else {
                 T* dst = static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, token, head) + c;
@@ -405,7 +407,7 @@ flash_decode_kernel(const FlashParams p) {
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int head_dim = (int)p.head_dim;
+    const int head_dim = (int)p.head_dim, head_dim_v = head_dim_v_of<FEATURES>(p);
     const long long group = p.group, heads_kv = p.heads / p.group;
     const int rows_per_kv_head = (int)(group * p.seqlen_q);
     const int row_blocks = (rows_per_kv_head + ROWS - 1) / ROWS;
@@ -450,7 +452,8 @@ flash_decode_kernel(const FlashParams p) {
     // for the combine and the next call (GQA 8:1, batch 1, 32k keys: 33.6 -> 32.1 us a call in a
     // graph; 33 splits of uneven chunks, to give all 132 SMs a block, measured no faster than 32).
     const unsigned long long read_once = l2_evict_first_policy();
-    const DecodeTileLoader<T, D_TILE> load_tile = {p, k, v, my_tiles, b, kv_head, key_end, head_dim, lane, read_once};
+    const DecodeTileLoader<T, D_TILE> load_tile = {p, k, v, my_tiles, b, kv_head, key_end, head_dim, head_dim_v,
+                                                   lane, read_once};
 
     float o_acc[O_TILES][4];
 #pragma unroll
@@ -501,7 +504,7 @@ flash_decode_kernel(const FlashParams p) {
                                                          row_max_scaled, row_head, row_token, warp, g, t, split, b,
                                                          row_count, split_output);
     __syncthreads();
-    store_block_o<T, D_TILE, NUM_WARPS, MERGE_LD>(p, merge_o, row0, row_count, group, kv_head, split, b, head_dim,
+    store_block_o<T, D_TILE, NUM_WARPS, MERGE_LD>(p, merge_o, row0, row_count, group, kv_head, split, b, head_dim_v,
                                                   split_output);
 }
 
@@ -536,19 +539,19 @@ __device__ __forceinline__ float4 load_four(const T_IN* row, int c, int head_dim
 // took 3.4 us of a 4k-key call from its start to its end (globaltimer stamps, H100). And earlier,
 // one warp per row walking the splits one by one waited on memory once per split (57 us for 86
 // splits, 8 query heads per K/V head at 32k keys, against 34 us for the decode kernel).
-// Partials are T_IN, contiguous (splits, batch, seqlen_q, heads, head_dim); lse_partial (splits,
+// Partials are T_IN, contiguous (splits, batch, seqlen_q, heads, head_dim_v); lse_partial (splits,
 // batch, heads, seqlen_q). With p.sink the sink's logit joins the merged row (FEATURE_SINK).
 template <typename T_IN, typename T_OUT>
 __global__ void __launch_bounds__(32 * COMBINE_MAX_WARPS) flash_combine_kernel(const FlashParams p) {
-    constexpr int PASSES = 256 / 128;        // head_dim <= 256: 4 columns per lane per pass
+    constexpr int PASSES = 256 / 128;        // head_dim_v <= 256: 4 columns per lane per pass
     constexpr int MAX_WARPS = COMBINE_MAX_WARPS;   // COMBINE_BATCH splits a warp at a time (_traits)
     __shared__ float4 warp_sums[MAX_WARPS][PASSES][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const int head_dim = (int)p.head_dim;
+    const int head_dim = (int)p.head_dim_v;   // o's
     const int passes = head_dim > 128 ? 2 : 1;
     const bool vectors = (head_dim & 3) == 0;
     const long long rows = p.batch * p.seqlen_q * p.heads;
-    const long long row_elems = rows * p.head_dim;
+    const long long row_elems = rows * p.head_dim_v;
     const long long lse_split_stride = p.batch * p.heads * p.seqlen_q;
     const int splits = (int)p.num_splits;
     // A row's indices and pointers (32-bit divisions where they fit: a 64-bit one is a long
@@ -564,7 +567,7 @@ __global__ void __launch_bounds__(32 * COMBINE_MAX_WARPS) flash_combine_kernel(c
             at = row_index(p, r);
         }
         lse_row = p.lse_partial + (at.b * p.heads + at.h) * p.seqlen_q + at.row;
-        o_row = static_cast<const T_IN*>(p.o_partial) + r * p.head_dim;
+        o_row = static_cast<const T_IN*>(p.o_partial) + r * p.head_dim_v;
     };
     // The first row's are worked out while the decode kernel still runs (the empty asm keeps them
     // before the wait): after it they took 0.45 us (globaltimer stamps, H100). With the decode

@@ -40,6 +40,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const F
     if (at.past_sequence()) return;
     const auto& [b, h, seq, band, mod, q, k, v] = at.head;
     const int q_start = at.q_start, seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, head_dim = (int)p.head_dim;
+    const int head_dim_v = head_dim_v_of<FEATURES>(p);
     const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3;
     const float score_log2 = score_to_log2<FEATURES>(p);
 
@@ -99,7 +100,7 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const F
         }
 
         __syncthreads();   // P written, K no longer read
-        load_tile<T, BLOCK_N, D_TILE, LD>(kv_tile, v + kv_start * p.v_strides[1], p.v_strides[1], seqlen_k - kv_start, head_dim);
+        load_tile<T, BLOCK_N, D_TILE, LD>(kv_tile, v + kv_start * p.v_strides[1], p.v_strides[1], seqlen_k - kv_start, head_dim_v);
         __syncthreads();
 
         accumulate<BLOCK_N, 2>(outer_product(o_acc, [&](int i, int c) { return p_tile[(ty * ROWS + i) * P_LD + c]; },
@@ -120,5 +121,5 @@ __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_kernel(const F
     }
     __syncthreads();
     T* o = static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, seq.q_row0 + q_start, h);
-    store_tile<T, BLOCK_M, D_TILE, LD>(o, p.o_strides[1], q_tile, seqlen_q - q_start, head_dim, 1.f);
+    store_tile<T, BLOCK_M, D_TILE, LD>(o, p.o_strides[1], q_tile, seqlen_q - q_start, head_dim_v, 1.f);
 }

@@ -416,7 +416,7 @@ __device__ __forceinline__ void store_output(ForwardSm90Storage<T, BLOCK_M, D_TI
         }
     }
     constexpr int UNITS = D_TILE / 8;   // 16-byte units per row
-    const int head_dim = (int)p.head_dim;
+    const int head_dim = head_dim_v_of<FEATURES>(p);   // o's
     Out* out = static_cast<Out*>(p.o) + tensor_offset(p.o_strides, w.block.b, w.seq.q_row0 + w.q_start, w.block.h);
 #pragma unroll 4
     for (int idx = thread; idx < 64 * UNITS; idx += 128) {

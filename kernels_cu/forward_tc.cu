@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int head_dim = (int)p.head_dim;
+    const int head_dim = (int)p.head_dim, head_dim_v = head_dim_v_of<FEATURES>(p);
     const QueryBlock block = query_block_of(p, BLOCK_M);
     const long long b = block.b, h = block.h;
     const int q_start = block.q_block * BLOCK_M;
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
         const int kv_start = kv_block * BLOCK_N;
         cp_async_wait();
         __syncthreads();   // K_j (and Q) landed; every warp is done reading V_{j-1}
-        async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(v_tile, v + kv_start * p.v_strides[1], p.v_strides[1], seqlen_k - kv_start, head_dim);
+        async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(v_tile, v + kv_start * p.v_strides[1], p.v_strides[1], seqlen_k - kv_start, head_dim_v);
         if (FEATURES & FEATURE_BIAS)
             stage_bias_tile_tc<BLOCK_M, BLOCK_N, BIAS_LD, THREADS>(bias_tile, mod, q_start, kv_start, seqlen_q, seqlen_k);
         cp_async_commit();
@@ -299,5 +299,5 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
                                     seqlen_q);
     __syncthreads();
     store_staged_tile<T, BLOCK_M, D_TILE, LD, THREADS>(static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, seq.q_row0 + q_start, h),
-                                                       p.o_strides[1], q_tile, seqlen_q - q_start, head_dim);
+                                                       p.o_strides[1], q_tile, seqlen_q - q_start, head_dim_v);
 }

@@ -51,7 +51,8 @@ __device__ __forceinline__ int sequence_of_row(const int* cu_seqlens, int sequen
 template <typename T>
 __global__ void __launch_bounds__(ROW_KERNEL_THREADS) flash_preprocess_kernel(const FlashParams p) {
     constexpr int VEC = Vec<T>::N;
-    const RowGroup g = row_group((int)p.head_dim, VEC);
+    // A row's lanes cover the wider of o's (head_dim_v: the dot product) and dq_accum's (head_dim).
+    const RowGroup g = row_group((int)max(p.head_dim, p.head_dim_v), VEC);
     const long long rows = p.batch * p.seqlen_q * p.heads;
     for (long long first = g.first_pass(); first < rows; first += g.pass_step()) {
         float dot[ROW_SETS];
@@ -63,7 +64,7 @@ __global__ void __launch_bounds__(ROW_KERNEL_THREADS) flash_preprocess_kernel(co
             const auto [b, row, h] = row_index(p, r);
             const T* o = static_cast<const T*>(p.o) + tensor_offset(p.o_strides, b, row, h);
             const T* dout = static_cast<const T*>(p.dout) + tensor_offset(p.dout_strides, b, row, h);
-            for (int c = g.sublane * VEC; c < p.head_dim; c += g.lanes * VEC) {
+            for (int c = g.sublane * VEC; c < p.head_dim_v; c += g.lanes * VEC) {
                 float ov[VEC], dov[VEC];
                 unpack(*reinterpret_cast<const uint4*>(o + c), ov, T{});
                 unpack(*reinterpret_cast<const uint4*>(dout + c), dov, T{});
@@ -144,36 +145,42 @@ __global__ void __launch_bounds__(ROW_KERNEL_THREADS) flash_dq_convert_kernel(co
     }
 }
 
-// GQA/MQA: dK and dV of each K/V head = the sum over its group of query heads. The backward
-// kernels write per-query-head float32 dK and dV into contiguous (batch, seqlen_k, heads, head_dim)
-// buffers (p.dk_expanded, p.dv_expanded); this sums each group of p.group adjacent heads in float32
-// and rounds once into p.dk and p.dv (batch, seqlen_k, heads / group, head_dim). One warp per
-// output row.
+// One output row of the group sum: `head_dim` columns of `out` from the group's rows at `heads`.
 template <typename T>
-__global__ void __launch_bounds__(ROW_KERNEL_THREADS) flash_kv_group_sum_kernel(const FlashParams p) {
+__device__ __forceinline__ void sum_group_row(T* out, const float* heads, int group, int head_dim, int lane) {
     constexpr int VEC = Vec<T>::N;   // T elements per 16-byte store; VEC / 4 float4 loads each
     static_assert(VEC % 4 == 0, "whole float4 loads");
+    for (int c = lane * VEC; c < head_dim; c += 32 * VEC) {
+        float sum[VEC] = {};
+        for (int g = 0; g < group; ++g) {
+#pragma unroll
+            for (int e = 0; e < VEC; e += 4) {
+                const float4 x = *reinterpret_cast<const float4*>(heads + (long long)g * head_dim + c + e);
+                sum[e] += x.x; sum[e + 1] += x.y; sum[e + 2] += x.z; sum[e + 3] += x.w;
+            }
+        }
+        *reinterpret_cast<uint4*>(out + c) = pack(sum, T{});
+    }
+}
+
+// GQA/MQA: dK and dV of each K/V head = the sum over its group of query heads. The backward
+// kernels write per-query-head float32 dK and dV into contiguous (batch, seqlen_k, heads, head_dim)
+// and (..., head_dim_v) buffers (p.dk_expanded, p.dv_expanded); this sums each group of p.group
+// adjacent heads in float32 and rounds once into p.dk and p.dv (batch, seqlen_k, heads / group,
+// head_dim or head_dim_v). One warp per output row.
+template <typename T>
+__global__ void __launch_bounds__(ROW_KERNEL_THREADS) flash_kv_group_sum_kernel(const FlashParams p) {
     const int lane = threadIdx.x & 31;
     const long long heads_kv = p.heads / p.group;
     const float* dk_heads = static_cast<const float*>(p.dk_expanded);
     const float* dv_heads = static_cast<const float*>(p.dv_expanded);
     for (long long r = first_row_of_warp(); r < p.batch * p.seqlen_k * heads_kv; r += rows_per_grid()) {
         const long long b = r / (p.seqlen_k * heads_kv), row = (r / heads_kv) % p.seqlen_k, h = r % heads_kv;
-        const long long first = r * p.group * p.head_dim;   // (b, row, h * group) in the expanded buffers
-        for (int c = lane * VEC; c < p.head_dim; c += 32 * VEC) {
-            float dk[VEC] = {}, dv[VEC] = {};
-            for (long long g = 0; g < p.group; ++g) {
-#pragma unroll
-                for (int e = 0; e < VEC; e += 4) {
-                    const float4 k4 = *reinterpret_cast<const float4*>(dk_heads + first + g * p.head_dim + c + e);
-                    const float4 v4 = *reinterpret_cast<const float4*>(dv_heads + first + g * p.head_dim + c + e);
-                    dk[e] += k4.x; dk[e + 1] += k4.y; dk[e + 2] += k4.z; dk[e + 3] += k4.w;
-                    dv[e] += v4.x; dv[e + 1] += v4.y; dv[e + 2] += v4.z; dv[e + 3] += v4.w;
-                }
-            }
-            *reinterpret_cast<uint4*>(static_cast<T*>(p.dk) + tensor_offset(p.dk_strides, b, row, h) + c) = pack(dk, T{});
-            *reinterpret_cast<uint4*>(static_cast<T*>(p.dv) + tensor_offset(p.dv_strides, b, row, h) + c) = pack(dv, T{});
-        }
+        // (b, row, h * group) in the expanded buffers
+        sum_group_row(static_cast<T*>(p.dk) + tensor_offset(p.dk_strides, b, row, h), dk_heads + r * p.group * p.head_dim,
+                      (int)p.group, (int)p.head_dim, lane);
+        sum_group_row(static_cast<T*>(p.dv) + tensor_offset(p.dv_strides, b, row, h), dv_heads + r * p.group * p.head_dim_v,
+                      (int)p.group, (int)p.head_dim_v, lane);
     }
 }
 

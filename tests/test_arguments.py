@@ -49,6 +49,9 @@ CASES = [
     ("v-shape", lambda a: {"v": a["v"][:, :3]}, {}, ValueError, "v has shape"),
     ("heads-not-a-divisor", lambda a: {"k": a["k"][:, :, :2], "v": a["v"][:, :, :2]}, {}, ValueError, "k has 2 heads but q has 3"),
     ("head-dim-not-8", lambda a: {n: a[n][..., :12] for n in "qkv"}, {}, ValueError, "head_dim 12; expected a multiple of 8"),
+    ("v-head-dim-not-8", lambda a: {"v": a["v"][..., :12]}, {}, ValueError, "v has head_dim 12; expected a multiple of 8"),
+    ("v-head-dim-too-big", lambda a: {"v": a["v"].repeat(17, axis=3)}, {}, ValueError, "v has head_dim 272"),
+    ("v-seqlen", lambda a: {"v": a["v"][:, :3, :, :8]}, {}, ValueError, "they must match but in the head_dim"),
     ("head-dim-too-big", lambda a: {n: a[n].repeat(17, axis=3) for n in "qkv"}, {}, ValueError, "head_dim 272"),
     ("seqlen-zero", lambda a: {"q": a["q"][:, :0]}, {}, ValueError, "seqlen_q is 0"),
     ("scale-string", lambda a: {}, {"softmax_scale": "0.1"}, TypeError, "softmax_scale must be a real number"),
@@ -110,6 +113,10 @@ BACKWARD_CASES = [
      ValueError, "expected (heads, total_q)"),
     ("packed-do-shape", lambda a: {**packed(a), "do": a["do"]}, {"cu_seqlens_q": CU, "cu_seqlens_k": CU_K}, ValueError,
      "do has shape"),
+    # v's head_dim (8) differs from q's (16): do and o take it.
+    ("do-head-dim-v", lambda a: {"v": a["v"][..., :8], "o": a["o"][..., :8]}, {}, ValueError,
+     f"do has shape {(B, NQ, H, D)}; expected o's {(B, NQ, H, 8)} (q's, with v's head_dim)"),
+    ("o-head-dim-v", lambda a: {"v": a["v"][..., :8], "do": a["do"][..., :8]}, {}, ValueError, "o has shape"),
 ]
 
 
@@ -166,6 +173,23 @@ def test_bfloat16_is_accepted_by_the_checks():
     arrays = good(numpy, ml_dtypes.bfloat16)
     shape = _checks.check_qkv(arrays["q"], arrays["k"], arrays["v"])
     assert shape.dtype == "bfloat16" and shape.tile == 32
+
+
+def test_v_may_have_its_own_head_dim(monkeypatch):
+    """v's head_dim (o's) may differ from q's and k's: the shape says which tile the kernels take,
+    and the variant carries the flag that makes them read it (FEATURE_HEAD_DIM_V)."""
+    from cupy_flash._features import FEATURE_HEAD_DIM_V
+
+    monkeypatch.setattr(_checks, "as_gpu_array", lambda _name, x: x)
+    arrays = good(numpy)
+    v = numpy.zeros((B, NK, H, 248), numpy.float16)
+    *_, shape, _, variant = _checks.prepare_qkv(arrays["q"], arrays["k"], v, None, True)
+    assert (shape.head_dim, shape.head_dim_v, shape.widest_head_dim, shape.tile) == (D, 248, 248, 256)
+    assert variant.flags == FEATURE_HEAD_DIM_V and variant.causal
+    *_, shape, _, variant = _checks.prepare_qkv(arrays["q"], arrays["k"], arrays["v"], None, True)
+    assert shape.head_dim_v == shape.head_dim == D and variant.flags == 0 and variant.plain
+    with pytest.raises(ValueError, match="FP8 calls take one head_dim"):
+        _checks.check_qkv(*(numpy.zeros((1, 4, 1, n), numpy.uint8) for n in (32, 32, 16)), fp8=True)
 
 
 def test_grid_limit_is_checked():

@@ -47,6 +47,17 @@ pytestmark = requires_gpu
 MAX_SCORES = 24_000_000
 
 
+def draw_head_dim_v(head_dim: int):
+    """v's head_dim (o's): q's and k's half the time, else any multiple of 8 up to 256 (DeepSeek's
+    192 / 128 and its mirror among them)."""
+    return st.one_of(st.just(head_dim), st.just(head_dim), st.integers(1, 32).map(lambda n: 8 * n),
+                     st.sampled_from([128, 192]))
+
+
+def head_dim_v(p) -> int:
+    return p.get("head_dim_v", p["head_dim"])
+
+
 @st.composite
 def problems(draw):
     seqlen = st.one_of(st.integers(1, 200), st.integers(200, 1200), st.integers(1200, 3000))
@@ -71,10 +82,11 @@ def problems(draw):
             features["bias"] = dict(shape=draw(st.sampled_from(BIAS_SHAPES)), std=draw(st.sampled_from([0.5, 3.0])),
                                     masked=draw(st.booleans()), dtype=draw(st.sampled_from(["float32", "input"])),
                                     seed=draw(st.integers(0, 2**16)))
+    head_dim = 8 * draw(st.integers(1, 32))
     return dict(features=features, heads_kv=heads_kv,
         dtype=draw(st.sampled_from(sorted(DTYPES))),
         batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-        head_dim=8 * draw(st.integers(1, 32)),
+        head_dim=head_dim, head_dim_v=draw(draw_head_dim_v(head_dim)),
         causal=draw(st.booleans()),
         softmax_scale=draw(st.one_of(st.none(), st.floats(0.01, 2.0))),
         # Standard deviation of the scaled logits q.k * scale: at 300 the largest reach about a
@@ -117,8 +129,9 @@ def bias_broadcasts(p) -> bool:
 
 def describe(p):
     variant = {n: x for n, x in p.get("features", {}).items() if n != "alibi_per_batch"}
-    return ("{dtype} b={batch} h={heads} h_kv={heads_kv} nq={seqlen_q} nk={seqlen_k} d={head_dim} causal={causal} "
-            "scale={softmax_scale} logit_std={logit_std} seed={seed}").format(**{"heads_kv": p["heads"], **p}) + (
+    return ("{dtype} b={batch} h={heads} h_kv={heads_kv} nq={seqlen_q} nk={seqlen_k} d={head_dim} d_v={head_dim_v} "
+            "causal={causal} scale={softmax_scale} logit_std={logit_std} seed={seed}").format(
+                **{"heads_kv": p["heads"], "head_dim_v": head_dim_v(p), **p}) + (
         f" {variant}" if variant else "")
 
 
@@ -128,10 +141,10 @@ def make_inputs(p, with_grad=False):
     kv_shape = (p["batch"], p["seqlen_k"], p.get("heads_kv", p["heads"]), p["head_dim"])
     q = random_array(rng, q_shape, p["dtype"], input_magnitude(p))
     k = random_array(rng, kv_shape, p["dtype"], input_magnitude(p))
-    v = random_array(rng, kv_shape, p["dtype"])
+    v = random_array(rng, kv_shape[:-1] + (head_dim_v(p),), p["dtype"])
     if not with_grad:
         return q, k, v
-    return q, k, v, random_array(rng, q_shape, p["dtype"])
+    return q, k, v, random_array(rng, q_shape[:-1] + (head_dim_v(p),), p["dtype"])
 
 
 def options(p):
@@ -203,6 +216,15 @@ EDGE_CASES = [
     # it read o 2.47x while the rule knew only the dense form (2026-11-24).
     dict(dtype="bfloat16", batch=1, heads=1, seqlen_q=1, seqlen_k=70, head_dim=8, causal=False, softmax_scale=None,
          logit_std=3.0, seed=167, features={"softcap": 0.5, "alibi_slopes": [0.0078125]}),
+    # 17: DeepSeek's d_qk 192 / d_v 128, GQA 4:1, causal, over two key blocks of every kernel.
+    dict(dtype="bfloat16", batch=2, heads=4, heads_kv=1, seqlen_q=300, seqlen_k=333, head_dim=192, head_dim_v=128,
+         causal=True, softmax_scale=None, logit_std=3.0, seed=17),
+    # 18: v wider than q and k (d 8, d_v 256: V's tile chunks past q's head dim), a window.
+    dict(dtype="float16", batch=1, heads=2, seqlen_q=130, seqlen_k=257, head_dim=8, head_dim_v=256, causal=False,
+         softmax_scale=None, logit_std=1.0, seed=18, features={"window_size": (40, 7)}),
+    # 19: float32 (CUDA-core kernels), d 40 / d_v 104, GQA 2:1.
+    dict(dtype="float32", batch=2, heads=2, heads_kv=1, seqlen_q=77, seqlen_k=150, head_dim=40, head_dim_v=104,
+         causal=True, softmax_scale=None, logit_std=3.0, seed=19),
 ]
 
 
@@ -228,7 +250,7 @@ def _check_forward_of(q, k, v, make_options, dtype, head_dim, context, path):
     with poisoned_allocations(), kernel_path(path), families.recording() as launched:
         o, lse = cupy_flash.flash_forward(q, k, v, **opts)
     expect_hopper_family(path, launched_family(launched), dtype, head_dim, opts)
-    assert o.shape == q.shape and o.dtype == q.dtype
+    assert o.shape == q.shape[:-1] + v.shape[-1:] and o.dtype == q.dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == numpy.float32
     o_exact, lse_exact = attention_reference(q, k, v, **make_options())
     o_low, lse_low = low_precision_outputs(q, k, v, **make_options())
@@ -236,12 +258,12 @@ def _check_forward_of(q, k, v, make_options, dtype, head_dim, context, path):
     check_error_rule("o", o, o_exact, o_low, context + f" kernels={path}", lse_magnitude)
     check_error_rule("lse", lse, lse_exact, lse_low, context + f" kernels={path}", lse_magnitude)
     with kernel_path(path):
-        assert cupy_flash.flash_attention(q, k, v, **make_options()).shape == q.shape
+        assert cupy_flash.flash_attention(q, k, v, **make_options()).shape == o.shape
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 @given(problems())
-@edge_cases(0, 1, 2, 3, 4, 5, 7, 8, 9, 11, 12, 13, 16)
+@edge_cases(0, 1, 2, 3, 4, 5, 7, 8, 9, 11, 12, 13, 16, 17, 18, 19)
 def test_forward_matches_reference(path, p):
     count_example("forward_matches_reference")
     _check_forward(p, path)
@@ -279,7 +301,7 @@ def _check_backward(p, deterministic, path="portable"):
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 @given(problems(), st.booleans())
 # each edge case once, deterministic or not
-@edge_cases(*((i, False) for i in (0, 2, 4, 5, 6, 8, 10, 12, 13, 14)), *((i, True) for i in (1, 3, 7, 9, 11, 15)))
+@edge_cases(*((i, False) for i in (0, 2, 4, 5, 6, 8, 10, 12, 13, 14, 17)), *((i, True) for i in (1, 3, 7, 9, 11, 15, 18, 19)))
 # float32, logits in the hundreds: the forward's O ~1e-4 off, which dQ inherits through delta where
 # dP - delta cancels (6x the dense error before the delta term took the given O's error; helpers).
 @example(dict(features={}, heads_kv=1, dtype="float32", batch=1, heads=1, seqlen_q=3, seqlen_k=428, head_dim=248,
@@ -337,6 +359,7 @@ def packed_problems(draw):
     heads = draw(st.integers(1, 4))
     heads_kv = draw(st.sampled_from([n for n in range(1, heads + 1) if heads % n == 0]))
     features = {}
+    head_dim = 8 * draw(st.integers(1, 32))
     if draw(st.booleans()):
         size = st.one_of(st.just(-1), st.integers(0, 40), st.integers(40, 400))
         features["window_size"] = (draw(size), draw(size))
@@ -349,8 +372,8 @@ def packed_problems(draw):
         features["sink"] = [float(i) - 1.0 for i in range(heads)]
     return dict(dtype=draw(st.sampled_from(sorted(DTYPES))), batch=batch, heads=heads, heads_kv=heads_kv,
                 lens_q=lens_q, lens_k=lens_k, seqlen_q=max(lens_q), seqlen_k=max(lens_k),
-                head_dim=8 * draw(st.integers(1, 32)), causal=draw(st.booleans()), softmax_scale=None,
-                logit_std=draw(st.sampled_from([1.0, 30.0])), seed=draw(st.integers(0, 2**32 - 1)),
+                head_dim=head_dim, head_dim_v=draw(draw_head_dim_v(head_dim)), causal=draw(st.booleans()),
+                softmax_scale=None, logit_std=draw(st.sampled_from([1.0, 30.0])), seed=draw(st.integers(0, 2**32 - 1)),
                 features=features, max_slack=draw(st.sampled_from([0, 0, 5])))
 
 
@@ -361,8 +384,8 @@ def packed_inputs(p):
     total_q, total_k = sum(p["lens_q"]), sum(p["lens_k"])
     q = random_array(rng, (total_q, p["heads"], p["head_dim"]), p["dtype"], input_magnitude(p))
     k = random_array(rng, (total_k, p["heads_kv"], p["head_dim"]), p["dtype"], input_magnitude(p))
-    v = random_array(rng, (total_k, p["heads_kv"], p["head_dim"]), p["dtype"])
-    do = random_array(rng, (total_q, p["heads"], p["head_dim"]), p["dtype"])
+    v = random_array(rng, (total_k, p["heads_kv"], head_dim_v(p)), p["dtype"])
+    do = random_array(rng, (total_q, p["heads"], head_dim_v(p)), p["dtype"])
     opts = options(p)
     opts["cu_seqlens_q"] = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(p["lens_q"])]).astype(numpy.int32))
     opts["cu_seqlens_k"] = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(p["lens_k"])]).astype(numpy.int32))
@@ -392,7 +415,7 @@ def test_packed_batches_match_reference(path, p, deterministic):
     with poisoned_allocations(), kernel_path(path), families.recording() as launched:
         o, lse = cupy_flash.flash_forward(q, k, v, **opts)
     expect_hopper_family(path, launched_family(launched), p["dtype"], p["head_dim"], opts)
-    assert o.shape == q.shape and lse.shape == (p["heads"], q.shape[0])
+    assert o.shape == q.shape[:-1] + v.shape[-1:] and lse.shape == (p["heads"], q.shape[0])
     o_exact, lse_exact = attention_reference(q, k, v, **opts)
     o_low, lse_low = low_precision_outputs(q, k, v, **opts)
     lse_magnitude = max_finite_abs(lse_exact)

@@ -45,6 +45,10 @@ BAD_DECODE = [
     ("cache_seqlens dtype", dict(cache_seqlens=numpy.array([3, 3], numpy.int64)), TypeError, "cache_seqlens has dtype"),
     ("cache_seqlens shape", dict(cache_seqlens=numpy.array([3], numpy.int32)), ValueError, "cache_seqlens has shape"),
     ("k_new alone", dict(v_new=None), ValueError, "k_new and v_new"),
+    ("v_cache head_dim", dict(v_cache=numpy.zeros((2, 32, 2, 12), numpy.float16)), ValueError,
+     "v_cache has head_dim 12; expected a multiple of 8"),
+    ("v_new head_dim", dict(v_cache=numpy.zeros((2, 32, 2, 8), numpy.float16)), ValueError,
+     r"v_new has shape \(2, 1, 2, 16\); expected \(batch, seqlen_new, heads_kv, head_dim\) = \(2, \*, 2, 8\)"),
     ("k_new heads", dict(k_new=numpy.zeros((2, 1, 4, 16), numpy.float16), v_new=numpy.zeros((2, 1, 4, 16), numpy.float16)),
      ValueError, "k_new has shape"),
     ("block_table page size", dict(k_cache=numpy.zeros((4, 24, 2, 16), numpy.float16), v_cache=numpy.zeros((4, 24, 2, 16), numpy.float16),
@@ -140,6 +144,7 @@ def decode_problems(draw):
     if paged:
         capacity = -(-capacity // page_size) * page_size
     lengths = draw(st.lists(st.integers(0, capacity - new), min_size=batch, max_size=batch))
+    head_dim = 8 * draw(st.integers(1, 32))
     features = {}
     if draw(st.booleans()):
         features.update(draw_window_and_softcap(draw, 1000))
@@ -149,7 +154,8 @@ def decode_problems(draw):
             features["sink"] = draw(st.lists(st.floats(-4.0, 4.0), min_size=heads_kv * group, max_size=heads_kv * group))
     return dict(dtype=draw(st.sampled_from(["float16", "bfloat16"])), batch=batch, heads_kv=heads_kv, heads=heads_kv * group,
                 seqlen_q=seqlen_q, new=new, capacity=capacity, page_size=page_size, lengths=lengths,
-                head_dim=8 * draw(st.integers(1, 32)), causal=draw(st.booleans()), features=features,
+                head_dim=head_dim, head_dim_v=draw(st.one_of(st.just(head_dim), st.integers(1, 32).map(lambda n: 8 * n))),
+                causal=draw(st.booleans()), features=features,
                 num_splits=draw(st.one_of(st.none(), st.integers(1, 9), st.just(128))),
                 logit_std=draw(st.sampled_from([0.3, 1.0, 3.0, 30.0])), seed=draw(st.integers(0, 2**32 - 1)))
 
@@ -159,16 +165,16 @@ def make_decode_inputs(p):
     import cupy
 
     rng = numpy.random.default_rng(p["seed"])
-    d = p["head_dim"]
+    d, d_v = p["head_dim"], p.get("head_dim_v", p["head_dim"])
     magnitude = input_magnitude(p)
     q = random_array(rng, (p["batch"], p["seqlen_q"], p["heads"], d), p["dtype"], magnitude)
     shape = (p["batch"], p["capacity"], p["heads_kv"], d)
     k_dense = random_array(rng, shape, p["dtype"], magnitude)
-    v_dense = random_array(rng, shape, p["dtype"])
+    v_dense = random_array(rng, shape[:-1] + (d_v,), p["dtype"])
     new = None
     if p["new"]:
         new_shape = (p["batch"], p["new"], p["heads_kv"], d)
-        new = (random_array(rng, new_shape, p["dtype"], magnitude), random_array(rng, new_shape, p["dtype"]))
+        new = (random_array(rng, new_shape, p["dtype"], magnitude), random_array(rng, new_shape[:-1] + (d_v,), p["dtype"]))
     cache = dict(cache_seqlens=cupy.asarray(p["lengths"], dtype=cupy.int32))
     if p["page_size"]:
         pages_per = p["capacity"] // p["page_size"]
@@ -176,11 +182,11 @@ def make_decode_inputs(p):
         order = rng.permutation(p["batch"] * pages_per + 3)[:p["batch"] * pages_per]
         table = order.reshape(p["batch"], pages_per).astype(numpy.int32)
         pool_shape = (p["batch"] * pages_per + 3, p["page_size"], p["heads_kv"], d)
-        k_pages, v_pages = (random_array(rng, pool_shape, p["dtype"]) for _ in range(2))
+        k_pages, v_pages = (random_array(rng, pool_shape[:-1] + (n,), p["dtype"]) for n in (d, d_v))
         flat = cupy.asarray(table.reshape(-1))
         k_bits, v_bits = k_pages.view(cupy.uint16), v_pages.view(cupy.uint16)
         k_bits[flat] = k_dense.view(cupy.uint16).reshape(-1, p["page_size"], p["heads_kv"], d)
-        v_bits[flat] = v_dense.view(cupy.uint16).reshape(-1, p["page_size"], p["heads_kv"], d)
+        v_bits[flat] = v_dense.view(cupy.uint16).reshape(-1, p["page_size"], p["heads_kv"], d_v)
         k_cache, v_cache, cache["block_table"] = k_pages, v_pages, cupy.asarray(table)
     else:
         k_cache, v_cache = k_dense.copy(), v_dense.copy()
@@ -227,7 +233,8 @@ def test_decode_matches_reference(p):
         table = cache["block_table"].get().reshape(-1)
         expect_k, expect_v = k_before.copy(), v_before.copy()
         expect_k.view(cupy.uint16)[cupy.asarray(table)] = k_dense.view(cupy.uint16).reshape(-1, p["page_size"], p["heads_kv"], p["head_dim"])
-        expect_v.view(cupy.uint16)[cupy.asarray(table)] = v_dense.view(cupy.uint16).reshape(-1, p["page_size"], p["heads_kv"], p["head_dim"])
+        expect_v.view(cupy.uint16)[cupy.asarray(table)] = v_dense.view(cupy.uint16).reshape(-1, p["page_size"], p["heads_kv"],
+                                                                                            v_dense.shape[-1])
     else:
         expect_k, expect_v = k_dense, v_dense
     assert bool((bitwise(k_cache) == bitwise(expect_k)).all()), "k_cache: the append wrote the wrong rows " + context
@@ -236,7 +243,8 @@ def test_decode_matches_reference(p):
     lengths = cupy.asarray(p["lengths"], dtype=cupy.int32) + p["new"]
     exact = decode_reference(q, k_dense, v_dense, cache_seqlens=lengths, **opts)
     low = decode_reference(q, k_dense, v_dense, cache_seqlens=lengths, upcast=False, **opts)
-    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (p["batch"], p["heads"], p["seqlen_q"])
+    assert o.shape == q.shape[:-1] + v_dense.shape[-1:] and o.dtype == q.dtype
+    assert lse.shape == (p["batch"], p["heads"], p["seqlen_q"])
     magnitude = max_finite_abs(exact[1])
     check_error_rule("decode o", o, exact[0], low[0], context, magnitude)
     check_error_rule("decode lse", lse, exact[1], low[1], context, magnitude)

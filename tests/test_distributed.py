@@ -106,7 +106,7 @@ class DenseBackend:
         dq = scale * numpy.einsum("bhqk,bkhd->bqhd", ds, kk)
         dk = scale * numpy.einsum("bhqk,bqhd->bkhd", ds, q)
         batch, nk, heads_kv, d = k.shape
-        return dq, dk.reshape(batch, nk, heads_kv, group, d).sum(3), dv.reshape(batch, nk, heads_kv, group, d).sum(3)
+        return dq, dk.reshape(batch, nk, heads_kv, group, d).sum(3), dv.reshape(batch, nk, heads_kv, group, -1).sum(3)
 
     def pair(self):
         return self.forward, self.backward
@@ -114,13 +114,14 @@ class DenseBackend:
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("heads_kv", [4, 2, 1])
-def test_simulated_ring_equals_attention_over_the_whole_sequence(world, causal, heads_kv):
+@pytest.mark.parametrize("heads_kv, d_v", [(4, 16), (2, 16), (1, 16), (2, 24)])   # d_v: v's head_dim
+def test_simulated_ring_equals_attention_over_the_whole_sequence(world, causal, heads_kv, d_v):
     rng = numpy.random.default_rng(world * 10 + heads_kv + causal)
     batch, seqlen, heads, d = 2, 8 * world, 4, 16
     q = rng.standard_normal((batch, seqlen, heads, d))
-    k, v = (rng.standard_normal((batch, seqlen, heads_kv, d)) for _ in range(2))
-    do = rng.standard_normal((batch, seqlen, heads, d))
+    k = rng.standard_normal((batch, seqlen, heads_kv, d))
+    v = rng.standard_normal((batch, seqlen, heads_kv, d_v))
+    do = rng.standard_normal((batch, seqlen, heads, d_v))
     backend = DenseBackend(seqlen // world).pair()
     shard = lambda x: [distributed.zigzag_shard(x, r, world) for r in range(world)]   # noqa: E731
     outs = distributed.simulate_ring_forward(shard(q), shard(k), shard(v), causal=causal, softmax_scale=0.3,

@@ -16,7 +16,14 @@ import math
 
 from .. import _features, _tma, _traits
 from .._compile import TENSOR_CORE_DTYPES, ModuleSpec, device_value, get_kernel
-from .._features import FEATURE_ALIBI, FEATURE_SINK, FEATURE_SOFTCAP, FEATURE_VARLEN, FEATURE_WINDOW
+from .._features import (
+    FEATURE_ALIBI,
+    FEATURE_HEAD_DIM_V,
+    FEATURE_SINK,
+    FEATURE_SOFTCAP,
+    FEATURE_VARLEN,
+    FEATURE_WINDOW,
+)
 from .._launch import Launch
 from ._base import BackwardSchedule, Family, current_device_id, spec_with, template
 
@@ -52,7 +59,7 @@ plain_causal_min_keys: contextvars.ContextVar = contextvars.ContextVar("plain_ca
 # The variant flags each tile's kernels are built with (the largest sets; a variant runs here when
 # its flags are a subset of one). The bias stays on the portable kernels (a float32 tile per key
 # block would not fit beside the K/V ring).
-_SM90_ALL = FEATURE_WINDOW | FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK | FEATURE_VARLEN
+_SM90_ALL = FEATURE_WINDOW | FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK | FEATURE_VARLEN | FEATURE_HEAD_DIM_V
 FORWARD_SM90_FEATURE_SETS = {64: (_SM90_ALL,), 128: (_SM90_ALL,), 256: (_SM90_ALL,)}
 
 
@@ -198,7 +205,7 @@ TILE_COUNTER_BYTES = "&tile_counter_bytes"   # the device variable holding the t
 
 def _runs_here(device, shape, setting: str, tiles: dict) -> bool:
     return (setting != "portable" and device.compute_capability == 90 and shape.dtype in TENSOR_CORE_DTYPES
-            and shape.head_dim <= max(tiles))
+            and shape.widest_head_dim <= max(tiles))
 
 
 class Forward(Family):
@@ -207,7 +214,7 @@ class Forward(Family):
     @staticmethod
     def warmup_specs(device, shape, flags: int) -> list:
         """Every tile config calls of ``shape`` with variant ``flags`` take (causal or not, any length)."""
-        tile = forward_sm90_tile(shape.head_dim)
+        tile = forward_sm90_tile(shape.widest_head_dim)
         return [Forward.module_spec(shape.dtype, tile, flags, config) for config in forward_sm90_configs(tile, flags)]
 
     @staticmethod
@@ -215,7 +222,7 @@ class Forward(Family):
         """Every variant but ``bias`` (FORWARD_SM90_FEATURE_SETS)."""
         if not _runs_here(device, shape, setting, FORWARD_SM90):
             return False
-        tile = forward_sm90_tile(shape.head_dim)
+        tile = forward_sm90_tile(shape.widest_head_dim)
         return (sm90_supports_features(FORWARD_SM90_FEATURE_SETS, tile, variant.flags)
                 and all(_tma.maps_supported(x) for x in arrays))
 
@@ -245,7 +252,7 @@ class Forward(Family):
     def forward_launch(device, shape, variant, arrays, config: tuple = ()) -> tuple:
         """(Launch, tensor maps, tile counter bytes) of a checked call on ``arrays`` (q, k, v, o);
         ``config`` overrides the tile table (bench/tile_sweep.py)."""
-        tile = forward_sm90_tile(shape.head_dim)
+        tile = forward_sm90_tile(shape.widest_head_dim)
         config = config or forward_sm90_config(tile, variant.flags, variant.causal, shape.seqlen_k)
         name, kernel, smem, persistent, counter_bytes = _forward_kernel(current_device_id(), shape.dtype, tile, variant.flags,
                                                                         variant.causal, config)
@@ -280,7 +287,7 @@ class Backward(Family):
 
     @staticmethod
     def call_spec(device, shape, flags: int) -> ModuleSpec:
-        return Backward.module_spec(shape.dtype, forward_sm90_tile(shape.head_dim), flags)
+        return Backward.module_spec(shape.dtype, forward_sm90_tile(shape.widest_head_dim), flags)
 
     @staticmethod
     def supports(device, shape, variant, setting: str, arrays=(), deterministic: bool = False) -> bool:
@@ -291,7 +298,7 @@ class Backward(Family):
         16-byte aligned: _checks.output_buffer)."""
         if not _runs_here(device, shape, setting, BACKWARD_SM90):
             return False
-        tile = forward_sm90_tile(shape.head_dim)
+        tile = forward_sm90_tile(shape.widest_head_dim)
         if setting == "auto":
             min_keys = (BACKWARD_SM90_DETERMINISTIC_MIN_KEYS if deterministic else BACKWARD_SM90_MIN_KEYS)[tile]
             if shape.seqlen_k < min_keys:
