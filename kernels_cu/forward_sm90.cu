@@ -39,18 +39,21 @@
 #include "sm90_wgmma_ops.cuh"
 #include "sm90_tma.cuh"
 
-template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES>
+// D_TILE: Q's and K's head-dim tile; D_V: V's and O's (D_TILE unless v's head_dim has a tile of its
+// own: FEATURE_HEAD_DIM_V calls on families/sm90.py's FORWARD_SM90_HEAD_DIM_V).
+template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, int D_V = D_TILE>
 struct ForwardSm90Storage {
     using Out = typename Sm90Element<T>::output;
     static constexpr int ROW = operand_row_elements<T, D_TILE>;   // elements of a swizzled row of Q and K
-    static constexpr int CHUNKS = D_TILE / ROW;
-    static constexpr bool OWN_O = (BLOCK_M * (sizeof(T) + sizeof(Out)) + 2 * STAGES * BLOCK_N * sizeof(T)) * D_TILE
+    static constexpr int CHUNKS = D_TILE / ROW, V_CHUNKS = D_V / ROW;
+    static constexpr bool OWN_O = BLOCK_M * (sizeof(T) * D_TILE + sizeof(Out) * D_V) + STAGES * BLOCK_N * sizeof(T) * (D_TILE + D_V)
                                   + 2 * SWIZZLE_ATOM_BYTES <= SM90_BLOCK_SMEM_BYTES;
+    static_assert(OWN_O || D_V * sizeof(Out) <= D_TILE * sizeof(T), "O staged in Q's rows must fit them");
     alignas(SWIZZLE_ATOM_BYTES) T q[CHUNKS][BLOCK_M][ROW];   // O's staging too where !OWN_O
     alignas(SWIZZLE_ATOM_BYTES) T k[STAGES][CHUNKS][BLOCK_N][ROW];
     // FP8: the same bytes hold V^T, in VtChunk's chunks of [D_TILE][64 or 128 keys] a stage.
-    alignas(SWIZZLE_ATOM_BYTES) T v[STAGES][CHUNKS][BLOCK_N][ROW];
-    alignas(OWN_O ? SWIZZLE_ATOM_BYTES : 16) Out o[OWN_O ? D_TILE / SWIZZLE_ROW_ELEMENTS : 1][OWN_O ? BLOCK_M : 1][SWIZZLE_ROW_ELEMENTS];
+    alignas(SWIZZLE_ATOM_BYTES) T v[STAGES][V_CHUNKS][BLOCK_N][ROW];
+    alignas(OWN_O ? SWIZZLE_ATOM_BYTES : 16) Out o[OWN_O ? D_V / SWIZZLE_ROW_ELEMENTS : 1][OWN_O ? BLOCK_M : 1][SWIZZLE_ROW_ELEMENTS];
     unsigned long long q_full, q_empty;
     unsigned long long k_full[STAGES], k_empty[STAGES];
     TileHandover tiles;   // the dynamic tile order's hand-over (TileScheduler)
@@ -67,9 +70,9 @@ struct ForwardSm90Maps {
 
 // Dynamic shared memory a launch must give (read by the launcher from the compiled module, so the
 // size is stated once): the storage and room to align it to SWIZZLE_ATOM_BYTES.
-template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES>
+template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, int D_V = D_TILE>
 __device__ const unsigned int forward_sm90_smem_bytes =
-    sizeof(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>) + SWIZZLE_ATOM_BYTES;
+    sizeof(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES, D_V>) + SWIZZLE_ATOM_BYTES;
 
 // Registers a thread after setmaxnreg. A block is launched with the launch bounds' share of the
 // 64K-register file (rounded down to 8: 168 a thread for 3 warpgroups), and setmaxnreg only moves
@@ -211,8 +214,8 @@ __device__ __forceinline__ void load_transposed_into_slot(T* tile, const TensorM
         tma_load_4d(smem_addr(tile + c * D_TILE * KEYS), map, full_bar, row + KEYS * c, 0, head, batch_coord);
 }
 
-template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES>
-__device__ __forceinline__ void produce_key_block(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>& smem,
+template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, int D_V>
+__device__ __forceinline__ void produce_key_block(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES, D_V>& smem,
                                                   const ForwardSm90Maps& maps, int key_row, int kv_head, int batch_coord,
                                                   int ring, int vt_offset) {
     const RingSlot slot = ring_slot<STAGES>(ring);
@@ -222,12 +225,12 @@ __device__ __forceinline__ void produce_key_block(ForwardSm90Storage<T, BLOCK_M,
         load_transposed_into_slot<D_TILE, BLOCK_N>(&smem.v[slot.index][0][0][0], &maps.v, &smem.v_empty[slot.index],
                                                    &smem.v_full[slot.index], slot.parity, key_row + vt_offset, kv_head, batch_coord);
     else
-        load_into_slot<D_TILE, BLOCK_N>(&smem.v[slot.index][0][0][0], &maps.v, &smem.v_empty[slot.index], &smem.v_full[slot.index],
+        load_into_slot<D_V, BLOCK_N>(&smem.v[slot.index][0][0][0], &maps.v, &smem.v_empty[slot.index], &smem.v_full[slot.index],
                                         slot.parity, key_row, kv_head, batch_coord);
 }
 
-template <int FEATURES, typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES>
-__device__ __forceinline__ void produce_tile(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>& smem,
+template <int FEATURES, typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, int D_V>
+__device__ __forceinline__ void produce_tile(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES, D_V>& smem,
                                              const ForwardSm90Maps& maps, const FlashParams& p, const ForwardSm90Work& w, int& ring,
                                              int& q_round) {
     constexpr int ROW = operand_row_elements<T, D_TILE>, CHUNKS = D_TILE / ROW;
@@ -346,15 +349,15 @@ __device__ __forceinline__ Descales descales_of(const FlashParams& p, const Forw
 // the warpgroup's 64 rows of the staging tile and stored. A tile that sees no key (blocks == 0: its
 // Q never loaded) stores zeros without staging: where O is staged in the Q tile, that may already
 // hold the next tile's rows.
-template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, int FEATURES, int P_LOG2>
-__device__ __forceinline__ void store_output(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>& smem,
+template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, int D_V, int FEATURES, int P_LOG2>
+__device__ __forceinline__ void store_output(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES, D_V>& smem,
                                              const ForwardSm90Maps& maps, const FlashParams& p, const ForwardSm90Work& w,
                                              int consumer, int thread, int lane, int row_in_block, int col_in_chunk,
-                                             int first_query, const float (&o)[D_TILE / 2], const RowSoftmax<P_LOG2>& softmax,
+                                             int first_query, const float (&o)[D_V / 2], const RowSoftmax<P_LOG2>& softmax,
                                              int blocks, int& q_round) {
     using Out = typename Sm90Element<T>::output;
     constexpr int CONSUMERS = BLOCK_M / 64;
-    constexpr bool OWN_O = ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>::OWN_O;
+    constexpr bool OWN_O = ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES, D_V>::OWN_O;
     constexpr bool TMA_STORE = !(FEATURES & FEATURE_VARLEN);
     constexpr unsigned int Q_CHUNK_BYTES = BLOCK_M * 128;
     float inv[2];
@@ -388,7 +391,7 @@ __device__ __forceinline__ void store_output(ForwardSm90Storage<T, BLOCK_M, D_TI
             named_barrier_sync(epilogue_barrier<CONSUMERS>(consumer), 128);
         }
 #pragma unroll
-        for (int i = 0; i < D_TILE / 8; ++i) {
+        for (int i = 0; i < D_V / 8; ++i) {
             const int col = 8 * i + col_in_chunk, chunk = col / SWIZZLE_ROW_ELEMENTS;
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
@@ -402,7 +405,7 @@ __device__ __forceinline__ void store_output(ForwardSm90Storage<T, BLOCK_M, D_TI
         if (TMA_STORE) {
             if (thread == 0) {
 #pragma unroll
-                for (int c = 0; c < D_TILE / SWIZZLE_ROW_ELEMENTS; ++c)
+                for (int c = 0; c < D_V / SWIZZLE_ROW_ELEMENTS; ++c)
                     tma_store_4d(&maps.o, smem_addr(staging + c * Q_CHUNK_BYTES + 64 * consumer * 128), c * SWIZZLE_ROW_ELEMENTS,
                                  w.seq.q_row0 + w.q_start + 64 * consumer, (int)w.block.h, w.batch_coord);
                 tma_store_commit();
@@ -415,7 +418,7 @@ __device__ __forceinline__ void store_output(ForwardSm90Storage<T, BLOCK_M, D_TI
             return;
         }
     }
-    constexpr int UNITS = D_TILE / 8;   // 16-byte units per row
+    constexpr int UNITS = D_V / 8;   // 16-byte units per row
     const int head_dim = head_dim_v_of<FEATURES>(p);   // o's
     Out* out = static_cast<Out*>(p.o) + tensor_offset(p.o_strides, w.block.b, w.seq.q_row0 + w.q_start, w.block.h);
 #pragma unroll 4
@@ -439,12 +442,12 @@ __device__ __forceinline__ void store_output(ForwardSm90Storage<T, BLOCK_M, D_TI
 
 // One consumer warpgroup's part of a tile: its 64 rows' main loop and epilogue. `ring` and
 // `q_round` advance as the producer's do.
-template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, bool IS_CAUSAL, int FEATURES>
-__device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>& smem,
+template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, int D_V, bool IS_CAUSAL, int FEATURES>
+__device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES, D_V>& smem,
                                              const ForwardSm90Maps& maps, const FlashParams& p, const ForwardSm90Work& w,
                                              int consumer, int& ring, int& q_round) {
     constexpr int CONSUMERS = BLOCK_M / 64;
-    constexpr bool OWN_O = ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>::OWN_O;
+    constexpr bool OWN_O = ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES, D_V>::OWN_O;
     constexpr bool FP8 = sizeof(T) == 1;
     constexpr int MMA_K = Sm90Element<T>::mma_k;
     constexpr int ROW_BYTES = operand_row_elements<T, D_TILE> * sizeof(T);   // Q's and K's rows: 128 or 64 bytes
@@ -459,9 +462,9 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
     const ScoreMod<FEATURES> mod(p, w.block.b, w.block.h, w.seq);
     const float score_log2 = FP8 ? score_to_log2<FEATURES>(p) * descales_of<T>(p, w).qk : score_to_log2<FEATURES>(p);
 
-    float o[D_TILE / 2];
+    float o[D_V / 2];
 #pragma unroll
-    for (int i = 0; i < D_TILE / 2; ++i) o[i] = 0.f;
+    for (int i = 0; i < D_V / 2; ++i) o[i] = 0.f;
     RowSoftmax<FP8 ? 8 : 0> softmax;
     bool rescale_o = true;   // the last softmax step moved a maximum: O is rescaled before its P V
     const int blocks = w.blocks();
@@ -483,11 +486,11 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
 #pragma unroll
             for (int kk = 0; kk < BLOCK_N / MMA_K; ++kk) {
                 if constexpr (FP8 && VT_KEYS == 128)   // V^T, K-major: 32-key steps along its rows
-                    Wgmma<T, D_TILE>::template rs<0>(o, pa[kk], k_major_descriptor(v_base + (kk / 4) * VT_CHUNK_BYTES + (kk % 4) * 32), 1);
+                    Wgmma<T, D_V>::template rs<0>(o, pa[kk], k_major_descriptor(v_base + (kk / 4) * VT_CHUNK_BYTES + (kk % 4) * 32), 1);
                 else if constexpr (FP8)
-                    Wgmma<T, D_TILE>::template rs<0>(o, pa[kk], k_major_descriptor_64b(v_base + (kk / 2) * VT_CHUNK_BYTES + (kk % 2) * 32), 1);
+                    Wgmma<T, D_V>::template rs<0>(o, pa[kk], k_major_descriptor_64b(v_base + (kk / 2) * VT_CHUNK_BYTES + (kk % 2) * 32), 1);
                 else
-                    Wgmma<T, D_TILE>::template rs<1>(o, pa[kk], n_major_descriptor(v_base + kk * 2 * SWIZZLE_ATOM_BYTES, KV_CHUNK_BYTES), 1);
+                    Wgmma<T, D_V>::template rs<1>(o, pa[kk], n_major_descriptor(v_base + kk * 2 * SWIZZLE_ATOM_BYTES, KV_CHUNK_BYTES), 1);
             }
             warpgroup_commit();
         };
@@ -553,25 +556,27 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
         ring += blocks;
     }
 
-    store_output<T, BLOCK_M, D_TILE, BLOCK_N, STAGES, FEATURES>(smem, maps, p, w, consumer, thread, lane, row_in_block,
+    store_output<T, BLOCK_M, D_TILE, BLOCK_N, STAGES, D_V, FEATURES>(smem, maps, p, w, consumer, thread, lane, row_in_block,
                                                                 col_in_chunk, first_query, o, softmax, blocks, q_round);
 }
 
-template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, bool IS_CAUSAL, int FEATURES>
+template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, bool IS_CAUSAL, int FEATURES, int D_V = D_TILE>
 __global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1)
 flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const FlashParams p, TileCounter* tile_counter) {
-    using Storage = ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>;
+    using Storage = ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES, D_V>;
     constexpr int CONSUMERS = BLOCK_M / 64;
     constexpr bool DYNAMIC = DynamicTiles<D_TILE, IS_CAUSAL, FEATURES>::value;   // tiles from the counter
     static_assert(BLOCK_M % 64 == 0 && (CONSUMERS == 2 || CONSUMERS == 3), "64 query rows per consumer warpgroup");
     static_assert(D_TILE % operand_row_elements<T, D_TILE> == 0 && operand_row_elements<T, D_TILE> * sizeof(T) >= 64
                   && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
     static_assert(!(FEATURES & FEATURE_BIAS), "the bias runs on the portable kernels");
+    static_assert(D_V == D_TILE || (sizeof(T) == 2 && (FEATURES & FEATURE_HEAD_DIM_V) && D_V % 64 == 0),
+                  "V's own tile: 16-bit calls whose v has a head_dim of its own, whole 128-byte chunks");
     static_assert(sizeof(T) == 2 || (BLOCK_N % 64 == 0 && Storage::OWN_O && !ScoreMod<FEATURES>::active),
                   "FP8: V^T in 64- or 128-key chunks, O staged apart, no score modifier");
     static_assert(registers_fit_launch<CONSUMERS, DYNAMIC>(), "setmaxnreg split beyond the launch's registers: the block would hang");
     static_assert(sizeof(Storage) + SWIZZLE_ATOM_BYTES <= SM90_BLOCK_SMEM_BYTES, "shared memory of one sm_90 block");
-    require_dynamic_smem(forward_sm90_smem_bytes<T, BLOCK_M, D_TILE, BLOCK_N, STAGES>);
+    require_dynamic_smem(forward_sm90_smem_bytes<T, BLOCK_M, D_TILE, BLOCK_N, STAGES, D_V>);
     extern __shared__ unsigned char smem_raw[];
     Storage& smem = aligned_shared_storage<Storage>(smem_raw);
 
@@ -617,7 +622,8 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
 #pragma unroll 1
         for (int tile = blockIdx.x, round = 0; tile < scheduler.num_tiles; ++round) {
             const ForwardSm90Work w = scheduler.work(p, tile);
-            if (w.valid) consume_tile<T, BLOCK_M, D_TILE, BLOCK_N, STAGES, IS_CAUSAL, FEATURES>(smem, maps, p, w, consumer, ring, q_round);
+            if (w.valid)
+                consume_tile<T, BLOCK_M, D_TILE, BLOCK_N, STAGES, D_V, IS_CAUSAL, FEATURES>(smem, maps, p, w, consumer, ring, q_round);
             tile = scheduler.consumer_next(tile, smem.tiles, round);
         }
         // The last store is still reading its staging rows: the block's shared memory must outlive it.

@@ -261,6 +261,20 @@ def _check_forward_of(q, k, v, make_options, dtype, head_dim, context, path):
         assert cupy_flash.flash_attention(q, k, v, **make_options()).shape == o.shape
 
 
+@requires_hopper
+@pytest.mark.parametrize("causal, heads_kv, lengths", [(False, 4, (300, 333)), (True, 1, (300, 333)), (True, 2, (64, 700))])
+def test_head_dim_v_runs_its_own_hopper_tile(causal, heads_kv, lengths):
+    """192 / 128 on the Hopper forward's own tiles (sm90.FORWARD_SM90_HEAD_DIM_V: S at 192, P V at
+    128), against the reference, and its backward with it."""
+    p = dict(EDGE_CASES[17], causal=causal, heads_kv=heads_kv, seqlen_q=lengths[0], seqlen_k=lengths[1])
+    q, k, v = make_inputs(p)
+    with families.recording() as launched:
+        cupy_flash.flash_forward(q, k, v, causal=causal)
+    assert launched_kernels(launched)[-1].endswith(", 128>"), launched
+    _check_forward(p, "hopper")
+    _check_backward(p, causal, "hopper")
+
+
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 @given(problems())
 @edge_cases(0, 1, 2, 3, 4, 5, 7, 8, 9, 11, 12, 13, 16, 17, 18, 19)

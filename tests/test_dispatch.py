@@ -223,3 +223,19 @@ def test_hopper_backward_grid_is_persistent_for_atomic_calls():
     assert sm90.grid_of(4096, False, H100) == H100.multiprocessors
     assert sm90.grid_of(40, False, H100) == 40
     assert sm90.grid_of(4096, True, H100) == 4096
+
+
+def test_v_with_a_head_dim_of_its_own_takes_its_own_hopper_tile_where_the_table_has_one():
+    """DeepSeek's 192 / 128 (and pairs rounding to it) run S at q's tile and P V at v's
+    (FORWARD_SM90_HEAD_DIM_V); other pairs, and one head_dim, the tile of the larger."""
+    def shape(d, d_v):
+        return AttentionShape(1, 512, 512, 4, d, "bfloat16", 4, d_v)
+
+    block_m, block_n, stages = sm90.FORWARD_SM90_HEAD_DIM_V[(192, 128)]
+    assert sm90.forward_sm90_head_dim_v_config(shape(192, 128)) == (block_m, 192, block_n, stages, 128)
+    assert sm90.forward_sm90_head_dim_v_config(shape(136, 72)) == (block_m, 192, block_n, stages, 128)
+    for d, d_v in ((192, 192), (128, 192), (256, 128), (192, 64), (64, 256)):
+        assert sm90.forward_sm90_head_dim_v_config(shape(d, d_v)) is None, (d, d_v)
+    spec = sm90.Forward.module_spec("bfloat16", 192, sm90._SM90_ALL, (block_m, 192, block_n, stages, 128))
+    assert sm90.Forward.kernel(spec, True).endswith(f", true, {sm90._SM90_ALL}, 128>")
+    assert spec in families.all_module_specs()

@@ -61,6 +61,12 @@ plain_causal_min_keys: contextvars.ContextVar = contextvars.ContextVar("plain_ca
 # block would not fit beside the K/V ring).
 _SM90_ALL = FEATURE_WINDOW | FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK | FEATURE_VARLEN | FEATURE_HEAD_DIM_V
 FORWARD_SM90_FEATURE_SETS = {64: (_SM90_ALL,), 128: (_SM90_ALL,), 256: (_SM90_ALL,)}
+# Calls whose v has a head_dim of its own (FEATURE_HEAD_DIM_V) with tiles of their own: (q's and
+# k's tile, v's tile) -> (block_m, block_n, stages), each tile a multiple of 64 (whole 128-byte
+# rows); S = Q K^T runs at q's width and O += P V at v's. Other pairs take the tile of the larger
+# head dim (FORWARD_SM90), reading zeros past each tensor's own. DeepSeek's 192 / 128: Q 48 KB, two
+# stages of K and V (84 + 56 KB) and O's own staging tile (32 KB) fill 220 of the 227 KB.
+FORWARD_SM90_HEAD_DIM_V = {(192, 128): (128, 112, 2)}
 
 
 # The Hopper forward runs at every length: with the counter-driven persistent grid causal calls at
@@ -178,6 +184,18 @@ def forward_sm90_config(tile: int, flags: int = 0, causal: bool = False, seqlen_
     return block_m, tile, block_n, stages
 
 
+def forward_sm90_head_dim_v_config(shape) -> tuple | None:
+    """(block_m, q's tile, block_n, stages, v's tile) for a call whose q and k and whose v take
+    tiles of their own (FORWARD_SM90_HEAD_DIM_V), else None."""
+    if shape.head_dim_v == shape.head_dim:
+        return None
+    tiles = (-(-shape.head_dim // 64) * 64, -(-shape.head_dim_v // 64) * 64)
+    if tiles not in FORWARD_SM90_HEAD_DIM_V:
+        return None
+    block_m, block_n, stages = FORWARD_SM90_HEAD_DIM_V[tiles]
+    return block_m, tiles[0], block_n, stages, tiles[1]
+
+
 def forward_sm90_configs(tile: int, flags: int) -> tuple[tuple[int, int, int, int], ...]:
     """Every config forward_sm90_config gives calls with ``flags`` (the modules CI builds)."""
     calls = ((False, 0), (True, 0), (True, 1 << 30))   # (causal, keys)
@@ -214,6 +232,9 @@ class Forward(Family):
     @staticmethod
     def warmup_specs(device, shape, flags: int) -> list:
         """Every tile config calls of ``shape`` with variant ``flags`` take (causal or not, any length)."""
+        config = forward_sm90_head_dim_v_config(shape)
+        if config is not None:
+            return [Forward.module_spec(shape.dtype, config[1], flags, config)]
         tile = forward_sm90_tile(shape.widest_head_dim)
         return [Forward.module_spec(shape.dtype, tile, flags, config) for config in forward_sm90_configs(tile, flags)]
 
@@ -228,14 +249,14 @@ class Forward(Family):
 
     @staticmethod
     def module_spec(dtype: str, tile: int, features: int, config: tuple) -> ModuleSpec:
-        """The module of one tile ``config`` (block_m, head-dim tile, block_n, stages)."""
+        """The module of one tile ``config`` (block_m, head-dim tile, block_n, stages[, v's tile])."""
         spec = ModuleSpec("forward_sm90", dtype, tile, TARGET, features, config)
         return spec_with(spec, (Forward.kernel(spec, causal) for causal in (False, True)),
                          (Forward.smem(spec), TILE_COUNTER_BYTES) + tuple(Forward.tile_order(spec, c) for c in (False, True)))
 
     @staticmethod
     def kernel(spec: ModuleSpec, causal: bool) -> str:
-        return template("flash_forward_sm90_kernel", spec.ctype, *spec.config, causal, spec.features)
+        return template("flash_forward_sm90_kernel", spec.ctype, *spec.config[:4], causal, spec.features, *spec.config[4:])
 
     @staticmethod
     def smem(spec: ModuleSpec) -> str:
@@ -252,11 +273,12 @@ class Forward(Family):
     def forward_launch(device, shape, variant, arrays, config: tuple = ()) -> tuple:
         """(Launch, tensor maps, tile counter bytes) of a checked call on ``arrays`` (q, k, v, o);
         ``config`` overrides the tile table (bench/tile_sweep.py)."""
-        tile = forward_sm90_tile(shape.widest_head_dim)
-        config = config or forward_sm90_config(tile, variant.flags, variant.causal, shape.seqlen_k)
+        config = config or forward_sm90_head_dim_v_config(shape) or forward_sm90_config(
+            forward_sm90_tile(shape.widest_head_dim), variant.flags, variant.causal, shape.seqlen_k)
+        tile = config[1]
         name, kernel, smem, persistent, counter_bytes = _forward_kernel(current_device_id(), shape.dtype, tile, variant.flags,
                                                                         variant.causal, config)
-        block_m, _, block_n, _ = config
+        block_m, _, block_n = config[:3]
         # One block per SM, or a block per tile, as the kernel states (forward_sm90_tile_order).
         # (The tile count is below 2^31: _checks bounds the portable kernels' grid, of smaller
         # blocks, by it.)
@@ -477,6 +499,9 @@ def module_specs(dtype: str, features) -> list:
         for flags in (0,) + feature_sets if tuple(features) != (0,) else (0,):
             for config in forward_sm90_configs(tile, flags):   # plain calls: two (FORWARD_SM90_PLAIN)
                 specs.append(Forward.module_spec(dtype, tile, flags, config))
+    if tuple(features) != (0,):   # the pairs of tiles of their own, with every flag the forward takes
+        for (tile, v_tile), (block_m, block_n, stages) in FORWARD_SM90_HEAD_DIM_V.items():
+            specs.append(Forward.module_spec(dtype, tile, _SM90_ALL, (block_m, tile, block_n, stages, v_tile)))
     for tile, feature_sets in BACKWARD_SM90_FEATURE_SETS.items():
         for flags in (0,) + feature_sets if tuple(features) != (0,) else (0,):
             specs.append(Backward.module_spec(dtype, tile, flags))
