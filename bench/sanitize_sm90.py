@@ -139,7 +139,8 @@ if part in ("all", "head_dim_v"):
                                               deterministic=causal)
             lens_q, lens_k = [70, 0, 200], [45, 9, 130]
             cu_q, cu_k = (cupy.asarray(numpy.cumsum([0] + n), dtype=cupy.int32) for n in (lens_q, lens_k))
-            q, k, v = array((sum(lens_q), 4, 192), dtype), array((sum(lens_k), 2, 192), dtype), array((sum(lens_k), 2, 128), dtype)
+            q, k = array((sum(lens_q), 4, 192), dtype), array((sum(lens_k), 2, 192), dtype)
+            v = array((sum(lens_k), 2, 128), dtype)
             o, lse = cupy_flash.flash_forward(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
             cupy_flash.flash_backward(array(o.shape, dtype), q, k, v, o, lse, causal=True, cu_seqlens_q=cu_q,
                                       cu_seqlens_k=cu_k)
