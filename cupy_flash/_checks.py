@@ -63,9 +63,10 @@ def _require_rank4(name: str, x) -> None:
                          f"got shape {tuple(getattr(x, 'shape', ()))}")
 
 
-def check_qkv(q, k, v, fp8: bool = False) -> AttentionShape:
+def check_qkv(q, k, v, fp8: bool = False, any_head_dim: bool = False) -> AttentionShape:
     """The shape of dense q, k, v; ``fp8``: uint8 arrays of e4m3 bits, whose rows the kernels read
-    in 16-byte units (head_dim a multiple of 16)."""
+    in 16-byte units (head_dim a multiple of 16). ``any_head_dim``: head dims need not be multiples
+    of 8 (a caller that pads them: _padding)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _require_rank4(name, x)
     kind = FP8_DTYPE if fp8 and q.dtype == numpy.uint8 else dtype_name(q.dtype)
@@ -76,11 +77,12 @@ def check_qkv(q, k, v, fp8: bool = False) -> AttentionShape:
             raise TypeError(f"{name} has dtype {x.dtype} but q has dtype {q.dtype}")
     batch, seqlen_q, heads, head_dim = (int(n) for n in q.shape)
     head_dim_v = int(v.shape[3])
-    multiple = 16 if kind == FP8_DTYPE else 8
+    multiple = 16 if kind == FP8_DTYPE else 1 if any_head_dim else 8
     for name, d in (("q", head_dim), ("v", head_dim_v)):
         if d % multiple or not multiple <= d <= _traits.MAX_HEAD_DIM:
-            raise ValueError(f"{name} has head_dim {d}; expected a multiple of {multiple} from {multiple} to "
-                             f"{_traits.MAX_HEAD_DIM}" + (" (FP8 rows are read in 16-byte units)" if multiple == 16 else ""))
+            expected = f"a multiple of {multiple} from {multiple} to" if multiple > 1 else "1 to"
+            raise ValueError(f"{name} has head_dim {d}; expected {expected} {_traits.MAX_HEAD_DIM}"
+                             + (" (FP8 rows are read in 16-byte units)" if multiple == 16 else ""))
     labels = ("batch", "seqlen", "heads", "head_dim")
     for axis in (0, 3):
         if k.shape[axis] != q.shape[axis]:
@@ -415,7 +417,7 @@ def check_traced_call(caller: str, q, k, v, options: dict) -> tuple:
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array with shape and dtype, got {type(x).__name__}")
         described.append(_Described(x))
-    shape = check_qkv(*described)
+    shape = check_qkv(*described, any_head_dim=True)   # the calls pad head dims off 16-byte rows (_padding)
     scale = check_softmax_scale(options.get("softmax_scale"), shape.head_dim)
     causal = check_flag("causal", options.get("causal", False))
     deterministic = check_flag("deterministic", options.get("deterministic", False))

@@ -9,7 +9,7 @@ import math
 
 import numpy
 
-from . import _checks, _launch, _tma, backward_fp8, families
+from . import _checks, _launch, _padding, _tma, backward_fp8, families
 from ._features import broadcast_strides
 from ._launch import (
     Packed,
@@ -90,6 +90,9 @@ def backward_into(out, do, q, k, v, o, lse, *, softmax_scale=None, causal=False,
             do, q, k, v, o, lse, softmax_scale, causal, return_dbias, features)
         if fp8_key is not None and in_place:
             keep_fp8_plan = functools.partial(backward_fp8.keep_plan, fp8_key, dequantisation, heads=q.shape[-2])
+    elif _padding.needs_padding(q, v):   # a head_dim that is not a multiple of 8: padded copies
+        return _padding.backward(backward_into, out, do, q, k, v, o, lse, softmax_scale, causal, deterministic,
+                                 return_dbias, features)
     key = _plan_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic) \
         if not features and return_dbias is False else None
     if key is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 
-from . import _checks, _tma, families
+from . import _checks, _padding, _tma, families
 from ._launch import (
     Launch,
     OutputAndLse,
@@ -133,8 +133,9 @@ def flash_forward(q, k, v, *, softmax_scale=None, causal=False, num_splits=None,
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim) with
     heads_q a multiple of heads_kv (MQA/GQA); float16, bfloat16 (``ml_dtypes.bfloat16``) or
-    float32, head_dim a multiple of 8 up to 256; v's head_dim may differ (o takes it), also a
-    multiple of 8 up to 256. CuPy arrays, or GPU arrays of other frameworks
+    float32, head_dim up to 256; v's head_dim may differ (o takes it), also up to 256. Head dims
+    that are not a multiple of 8 run on zero-padded copies (FlashAttention-2's way; the outputs
+    have the real shapes). CuPy arrays, or GPU arrays of other frameworks
     (taken through ``__cuda_array_interface__``/DLPack without a copy). Views whose rows are not
     contiguous and 16-byte aligned are copied once.
 
@@ -190,6 +191,8 @@ def forward_into(out, q, k, v, *, softmax_scale=None, causal=False, num_splits=N
         if num_splits is not None:
             raise ValueError("num_splits: the FP8 forward has no split-KV path")
         return forward_fp8(out, q, k, v, softmax_scale, causal, features)
+    if _padding.needs_padding(q, v):   # a head_dim that is not a multiple of 8: padded copies
+        return _padding.forward(forward_into, out, q, k, v, softmax_scale, causal, num_splits, features)
     key = _plan_key(q, k, v, softmax_scale, causal) if not features and num_splits is None else None
     if key is not None:
         plan = _plans.get(key)

@@ -87,7 +87,7 @@ def test_jax_vmap_folds_into_the_batch():
 @pytest.mark.parametrize("bad", [
     dict(q=(1, 16, 2, 64), k=(1, 16, 2, 72)),          # head_dim differs
     dict(q=(1, 16, 3, 64), k=(1, 16, 2, 64)),          # heads not a multiple
-    dict(q=(1, 16, 2, 60), k=(1, 16, 2, 60)),          # head_dim not a multiple of 8
+    dict(q=(1, 16, 2, 260), k=(1, 16, 2, 260)),        # head_dim past 256 (60 runs: padded inside)
     dict(q=(1, 16, 2, 64), k=(1, 16, 2, 64), options=dict(window_size=(-2, 0))),
     dict(q=(1, 16, 2, 64), k=(1, 16, 2, 64), options=dict(softcap=-1.0)),
     dict(q=(1, 16, 2, 64), k=(1, 16, 2, 64), options=dict(causal="yes")),
@@ -243,9 +243,11 @@ def test_torch_ops_fake_implementations_give_the_real_shapes():
     assert [x.dtype for x in fake] == [x.dtype for x in real]
 
 
-def test_adapters_take_v_with_its_own_head_dim():
-    """d_qk 192 / d_v 128 (DeepSeek's): the PyTorch adapter (eager and compiled) and the JAX adapter
-    (jit) give bitwise the direct calls' o and gradients, and the fake implementation o's shape."""
+@pytest.mark.parametrize("d, d_v", [(192, 128), (59, 111)])
+def test_adapters_take_v_with_its_own_head_dim(d, d_v):
+    """d_qk 192 / d_v 128 (DeepSeek's), and 59 / 111 (padded inside): the PyTorch adapter (eager and
+    compiled) and the JAX adapter (jit) give bitwise the direct calls' o and (deterministic)
+    gradients, and the fake implementation o's shape."""
     import cupy
 
     from cupy_flash._checks import as_gpu_array
@@ -257,18 +259,18 @@ def test_adapters_take_v_with_its_own_head_dim():
     from cupy_flash.torch_adapter import flash_attn_func
 
     generator = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(2, 300, 4, 192, device="cuda", dtype=torch.bfloat16, generator=generator)
-    k = torch.randn(2, 333, 2, 192, device="cuda", dtype=torch.bfloat16, generator=generator)
-    v = torch.randn(2, 333, 2, 128, device="cuda", dtype=torch.bfloat16, generator=generator)
-    do = torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16, generator=generator)
+    q = torch.randn(2, 300, 4, d, device="cuda", dtype=torch.bfloat16, generator=generator)
+    k = torch.randn(2, 333, 2, d, device="cuda", dtype=torch.bfloat16, generator=generator)
+    v = torch.randn(2, 333, 2, d_v, device="cuda", dtype=torch.bfloat16, generator=generator)
+    do = torch.randn(2, 300, 4, d_v, device="cuda", dtype=torch.bfloat16, generator=generator)
     cq, ck, cv, cdo = (as_gpu_array("x", x) for x in (q, k, v, do))
     o_direct, lse = cupy_flash.flash_forward(cq, ck, cv, causal=True)
-    grads_direct = cupy_flash.flash_backward(cdo, cq, ck, cv, o_direct, lse, causal=True)
-    assert o_direct.shape == (2, 300, 4, 128) and grads_direct[2].shape == cv.shape
+    grads_direct = cupy_flash.flash_backward(cdo, cq, ck, cv, o_direct, lse, causal=True, deterministic=True)
+    assert o_direct.shape == (2, 300, 4, d_v) and grads_direct[2].shape == cv.shape
     expected = (o_direct,) + tuple(grads_direct)
 
     def torch_call(q, k, v):
-        return flash_attn_func(q, k, v, causal=True)
+        return flash_attn_func(q, k, v, causal=True, deterministic=True)
 
     for label, function in (("eager", torch_call), ("compiled", torch.compile(torch_call, fullgraph=True))):
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
@@ -279,15 +281,14 @@ def test_adapters_take_v_with_its_own_head_dim():
     with FakeTensorMode() as mode:
         fake = torch.ops.cupy_flash.forward(*(mode.from_tensor(x) for x in (q, k, v)), None, None, None, None, None,
                                             None, None, None, True, None, 0.0, False)
-    assert tuple(fake[0].shape) == (2, 300, 4, 128)
+    assert tuple(fake[0].shape) == (2, 300, 4, d_v)
 
     jq, jk, jv, jdo = (jax.dlpack.from_dlpack(x) for x in (q, k, v, do))
 
     @jax.jit
     def value_and_grads(q, k, v, do):
-        o, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, causal=True), q, k, v)
+        o, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, causal=True, deterministic=True), q, k, v)
         return (o,) + vjp(do)
 
     for name, ours, want in zip(("o", "dq", "dk", "dv"), value_and_grads(jq, jk, jv, jdo), expected):
         assert bool(cupy.array_equal(bitwise(as_gpu_array(name, ours)), bitwise(want))), ("jax", name)
-

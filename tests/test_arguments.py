@@ -48,8 +48,10 @@ CASES = [
     ("batch-mismatch", lambda a: {"k": a["k"][:1], "v": a["v"][:1]}, {}, ValueError, "k has batch 1 but q has batch 2"),
     ("v-shape", lambda a: {"v": a["v"][:, :3]}, {}, ValueError, "v has shape"),
     ("heads-not-a-divisor", lambda a: {"k": a["k"][:, :, :2], "v": a["v"][:, :, :2]}, {}, ValueError, "k has 2 heads but q has 3"),
-    ("head-dim-not-8", lambda a: {n: a[n][..., :12] for n in "qkv"}, {}, ValueError, "head_dim 12; expected a multiple of 8"),
-    ("v-head-dim-not-8", lambda a: {"v": a["v"][..., :12]}, {}, ValueError, "v has head_dim 12; expected a multiple of 8"),
+    # Head dims off 16-byte rows are padded inside (_padding), after their own checks.
+    ("head-dim-padded-mismatch", lambda a: {"q": a["q"][..., :12], "k": a["k"][..., :13]}, {}, ValueError,
+     "k has head_dim 13 but q has head_dim 12"),
+    ("head-dim-zero", lambda a: {n: a[n][..., :0] for n in "qkv"}, {}, ValueError, "q has head_dim 0; expected"),
     ("v-head-dim-too-big", lambda a: {"v": a["v"].repeat(17, axis=3)}, {}, ValueError, "v has head_dim 272"),
     ("v-seqlen", lambda a: {"v": a["v"][:, :3, :, :8]}, {}, ValueError, "they must match but in the head_dim"),
     ("head-dim-too-big", lambda a: {n: a[n].repeat(17, axis=3) for n in "qkv"}, {}, ValueError, "head_dim 272"),

@@ -47,11 +47,14 @@ pytestmark = requires_gpu
 MAX_SCORES = 24_000_000
 
 
+# Head dims: multiples of 8 mostly, any other up to 256 a fifth of the time (padded inside: _padding).
+HEAD_DIMS = st.one_of(*(st.integers(1, 32).map(lambda n: 8 * n),) * 4, st.integers(1, 256))
+
+
 def draw_head_dim_v(head_dim: int):
-    """v's head_dim (o's): q's and k's half the time, else any multiple of 8 up to 256 (DeepSeek's
-    192 / 128 and its mirror among them)."""
-    return st.one_of(st.just(head_dim), st.just(head_dim), st.integers(1, 32).map(lambda n: 8 * n),
-                     st.sampled_from([128, 192]))
+    """v's head_dim (o's): q's and k's half the time, else any up to 256 (DeepSeek's 192 / 128 and
+    its mirror among them)."""
+    return st.one_of(st.just(head_dim), st.just(head_dim), HEAD_DIMS, st.sampled_from([128, 192]))
 
 
 def head_dim_v(p) -> int:
@@ -82,7 +85,7 @@ def problems(draw):
             features["bias"] = dict(shape=draw(st.sampled_from(BIAS_SHAPES)), std=draw(st.sampled_from([0.5, 3.0])),
                                     masked=draw(st.booleans()), dtype=draw(st.sampled_from(["float32", "input"])),
                                     seed=draw(st.integers(0, 2**16)))
-    head_dim = 8 * draw(st.integers(1, 32))
+    head_dim = draw(HEAD_DIMS)
     return dict(features=features, heads_kv=heads_kv,
         dtype=draw(st.sampled_from(sorted(DTYPES))),
         batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
@@ -225,6 +228,12 @@ EDGE_CASES = [
     # 19: float32 (CUDA-core kernels), d 40 / d_v 104, GQA 2:1.
     dict(dtype="float32", batch=2, heads=2, heads_kv=1, seqlen_q=77, seqlen_k=150, head_dim=40, head_dim_v=104,
          causal=True, softmax_scale=None, logit_std=3.0, seed=19),
+    # 20: head dims off 16-byte rows (FlashAttention-2's test draws 59 and 111): padded inside.
+    dict(dtype="bfloat16", batch=2, heads=4, heads_kv=2, seqlen_q=129, seqlen_k=200, head_dim=59, head_dim_v=111,
+         causal=True, softmax_scale=None, logit_std=3.0, seed=20),
+    # 21: head_dim 1, v's 3, float32.
+    dict(dtype="float32", batch=1, heads=2, seqlen_q=33, seqlen_k=20, head_dim=1, head_dim_v=3, causal=False,
+         softmax_scale=None, logit_std=1.0, seed=21),
 ]
 
 
@@ -277,7 +286,7 @@ def test_head_dim_v_runs_its_own_hopper_tile(causal, heads_kv, lengths):
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 @given(problems())
-@edge_cases(0, 1, 2, 3, 4, 5, 7, 8, 9, 11, 12, 13, 16, 17, 18, 19)
+@edge_cases(0, 1, 2, 3, 4, 5, 7, 8, 9, 11, 12, 13, 16, 17, 18, 19, 20, 21)
 def test_forward_matches_reference(path, p):
     count_example("forward_matches_reference")
     _check_forward(p, path)
@@ -315,7 +324,8 @@ def _check_backward(p, deterministic, path="portable"):
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 @given(problems(), st.booleans())
 # each edge case once, deterministic or not
-@edge_cases(*((i, False) for i in (0, 2, 4, 5, 6, 8, 10, 12, 13, 14, 17)), *((i, True) for i in (1, 3, 7, 9, 11, 15, 18, 19)))
+@edge_cases(*((i, False) for i in (0, 2, 4, 5, 6, 8, 10, 12, 13, 14, 17, 20)),
+            *((i, True) for i in (1, 3, 7, 9, 11, 15, 18, 19, 21)))
 # float32, logits in the hundreds: the forward's O ~1e-4 off, which dQ inherits through delta where
 # dP - delta cancels (6x the dense error before the delta term took the given O's error; helpers).
 @example(dict(features={}, heads_kv=1, dtype="float32", batch=1, heads=1, seqlen_q=3, seqlen_k=428, head_dim=248,
@@ -373,7 +383,7 @@ def packed_problems(draw):
     heads = draw(st.integers(1, 4))
     heads_kv = draw(st.sampled_from([n for n in range(1, heads + 1) if heads % n == 0]))
     features = {}
-    head_dim = 8 * draw(st.integers(1, 32))
+    head_dim = draw(HEAD_DIMS)
     if draw(st.booleans()):
         size = st.one_of(st.just(-1), st.integers(0, 40), st.integers(40, 400))
         features["window_size"] = (draw(size), draw(size))
