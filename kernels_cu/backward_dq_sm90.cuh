@@ -120,7 +120,8 @@ flash_backward_dq_sm90_kernel(const __grid_constant__ BackwardDqSm90Maps maps, c
     constexpr unsigned int Q_CHUNK_BYTES = BLOCK_M * 128, KV_CHUNK_BYTES = BLOCK_N * 128;
     constexpr int DQ_ISSUE_BARRIER = 3;   // named barriers 3, 4: one per consumer (store_dq_sm90's: 1, 2)
     static_assert(CONSUMERS == 2 && D_TILE % SWIZZLE_ROW_ELEMENTS == 0 && BLOCK_N % 16 == 0, "tile shape");
-    static_assert(FEATURES == 0, "plain and causal calls (the others keep the main kernel's ordered adds)");
+    static_assert((FEATURES & ~FEATURE_HEAD_DIM_V) == 0,
+                  "plain and causal calls, v's own head_dim too (the others keep the main kernel's ordered adds)");
     static_assert(PRODUCER_REGISTERS + CONSUMERS * CONSUMER_REGISTERS <= (1 + CONSUMERS) * 168,
                   "setmaxnreg split beyond the launch's registers: the block would hang");
     static_assert(sizeof(Storage) + SWIZZLE_ATOM_BYTES <= SM90_BLOCK_SMEM_BYTES, "shared memory of one sm_90 block");

@@ -127,8 +127,9 @@ BACKWARD_SM90_DQ_APART_KEYS = {
 
 
 def _dq_apart_keys(tile: int, flags: int) -> dict:
-    """BACKWARD_SM90_DQ_APART_KEYS' entry for calls with variant ``flags`` at ``tile`` (none with flags)."""
-    return BACKWARD_SM90_DQ_APART_KEYS.get(tile, {}) if flags == 0 else {}
+    """BACKWARD_SM90_DQ_APART_KEYS' entry for calls with variant ``flags`` at ``tile`` (none with
+    flags but v's own head_dim, which the dQ kernel reads through V's and dO's maps)."""
+    return BACKWARD_SM90_DQ_APART_KEYS.get(tile, {}) if flags & ~FEATURE_HEAD_DIM_V == 0 else {}
 
 
 def backward_sm90_dq_apart_every_call(tile: int, flags: int = 0) -> bool:
@@ -503,6 +504,7 @@ def module_specs(dtype: str, features) -> list:
         for (tile, v_tile), (block_m, block_n, stages) in FORWARD_SM90_HEAD_DIM_V.items():
             specs.append(Forward.module_spec(dtype, tile, _SM90_ALL, (block_m, tile, block_n, stages, v_tile)))
     for tile, feature_sets in BACKWARD_SM90_FEATURE_SETS.items():
-        for flags in (0,) + feature_sets if tuple(features) != (0,) else (0,):
+        # (v's own head_dim alone: the dQ kernel's calls, as plain ones)
+        for flags in (0, FEATURE_HEAD_DIM_V) + feature_sets if tuple(features) != (0,) else (0,):
             specs.append(Backward.module_spec(dtype, tile, flags))
     return specs
