@@ -4,11 +4,12 @@ several tiles (more tiles than SMs), tiles that see no key, GQA, a window, softc
 packed batch with an empty sequence; the FP8 forward's; then the Hopper backward's. Exits with an
 error on a machine without a compute capability 9.0 GPU.
 
-    compute-sanitizer --tool racecheck python bench/sanitize_sm90.py [backward | fp8 | head_dim_v]
+    compute-sanitizer --tool racecheck python bench/sanitize_sm90.py [forward | backward | fp8 | head_dim_v]
 
-With `backward`, only the backward's calls (the forward's still run to give them O and lse); with
-`fp8`, only the FP8 calls' (the forward's, and the backward's: the dequantisation, then the bf16
-backward); with `head_dim_v`, only calls whose v has a head_dim of its own (forward and backward).
+With `forward`, only the 16-bit forward's calls; with `backward`, only the backward's calls (the
+forward's still run to give them O and lse); with `fp8`, only the FP8 calls' (the forward's, and
+the backward's: the dequantisation, then the bf16 backward); with `head_dim_v`, only calls whose v
+has a head_dim of its own (forward and backward).
 """
 
 # ruff: noqa: E402 - the imports follow the help guard, which must run first
@@ -34,8 +35,8 @@ def array(shape, dtype):
     return cupy.asarray(rng.standard_normal(shape, dtype=numpy.float32).astype(dtype))
 
 part = sys.argv[1] if sys.argv[1:] else "all"
-for dtype in (numpy.float16, ml_dtypes.bfloat16) if part == "all" else ():
-    for d in (40, 128, 256):
+for dtype in (numpy.float16, ml_dtypes.bfloat16) if part in ("all", "forward") else ():
+    for d in (40, 128, 160, 256):   # every head-dim tile (160: the 192 tile)
         for causal in (False, True):
             # 2 x 40 heads x 2 query blocks = 160 tiles: the persistent grid's blocks take two.
             q, k, v = array((2, 200, 40, d), dtype), array((2, 150, 8, d), dtype), array((2, 150, 8, d), dtype)

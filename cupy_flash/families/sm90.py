@@ -37,9 +37,11 @@ from ._base import BackwardSchedule, Family, current_device_id, spec_with, templ
 # (causal 128x128), d<=256 128x80, two stages. Measured (bench/tile_sweep.py --sm90, H100, bf16,
 # docs/performance.md): d=64 192x128 was +10% at 16k but -30% causal at 4k, and its plain kernel
 # spills 44 bytes (3 consumers get 160 registers); d=128 128x176 +3% at 16k and 1k, -2% at 4k, and
-# spills 44 bytes with variants; d=256 128x80 +7-8% over 128x64 from 4k.
+# spills 44 bytes with variants; d=256 128x80 +7-8% over 128x64 from 4k; d<=192 a tile of its own,
+# 128x112 (O staged in Q's rows; 128x96 and 128x80 no faster at 16k): d = 192 1.04-1.23x cuDNN
+# against 0.91-0.94x at 4k-16k on the 256 tile (docs/performance.md).
 # Variant instantiations (score modifiers, windows) take these tiles: all compile spill-free.
-FORWARD_SM90 = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 80, 2)}
+FORWARD_SM90 = {64: (128, 128, 2), 128: (128, 128, 2), 192: (128, 112, 2), 256: (128, 80, 2)}
 # The N of every wgmma a Hopper tile table (or bench/tile_sweep.py) may use: key-block widths (S =
 # Q K^T), head-dim tiles (O += P V), the d = 256 backward's halves of a query block (S^T, 32
 # queries a consumer) and of the head dim (128). m64nNk16 allows any multiple of 8 up to 256 for
@@ -60,7 +62,7 @@ plain_causal_min_keys: contextvars.ContextVar = contextvars.ContextVar("plain_ca
 # its flags are a subset of one). The bias stays on the portable kernels (a float32 tile per key
 # block would not fit beside the K/V ring).
 _SM90_ALL = FEATURE_WINDOW | FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK | FEATURE_VARLEN | FEATURE_HEAD_DIM_V
-FORWARD_SM90_FEATURE_SETS = {64: (_SM90_ALL,), 128: (_SM90_ALL,), 256: (_SM90_ALL,)}
+FORWARD_SM90_FEATURE_SETS = {tile: (_SM90_ALL,) for tile in FORWARD_SM90}
 # Calls whose v has a head_dim of its own (FEATURE_HEAD_DIM_V) with tiles of their own: (q's and
 # k's tile, v's tile) -> (block_m, block_n, stages), each tile a multiple of 64 (whole 128-byte
 # rows); S = Q K^T runs at q's width and O += P V at v's. Other pairs take the tile of the larger
@@ -173,6 +175,11 @@ def sm90_supports_features(feature_sets: dict, tile: int, flags: int) -> bool:
 def forward_sm90_tile(head_dim: int) -> int:
     """The Hopper forward's head-dim tile for ``head_dim`` (<= 256)."""
     return next(tile for tile in FORWARD_SM90 if head_dim <= tile)
+
+
+def backward_sm90_tile(head_dim: int) -> int:
+    """The Hopper backward's head-dim tile for ``head_dim`` (<= 256)."""
+    return next(tile for tile in BACKWARD_SM90 if head_dim <= tile)
 
 
 def forward_sm90_config(tile: int, flags: int = 0, causal: bool = False, seqlen_k: int = 0) -> tuple[int, int, int, int]:
@@ -310,7 +317,7 @@ class Backward(Family):
 
     @staticmethod
     def call_spec(device, shape, flags: int) -> ModuleSpec:
-        return Backward.module_spec(shape.dtype, forward_sm90_tile(shape.widest_head_dim), flags)
+        return Backward.module_spec(shape.dtype, backward_sm90_tile(shape.widest_head_dim), flags)
 
     @staticmethod
     def supports(device, shape, variant, setting: str, arrays=(), deterministic: bool = False) -> bool:
@@ -321,7 +328,7 @@ class Backward(Family):
         16-byte aligned: _checks.output_buffer)."""
         if not _runs_here(device, shape, setting, BACKWARD_SM90):
             return False
-        tile = forward_sm90_tile(shape.widest_head_dim)
+        tile = backward_sm90_tile(shape.widest_head_dim)
         if setting == "auto":
             min_keys = (BACKWARD_SM90_DETERMINISTIC_MIN_KEYS if deterministic else BACKWARD_SM90_MIN_KEYS)[tile]
             if shape.seqlen_k < min_keys:
