@@ -25,6 +25,7 @@ import cupy
 import cupy_flash
 from bench.fp8_forward import SETS, cudnn_fp8, cudnn_scalars, fp8_sets, table_row, time_peer, write_results
 from cupy_flash._dtypes import bfloat16
+from cupy_flash.benchmark import flops as attention_flops
 from cupy_flash.benchmark import make_sets, time_queued
 
 
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
         for seqlen in args.seqlens:
             batch = max(1, args.tokens // seqlen)
             for causal in (False, True):
-                flops = 2.5 * 4.0 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
+                flops = attention_flops(batch, heads, seqlen, d, causal, "bwd")
                 tflops = {}
                 fp8 = fp8_backward_sets(batch, seqlen, heads, d, causal, 0)
                 ms = time_queued(lambda s: cupy_flash.flash_backward(s[4], s[0], s[1], s[2], s[5], s[6], causal=causal,

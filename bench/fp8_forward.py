@@ -25,6 +25,7 @@ import cupy
 
 import cupy_flash
 from cupy_flash._dtypes import bfloat16
+from cupy_flash.benchmark import flops as attention_flops
 from cupy_flash.benchmark import make_sets, time_queued
 from cupy_flash.fp8 import quantize_fp8
 
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
             batch = max(1, args.tokens // seqlen)
             fp8, bf16 = fp8_sets(batch, seqlen, heads, d, 0), make_sets(batch, seqlen, heads, d, bfloat16(), SETS, seed=1)
             for causal in (False, True):
-                flops = 4.0 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
+                flops = attention_flops(batch, heads, seqlen, d, causal, "fwd")
                 tflops = {}
                 call = lambda s: cupy_flash.flash_forward(s[0], s[1], s[2], causal=causal,   # noqa: E731
                                                           q_descale=s[3], k_descale=s[4], v_descale=s[5])

@@ -10,8 +10,8 @@ Shapes as FlashAttention's benchmark: batch * seqlen = 16384 tokens, heads = 204
 FLOPs as FlashAttention counts them: forward 4 * batch * heads * seqlen_q * seqlen_k * head_dim,
 halved when causal; backward 2.5 x forward. With ``--head-dim-v`` (v's head_dim apart from q's and
 k's), each product at its own width: forward 2 (head_dim + head_dim_v), backward 2 (3 head_dim + 2
-head_dim_v) per (query, key) pair, as FlashAttention-3 counts them. Timing: CUDA events around each call, warm-up calls
-excluded, median of many calls, several input sets rotated so no call finds its inputs in L2 from
+head_dim_v) per (query, key) pair, as FlashAttention-3 counts them. Timing: CUDA events around each
+call, warm-up calls excluded, median of many calls, several input sets rotated so no call finds its inputs in L2 from
 the call before. The peers run in the same process on the same data (zero-copy through DLPack);
 without PyTorch, ours alone is timed. With --rounds N each shape times ours and the peers N times,
 the order reversed every other round (A B B A ...), each figure the median of its rounds: timed
@@ -258,9 +258,14 @@ def run(args):
                 torch=getattr(torch, "__version__", None), cupy=cupy.__version__, matmul_tflops=matmul)
 
 
+def head_dims_label(row) -> str:
+    """A row's head dim, or q's / v's where they differ ("192/128")."""
+    d, d_v = row["head_dim"], row.get("head_dim_v", row["head_dim"])
+    return f"{d}" if d_v == d else f"{d}/{d_v}"
+
+
 def format_row(row, modes, peers):
-    d = f"{row['head_dim']}" + (f"/{row['head_dim_v']}" if row.get("head_dim_v", row["head_dim"]) != row["head_dim"] else "")
-    parts = [f"{row['dtype']} d={d:>3} N={row['seqlen']:5d} causal={int(row['causal'])}"]
+    parts = [f"{row['dtype']} d={head_dims_label(row):>3} N={row['seqlen']:5d} causal={int(row['causal'])}"]
     for mode in modes:
         ours_tf = row[f"ours_{mode}"]
         text = f"{mode} ours {ours_tf:6.1f}"
@@ -279,8 +284,7 @@ def print_table(result):
     print("\n| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in result["rows"]:
-        d = f"{row['head_dim']}" + (f"/{row['head_dim_v']}" if row.get("head_dim_v", row["head_dim"]) != row["head_dim"] else "")
-        cells = [row["dtype"], d, str(row["seqlen"]), str(int(row["causal"]))]
+        cells = [row["dtype"], head_dims_label(row), str(row["seqlen"]), str(int(row["causal"]))]
         for mode in modes:
             ours_tf = row[f"ours_{mode}"]
             cells.append(f"{ours_tf:.0f}")
