@@ -46,6 +46,11 @@ class AttentionShape:
         return self.heads // self.heads_kv
 
     @property
+    def own_head_dim_v(self) -> bool:
+        """Whether v's head_dim differs from q's and k's (the variant's FEATURE_HEAD_DIM_V)."""
+        return self.head_dim_v != self.head_dim
+
+    @property
     def widest_head_dim(self) -> int:
         """The larger of head_dim and head_dim_v: what a kernel's head-dim tile must hold."""
         return max(self.head_dim, self.head_dim_v)
@@ -353,7 +358,7 @@ def prepare_qkv(q, k, v, softmax_scale, causal, features=None, fp8: bool = False
         if features.get(name) is not None:
             features[name] = as_gpu_array(name, features[name])
     variant = check_variant(shape.batch, shape.heads, causal, seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k,
-                            packed=packed, head_dim_v=shape.head_dim_v != shape.head_dim, **features)
+                            packed=packed, head_dim_v=shape.own_head_dim_v, **features)
     return q, k, v, shape, scale, variant
 
 

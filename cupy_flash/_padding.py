@@ -10,7 +10,7 @@ FP8 calls and flash_decode (whose cache is written in place) take multiples of 1
 
 from __future__ import annotations
 
-from . import _checks, _traits
+from . import _checks
 
 ROW_MULTIPLE = 8   # elements of a 16-byte vector of a 16-bit type
 
@@ -21,18 +21,13 @@ def needs_padding(q, v) -> bool:
 
 
 def _check_head_dims(q, k, v) -> tuple[int, int]:
-    """(q's head_dim, v's), each 1 to 256, k's equal to q's; ValueError naming the array otherwise.
-    The rest of the checks run on the padded arrays."""
+    """(q's head_dim, v's): check_qkv's checks of the shapes as they are, any head dim up to 256 (a
+    packed batch's (total, heads, d) arrays as a batch of one); the rest run on the padded arrays."""
     ranks = {getattr(x, "ndim", None) for x in (q, k, v)}
     if len(ranks) != 1 or ranks.pop() not in (3, 4):
         return int(q.shape[-1]), int(v.shape[-1])   # the full checks name the array of the wrong rank
-    head_dim, head_dim_v = int(q.shape[-1]), int(v.shape[-1])
-    for name, d in (("q", head_dim), ("v", head_dim_v)):
-        if not 1 <= d <= _traits.MAX_HEAD_DIM:
-            raise ValueError(f"{name} has head_dim {d}; expected 1 to {_traits.MAX_HEAD_DIM}")
-    if int(k.shape[-1]) != head_dim:
-        raise ValueError(f"k has head_dim {k.shape[-1]} but q has head_dim {head_dim}")
-    return head_dim, head_dim_v
+    shape = _checks.check_qkv(*(_checks._ShapeOf(x) if x.ndim == 3 else x for x in (q, k, v)), any_head_dim=True)
+    return shape.head_dim, shape.head_dim_v
 
 
 def _padded(x, width: int):

@@ -348,7 +348,7 @@ def _decode_checked(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_tabl
     for name in ("alibi_slopes", "sink"):
         if features[name] is not None:
             features[name] = _checks.as_gpu_array(name, features[name])
-    variant = check_variant(shape.batch, shape.heads, causal, head_dim_v=shape.head_dim_v != shape.head_dim, **features)
+    variant = check_variant(shape.batch, shape.heads, causal, head_dim_v=shape.own_head_dim_v, **features)
     with q.device:
         arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
         if block_table is not None:

@@ -195,7 +195,7 @@ def forward_sm90_config(tile: int, flags: int = 0, causal: bool = False, seqlen_
 def forward_sm90_head_dim_v_config(shape) -> tuple | None:
     """(block_m, q's tile, block_n, stages, v's tile) for a call whose q and k and whose v take
     tiles of their own (FORWARD_SM90_HEAD_DIM_V), else None."""
-    if shape.head_dim_v == shape.head_dim:
+    if not shape.own_head_dim_v:
         return None
     tiles = (-(-shape.head_dim // 64) * 64, -(-shape.head_dim_v // 64) * 64)
     if tiles not in FORWARD_SM90_HEAD_DIM_V:
