@@ -16,8 +16,10 @@ import cupy_flash
 rng = numpy.random.default_rng(0)
 for dtype in (numpy.float16, ml_dtypes.bfloat16, numpy.float32):
     for causal in (False, True):
-        # (the last: v's head_dim apart from q's, FEATURE_HEAD_DIM_V)
-        for (nq, nk, d, d_v) in ((70, 45, 72, 72), (33, 130, 256, 256), (129, 129, 32, 32), (70, 45, 40, 104)):
+        # (v's head_dim apart from q's: FEATURE_HEAD_DIM_V; above 256: the wide tiles, v's columns
+        # over two blocks)
+        for (nq, nk, d, d_v) in ((70, 45, 72, 72), (33, 130, 256, 256), (129, 129, 32, 32), (70, 45, 40, 104),
+                                 (40, 33, 512, 512), (33, 50, 264, 448)):
             q = cupy.asarray(rng.standard_normal((1, nq, 2, d), dtype=numpy.float32).astype(dtype))
             k = cupy.asarray(rng.standard_normal((1, nk, 2, d), dtype=numpy.float32).astype(dtype))
             v = cupy.asarray(rng.standard_normal((1, nk, 2, d_v), dtype=numpy.float32).astype(dtype))
@@ -66,6 +68,19 @@ for dtype in (numpy.float16, ml_dtypes.bfloat16, numpy.float32):
             cupy.cuda.Device().synchronize()
             print("decode", dtype.__name__ if hasattr(dtype, "__name__") else dtype, "paged" if paged else "contiguous",
                   splits, "ok", flush=True)
+    # Wide head dims: 512 / 512 paged with an append over 3 splits (v over two blocks, the wide
+    # combine), and merge_attention_states of 504 columns.
+    k_cache = cupy.asarray(rng.standard_normal((13, 16, 1, 512), dtype=numpy.float32).astype(dtype))
+    table = cupy.asarray(rng.permutation(13)[:12].reshape(2, 6).astype(numpy.int32))
+    q = cupy.asarray(rng.standard_normal((2, 1, 16, 512), dtype=numpy.float32).astype(dtype))
+    new = cupy.asarray(rng.standard_normal((2, 1, 1, 512), dtype=numpy.float32).astype(dtype))
+    cupy_flash.flash_decode(q, k_cache, k_cache.copy(), cache_seqlens=cupy.asarray([90, 5], dtype=cupy.int32),
+                            block_table=table, k_new=new, v_new=new, num_splits=3, causal=True)
+    o_wide = cupy.asarray(rng.standard_normal((1, 3, 2, 504), dtype=numpy.float32).astype(dtype))
+    lse_wide = cupy.asarray(rng.standard_normal((1, 2, 3), dtype=numpy.float32))
+    cupy_flash.merge_attention_states([o_wide, o_wide, o_wide], [lse_wide, lse_wide, lse_wide])
+    cupy.cuda.Device().synchronize()
+    print("wide decode and merge ok", flush=True)
     # Calls back to back without a sync: on sm_90 each call's kernels are launched early
     # (_launch.py), so a decode kernel may be resident, prefetching its keys (contiguous or paged),
     # while the previous call's combine runs.

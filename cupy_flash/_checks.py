@@ -85,7 +85,10 @@ def check_qkv(q, k, v, fp8: bool = False, any_head_dim: bool = False) -> Attenti
     multiple = 16 if kind == FP8_DTYPE else 1 if any_head_dim else 8
     for name, d in (("q", head_dim), ("v", head_dim_v)):
         if d % multiple or not multiple <= d <= _traits.MAX_HEAD_DIM:
-            expected = f"a multiple of {multiple} from {multiple} to" if multiple > 1 else "1 to"
+            # Out of range, a 16-bit or float32 call hears the range every public call takes (they
+            # pad other head dims: _padding); FP8 calls, and internal calls, their multiple too.
+            in_range = 1 <= d <= _traits.MAX_HEAD_DIM
+            expected = f"a multiple of {multiple} from {multiple} to" if multiple == 16 or in_range else "1 to"
             raise ValueError(f"{name} has head_dim {d}; expected {expected} {_traits.MAX_HEAD_DIM}"
                              + (" (FP8 rows are read in 16-byte units)" if multiple == 16 else ""))
     labels = ("batch", "seqlen", "heads", "head_dim")

@@ -2,9 +2,12 @@
 as data in one place (the Hopper family's are its own: families/sm90.py), and the values both sides
 of the interface need (cuda_defines).
 
-Head dims are rounded up to one of ``HEAD_DIM_TILES`` (as FlashAttention-2 does with its 8 tiles);
-the kernels zero-fill the columns past the real head_dim, so any multiple of 8 up to 256 works with
-only 8 compiled widths per kernel.
+Head dims are rounded up to one of ``HEAD_DIM_TILES`` (FlashAttention-2's 8 tiles to 256, then steps
+of 64 to 512); the kernels zero-fill the columns past the real head_dim, so any multiple of 8 up to
+512 works with 12 compiled widths per kernel. Above 256 (WIDE_TILE) the tensor-core forward and
+decode split v's columns over V_SPLIT blocks (each recomputes the scores), so that a warp's O stays
+within the registers of the 256 tile; what does not fit a part's shared memory is refused before
+launch (families.check_smem).
 
 The CUDA-core kernels use 128 threads as a 16 x 8 grid, so block_m must be a multiple of 16 and
 block_n a multiple of 8 (16 in the backward). The shapes keep each thread's register accumulators
@@ -15,18 +18,29 @@ smallest sm_80+ parts (sm_86/sm_89), so one table serves A100, RTX 30/40 and H10
 from __future__ import annotations
 
 THREADS = 128   # every portable attention kernel: 4 warps laid out as 16 rows x 8 columns
-HEAD_DIM_TILES = (32, 64, 96, 128, 160, 192, 224, 256)
+HEAD_DIM_TILES = (32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 MAX_HEAD_DIM = HEAD_DIM_TILES[-1]
+WIDE_TILE = 256   # the widest tile whose O a warp holds whole; wider ones split v's columns
+V_SPLIT = 2       # blocks over v's columns above WIDE_TILE (tensor-core forward, decode)
+
+
+def v_split(tile: int) -> int:
+    """Blocks that share one query block's O columns (tensor-core forward and decode)."""
+    return 1 if tile <= WIDE_TILE else V_SPLIT
 SMEM_LIMIT_BYTES = 99 * 1024
 
 # The CUDA-core family's tiles (families/cuda_core.py), here because _checks bounds every call's
 # grid by the smallest of them before a family is chosen.
 # (block_m, block_n): query rows and key rows per block.
+# Above 256, 16 x 16: a thread's O row (tile / 8 floats) and shared memory (66 KB at 512) fit.
 FORWARD_BLOCKS = {32: (64, 64), 64: (64, 64), 96: (64, 64), 128: (64, 64),
-                  160: (32, 32), 192: (32, 32), 224: (32, 32), 256: (32, 32)}
+                  160: (32, 32), 192: (32, 32), 224: (32, 32), 256: (32, 32),
+                  320: (16, 16), 384: (16, 16), 448: (16, 16), 512: (16, 16)}
 # Shared by the main backward kernel (one block per key block) and the deterministic dQ kernel.
+# Above 384 its shared memory passes 99 KB: sm_80-class parts and up (check_smem).
 BACKWARD_BLOCKS = {32: (64, 64), 64: (32, 64), 96: (32, 32), 128: (32, 32),
-                   160: (16, 16), 192: (16, 16), 224: (16, 16), 256: (16, 16)}
+                   160: (16, 16), 192: (16, 16), 224: (16, 16), 256: (16, 16),
+                   320: (16, 16), 384: (16, 16), 448: (16, 16), 512: (16, 16)}
 
 # The architecture each target's kernels are compiled and checked for (CI compiles offline), and
 # the shared memory a block of that target may use. sm90a is the Hopper family's (wgmma and
@@ -62,6 +76,8 @@ DECODE_KEYS_PER_CHUNK = 16 * DECODE_WARPS   # keys one pass of the block's warps
 # measured no faster for 8 query heads per K/V head at batch 1 (1979 against 1986 GB/s at 32k keys)
 # and slower elsewhere (1:1 batch 1: 8%, GQA batch 8: 5%).
 DECODE_STAGES = 2
+# Above WIDE_TILE one stage: four warps' K tiles and v-split V tiles then fit sm_80's 163 KB.
+DECODE_WIDE_STAGES = 1
 # Blocks an SM holds (the kernel's __launch_bounds__ minimum, registers): up to head_dim 128, above.
 DECODE_BLOCKS_PER_SM = {128: 3, 256: 2}
 # The combine kernel: one block per row, each warp loading COMBINE_BATCH splits at a time, at most
@@ -73,10 +89,16 @@ COMBINE_MAX_WARPS = 8
 SM_SHARED_BYTES = 227 * 1024               # per SM for blocks on sm_90 (sm_80: 163 KB)
 
 
+def decode_stages(tile: int) -> int:
+    return DECODE_STAGES if tile <= WIDE_TILE else DECODE_WIDE_STAGES
+
+
 def decode_smem_bytes(tile: int) -> int:
-    ld = tile + 8
-    loop = 2 * (DECODE_ROWS * ld + DECODE_WARPS * DECODE_STAGES * 2 * 16 * ld)
-    merge = 2 * DECODE_ROWS * ld + 4 * DECODE_WARPS * DECODE_ROWS * (tile + 8)
+    # Q, then each warp's stages of a K and a V tile of 16 keys (V: the block's v columns); the
+    # epilogue's float32 O per warp reuses the stages. Rows padded by 8 elements.
+    ld, ld_v = tile + 8, tile // v_split(tile) + 8
+    loop = 2 * (DECODE_ROWS * ld + DECODE_WARPS * decode_stages(tile) * 16 * (ld + ld_v))
+    merge = 2 * DECODE_ROWS * ld + 4 * DECODE_WARPS * DECODE_ROWS * ld_v
     return max(loop, merge)
 
 
@@ -107,7 +129,8 @@ def cuda_defines() -> str:
     flash_interface.cuh, which every kernel file includes, so each is stated here only."""
     values = dict(FLASH_THREADS=THREADS, SM90_BLOCK_SMEM_BYTES=SM90_BLOCK_SMEM_BYTES,
                   BACKWARD_SM90_CONSUMERS=BACKWARD_SM90_CONSUMERS, ROW_KERNEL_THREADS=ROW_KERNEL_THREADS,
-                  DECODE_ROWS=DECODE_ROWS, DECODE_STAGES=DECODE_STAGES,
+                  FLASH_WIDE_TILE=WIDE_TILE, FLASH_V_SPLIT=V_SPLIT,
+                  DECODE_ROWS=DECODE_ROWS, DECODE_STAGES=DECODE_STAGES, DECODE_WIDE_STAGES=DECODE_WIDE_STAGES,
                   DECODE_BLOCKS_PER_SM_TO_128=DECODE_BLOCKS_PER_SM[128],
                   DECODE_BLOCKS_PER_SM_ABOVE_128=DECODE_BLOCKS_PER_SM[256],
                   COMBINE_BATCH=COMBINE_BATCH, COMBINE_MAX_WARPS=COMBINE_MAX_WARPS,

@@ -192,7 +192,9 @@ def run(args):
     try:
         import torch
         from torch.nn.attention import SDPBackend
-        peers = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+        backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                    "efficient": SDPBackend.EFFICIENT_ATTENTION}
+        peers = {name: backends[name] for name in args.peers}
     except Exception as error:   # benchmark ours alone
         print(f"PyTorch not available ({error}); timing cupy_flash only", file=sys.stderr)
         torch, peers = None, {}
@@ -343,6 +345,8 @@ def main(argv=None, prog="python -m cupy_flash bench"):
     parser.add_argument("--sets", type=int, default=3, help="input sets rotated between calls")
     parser.add_argument("--rounds", type=int, default=1,
                         help="time ours and the peers this many times per shape, alternating their order (medians)")
+    parser.add_argument("--peers", nargs="+", default=["flash", "cudnn"], choices=["flash", "cudnn", "efficient"],
+                        help="SDPA backends timed beside ours (efficient: the one that takes head dims past 256)")
     parser.add_argument("--portable", action="store_true",
                         help="also time our portable kernels (CUPY_FLASH_KERNELS=portable) in the same run")
     parser.add_argument("--kernels", default="auto", choices=SETTINGS,

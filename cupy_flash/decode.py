@@ -149,13 +149,14 @@ def decode_plan(q, k, v, shape, scale, variant, num_splits=None, *, cache=None) 
 
     device = q.device.id
     row_blocks = -(-shape.group * shape.seqlen_q // _traits.DECODE_ROWS)
-    work_units = shape.batch * shape.heads_kv * row_blocks
+    # Blocks before the split (v's columns over v_split blocks above the wide tile: decode.cu).
+    work_units = shape.batch * shape.heads_kv * row_blocks * _traits.v_split(shape.tile)
     if num_splits is None:
         num_splits = choose_splits(work_units, shape.seqlen_k, shape.tile, device)
     num_splits, keys_per_split = _split_layout(num_splits, shape.seqlen_k)
     grid = num_splits * work_units
     if grid > _checks.MAX_GRID_BLOCKS:
-        raise ValueError(f"batch * heads_kv * row blocks * splits is {grid}, over CUDA's grid limit")
+        raise ValueError(f"batch * heads_kv * row blocks * splits (* v splits) is {grid}, over CUDA's grid limit")
     lse_shape = (shape.batch, shape.heads, shape.seqlen_q)
     # The record is filled from stand-ins (make_params reads addresses and strides; the plan
     # writes each call's addresses).
@@ -475,7 +476,7 @@ def merge_attention_states(outputs, lses):
         shape = _checks.AttentionShape(batch, seqlen_q, 1, heads, head_dim, kind)
         params = make_params(shape, 1.0, o=o, lse=lse, o_partial=stacked, lse_partial=stacked_lse)
         params["num_splits"] = count
-        _, kernel = family.combine(kind, kind)
+        _, kernel = family.combine(kind, kind, head_dim)
         rows = batch * seqlen_q * heads
         if rows:
             kernel(*family.combine_launch(rows, count), (as_argument(params),))

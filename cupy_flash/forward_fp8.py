@@ -89,8 +89,8 @@ def _checked_plan(q, k, v, softmax_scale, causal, descales: dict, features: dict
         device = families.current_device()
         if not sm90.ForwardFp8.supports(device, shape, variant, families.kernels_setting()):
             raise ValueError(f"FP8 attention runs on the Hopper kernels (compute capability 9.0, head_dim <= "
-                             f"{max(sm90.FORWARD_SM90_FP8)}); this GPU has compute capability "
-                             f"{device.compute_capability / 10:.1f}")
+                             f"{max(sm90.FORWARD_SM90_FP8)}); this call has head_dim {shape.head_dim} on a GPU of "
+                             f"compute capability {device.compute_capability / 10:.1f}")
         q, k, v = (_checks.kernel_ready(x) for x in (q, k, v))
         return Fp8ForwardPlan(device, shape, scale, variant.on_device(), q, k, v), q, k, v
 

@@ -55,7 +55,8 @@ struct BackwardTilesTc {
         S_BUDGET = FEATURES ? 160 : 192,
         S_PASSES = KV_REGS + 8 * S_M * S_N <= S_BUDGET || S_N % 4 ? 1 : 2,
         S_PASS_N = S_N / S_PASSES,
-        DQ_PASSES = KV_REGS + 4 * DQ_TILES <= 160 ? 1 : 2,
+        // (Four passes only above FLASH_WIDE_TILE, whose dQ rows are the widest.)
+        DQ_PASSES = KV_REGS + 4 * DQ_TILES <= 160 ? 1 : D_TILE > FLASH_WIDE_TILE && KV_REGS + 2 * DQ_TILES > 160 ? 4 : 2,
         DQ_PASS_TILES = (DQ_TILES / 2 + DQ_PASSES - 1) / DQ_PASSES * 2,   // whole pairs
     };
     enum : unsigned int {

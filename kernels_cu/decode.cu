@@ -17,6 +17,10 @@
 // its own two shared-memory stages (cp.async, warp-local waits: no block barrier in the loop), and
 // merge their partial softmaxes once at the end. Tiles start at multiples of 16 keys, so with pages
 // of 16 or more keys (powers of two) a tile never crosses a page: one block_table read per tile.
+// Above FLASH_WIDE_TILE (head dims 264-512) a warp's O over every v column would not fit its
+// registers: V_SPLIT blocks share each (split, row block, batch, K/V head), each scoring every key
+// and keeping O over its own share of v's columns (the index fastest in the grid); the first writes
+// lse. They run DECODE_WIDE_STAGES stages, which fit sm_80's shared memory.
 
 #include "common.cuh"
 #include "tensor_core.cuh"
@@ -153,10 +157,11 @@ __device__ __forceinline__ void thread_rows(const FlashParams& p, long long b, l
 
 // One warp's loads of key tiles into its stages: K and V rows tile_start .. tile_start + 15 (keys
 // past key_end and columns past head_dim (K) or head_dim_v (V) as zeros), cp.async with the cache's
-// read-once L2 policy.
+// read-once L2 policy. V's tile is DV_TILE columns wide (v's share of a block: D_TILE but above
+// FLASH_WIDE_TILE), and v already points at the block's first column.
 // Its members are references to the kernel's values, as a [&] lambda's captures are (held by
 // value, the stage addresses compile to other code).
-template <typename T, int D_TILE>
+template <typename T, int D_TILE, int DV_TILE = D_TILE>
 struct DecodeTileLoader {
     const FlashParams& p;
     const T* const& k;
@@ -166,6 +171,26 @@ struct DecodeTileLoader {
     const int &key_end, &head_dim, &head_dim_v, &lane;
     const unsigned long long& read_once;
 
+    // Rows of one tile, WIDTH columns of which the first `valid` are read (the rest zeros).
+    template <int WIDTH>
+    __device__ __forceinline__ void load_rows(T* dst, const T* src, long long row, long long row_stride, int tile_start,
+                                              int valid) const {
+        constexpr int KEYS = 16, LD = WIDTH + 8, CHUNKS = WIDTH / 8;
+        constexpr int ROWS_PER_PASS = CHUNKS >= 32 ? 1 : 32 / CHUNKS;
+        if (CHUNKS < 32 && lane >= ROWS_PER_PASS * CHUNKS) return;   // (see operator())
+#pragma unroll
+        for (int pass = 0; pass < KEYS / ROWS_PER_PASS; ++pass) {
+#pragma unroll
+            for (int part = 0; part < (CHUNKS > 32 ? (CHUNKS + 31) / 32 : 1); ++part) {
+                if (CHUNKS > 32 && lane + 32 * part >= CHUNKS) continue;   // past the row: issue nothing
+                const int r = (CHUNKS >= 32 ? pass : pass * ROWS_PER_PASS + lane / CHUNKS);
+                const int col = CHUNKS >= 32 ? (lane + 32 * part) * 8 : (lane % CHUNKS) * 8;
+                const bool ok = tile_start + r < key_end && col < valid;
+                cp_async_16_once(smem_addr(dst + r * LD + col), src + (ok ? row + r * row_stride + col : 0), ok, read_once);
+            }
+        }
+    }
+
     __device__ __forceinline__ void operator()(int tile_start, int stage) const {
         // The kernel's tile shape.
         constexpr int KEYS = 16;
@@ -174,10 +199,16 @@ struct DecodeTileLoader {
         constexpr int ROWS_PER_PASS = CHUNKS >= 32 ? 1 : 32 / CHUNKS;
         constexpr int PASSES = KEYS / ROWS_PER_PASS;
         constexpr int TILE_ELEMS = KEYS * LD;
-        T* k_dst = my_tiles + stage * 2 * TILE_ELEMS;
+        constexpr int STAGE_ELEMS = TILE_ELEMS + KEYS * (DV_TILE + 8);
+        T* k_dst = my_tiles + stage * STAGE_ELEMS;
         T* v_dst = k_dst + TILE_ELEMS;
         const long long k_row = cache_offset(p, p.k_strides, b, tile_start, kv_head);
         const long long v_row = cache_offset(p, p.v_strides, b, tile_start, kv_head);
+        if constexpr (DV_TILE != D_TILE) {   // K and V of different widths: a loop each
+            load_rows<D_TILE>(k_dst, k, k_row, p.k_strides[1], tile_start, head_dim);
+            load_rows<DV_TILE>(v_dst, v, v_row, p.v_strides[1], tile_start, head_dim_v);
+            return;
+        }
         const int c = (lane % CHUNKS) * 8;
         // Lanes past ROWS_PER_PASS whole rows (when CHUNKS does not divide 32) issue nothing: even a
         // zero-byte cp.async writes its 16 bytes, which would land past the tile.
@@ -302,7 +333,7 @@ __device__ __forceinline__ void publish_warp_rows(float (&merge_max)[NUM_WARPS][
 }
 
 // Rows g and g + 8 of a warp's O scaled by its share of the merged softmax and the row's 1 / total,
-// into merge_o; warp 0 stores the rows' lse (partial with several splits, else final).
+// into merge_o; warp 0 stores the rows' lse (partial with several splits, else final) where writes_lse.
 template <int NUM_WARPS, int O_TILES, int MERGE_LD, int FEATURES>
 __device__ __forceinline__ void scale_warp_o(const FlashParams& p, float* merge_o,
                                              const float (&merge_max)[NUM_WARPS][DECODE_ROWS],
@@ -310,7 +341,8 @@ __device__ __forceinline__ void scale_warp_o(const FlashParams& p, float* merge_
                                              const float (&merge_sum)[NUM_WARPS][DECODE_ROWS],
                                              const float (&o_acc)[O_TILES][4], const float (&row_max_scaled)[2],
                                              const long long (&row_head)[2], const int (&row_token)[2], int warp, int g,
-                                             int t, int split, long long b, int row_count, bool split_output) {
+                                             int t, int split, long long b, int row_count, bool split_output,
+                                             bool writes_lse) {
     constexpr int ROWS = DECODE_ROWS;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -335,7 +367,7 @@ __device__ __forceinline__ void scale_warp_o(const FlashParams& p, float* merge_
         for (int j = 0; j < O_TILES; ++j)
             *reinterpret_cast<float2*>(&merge_o[(warp * ROWS + row) * MERGE_LD + j * 8 + 2 * t]) =
                 make_float2(o_acc[j][2 * r] * scale, o_acc[j][2 * r + 1] * scale);
-        if (warp == 0 && t == 0 && row < row_count) {
+        if (writes_lse && warp == 0 && t == 0 && row < row_count) {
             if (split_output)
                 p.lse_partial[(((long long)split * p.batch + b) * p.heads + row_head[r]) * p.seqlen_q + row_token[r]] = lse_inv.x;
             else
@@ -346,11 +378,12 @@ __device__ __forceinline__ void scale_warp_o(const FlashParams& p, float* merge_
 
 // The block's O: the warps' scaled shares in merge_o summed and stored (float32 partial with several
 // splits, else T). One thread per (row, D_TILE / 8 columns): 16-byte chunks 32 columns apart
-// (conflict-free shared loads), summed over the warps and stored.
+// (conflict-free shared loads), summed over the warps and stored at v column v_col + c (head_dim_v:
+// the block's columns; partial_row: a partial row's, all of v's).
 template <typename T, int D_TILE, int NUM_WARPS, int MERGE_LD>
 __device__ __forceinline__ void store_block_o(const FlashParams& p, const float* merge_o, int row0, int row_count,
                                               long long group, long long kv_head, int split, long long b, int head_dim_v,
-                                              bool split_output) {
+                                              int v_col, int partial_row, bool split_output) {
     constexpr int ROWS = DECODE_ROWS;
     static_assert(ROWS * 8 == 32 * NUM_WARPS && D_TILE % 32 == 0, "epilogue: 8 threads per row, chunks of 32 columns");
     const int row = threadIdx.x / 8;
@@ -369,10 +402,10 @@ __device__ __forceinline__ void store_block_o(const FlashParams& p, const float*
             if (c >= head_dim_v) continue;
             if (split_output) {
                 float* dst = static_cast<float*>(p.o_partial) +
-                             ((((long long)split * p.batch + b) * p.seqlen_q + token) * p.heads + head) * head_dim_v + c;
+                             ((((long long)split * p.batch + b) * p.seqlen_q + token) * p.heads + head) * partial_row + v_col + c;
                 *reinterpret_cast<float4*>(dst) = sum;
             } else {
-                T* dst = static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, token, head) + c;
+                T* dst = static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, token, head) + v_col + c;
                 *reinterpret_cast<uint2*>(dst) = make_uint2(Mma<T>::pack(sum.x, sum.y), Mma<T>::pack(sum.z, sum.w));
             }
         }
@@ -385,34 +418,44 @@ flash_decode_kernel(const FlashParams p) {
     constexpr int ROWS = DECODE_ROWS;        // (token, head) rows per block: one m16 tile
     static_assert(ROWS == 16, "one m16 tile of rows");
     constexpr int KEYS = 16;                 // keys per warp tile: one k16 step of P V
-    constexpr int STAGES = DECODE_STAGES;    // tiles in flight per warp (_traits.DECODE_STAGES: why 2)
+    constexpr bool WIDE = D_TILE > FLASH_WIDE_TILE;
+    constexpr int V_SPLIT = WIDE ? FLASH_V_SPLIT : 1;    // blocks over v's columns (the header)
+    constexpr int DV_TILE = D_TILE / V_SPLIT;            // v (and O) columns of this block
+    // Tiles in flight per warp (_traits.DECODE_STAGES: why 2; DECODE_WIDE_STAGES: why 1).
+    constexpr int STAGES = WIDE ? DECODE_WIDE_STAGES : DECODE_STAGES;
     constexpr int LD = D_TILE + 8;           // padded pitch (see forward_tc.cu)
-    constexpr int O_TILES = D_TILE / 8;
+    constexpr int LD_V = DV_TILE + 8;        // the V tiles'
+    constexpr int O_TILES = DV_TILE / 8;
     constexpr int CHUNKS = D_TILE / 8;       // 16-byte chunks per row
     constexpr int ROWS_PER_PASS = CHUNKS >= 32 ? 1 : 32 / CHUNKS;
-    constexpr int TILE_ELEMS = KEYS * LD;    // one K or V tile
-    constexpr int MERGE_LD = D_TILE + 8;     // float pitch of the epilogue's per-warp O (float2 stores conflict-free)
-    constexpr unsigned int LOOP_BYTES = (ROWS * LD + NUM_WARPS * STAGES * 2 * TILE_ELEMS) * sizeof(T);
+    constexpr int TILE_ELEMS = KEYS * LD;    // one K tile
+    constexpr int STAGE_ELEMS = TILE_ELEMS + KEYS * LD_V;   // a stage: a K and a V tile
+    constexpr int MERGE_LD = DV_TILE + 8;    // float pitch of the epilogue's per-warp O (float2 stores conflict-free)
+    constexpr unsigned int LOOP_BYTES = (ROWS * LD + NUM_WARPS * STAGES * STAGE_ELEMS) * sizeof(T);
     constexpr unsigned int MERGE_BYTES = (ROWS * LD) * sizeof(T) + NUM_WARPS * ROWS * MERGE_LD * sizeof(float);
     constexpr unsigned int SMEM_BYTES = LOOP_BYTES > MERGE_BYTES ? LOOP_BYTES : MERGE_BYTES;
-    static_assert(CHUNKS <= 32 || CHUNKS % 32 == 0, "row chunks per lane");
+    static_assert(WIDE || CHUNKS <= 32 || CHUNKS % 32 == 0, "row chunks per lane");   // (wide: load_rows)
     static_assert(KEYS % ROWS_PER_PASS == 0, "tile rows per pass");
     require_dynamic_smem(SMEM_BYTES);
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* q_tile = reinterpret_cast<T*>(smem_raw);                  // [ROWS][LD]
-    T* warp_tiles = q_tile + ROWS * LD;                          // [NUM_WARPS][STAGES][K, V][KEYS][LD]
+    T* warp_tiles = q_tile + ROWS * LD;                          // [NUM_WARPS][STAGES][K, V][KEYS][LD, LD_V]
     float* merge_o = reinterpret_cast<float*>(warp_tiles);       // epilogue: [NUM_WARPS][ROWS][MERGE_LD]
     __shared__ float merge_max[NUM_WARPS][ROWS], merge_max_scaled[NUM_WARPS][ROWS], merge_sum[NUM_WARPS][ROWS];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int head_dim = (int)p.head_dim, head_dim_v = head_dim_v_of<FEATURES>(p);
+    const int v_chunk = V_SPLIT > 1 ? (int)(blockIdx.x % V_SPLIT) : 0, v_col = v_chunk * DV_TILE;
+    const unsigned int index = V_SPLIT > 1 ? blockIdx.x / V_SPLIT : blockIdx.x;   // of the (split, rows, b, head) block
+    const int head_dim = (int)p.head_dim;
+    const int head_dim_v = V_SPLIT > 1 ? min(head_dim_v_of<FEATURES>(p) - v_col, DV_TILE) : head_dim_v_of<FEATURES>(p);
+    if (V_SPLIT > 1 && head_dim_v <= 0) return;   // past v's columns (never the first chunk)
     const long long group = p.group, heads_kv = p.heads / p.group;
     const int rows_per_kv_head = (int)(group * p.seqlen_q);
     const int row_blocks = (rows_per_kv_head + ROWS - 1) / ROWS;
-    const int split = (int)(blockIdx.x % p.num_splits);
-    const long long rest = blockIdx.x / p.num_splits;
+    const int split = (int)(index % p.num_splits);
+    const long long rest = index / p.num_splits;
     const int row0 = (int)(rest % row_blocks) * ROWS;
     const long long b = rest / row_blocks / heads_kv, kv_head = rest / row_blocks % heads_kv;
     const int row_count = min(ROWS, rows_per_kv_head - row0);
@@ -442,8 +485,8 @@ flash_decode_kernel(const FlashParams p) {
     thread_rows<FEATURES>(p, b, kv_head, group, row0, g, rows_per_kv_head, row_token, row_head, row_slope);
 
     const T* k = static_cast<const T*>(p.k);
-    const T* v = static_cast<const T*>(p.v);
-    T* my_tiles = warp_tiles + warp * STAGES * 2 * TILE_ELEMS;
+    const T* v = static_cast<const T*>(p.v) + v_col;
+    T* my_tiles = warp_tiles + warp * STAGES * STAGE_ELEMS;
     // This warp's tiles: starts key_begin rounded down to 16, then every NUM_WARPS-th tile.
     const int first_tile = (key_begin & ~(KEYS - 1)) + warp * KEYS;
     constexpr int TILE_STEP = NUM_WARPS * KEYS;
@@ -452,7 +495,7 @@ flash_decode_kernel(const FlashParams p) {
     // for the combine and the next call (GQA 8:1, batch 1, 32k keys: 33.6 -> 32.1 us a call in a
     // graph; 33 splits of uneven chunks, to give all 132 SMs a block, measured no faster than 32).
     const unsigned long long read_once = l2_evict_first_policy();
-    const DecodeTileLoader<T, D_TILE> load_tile = {p, k, v, my_tiles, b, kv_head, key_end, head_dim, head_dim_v,
+    const DecodeTileLoader<T, D_TILE, DV_TILE> load_tile = {p, k, v, my_tiles, b, kv_head, key_end, head_dim, head_dim_v,
                                                    lane, read_once};
 
     float o_acc[O_TILES][4];
@@ -478,8 +521,8 @@ flash_decode_kernel(const FlashParams p) {
         cp_async_commit();
         cp_async_wait<STAGES - 1>();   // this tile landed for this thread
         __syncwarp();         // ... and for the whole warp
-        const unsigned int k_lane = smem_addr(my_tiles + stage * 2 * TILE_ELEMS) + b_frags_lane<LD>(lane);
-        const unsigned int v_lane = smem_addr(my_tiles + stage * 2 * TILE_ELEMS + TILE_ELEMS) + b_frags_trans_lane<LD>(lane);
+        const unsigned int k_lane = smem_addr(my_tiles + stage * STAGE_ELEMS) + b_frags_lane<LD>(lane);
+        const unsigned int v_lane = smem_addr(my_tiles + stage * STAGE_ELEMS + TILE_ELEMS) + b_frags_trans_lane<LD_V>(lane);
 
         float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
         tile_scores<T, D_TILE>(s, q_lane, k_lane);
@@ -502,10 +545,10 @@ flash_decode_kernel(const FlashParams p) {
     const bool split_output = p.num_splits > 1;
     scale_warp_o<NUM_WARPS, O_TILES, MERGE_LD, FEATURES>(p, merge_o, merge_max, merge_max_scaled, merge_sum, o_acc,
                                                          row_max_scaled, row_head, row_token, warp, g, t, split, b,
-                                                         row_count, split_output);
+                                                         row_count, split_output, v_chunk == 0);
     __syncthreads();
-    store_block_o<T, D_TILE, NUM_WARPS, MERGE_LD>(p, merge_o, row0, row_count, group, kv_head, split, b, head_dim_v,
-                                                  split_output);
+    store_block_o<T, DV_TILE, NUM_WARPS, MERGE_LD>(p, merge_o, row0, row_count, group, kv_head, split, b, head_dim_v,
+                                                   v_col, V_SPLIT > 1 ? (int)p.head_dim_v : head_dim_v, split_output);
 }
 
 // Four consecutive columns as float32: a 16-byte load of floats, an 8-byte load of 16-bit values.
@@ -541,14 +584,15 @@ __device__ __forceinline__ float4 load_four(const T_IN* row, int c, int head_dim
 // splits, 8 query heads per K/V head at 32k keys, against 34 us for the decode kernel).
 // Partials are T_IN, contiguous (splits, batch, seqlen_q, heads, head_dim_v); lse_partial (splits,
 // batch, heads, seqlen_q). With p.sink the sink's logit joins the merged row (FEATURE_SINK).
-template <typename T_IN, typename T_OUT>
+// PASSES: 128 columns each (2 to head_dim_v 256, 4 above: a template flag, so that the common case
+// keeps its registers).
+template <typename T_IN, typename T_OUT, int PASSES>
 __global__ void __launch_bounds__(32 * COMBINE_MAX_WARPS) flash_combine_kernel(const FlashParams p) {
-    constexpr int PASSES = 256 / 128;        // head_dim_v <= 256: 4 columns per lane per pass
     constexpr int MAX_WARPS = COMBINE_MAX_WARPS;   // COMBINE_BATCH splits a warp at a time (_traits)
     __shared__ float4 warp_sums[MAX_WARPS][PASSES][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int head_dim = (int)p.head_dim_v;   // o's
-    const int passes = head_dim > 128 ? 2 : 1;
+    const int passes = PASSES == 2 ? (head_dim > 128 ? 2 : 1) : (head_dim + 127) / 128;
     const bool vectors = (head_dim & 3) == 0;
     const long long rows = p.batch * p.seqlen_q * p.heads;
     const long long row_elems = rows * p.head_dim_v;

@@ -11,6 +11,11 @@
 // is computed, and the K tile of block j+1 while the softmax and O += P V_j run (FlashAttention-2's
 // order), so one buffer each suffices.
 //
+// Above FLASH_WIDE_TILE (head dims 264-512) a warp's O over every v column would not fit its
+// registers: V_SPLIT blocks share a query block, each computing S whole and O over its own
+// D_TILE / V_SPLIT v columns (index fastest in the grid, so they run together and share Q and K in
+// L2); the first also writes lse.
+//
 // Fragments (PTX ISA, mma.m16n8k16 with .row.col): lane = 4g + t. A (16x16) regs hold rows g and
 // g+8, columns 2t, 2t+1 (+8); B (16x8) regs hold k = 2t, 2t+1 (+8), column g; C (16x8) holds rows
 // g, g+8 and columns 2t, 2t+1. Two adjacent C tiles of S are exactly one A fragment of P, so P
@@ -163,12 +168,12 @@ __device__ __forceinline__ void accumulate_pv_tc(float (&o_acc)[M_TILES][O_TILES
 }
 
 // Epilogue of the warp's rows: normalises O and stages it (as T) in the Q tile at its rows, which
-// only this warp has read, and writes each row's lse.
+// only this warp has read, and writes each row's lse where writes_lse (another block's otherwise).
 template <typename T, int LD, int FEATURES, int M_TILES, int O_TILES>
 __device__ __forceinline__ void finish_rows_tc(const FlashParams& p, long long h, const float (&o_acc)[M_TILES][O_TILES][4],
                                                const float (&row_max)[M_TILES][2], const float (&row_max_scaled)[M_TILES][2],
                                                const float (&row_sum)[M_TILES][2], T* q_tile, float* lse, int q_start,
-                                               int warp_row, int g, int t, int seqlen_q) {
+                                               int warp_row, int g, int t, int seqlen_q, bool writes_lse) {
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m)
 #pragma unroll
@@ -184,7 +189,7 @@ __device__ __forceinline__ void finish_rows_tc(const FlashParams& p, long long h
                 *reinterpret_cast<unsigned int*>(q_tile + row * LD + j * 8 + 2 * t) =
                     Mma<T>::pack(o_acc[m][j][2 * r] * inv, o_acc[m][j][2 * r + 1] * inv);
             }
-            if (t == 0 && q_start + row < seqlen_q) lse[q_start + row] = lse_inv.x;
+            if (writes_lse && t == 0 && q_start + row < seqlen_q) lse[q_start + row] = lse_inv.x;
         }
 }
 
@@ -192,28 +197,34 @@ template <typename T, int D_TILE, int BLOCK_N, int NUM_WARPS, int M_TILES, bool 
 __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(const FlashParams p) {
     constexpr int THREADS = 32 * NUM_WARPS;
     constexpr int BLOCK_M = 16 * NUM_WARPS * M_TILES;
+    constexpr int V_SPLIT = D_TILE > FLASH_WIDE_TILE ? FLASH_V_SPLIT : 1;   // blocks over v's columns
+    constexpr int DV_TILE = D_TILE / V_SPLIT;  // v (and O) columns of this block
     constexpr int LD = D_TILE + 8;            // padded row pitch, elements
+    constexpr int LD_V = DV_TILE + 8;         // the V tile's
     constexpr int S_TILES = BLOCK_N / 8;      // n-tiles of S per m-tile
-    constexpr int O_TILES = D_TILE / 8;       // n-tiles of O per m-tile
-    static_assert(D_TILE % 32 == 0 && BLOCK_N % 16 == 0, "tile shape");
+    constexpr int O_TILES = DV_TILE / 8;      // n-tiles of O per m-tile
+    static_assert(D_TILE % 32 == 0 && DV_TILE % 32 == 0 && BLOCK_N % 16 == 0, "tile shape");
     // FEATURE_BIAS: the bias tile of each key block, float32, staged with the V tile. Read from
     // global memory inside the score loop, the 64 loaded values per thread lived beside the scores
     // and spilled 8-216 bytes in most instantiations (also when loaded into the accumulators).
     constexpr int BIAS_LD = BLOCK_N + 8;
     constexpr unsigned int BIAS_BYTES = (FEATURES & FEATURE_BIAS) ? BLOCK_M * BIAS_LD * sizeof(float) : 0;
-    constexpr unsigned int SMEM_BYTES = (BLOCK_M + 2 * BLOCK_N) * LD * sizeof(T) + BIAS_BYTES;
+    constexpr unsigned int SMEM_BYTES = ((BLOCK_M + BLOCK_N) * LD + BLOCK_N * LD_V) * sizeof(T) + BIAS_BYTES;
     require_dynamic_smem(SMEM_BYTES);
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* q_tile = reinterpret_cast<T*>(smem_raw);   // [BLOCK_M][LD]
     T* k_tile = q_tile + BLOCK_M * LD;             // [BLOCK_N][LD]
-    T* v_tile = k_tile + BLOCK_N * LD;             // [BLOCK_N][LD]
-    float* bias_tile = reinterpret_cast<float*>(v_tile + BLOCK_N * LD);   // [BLOCK_M][BIAS_LD], FEATURE_BIAS
+    T* v_tile = k_tile + BLOCK_N * LD;             // [BLOCK_N][LD_V]
+    float* bias_tile = reinterpret_cast<float*>(v_tile + BLOCK_N * LD_V);   // [BLOCK_M][BIAS_LD], FEATURE_BIAS
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int head_dim = (int)p.head_dim, head_dim_v = head_dim_v_of<FEATURES>(p);
-    const QueryBlock block = query_block_of(p, BLOCK_M);
+    const int v_chunk = V_SPLIT > 1 ? (int)(blockIdx.x % V_SPLIT) : 0, v_col = v_chunk * DV_TILE;
+    const int head_dim = (int)p.head_dim;
+    const int head_dim_v = V_SPLIT > 1 ? min(head_dim_v_of<FEATURES>(p) - v_col, DV_TILE) : head_dim_v_of<FEATURES>(p);
+    if (V_SPLIT > 1 && head_dim_v <= 0) return;   // past v's columns: nothing to compute (never the first chunk)
+    const QueryBlock block = query_block_of(p, BLOCK_M, V_SPLIT > 1 ? blockIdx.x / V_SPLIT : blockIdx.x);
     const long long b = block.b, h = block.h;
     const int q_start = block.q_block * BLOCK_M;
     const Sequence seq = sequence_of<FEATURES>(p, b);
@@ -225,7 +236,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
 
     const T* q = static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, seq.q_row0 + q_start, h);
     const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, seq.k_row0, kv_head_of(h, p));
-    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, seq.k_row0, kv_head_of(h, p));
+    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, seq.k_row0, kv_head_of(h, p)) + v_col;
 
     const int2 kv_range = kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start, BLOCK_M, BLOCK_N, band);
     const int kv_end = kv_range.y;
@@ -245,13 +256,13 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
     // ldmatrix.x4 lane addresses: lanes 8i..8i+7 give the rows of 8x8 matrix i.
     const unsigned int q_lane = smem_addr(q_tile + warp_row * LD) + a_frag_lane<LD>(lane);
     const unsigned int k_lane = smem_addr(k_tile) + b_frags_lane<LD>(lane);
-    const unsigned int v_lane = smem_addr(v_tile) + b_frags_trans_lane<LD>(lane);
+    const unsigned int v_lane = smem_addr(v_tile) + b_frags_trans_lane<LD_V>(lane);
 
     for (int kv_block = kv_range.x; kv_block < kv_end; ++kv_block) {
         const int kv_start = kv_block * BLOCK_N;
         cp_async_wait();
         __syncthreads();   // K_j (and Q) landed; every warp is done reading V_{j-1}
-        async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(v_tile, v + kv_start * p.v_strides[1], p.v_strides[1], seqlen_k - kv_start, head_dim_v);
+        async_load_tile<T, BLOCK_N, DV_TILE, LD_V, THREADS>(v_tile, v + kv_start * p.v_strides[1], p.v_strides[1], seqlen_k - kv_start, head_dim_v);
         if (FEATURES & FEATURE_BIAS)
             stage_bias_tile_tc<BLOCK_M, BLOCK_N, BIAS_LD, THREADS>(bias_tile, mod, q_start, kv_start, seqlen_q, seqlen_k);
         cp_async_commit();
@@ -287,7 +298,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
         online_softmax_tc(s, o_acc, row_max, row_max_scaled, row_sum, score_log2);
 
         unsigned int p_frag[M_TILES][4];   // accumulate_pv_tc's P fragments
-        accumulate_pv_tc<T, BLOCK_N, LD>(o_acc, p_frag, s, v_lane);
+        accumulate_pv_tc<T, BLOCK_N, LD_V>(o_acc, p_frag, s, v_lane);
     }
 
     // Epilogue: normalise, write lse, stage O in the Q tile (each warp only its own rows, which
@@ -296,8 +307,8 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
     __syncthreads();
     float* lse = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_row0;
     finish_rows_tc<T, LD, FEATURES>(p, h, o_acc, row_max, row_max_scaled, row_sum, q_tile, lse, q_start, warp_row, g, t,
-                                    seqlen_q);
+                                    seqlen_q, v_chunk == 0);
     __syncthreads();
-    store_staged_tile<T, BLOCK_M, D_TILE, LD, THREADS>(static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, seq.q_row0 + q_start, h),
+    store_staged_tile<T, BLOCK_M, DV_TILE, LD, THREADS>(static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, seq.q_row0 + q_start, h) + v_col,
                                                        p.o_strides[1], q_tile, seqlen_q - q_start, head_dim_v);
 }

@@ -47,14 +47,16 @@ pytestmark = requires_gpu
 MAX_SCORES = 24_000_000
 
 
-# Head dims: multiples of 8 mostly, any other up to 256 a fifth of the time (padded inside: _padding).
-HEAD_DIMS = st.one_of(*(st.integers(1, 32).map(lambda n: 8 * n),) * 4, st.integers(1, 256))
+# Head dims: multiples of 8 up to 256 mostly, any other up to 256 one time in seven (padded inside:
+# _padding), and one in seven the wide tiles' 264-512 (a multiple of 8, or any, half the time each).
+HEAD_DIMS = st.one_of(*(st.integers(1, 32).map(lambda n: 8 * n),) * 5, st.integers(1, 256),
+                      st.one_of(st.integers(33, 64).map(lambda n: 8 * n), st.integers(257, 512)))
 
 
 def draw_head_dim_v(head_dim: int):
-    """v's head_dim (o's): q's and k's half the time, else any up to 256 (DeepSeek's 192 / 128 and
-    its mirror among them)."""
-    return st.one_of(st.just(head_dim), st.just(head_dim), HEAD_DIMS, st.sampled_from([128, 192]))
+    """v's head_dim (o's): q's and k's half the time, else any (DeepSeek's 192 / 128 and its mirror,
+    and 512 beside 256 among them)."""
+    return st.one_of(st.just(head_dim), st.just(head_dim), HEAD_DIMS, st.sampled_from([128, 192, 512]))
 
 
 def head_dim_v(p) -> int:
@@ -234,6 +236,21 @@ EDGE_CASES = [
     # 21: head_dim 1, v's 3, float32.
     dict(dtype="float32", batch=1, heads=2, seqlen_q=33, seqlen_k=20, head_dim=1, head_dim_v=3, causal=False,
          softmax_scale=None, logit_std=1.0, seed=21),
+    # 22: Gemma's 512, GQA 2:1, causal, lengths off every tile (v's columns over two blocks).
+    dict(dtype="bfloat16", batch=2, heads=4, heads_kv=2, seqlen_q=333, seqlen_k=290, head_dim=512, causal=True,
+         softmax_scale=None, logit_std=3.0, seed=22),
+    # 23: d 256 / d_v 512 with a masked float16 bias, a window and a sink.
+    dict(dtype="float16", batch=1, heads=2, seqlen_q=200, seqlen_k=257, head_dim=256, head_dim_v=512, causal=False,
+         softmax_scale=None, logit_std=3.0, seed=23,
+         features={"window_size": (150, 20), "sink": [0.5, -1.0],
+                   "bias": dict(shape=(True, True, True, True), std=3.0, masked=True, dtype="input", seed=4)}),
+    # 24: float32 (CUDA-core kernels) d 512 / d_v 320, softcap and ALiBi.
+    dict(dtype="float32", batch=1, heads=2, seqlen_q=70, seqlen_k=100, head_dim=512, head_dim_v=320, causal=True,
+         softmax_scale=None, logit_std=3.0, seed=24, features={"softcap": 5.0, "alibi_slopes": [0.5, 0.25]}),
+    # 25: wide head dims off 16-byte rows: 300 (tile 320) and v's 450 (tile 512, its second block
+    # 194 columns).
+    dict(dtype="bfloat16", batch=1, heads=3, heads_kv=1, seqlen_q=150, seqlen_k=90, head_dim=300, head_dim_v=450,
+         causal=False, softmax_scale=None, logit_std=30.0, seed=25),
 ]
 
 
@@ -258,7 +275,7 @@ def _check_forward_of(q, k, v, make_options, dtype, head_dim, context, path):
     opts = make_options()
     with poisoned_allocations(), kernel_path(path), families.recording() as launched:
         o, lse = cupy_flash.flash_forward(q, k, v, **opts)
-    expect_hopper_family(path, launched_family(launched), dtype, head_dim, opts)
+    expect_hopper_family(path, launched_family(launched), dtype, max(q.shape[-1], v.shape[-1]), opts)
     assert o.shape == q.shape[:-1] + v.shape[-1:] and o.dtype == q.dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == numpy.float32
     o_exact, lse_exact = attention_reference(q, k, v, **make_options())
@@ -286,7 +303,7 @@ def test_head_dim_v_runs_its_own_hopper_tile(causal, heads_kv, lengths):
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 @given(problems())
-@edge_cases(0, 1, 2, 3, 4, 5, 7, 8, 9, 11, 12, 13, 16, 17, 18, 19, 20, 21)
+@edge_cases(0, 1, 2, 3, 4, 5, 7, 8, 9, 11, 12, 13, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25)
 def test_forward_matches_reference(path, p):
     count_example("forward_matches_reference")
     _check_forward(p, path)
@@ -300,7 +317,7 @@ def _check_backward(p, deterministic, path="portable"):
     return_dbias = "bias" in opts and not (deterministic and bias_broadcasts(p))
     with poisoned_allocations(), kernel_path(path), families.recording() as launched:
         grads = cupy_flash.flash_backward(do, q, k, v, o, lse, deterministic=deterministic, return_dbias=return_dbias, **opts)
-    expect_hopper_backward(path, launched_family(launched), p["dtype"], p["head_dim"], opts, deterministic)
+    expect_hopper_backward(path, launched_family(launched), p["dtype"], max(p["head_dim"], head_dim_v(p)), opts, deterministic)
     exact = attention_reference_backward(do, q, k, v, return_dbias=return_dbias, **opts)
     low = low_precision_gradients(do, q, k, v, return_dbias=return_dbias, **opts)
     context = describe(p) + f" deterministic={deterministic} kernels={path}"
@@ -324,8 +341,8 @@ def _check_backward(p, deterministic, path="portable"):
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 @given(problems(), st.booleans())
 # each edge case once, deterministic or not
-@edge_cases(*((i, False) for i in (0, 2, 4, 5, 6, 8, 10, 12, 13, 14, 17, 20)),
-            *((i, True) for i in (1, 3, 7, 9, 11, 15, 18, 19, 21)))
+@edge_cases(*((i, False) for i in (0, 2, 4, 5, 6, 8, 10, 12, 13, 14, 17, 20, 22, 25)),
+            *((i, True) for i in (1, 3, 7, 9, 11, 15, 18, 19, 21, 23, 24)))
 # float32, logits in the hundreds: the forward's O ~1e-4 off, which dQ inherits through delta where
 # dP - delta cancels (6x the dense error before the delta term took the given O's error; helpers).
 @example(dict(features={}, heads_kv=1, dtype="float32", batch=1, heads=1, seqlen_q=3, seqlen_k=428, head_dim=248,
@@ -438,7 +455,7 @@ def test_packed_batches_match_reference(path, p, deterministic):
     context = describe(p) + f" lens_q={p['lens_q']} lens_k={p['lens_k']} deterministic={deterministic} kernels={path}"
     with poisoned_allocations(), kernel_path(path), families.recording() as launched:
         o, lse = cupy_flash.flash_forward(q, k, v, **opts)
-    expect_hopper_family(path, launched_family(launched), p["dtype"], p["head_dim"], opts)
+    expect_hopper_family(path, launched_family(launched), p["dtype"], max(p["head_dim"], head_dim_v(p)), opts)
     assert o.shape == q.shape[:-1] + v.shape[-1:] and lse.shape == (p["heads"], q.shape[0])
     o_exact, lse_exact = attention_reference(q, k, v, **opts)
     o_low, lse_low = low_precision_outputs(q, k, v, **opts)
@@ -447,7 +464,7 @@ def test_packed_batches_match_reference(path, p, deterministic):
     check_error_rule("lse", lse, lse_exact, lse_low, context, lse_magnitude)
     with poisoned_allocations(), kernel_path(path), families.recording() as launched:
         grads = cupy_flash.flash_backward(do, q, k, v, o, lse, deterministic=deterministic, **opts)
-    expect_hopper_backward(path, launched_family(launched), p["dtype"], p["head_dim"], opts, deterministic)
+    expect_hopper_backward(path, launched_family(launched), p["dtype"], max(p["head_dim"], head_dim_v(p)), opts, deterministic)
     exact = attention_reference_backward(do, q, k, v, **opts)
     low = low_precision_gradients(do, q, k, v, **opts)
     assert len(grads) == len(exact)

@@ -22,7 +22,7 @@ def test_unknown_command_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         _cli.main(["compile-everything"])
     assert exit_info.value.code == 2
-    assert _cli.main(["warmup", "--head-dims", "300"]) == 2
+    assert _cli.main(["warmup", "--head-dims", "600"]) == 2
 
 
 @pytest.mark.skipif(HAS_GPU, reason="the no-GPU answer (a GPU is present)")
@@ -62,6 +62,14 @@ def test_warmup_specs_cover_what_calls_run():
             "forward_sm90 kernels (bfloat16, head_dim tile 64, sm90a tiles 128x64x128x2)"} <= plain, plain
     biased = _cli.warmup_specs(["bfloat16"], [64], ["bias"], ["forward"], h100)
     assert "forward_tc kernels (bfloat16, head_dim tile 64, sm90 tiles, bias)" in {s.describe() for s in biased}
+    # Head dim 512 runs the portable families everywhere; an A100 has no tensor-core backward for it.
+    wide = {s.describe() for s in _cli.warmup_specs(["bfloat16"], [512], [], ["forward", "backward"], h100)}
+    assert {"forward_tc kernels (bfloat16, head_dim tile 512, sm90 tiles)",
+            "backward_tc kernels (bfloat16, head_dim tile 512, sm90 tiles)"} <= wide, wide
+    a100_wide = {s.describe() for s in _cli.warmup_specs(["bfloat16"], [512], [], ["forward", "backward"],
+                                                         families.DeviceInfo(80, 163 * 1024, 108))}
+    assert "forward_tc kernels (bfloat16, head_dim tile 512, sm80 tiles)" in a100_wide
+    assert not any(s.startswith("backward_tc") for s in a100_wide)
 
 
 def test_index_records_compiled_modules(tmp_path, monkeypatch):

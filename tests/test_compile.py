@@ -189,19 +189,34 @@ def test_hopper_kernels_reach_shared_memory_as_shared(reports):
 def test_every_head_dim_maps_to_a_compiled_tile():
     for head_dim in range(8, _traits.MAX_HEAD_DIM + 1, 8):
         tile = _traits.head_dim_tile(head_dim)
-        assert tile in _traits.HEAD_DIM_TILES and head_dim <= tile < head_dim + 32
+        padding = 32 if head_dim <= _traits.WIDE_TILE else 64   # FlashAttention-2's tiles, then steps of 64
+        assert tile in _traits.HEAD_DIM_TILES and head_dim <= tile < head_dim + padding
+    with pytest.raises(ValueError, match="exceeds 512"):
+        _traits.head_dim_tile(_traits.MAX_HEAD_DIM + 1)
 
 
 @pytest.mark.parametrize("tile", _traits.HEAD_DIM_TILES)
 def test_shared_memory_fits_every_sm80_plus_part(tile):
-    for smem in (cuda_core.forward_smem_bytes(tile), tensor_core.forward_tc_smem_bytes(tile, "sm8x"),
-                 cuda_core.backward_smem_bytes(tile), cuda_core.backward_dq_smem_bytes(tile)):
+    """To 256 every kernel fits every sm_80+ part (99 KB a block); wider tiles what fits where: the
+    forwards everywhere, the float32 backward on sm_80-class parts from 448 (families.check_smem
+    refuses it below), the tensor-core backward on sm_80 to 448 and on sm_90, decoding on sm_80
+    (also at 192-256: on sm_8x parts from 192 check_smem refuses it)."""
+    sm8x = [cuda_core.forward_smem_bytes(tile), tensor_core.forward_tc_smem_bytes(tile, "sm8x")]
+    backward = [cuda_core.backward_smem_bytes(tile), cuda_core.backward_dq_smem_bytes(tile)]
+    for smem in sm8x + (backward if tile <= 384 else []):
         assert smem <= _traits.SMEM_LIMIT_BYTES
+    for smem in backward:
+        assert smem <= _traits.TARGET_SMEM_BYTES["sm80"]
     # The other tables are only chosen where the device allows them.
     for target in _traits.TENSOR_CORE_TARGETS:
         limit = _traits.TARGET_SMEM_BYTES[target]
         assert tensor_core.forward_tc_smem_bytes(tile, target) <= limit
-        assert tensor_core.backward_tc_smem_bytes(tile, target) <= limit
+        if tile in tensor_core.BACKWARD_TC_TARGETS[target]:
+            assert tensor_core.backward_tc_smem_bytes(tile, target) <= limit
+    assert (tile in tensor_core.BACKWARD_TC_TARGETS["sm8x"]) == (tile <= _traits.WIDE_TILE)
+    assert (tile in tensor_core.BACKWARD_TC_TARGETS["sm80"]) == (tile <= 448)
+    assert tile in tensor_core.BACKWARD_TC_TARGETS["sm90"]
+    assert _traits.decode_smem_bytes(tile) <= _traits.TARGET_SMEM_BYTES["sm80"]
 
 
 def test_every_hopper_instantiation_is_built_by_ci():

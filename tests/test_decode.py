@@ -15,7 +15,7 @@ from helpers import (
     random_array,
     requires_gpu,
 )
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import cupy_flash
@@ -144,7 +144,9 @@ def decode_problems(draw):
     if paged:
         capacity = -(-capacity // page_size) * page_size
     lengths = draw(st.lists(st.integers(0, capacity - new), min_size=batch, max_size=batch))
-    head_dim = 8 * draw(st.integers(1, 32))
+    # Multiples of 8 up to 256 mostly; one time in five the wide tiles' (264-512, v split over blocks).
+    eights = st.one_of(*(st.integers(1, 32),) * 4, st.integers(33, 64)).map(lambda n: 8 * n)
+    head_dim = draw(eights)
     features = {}
     if draw(st.booleans()):
         features.update(draw_window_and_softcap(draw, 1000))
@@ -154,7 +156,7 @@ def decode_problems(draw):
             features["sink"] = draw(st.lists(st.floats(-4.0, 4.0), min_size=heads_kv * group, max_size=heads_kv * group))
     return dict(dtype=draw(st.sampled_from(["float16", "bfloat16"])), batch=batch, heads_kv=heads_kv, heads=heads_kv * group,
                 seqlen_q=seqlen_q, new=new, capacity=capacity, page_size=page_size, lengths=lengths,
-                head_dim=head_dim, head_dim_v=draw(st.one_of(st.just(head_dim), st.integers(1, 32).map(lambda n: 8 * n))),
+                head_dim=head_dim, head_dim_v=draw(st.one_of(st.just(head_dim), eights, st.just(512))),
                 causal=draw(st.booleans()), features=features,
                 num_splits=draw(st.one_of(st.none(), st.integers(1, 9), st.just(128))),
                 logit_std=draw(st.sampled_from([0.3, 1.0, 3.0, 30.0])), seed=draw(st.integers(0, 2**32 - 1)))
@@ -214,6 +216,15 @@ def decode_options(p):
 
 @requires_gpu
 @given(decode_problems())
+# 512 / 512 (v over two blocks), 16 query heads a K/V head, a new token appended into pages of 64,
+# three splits (the wide combine).
+@example(dict(dtype="bfloat16", batch=2, heads_kv=1, heads=16, seqlen_q=1, new=1, capacity=1024, page_size=64,
+              lengths=[1000, 77], head_dim=512, head_dim_v=512, causal=True, features={}, num_splits=3, logit_std=3.0,
+              seed=512))
+# q and k 320, v 448 (tile 448: two blocks of 224 columns), three queries, a window.
+@example(dict(dtype="float16", batch=1, heads_kv=2, heads=4, seqlen_q=3, new=0, capacity=700, page_size=None,
+              lengths=[650], head_dim=320, head_dim_v=448, causal=True, features={"window_size": (300, 0)},
+              num_splits=None, logit_std=1.0, seed=320))
 def test_decode_matches_reference(p):
     import cupy
 
@@ -333,10 +344,12 @@ def test_merge_equals_attention_over_the_union(dtype):
 
 
 @requires_gpu
-@pytest.mark.parametrize("dtype, head_dim, count", [("float32", 7, 130), ("float16", 200, 37), ("bfloat16", 64, 3)])
+@pytest.mark.parametrize("dtype, head_dim, count", [("float32", 7, 130), ("float16", 200, 37), ("bfloat16", 64, 3),
+                                                     ("bfloat16", 510, 5)])
 def test_merge_many_partials(dtype, head_dim, count):
     """Many partials (more than one round of the combine's warps, past 128), head dims off the
-    vector path (7) and past one pass of columns (200); an empty set's O is NaN and must weigh 0."""
+    vector path (7), past one pass of columns (200) and in the wide combine's fourth (510); an
+    empty set's O is NaN and must weigh 0."""
     import cupy
 
     from cupy_flash.reference import round_to_dtype

@@ -47,6 +47,31 @@ def test_the_rest_runs_the_portable_kernels():
         assert family(device, "float32") == "forward"
 
 
+def test_wide_head_dims_run_the_portable_kernels_or_say_why_not():
+    """Above 256 (to 512) the portable families run every call; where a part's shared memory holds no
+    tile of the kernel, the call is refused before launch, naming the head dim and both sizes."""
+    plain = types.SimpleNamespace(flags=0, backward_flags=0, causal=False)
+    for head_dim, head_dim_v in ((264, 264), (512, 512), (256, 512), (512, 128)):
+        for dtype, portable in (("bfloat16", ("forward_tc", "backward_tc")), ("float32", ("forward", "backward"))):
+            shape = AttentionShape(2, 4096, 4096, 8, head_dim, dtype, 8, head_dim_v)
+            for device in (H100, A100, L40):
+                assert (families.forward_family(device, shape, plain, "auto").name,
+                        families.backward_family(device, shape, plain, setting="auto").name) == portable
+    tc = families.tensor_core
+    wide = AttentionShape(2, 1000, 1000, 8, 256, "bfloat16", 8, 512)
+    assert tc.Backward.backward_schedule(H100, wide, plain, False).block_m == 64
+    for device, words in ((A100, "needs 209408 bytes"), (L40, "needs 209408 bytes")):
+        with pytest.raises(ValueError, match=f"the backward at head_dim 512 {words} of shared memory per block; "
+                                             f"this GPU allows {device.smem_per_block}"):
+            tc.Backward.backward_schedule(device, wide, plain, False)
+    with pytest.raises(ValueError, match="the backward at head_dim 320 needs 110080 bytes"):
+        tc.Backward.backward_schedule(L40, AttentionShape(1, 64, 64, 1, 320, "float16"), plain, False)
+    check = families.check_smem
+    check(A100, 163 * 1024, wide, "decoding")
+    with pytest.raises(ValueError, match="decoding at head_dim 512 needs 166913 bytes"):
+        check(A100, 163 * 1024 + 1, wide, "decoding")
+
+
 def backward(device, head_dim=128, seqlen=4096, deterministic=False, flags=0, setting="auto", causal=False):
     shape = AttentionShape(2, seqlen, seqlen, 8, head_dim, "bfloat16")
     return families.backward_family(device, shape, types.SimpleNamespace(backward_flags=flags, causal=causal),

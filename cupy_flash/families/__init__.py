@@ -27,6 +27,7 @@ from ._base import (
     SETTINGS,
     BackwardSchedule,
     DeviceInfo,
+    check_smem,
     current_device,
     current_device_id,
     device_info,
@@ -34,7 +35,8 @@ from ._base import (
     use_kernels,
 )
 
-__all__ = ["KERNELS_VARIABLE", "SETTINGS", "BackwardSchedule", "DeviceInfo", "current_device", "current_device_id", "device_info",
+__all__ = ["KERNELS_VARIABLE", "SETTINGS", "BackwardSchedule", "DeviceInfo", "check_smem", "current_device",
+           "current_device_id", "device_info",
            "kernels_setting", "use_kernels", "FORWARD", "BACKWARD", "forward_family", "backward_family",
            "all_module_specs", "recording"]
 

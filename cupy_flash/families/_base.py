@@ -60,6 +60,14 @@ class DeviceInfo:
         return _traits.tensor_core_target(self.compute_capability, self.smem_per_block)
 
 
+def check_smem(device: DeviceInfo, smem: int, shape, what: str) -> None:
+    """A ValueError, before any launch, where ``what`` (a kernel of ``shape``'s call) needs more
+    shared memory per block than ``device`` allows: wide head dims on parts of 99 KB a block."""
+    if smem > device.smem_per_block:
+        raise ValueError(f"{what} at head_dim {shape.widest_head_dim} needs {smem} bytes of shared memory per block; "
+                         f"this GPU allows {device.smem_per_block}")
+
+
 def current_device_id() -> int:
     """The current CUDA device's ordinal: the one way the package asks which device is current (the
     plans' short paths call the same function, looked up once: _launch.CudaCalls.get_device)."""

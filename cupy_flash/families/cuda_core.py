@@ -8,7 +8,7 @@ from __future__ import annotations
 from .. import _features, _traits
 from .._compile import ModuleSpec, get_kernel
 from .._launch import Launch
-from ._base import BackwardSchedule, Family, spec_with, template
+from ._base import BackwardSchedule, Family, check_smem, spec_with, template
 
 
 # ---- shared memory ------------------------------------------------------------------------------
@@ -61,6 +61,7 @@ class Forward(_CudaCore):
         spec = Forward.call_spec(device, shape, variant.flags)
         name = Forward.kernel(spec, variant.causal)
         smem = forward_smem_bytes(shape.tile)
+        check_smem(device, smem, shape, "the float32 forward")
         block_m, _ = _traits.FORWARD_BLOCKS[shape.tile]
         grid = -(-shape.seqlen_q // block_m) * shape.batch * shape.heads
         return Launch(name, get_kernel(spec, name, smem), grid, _traits.THREADS, smem), (), 0
@@ -105,6 +106,7 @@ class Backward(_CudaCore):
         block_m, block_n = _traits.BACKWARD_BLOCKS[shape.tile]
         name = Backward.kernel(spec, variant.causal, atomic_dq=not deterministic)
         smem = backward_smem_bytes(shape.tile)
+        check_smem(device, smem, shape, "the float32 backward")
         launches = [Launch(name, get_kernel(spec, name, smem), -(-shape.seqlen_k // block_n) * bh, _traits.THREADS, smem)]
         if deterministic:   # dQ in a pass of its own
             name = Backward.dq_kernel(spec, variant.causal)

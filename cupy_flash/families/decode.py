@@ -8,7 +8,7 @@ from __future__ import annotations
 from .. import _features, _traits
 from .._compile import CTYPES, TENSOR_CORE_DTYPES, ModuleSpec, get_kernel
 from .._launch import Launch
-from ._base import spec_with, template
+from ._base import check_smem, spec_with, template
 from .rows import row_kernel_grid
 
 
@@ -22,7 +22,7 @@ def module_spec(dtype: str, tile: int | None = None, features: int = 0) -> Modul
     # itself); the append for the tensor-core dtypes flash_decode takes.
     partials = ("float32",) if dtype == "float32" else ("float32", dtype)
     append = (append_kernel(spec),) if dtype in TENSOR_CORE_DTYPES else ()
-    return spec_with(spec, append + tuple(combine_kernel(spec, p) for p in partials))
+    return spec_with(spec, append + tuple(combine_kernel(spec, p, wide) for p in partials for wide in (False, True)))
 
 
 def decode_kernel(spec: ModuleSpec, causal: bool) -> str:
@@ -33,8 +33,9 @@ def append_kernel(spec: ModuleSpec) -> str:
     return template("flash_append_kernel", spec.ctype)
 
 
-def combine_kernel(spec: ModuleSpec, partial_dtype: str) -> str:
-    return template("flash_combine_kernel", CTYPES[partial_dtype], spec.ctype)
+def combine_kernel(spec: ModuleSpec, partial_dtype: str, wide: bool) -> str:
+    """``wide``: for head_dim_v above _traits.WIDE_TILE (4 passes of 128 columns a lane, not 2)."""
+    return template("flash_combine_kernel", CTYPES[partial_dtype], spec.ctype, 4 if wide else 2)
 
 
 def combine_launch(rows: int, splits: int) -> tuple[tuple[int], tuple[int]]:
@@ -44,10 +45,11 @@ def combine_launch(rows: int, splits: int) -> tuple[tuple[int], tuple[int]]:
     return (min(rows, 2**31 - 1),), (32 * warps,)
 
 
-def combine(dtype: str, partial_dtype: str) -> tuple:
-    """(name, kernel) of the combine of ``partial_dtype`` partials into ``dtype`` outputs."""
+def combine(dtype: str, partial_dtype: str, head_dim_v: int) -> tuple:
+    """(name, kernel) of the combine of ``partial_dtype`` partials of ``head_dim_v`` columns into
+    ``dtype`` outputs."""
     spec = module_spec(dtype)
-    name = combine_kernel(spec, partial_dtype)
+    name = combine_kernel(spec, partial_dtype, head_dim_v > _traits.WIDE_TILE)
     return name, get_kernel(spec, name)
 
 
@@ -69,11 +71,12 @@ def decode_launches(device, shape, variant, grid: int, num_splits: int, new_rows
                                early=append_grid <= sms))
     spec = module_spec(shape.dtype, shape.tile, variant.flags)
     smem = _traits.decode_smem_bytes(shape.tile)
+    check_smem(device, smem, shape, "decoding")
     name = decode_kernel(spec, variant.causal)
     launches.append(Launch(name, get_kernel(spec, name, smem), grid, 32 * _traits.DECODE_WARPS, smem, early=grid <= sms))
     if num_splits > 1:
         (combine_grid,), (combine_threads,) = combine_launch(shape.batch * shape.seqlen_q * shape.heads, num_splits)
-        name, kernel = combine(shape.dtype, "float32")
+        name, kernel = combine(shape.dtype, "float32", shape.head_dim_v)
         launches.append(Launch(name, kernel, combine_grid, combine_threads, early=True))
     return launches
 

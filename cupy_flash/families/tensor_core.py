@@ -8,7 +8,7 @@ from __future__ import annotations
 from .. import _features, _traits
 from .._compile import TENSOR_CORE_DTYPES, ModuleSpec, get_kernel
 from .._launch import Launch
-from ._base import BackwardSchedule, Family, spec_with, template
+from ._base import BackwardSchedule, Family, check_smem, spec_with, template
 
 # ---- tiles ----------------------------------------------------------------------------------------
 # Tensor-core forward (fp16/bf16): tile -> (block_n, num_warps, m_tiles); 128 query rows per block
@@ -23,12 +23,16 @@ from ._base import BackwardSchedule, Family, spec_with, template
 #   "sm90": H100: also 64 keys at d=128, +5% at 16k and +14% at 1k over 32 (bf16, tile sweep);
 #           sm_80's ptxas spills 24 B with that tile, sm_90's none.
 # At d=64, block_n 128 was +3-5% at 16k but -6% causal at 1k and spills 8 B on sm_90: kept at 64.
+# Above 256 each block's O covers v's columns / V_SPLIT (_traits.v_split) and the Q tile sets the
+# shape: 64 rows and 16 keys fit sm_8x (90 KB at 512), 32 keys sm_80 (117 KB), 128 rows sm_90 (183 KB).
+WIDE = (320, 384, 448, 512)
 FORWARD_TC = {32: (64, 4, 2), 64: (64, 4, 2), 96: (32, 4, 2), 128: (32, 4, 2),
-              160: (64, 8, 1), 192: (32, 8, 1), 224: (32, 8, 1), 256: (32, 8, 1)}
+              160: (64, 8, 1), 192: (32, 8, 1), 224: (32, 8, 1), 256: (32, 8, 1), **{t: (16, 4, 1) for t in WIDE}}
 FORWARD_TC_TARGETS = {
     "sm8x": FORWARD_TC,
-    "sm80": {**FORWARD_TC, 192: (64, 8, 1), 224: (64, 8, 1), 256: (64, 8, 1)},
-    "sm90": {**FORWARD_TC, 128: (64, 4, 2), 192: (64, 8, 1), 224: (64, 8, 1), 256: (64, 8, 1)},
+    "sm80": {**FORWARD_TC, 192: (64, 8, 1), 224: (64, 8, 1), 256: (64, 8, 1), **{t: (32, 4, 1) for t in WIDE}},
+    "sm90": {**FORWARD_TC, 128: (64, 4, 2), 192: (64, 8, 1), 224: (64, 8, 1), 256: (64, 8, 1),
+             **{t: (32, 8, 1) for t in WIDE}},
 }
 
 
@@ -59,6 +63,11 @@ BACKWARD_TC_TARGETS = {
              128: (64, 128, 8, 2, 4, 4), 160: (64, 64, 8, 2, 4, 4), 192: (64, 64, 8, 2, 4, 2),
              224: (64, 64, 8, 2, 4, 4), 256: (64, 64, 8, 1, 4, 2)},
 }
+# Above 256: 64 query rows (two 8-query n-tiles of S^T a warp, the fewest ldmatrix.x4 takes) and
+# what shared memory then leaves for keys: 32 on sm_90 (209 KB at 512), 16 on sm_80 up to 448
+# (151 KB; 512 would need 172). sm_8x parts have no wide backward (110 KB at 320): check_tile.
+BACKWARD_TC_TARGETS["sm80"].update({t: (64, 16, 4, 1, 1, 1) for t in WIDE[:-1]})
+BACKWARD_TC_TARGETS["sm90"].update({t: (64, 32, 8, 1, 2, 2) for t in WIDE})
 # sm80 d=224 and d=256 take 2 key warps for the scores (32 x 16 warp tiles): with 4 (16 x 32), sm_80's ptxas
 # spilled 4 bytes in the causal kernels (ptxas sits at 255 registers there and flips with small edits).
 
@@ -75,10 +84,11 @@ def backward_tc_smem_bytes(tile: int, target: str = "sm8x") -> int:
 
 
 def forward_tc_smem_bytes(tile: int, target: str = "sm8x", bias: bool = False) -> int:
-    # Q tile and one K and one V tile of 2-byte elements, rows padded by 8 elements; with a bias,
-    # a float32 bias tile (BLOCK_M x (BLOCK_N + 8)).
+    # Q tile and one K and one V tile (the block's v columns) of 2-byte elements, rows padded by 8
+    # elements; with a bias, a float32 bias tile (BLOCK_M x (BLOCK_N + 8)).
     block_m, block_n = forward_tc_block_m(tile, target), forward_tc_config(tile, target)[0]
-    return 2 * (block_m + 2 * block_n) * (tile + 8) + (4 * block_m * (block_n + 8) if bias else 0)
+    ld, ld_v = tile + 8, tile // _traits.v_split(tile) + 8
+    return 2 * ((block_m + block_n) * ld + block_n * ld_v) + (4 * block_m * (block_n + 8) if bias else 0)
 
 
 class _TensorCore(Family):
@@ -114,13 +124,11 @@ class Forward(_TensorCore):
         """(Launch, tensor maps, tile counter bytes) of a checked call."""
         target = device.tensor_core_target
         smem = forward_tc_smem_bytes(shape.tile, target, bias=variant.bias is not None)
-        if smem > _traits.TARGET_SMEM_BYTES[target]:
-            raise ValueError(f"bias with head_dim {shape.head_dim} needs {smem} bytes of shared memory per block; "
-                             f"this GPU allows {_traits.TARGET_SMEM_BYTES[target]} (use head_dim <= 128, or an "
-                             "sm_80/sm_90-class GPU)")
+        check_smem(device, smem, shape, "the forward with a bias" if variant.bias is not None else "the forward")
         spec = Forward.call_spec(device, shape, variant.flags)
         name = Forward.kernel(spec, variant.causal)
-        grid = -(-shape.seqlen_q // forward_tc_block_m(shape.tile, target)) * shape.batch * shape.heads
+        grid = (-(-shape.seqlen_q // forward_tc_block_m(shape.tile, target)) * shape.batch * shape.heads
+                * _traits.v_split(shape.tile))
         threads = 32 * forward_tc_config(shape.tile, target)[1]   # 32 x num_warps
         return Launch(name, get_kernel(spec, name, smem), grid, threads, smem), (), 0
 
@@ -129,9 +137,18 @@ class Backward(_TensorCore):
     name, kernel_name, tiles = "backward_tc", "flash_backward_tc_kernel", staticmethod(backward_tc_config)
     features_kept = ~_features.FORWARD_ONLY_FEATURES   # the backward kernels never see the sink
 
+    @classmethod
+    def warmup_specs(cls, device, shape, flags: int) -> list:
+        """None where no tile of ``shape`` fits the device (calls raise: backward_schedule)."""
+        return [cls.call_spec(device, shape, flags)] if shape.tile in BACKWARD_TC_TARGETS[device.tensor_core_target] else []
+
     @staticmethod
     def backward_schedule(device, shape, variant, deterministic: bool) -> BackwardSchedule:
-        block_m = backward_tc_config(shape.tile, device.tensor_core_target)[0]
+        target = device.tensor_core_target
+        if shape.tile not in BACKWARD_TC_TARGETS[target]:   # none of its tiles fits this part's shared memory
+            least = min(backward_tc_smem_bytes(shape.tile, t) for t, tiles in BACKWARD_TC_TARGETS.items() if shape.tile in tiles)
+            check_smem(device, max(least, device.smem_per_block + 1), shape, "the backward")
+        block_m = backward_tc_config(shape.tile, target)[0]
         return BackwardSchedule(block_m, row_multiple=_traits.ROW_STAT_PADDING, dq_accum=True,
                                 dq_semaphores=deterministic, dq_convert=True,
                                 spec=Backward.call_spec(device, shape, variant.backward_flags))
@@ -152,4 +169,5 @@ def module_specs(dtype: str, features) -> list:
     if dtype not in TENSOR_CORE_DTYPES:
         return []
     return [spec for tile in _traits.HEAD_DIM_TILES for flags in features for target in _traits.TENSOR_CORE_TARGETS
-            for spec in (Forward.module_spec(dtype, tile, target, flags), Backward.module_spec(dtype, tile, target, flags))]
+            for spec in ((Forward.module_spec(dtype, tile, target, flags),)
+                         + ((Backward.module_spec(dtype, tile, target, flags),) if tile in BACKWARD_TC_TARGETS[target] else ()))]
