@@ -4,12 +4,13 @@ several tiles (more tiles than SMs), tiles that see no key, GQA, a window, softc
 packed batch with an empty sequence; the FP8 forward's; then the Hopper backward's. Exits with an
 error on a machine without a compute capability 9.0 GPU.
 
-    compute-sanitizer --tool racecheck python bench/sanitize_sm90.py [forward | backward | fp8 | head_dim_v]
+    compute-sanitizer --tool racecheck python bench/sanitize_sm90.py [forward | backward | fp8 | head_dim_v | wide]
 
 With `forward`, only the 16-bit forward's calls; with `backward`, only the backward's calls (the
 forward's still run to give them O and lse); with `fp8`, only the FP8 calls' (the forward's, and
 the backward's: the dequantisation, then the bf16 backward); with `head_dim_v`, only calls whose v
-has a head_dim of its own (forward and backward).
+has a head_dim of its own (forward and backward); with `wide`, only the forward's 512 tile (v
+blocks).
 """
 
 # ruff: noqa: E402 - the imports follow the help guard, which must run first
@@ -145,6 +146,22 @@ if part in ("all", "head_dim_v"):
             o, lse = cupy_flash.flash_forward(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
             cupy_flash.flash_backward(array(o.shape, dtype), q, k, v, o, lse, causal=True, cu_seqlens_q=cu_q,
                                       cu_seqlens_k=cu_k)
+if part in ("all", "wide"):
+    # The 512 tile (head dims 264-512, v blocks of 256): 512 / 512 and 264 / 264 (one v block past
+    # nothing), 256 / 512 and 512 / 128 (one v block), causal and not, GQA, more tiles than SMs, the
+    # first query block seeing no key, a window with softcap and a sink, a packed batch.
+    for dtype in (numpy.float16, ml_dtypes.bfloat16):
+        for d, d_v in ((512, 512), (264, 264), (256, 512), (512, 128)):
+            for causal in (False, True):
+                q, k, v = array((2, 200, 40, d), dtype), array((2, 150, 8, d), dtype), array((2, 150, 8, d_v), dtype)
+                cupy_flash.flash_forward(q, k, v, causal=causal)
+        q, k, v = array((1, 300, 4, 512), dtype), array((1, 100, 2, 512), dtype), array((1, 100, 2, 512), dtype)
+        cupy_flash.flash_forward(q, k, v, causal=True)
+        cupy_flash.flash_forward(q, k, v, window_size=(30, 5), softcap=5.0, sink=cupy.zeros(4, cupy.float32))
+        lens_q, lens_k = [70, 0, 200], [45, 9, 130]
+        cu_q, cu_k = (cupy.asarray(numpy.cumsum([0] + n), dtype=cupy.int32) for n in (lens_q, lens_k))
+        q, k = array((sum(lens_q), 4, 512), dtype), array((sum(lens_k), 2, 512), dtype)
+        cupy_flash.flash_forward(q, k, k, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
 with families.use_kernels("experimental"):
     # Repeated plain calls on new arrays: the later ones take the kept plans (launches on new
     # addresses, tensor maps encoded for them, the backward's workspace).

@@ -36,6 +36,7 @@ SM90_CANDIDATES = {
     128: [(128, 128, 2), (128, 176, 2)],
     192: [(128, 112, 2), (128, 96, 2), (128, 80, 2)],
     256: [(128, 64, 2), (128, 80, 2)],
+    512: [(128, 64, 1), (128, 32, 2)],   # v blocks of sm90.FORWARD_SM90_V_BLOCK columns
 }
 SEQLENS = (1024, 4096, 16384)
 
@@ -51,12 +52,14 @@ def use(tile, config):
 def sm90_forward(config):
     """flash_forward(q, k, v, causal=...) with the Hopper kernel's tile arguments ``config`` (on calls
     the dispatch gives to the Hopper family; others run as usual)."""
-    from cupy_flash import _checks
+    from cupy_flash import _checks, _traits
+    from cupy_flash.families import sm90
     from cupy_flash.forward import forward_plan
 
     def forward(q, k, v, causal=False):
         q, k, v, shape, scale, variant = _checks.prepare_qkv(q, k, v, None, causal)
-        return forward_plan(q, k, v, shape, scale, variant, (config[0], shape.tile, config[1], config[2])).run(q, k, v)
+        wide = (sm90.FORWARD_SM90_V_BLOCK,) if shape.tile > _traits.WIDE_TILE else ()
+        return forward_plan(q, k, v, shape, scale, variant, (config[0], shape.tile, config[1], config[2]) + wide).run(q, k, v)
     return forward
 
 
@@ -102,7 +105,12 @@ def sweep_sm90(candidates):
     print("|---|---|---|" + "---|" * (2 * len(SEQLENS)))
     for tile, configs in candidates.items():
         heads = 2048 // tile
-        shapes = peer_shapes(torch, SDPBackend.CUDNN_ATTENTION, tile)
+        # cuDNN, or where it takes no such head dim (512) SDPA's memory-efficient backend
+        try:
+            shapes = peer_shapes(torch, SDPBackend.CUDNN_ATTENTION, tile)
+        except RuntimeError:
+            print(f"(d = {tile}: cuDNN refuses it; the peer is SDPA's memory-efficient backend)")
+            shapes = peer_shapes(torch, SDPBackend.EFFICIENT_ATTENTION, tile)
         for config in configs:
             forward = sm90_forward(config)
             ok = error_ok(tile, forward)

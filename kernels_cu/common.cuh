@@ -257,15 +257,20 @@ struct QueryBlock {
     int q_block;
     long long b, h;
 };
-// (`index`: the block's place in that order, blockIdx.x unless the grid interleaves more blocks.)
+__device__ __forceinline__ QueryBlock query_block_of(const FlashParams& p, int block_m) {
+    const long long bh_count = p.batch * p.heads;
+    const int num_q_blocks = (int)((p.seqlen_q + block_m - 1) / block_m);
+    const long long bh = blockIdx.x % bh_count;
+    return {num_q_blocks - 1 - (int)(blockIdx.x / bh_count), bh / p.heads, bh % p.heads};
+}
+// The same for the block at place `index` of that order, where the grid interleaves more blocks (the
+// wide tiles' v blocks). (Written apart: the form above, with blockIdx.x read at each use, is
+// what the portable kernels were tuned with; through this one their SASS changed.)
 __device__ __forceinline__ QueryBlock query_block_of(const FlashParams& p, int block_m, unsigned int index) {
     const long long bh_count = p.batch * p.heads;
     const int num_q_blocks = (int)((p.seqlen_q + block_m - 1) / block_m);
     const long long bh = index % bh_count;
     return {num_q_blocks - 1 - (int)(index / bh_count), bh / p.heads, bh % p.heads};
-}
-__device__ __forceinline__ QueryBlock query_block_of(const FlashParams& p, int block_m) {
-    return query_block_of(p, block_m, blockIdx.x);
 }
 
 // Key-block kernels (backward), one block per (key block, batch, head), in one of two orders:

@@ -19,6 +19,11 @@
 // its own where it fits (d <= 128): Q is then free once the tile's last S = Q K^T is done, and the
 // next tile's Q loads under this one's last P V and epilogue; at d = 256 O is staged in Q's rows.
 //
+// Head dims past FLASH_WIDE_TILE (the 512 tile): a consumer's O over every v column would be 256
+// registers a thread, so a tile covers D_V of v's columns (v blocks: the tile index's fastest part,
+// so a query block's v blocks run side by side and share Q and K through L2), each computing S
+// whole; the first v block writes lse.
+//
 // Masks and score modifiers are those of every other kernel (Band, ScoreMod in common.cuh), given
 // each accumulator's (query, key) from wgmma's layout (sm90_mma.cuh). The bias (a tile per key block
 // from global memory) is not supported here: the dispatch (cupy_flash/families/) sends it to
@@ -40,7 +45,8 @@
 #include "sm90_tma.cuh"
 
 // D_TILE: Q's and K's head-dim tile; D_V: V's and O's (D_TILE unless v's head_dim has a tile of its
-// own: FEATURE_HEAD_DIM_V calls on families/sm90.py's FORWARD_SM90_HEAD_DIM_V).
+// own, FEATURE_HEAD_DIM_V calls on families/sm90.py's FORWARD_SM90_HEAD_DIM_V, or a tile covers a
+// v block: past FLASH_WIDE_TILE).
 template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, int D_V = D_TILE>
 struct ForwardSm90Storage {
     using Out = typename Sm90Element<T>::output;
@@ -108,6 +114,7 @@ struct ForwardSm90Work {
     int kv_end;
     int batch_coord;   // the maps' batch coordinate (0 for packed batches: rows carry the offset)
     int kv_head;
+    int v_col;         // the first of v's (and O's) columns the tile covers: its v block x D_V
     bool valid;        // false for the blocks past a packed sequence's end (the tiles cover the longest)
     __device__ __forceinline__ int blocks() const { return kv_end - kv_first; }
 };
@@ -143,16 +150,25 @@ __device__ const unsigned int forward_sm90_tile_order =
     DynamicTiles<D_TILE, IS_CAUSAL, FEATURES>::value ? 2 : (!IS_CAUSAL && !(FEATURES & (FEATURE_WINDOW | FEATURE_VARLEN))) ? 1 : 0;
 
 // The forward's tiles: query blocks of (batch, head)s, in PersistentTiles' order (sm90_tma.cuh;
-// the consumers receive a tile per warp).
-template <int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, int FEATURES, bool DYNAMIC>
+// the consumers receive a tile per warp). V_BLOCK > 0: each query block's tiles are its v blocks
+// of V_BLOCK columns (the header), fastest.
+template <int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, int FEATURES, bool DYNAMIC, int V_BLOCK = 0>
 struct TileScheduler : PersistentTiles<DYNAMIC, false> {
     int num_q_blocks;
+    int v_blocks;    // 1 without v blocks
     int num_tiles;   // < 2^31: the launcher's grid limit
     __device__ __forceinline__ explicit TileScheduler(const FlashParams& p)
-        : num_q_blocks((int)((p.seqlen_q + BLOCK_M - 1) / BLOCK_M)), num_tiles(num_q_blocks * (int)(p.batch * p.heads)) {}
+        : num_q_blocks((int)((p.seqlen_q + BLOCK_M - 1) / BLOCK_M)),
+          v_blocks(V_BLOCK > 0 ? (head_dim_v_of<FEATURES>(p) + V_BLOCK - 1) / V_BLOCK : 1),
+          num_tiles(num_q_blocks * (int)(p.batch * p.heads) * (V_BLOCK > 0 ? v_blocks : 1)) {}
 
     __device__ __forceinline__ ForwardSm90Work work(const FlashParams& p, int tile) const {
         ForwardSm90Work w;
+        w.v_col = 0;
+        if constexpr (V_BLOCK > 0) {
+            w.v_col = tile % v_blocks * V_BLOCK;
+            tile /= v_blocks;
+        }
         // 32-bit divisions: tile < 2^31, so (batch, head) and heads fit (the 64-bit one's routine cost
         // the producer's 32 registers beside three consumers a 4-byte spill).
         // Under a plain causal mask the last heads' query blocks are dealt longest first across
@@ -188,14 +204,15 @@ __device__ __forceinline__ unsigned int claim_slot(unsigned long long* empty, un
     return full_bar;
 }
 // One ring slot's K or V tile, in its 128-byte-row chunks.
+// (col: the first column, of a v block.)
 template <int D_TILE, int ROWS, typename T>
 __device__ __forceinline__ void load_into_slot(T* tile, const TensorMap* map, unsigned long long* empty, unsigned long long* full,
-                                               unsigned int parity, int row, int head, int batch_coord) {
+                                               unsigned int parity, int row, int head, int batch_coord, int col = 0) {
     constexpr int ROW = operand_row_elements<T, D_TILE>;
     const unsigned int full_bar = claim_slot(empty, full, parity, ROWS * D_TILE * sizeof(T));
 #pragma unroll
     for (int c = 0; c < D_TILE / ROW; ++c)
-        tma_load_4d(smem_addr(tile + c * ROWS * ROW), map, full_bar, c * ROW, row, head, batch_coord);
+        tma_load_4d(smem_addr(tile + c * ROWS * ROW), map, full_bar, col + c * ROW, row, head, batch_coord);
 }
 // FP8's V^T in shared memory: chunks of [D_TILE][KEYS keys], 128 keys (128-byte swizzle) where the
 // key block is whole 128-key rows, else 64 (64-byte swizzle; the map's: cupy_flash/forward_fp8.py).
@@ -217,7 +234,7 @@ __device__ __forceinline__ void load_transposed_into_slot(T* tile, const TensorM
 template <typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, int D_V>
 __device__ __forceinline__ void produce_key_block(ForwardSm90Storage<T, BLOCK_M, D_TILE, BLOCK_N, STAGES, D_V>& smem,
                                                   const ForwardSm90Maps& maps, int key_row, int kv_head, int batch_coord,
-                                                  int ring, int vt_offset) {
+                                                  int ring, int vt_offset, int v_col) {
     const RingSlot slot = ring_slot<STAGES>(ring);
     load_into_slot<D_TILE, BLOCK_N>(&smem.k[slot.index][0][0][0], &maps.k, &smem.k_empty[slot.index], &smem.k_full[slot.index],
                                     slot.parity, key_row, kv_head, batch_coord);
@@ -226,7 +243,7 @@ __device__ __forceinline__ void produce_key_block(ForwardSm90Storage<T, BLOCK_M,
                                                    &smem.v_full[slot.index], slot.parity, key_row + vt_offset, kv_head, batch_coord);
     else
         load_into_slot<D_V, BLOCK_N>(&smem.v[slot.index][0][0][0], &maps.v, &smem.v_empty[slot.index], &smem.v_full[slot.index],
-                                        slot.parity, key_row, kv_head, batch_coord);
+                                        slot.parity, key_row, kv_head, batch_coord, v_col);
 }
 
 template <int FEATURES, typename T, int BLOCK_M, int D_TILE, int BLOCK_N, int STAGES, int D_V>
@@ -239,7 +256,7 @@ __device__ __forceinline__ void produce_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
     // FP8 packed batches: V^T holds each sequence from a row of its own (vt_rows, a multiple of 32).
     const int vt_offset = sizeof(T) == 1 && (FEATURES & FEATURE_VARLEN) ? p.vt_rows[w.block.b] - w.seq.k_row0 : 0;
     int key_row = w.seq.k_row0 + (w.kv_end - 1) * BLOCK_N;
-    produce_key_block(smem, maps, key_row, w.kv_head, w.batch_coord, ring++, vt_offset);
+    produce_key_block(smem, maps, key_row, w.kv_head, w.batch_coord, ring++, vt_offset, w.v_col);
     barrier_wait(smem_addr(&smem.q_empty), (q_round & 1) ^ 1);
     const unsigned int q_full = smem_addr(&smem.q_full);
     barrier_arrive_expect(q_full, Q_BYTES);
@@ -251,7 +268,7 @@ __device__ __forceinline__ void produce_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
 #pragma unroll 1
     for (int left = w.blocks() - 1; left > 0; --left) {
         key_row -= BLOCK_N;
-        produce_key_block(smem, maps, key_row, w.kv_head, w.batch_coord, ring++, vt_offset);
+        produce_key_block(smem, maps, key_row, w.kv_head, w.batch_coord, ring++, vt_offset, w.v_col);
     }
 }
 
@@ -378,7 +395,7 @@ __device__ __forceinline__ void store_output(ForwardSm90Storage<T, BLOCK_M, D_TI
         }
         inv[r] = lse_inv.y;
         const int query = first_query + 8 * r;
-        if (lane % 4 == 0 && query < w.seq.seqlen_q) lse[query] = lse_inv.x;
+        if (lane % 4 == 0 && query < w.seq.seqlen_q && w.v_col == 0) lse[query] = lse_inv.x;   // the first v block's
     }
     unsigned char* staging = OWN_O ? reinterpret_cast<unsigned char*>(&smem.o[0][0][0]) : reinterpret_cast<unsigned char*>(&smem.q[0][0][0]);
     if (blocks > 0) {
@@ -406,7 +423,7 @@ __device__ __forceinline__ void store_output(ForwardSm90Storage<T, BLOCK_M, D_TI
             if (thread == 0) {
 #pragma unroll
                 for (int c = 0; c < D_V / SWIZZLE_ROW_ELEMENTS; ++c)
-                    tma_store_4d(&maps.o, smem_addr(staging + c * Q_CHUNK_BYTES + 64 * consumer * 128), c * SWIZZLE_ROW_ELEMENTS,
+                    tma_store_4d(&maps.o, smem_addr(staging + c * Q_CHUNK_BYTES + 64 * consumer * 128), w.v_col + c * SWIZZLE_ROW_ELEMENTS,
                                  w.seq.q_row0 + w.q_start + 64 * consumer, (int)w.block.h, w.batch_coord);
                 tma_store_commit();
                 if (!OWN_O) {
@@ -419,8 +436,8 @@ __device__ __forceinline__ void store_output(ForwardSm90Storage<T, BLOCK_M, D_TI
         }
     }
     constexpr int UNITS = D_V / 8;   // 16-byte units per row
-    const int head_dim = head_dim_v_of<FEATURES>(p);   // o's
-    Out* out = static_cast<Out*>(p.o) + tensor_offset(p.o_strides, w.block.b, w.seq.q_row0 + w.q_start, w.block.h);
+    const int head_dim = head_dim_v_of<FEATURES>(p) - w.v_col;   // o's, from the tile's first column
+    Out* out = static_cast<Out*>(p.o) + tensor_offset(p.o_strides, w.block.b, w.seq.q_row0 + w.q_start, w.block.h) + w.v_col;
 #pragma unroll 4
     for (int idx = thread; idx < 64 * UNITS; idx += 128) {
         const int row = 64 * consumer + idx / UNITS, col = (idx % UNITS) * 8;
@@ -474,9 +491,12 @@ __device__ __forceinline__ void consume_tile(ForwardSm90Storage<T, BLOCK_M, D_TI
         // S of key block (kv_end - 1 - i) in slot `slot`: issued, not waited for.
         auto issue_scores = [&](float (&s)[BLOCK_N / 2], const RingSlot& slot) {
             barrier_wait(smem_addr(&smem.k_full[slot.index]), slot.parity);
-            const unsigned int k_base = smem_addr(&smem.k[slot.index][0][0][0]);
+            unsigned int q_at = q_base, k_base = smem_addr(&smem.k[slot.index][0][0][0]);
+            // Past the wide tile the product's 64 Q and K descriptors, loop-invariant, were held
+            // across the key loop (spilling 356-508 bytes): opaque bases make them at each use.
+            if constexpr (D_TILE > FLASH_WIDE_TILE) asm volatile("" : "+r"(q_at), "+r"(k_base));
             warpgroup_arrive();
-            mma_k_major<T, BLOCK_N, D_TILE, false, ROW_BYTES>(s, q_base, Q_CHUNK_BYTES, k_base, KV_CHUNK_BYTES);
+            mma_k_major<T, BLOCK_N, D_TILE, false, ROW_BYTES>(s, q_at, Q_CHUNK_BYTES, k_base, KV_CHUNK_BYTES);
             warpgroup_commit();
         };
         auto issue_values = [&](unsigned int (&pa)[BLOCK_N / MMA_K][4], const RingSlot& slot) {
@@ -570,8 +590,9 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
     static_assert(D_TILE % operand_row_elements<T, D_TILE> == 0 && operand_row_elements<T, D_TILE> * sizeof(T) >= 64
                   && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
     static_assert(!(FEATURES & FEATURE_BIAS), "the bias runs on the portable kernels");
-    static_assert(D_V == D_TILE || (sizeof(T) == 2 && (FEATURES & FEATURE_HEAD_DIM_V) && D_V % 64 == 0),
-                  "V's own tile: 16-bit calls whose v has a head_dim of its own, whole 128-byte chunks");
+    constexpr bool V_BLOCKS = D_TILE > FLASH_WIDE_TILE;   // a tile covers D_V of v's columns (the header)
+    static_assert(D_V == D_TILE || (sizeof(T) == 2 && ((FEATURES & FEATURE_HEAD_DIM_V) || V_BLOCKS) && D_V % 64 == 0),
+                  "V's own tile: 16-bit calls whose v has a head_dim of its own or v blocks, whole 128-byte chunks");
     static_assert(sizeof(T) == 2 || (BLOCK_N % 64 == 0 && Storage::OWN_O && !ScoreMod<FEATURES>::active),
                   "FP8: V^T in 64- or 128-key chunks, O staged apart, no score modifier");
     static_assert(registers_fit_launch<CONSUMERS, DYNAMIC>(), "setmaxnreg split beyond the launch's registers: the block would hang");
@@ -599,7 +620,7 @@ flash_forward_sm90_kernel(const __grid_constant__ ForwardSm90Maps maps, const Fl
     }
     __syncthreads();
 
-    const TileScheduler<BLOCK_M, BLOCK_N, IS_CAUSAL, FEATURES, DYNAMIC> scheduler(p);
+    const TileScheduler<BLOCK_M, BLOCK_N, IS_CAUSAL, FEATURES, DYNAMIC, V_BLOCKS ? D_V : 0> scheduler(p);
     int ring = 0, q_round = 0;
     const int warpgroup = threadIdx.x / 128;
     if (warpgroup == 0) {

@@ -224,7 +224,7 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
     const int head_dim = (int)p.head_dim;
     const int head_dim_v = V_SPLIT > 1 ? min(head_dim_v_of<FEATURES>(p) - v_col, DV_TILE) : head_dim_v_of<FEATURES>(p);
     if (V_SPLIT > 1 && head_dim_v <= 0) return;   // past v's columns: nothing to compute (never the first chunk)
-    const QueryBlock block = query_block_of(p, BLOCK_M, V_SPLIT > 1 ? blockIdx.x / V_SPLIT : blockIdx.x);
+    const QueryBlock block = V_SPLIT > 1 ? query_block_of(p, BLOCK_M, blockIdx.x / V_SPLIT) : query_block_of(p, BLOCK_M);
     const long long b = block.b, h = block.h;
     const int q_start = block.q_block * BLOCK_M;
     const Sequence seq = sequence_of<FEATURES>(p, b);

@@ -301,6 +301,27 @@ def test_head_dim_v_runs_its_own_hopper_tile(causal, heads_kv, lengths):
     _check_backward(p, causal, "hopper")
 
 
+@requires_hopper
+@pytest.mark.parametrize("head_dim, head_dim_v, causal, heads_kv, features", [
+    (512, 512, False, 4, {}), (512, 512, True, 1, {}),          # two v blocks
+    (264, 264, True, 2, {}),                                     # the second v block 8 columns wide
+    (512, 128, False, 2, {}), (256, 512, True, 4, {}),           # one v block / v's own head dim
+    (512, 512, True, 2, {"window_size": (100, 7), "softcap": 5.0, "sink": [0.5, -1.0, 2.0, 0.0]}),
+])
+def test_wide_head_dims_run_the_hopper_forward(head_dim, head_dim_v, causal, heads_kv, features):
+    """The Hopper forward's 512 tile (sm90.FORWARD_SM90[512], 128 x 32, v blocks of 256: each tile computes S
+    whole and O over its block's columns) against the reference; its backward is the portable one."""
+    p = dict(dtype="bfloat16", batch=2, heads=4, heads_kv=heads_kv, seqlen_q=300, seqlen_k=333, head_dim=head_dim,
+             head_dim_v=head_dim_v, causal=causal, softmax_scale=None, logit_std=3.0, seed=head_dim + head_dim_v,
+             features=features)
+    q, k, v = make_inputs(p)
+    with families.use_kernels("experimental"), families.recording() as launched:
+        cupy_flash.flash_forward(q, k, v, **options(p))
+    assert launched_family(launched) == "forward_sm90" and ", 512, 32, 2, " in launched_kernels(launched)[-1], launched
+    _check_forward(p, "hopper")
+    _check_backward(p, causal, "hopper")
+
+
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 @given(problems())
 @edge_cases(0, 1, 2, 3, 4, 5, 7, 8, 9, 11, 12, 13, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25)

@@ -62,9 +62,10 @@ def test_warmup_specs_cover_what_calls_run():
             "forward_sm90 kernels (bfloat16, head_dim tile 64, sm90a tiles 128x64x128x2)"} <= plain, plain
     biased = _cli.warmup_specs(["bfloat16"], [64], ["bias"], ["forward"], h100)
     assert "forward_tc kernels (bfloat16, head_dim tile 64, sm90 tiles, bias)" in {s.describe() for s in biased}
-    # Head dim 512 runs the portable families everywhere; an A100 has no tensor-core backward for it.
+    # Head dim 512: the Hopper forward (v blocks of 256) and the portable backward on the H100; an
+    # A100 has the portable forward and no tensor-core backward for it.
     wide = {s.describe() for s in _cli.warmup_specs(["bfloat16"], [512], [], ["forward", "backward"], h100)}
-    assert {"forward_tc kernels (bfloat16, head_dim tile 512, sm90 tiles)",
+    assert {"forward_sm90 kernels (bfloat16, head_dim tile 512, sm90a tiles 128x512x32x2x256)",
             "backward_tc kernels (bfloat16, head_dim tile 512, sm90 tiles)"} <= wide, wide
     a100_wide = {s.describe() for s in _cli.warmup_specs(["bfloat16"], [512], [], ["forward", "backward"],
                                                          families.DeviceInfo(80, 163 * 1024, 108))}

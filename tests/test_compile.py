@@ -246,7 +246,8 @@ def test_generated_wgmma_operations_are_current_and_cover_the_tiles():
         "kernels_cu/sm90_wgmma_ops.cuh is stale: run python -m bench.generate_wgmma_ops")
     assert generator.WIDTHS is sm90.SM90_WGMMA_WIDTHS
     for tile, (_, block_n, _) in list(sm90.FORWARD_SM90.items()) + list(sm90.FORWARD_SM90_PLAIN.items()):
-        assert tile in generator.WIDTHS and block_n in generator.WIDTHS, (tile, block_n)
+        v_width = sm90.FORWARD_SM90_V_BLOCK if tile > _traits.WIDE_TILE else tile   # O += P V's N
+        assert v_width in generator.WIDTHS and block_n in generator.WIDTHS, (tile, block_n)
     # the key split's N; the head-dim split's halves, and the product split's whole query block
     for tile, (_, block_m, _) in list(sm90.BACKWARD_SM90.items()) + list(sm90.BACKWARD_SM90_PLAIN.items()):
         halves = (tile // _traits.BACKWARD_SM90_CONSUMERS, block_m // _traits.BACKWARD_SM90_CONSUMERS, block_m)

@@ -48,15 +48,22 @@ def test_the_rest_runs_the_portable_kernels():
 
 
 def test_wide_head_dims_run_the_portable_kernels_or_say_why_not():
-    """Above 256 (to 512) the portable families run every call; where a part's shared memory holds no
-    tile of the kernel, the call is refused before launch, naming the head dim and both sizes."""
+    """Above 256 (to 512) the Hopper forward (the 512 tile, v blocks of 256) runs float16/bfloat16
+    forwards on the H100 and the portable families the rest; where a part's shared memory holds no
+    tile of a kernel, the call is refused before launch, naming the head dim and both sizes."""
     plain = types.SimpleNamespace(flags=0, backward_flags=0, causal=False)
     for head_dim, head_dim_v in ((264, 264), (512, 512), (256, 512), (512, 128)):
         for dtype, portable in (("bfloat16", ("forward_tc", "backward_tc")), ("float32", ("forward", "backward"))):
             shape = AttentionShape(2, 4096, 4096, 8, head_dim, dtype, 8, head_dim_v)
             for device in (H100, A100, L40):
+                hopper = device is H100 and dtype == "bfloat16"
                 assert (families.forward_family(device, shape, plain, "auto").name,
-                        families.backward_family(device, shape, plain, setting="auto").name) == portable
+                        families.backward_family(device, shape, plain, setting="auto").name) == (
+                    ("forward_sm90",) + portable[1:] if hopper else portable)
+                if hopper:
+                    config = sm90.forward_sm90_config(512, 0)
+                    assert config == (128, 512, 32, 2, 256)
+                    assert sm90.forward_sm90_v_blocks(config, head_dim_v) == -(-head_dim_v // 256)
     tc = families.tensor_core
     wide = AttentionShape(2, 1000, 1000, 8, 256, "bfloat16", 8, 512)
     assert tc.Backward.backward_schedule(H100, wide, plain, False).block_m == 64

@@ -22,9 +22,10 @@ pytestmark = requires_gpu
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])   # 8: issue 22 asks exactness at 4 and 8 ranks
 @pytest.mark.parametrize("causal", [False, True])
-# d, d_v: q's and v's head dims (DeepSeek's 192 / 128 in the last)
+# d, d_v: q's and v's head dims (DeepSeek's 192 / 128, and Gemma's 512, in the last two)
 @pytest.mark.parametrize("heads_kv,dtype,chunk,d,d_v", [(4, "bfloat16", 77, 128, 128), (1, "float16", 128, 128, 128),
-                                                       (2, "bfloat16", 300, 128, 128), (2, "bfloat16", 77, 192, 128)])
+                                                       (2, "bfloat16", 300, 128, 128), (2, "bfloat16", 77, 192, 128),
+                                                       (2, "bfloat16", 77, 512, 512)])
 def test_loopback_ring_holds_the_error_rule_over_the_whole_sequence(world, causal, heads_kv, dtype, chunk, d, d_v):
     rng = numpy.random.default_rng(world * 100 + chunk + causal)
     batch, heads = 2, 4

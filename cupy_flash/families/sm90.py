@@ -1,6 +1,7 @@
 """The Hopper family (sm_90a: wgmma, TMA, warp specialisation): kernels_cu/forward_sm90.cu and
 backward_sm90.cu, float16 and bfloat16 on a GPU of compute capability exactly 9.0 (sm_90a code
-runs there only), head_dim <= 256, inputs TMA can read (16-byte-aligned base and strides).
+runs there only), head_dim <= 512 forward and <= 256 backward, inputs TMA can read (16-byte-aligned
+base and strides).
 
 Its tiles are the tables below (FORWARD_SM90 / FORWARD_SM90_PLAIN, BACKWARD_SM90 /
 BACKWARD_SM90_PLAIN, BACKWARD_SM90_DQ_APART), and where each runs. The kernels state their shared
@@ -41,7 +42,13 @@ from ._base import BackwardSchedule, Family, current_device_id, spec_with, templ
 # 128x112 (O staged in Q's rows; 128x96 and 128x80 no faster at 16k): d = 192 1.04-1.23x cuDNN
 # against 0.91-0.94x at 4k-16k on the 256 tile (docs/performance.md).
 # Variant instantiations (score modifiers, windows) take these tiles: all compile spill-free.
-FORWARD_SM90 = {64: (128, 128, 2), 128: (128, 128, 2), 192: (128, 112, 2), 256: (128, 80, 2)}
+# Past 256 (the 512 tile, head dims 264-512) a consumer's O over 512 columns would be 256 registers
+# a thread: a tile covers FORWARD_SM90_V_BLOCK of v's columns, its v blocks side by side, each
+# computing S whole (1.5x the products at 512 / 512). Q of 128 rows (128 KB), two stages of 32 keys
+# (K 32 KB, V's block 16 KB each) and O staged in Q's rows fill 225 of the 227 KB; against one
+# stage of 64 keys 1.06 / 1.10 / 1.06x at 1k / 4k / 16k, causal 0.96 / 1.02 / 1.02x (bf16, H100).
+FORWARD_SM90 = {64: (128, 128, 2), 128: (128, 128, 2), 192: (128, 112, 2), 256: (128, 80, 2), 512: (128, 32, 2)}
+FORWARD_SM90_V_BLOCK = 256
 # The N of every wgmma a Hopper tile table (or bench/tile_sweep.py) may use: key-block widths (S =
 # Q K^T), head-dim tiles (O += P V), the d = 256 backward's halves of a query block (S^T, 32
 # queries a consumer) and of the head dim (128). m64nNk16 allows any multiple of 8 up to 256 for
@@ -173,7 +180,7 @@ def sm90_supports_features(feature_sets: dict, tile: int, flags: int) -> bool:
 
 
 def forward_sm90_tile(head_dim: int) -> int:
-    """The Hopper forward's head-dim tile for ``head_dim`` (<= 256)."""
+    """The Hopper forward's head-dim tile for ``head_dim`` (<= 512)."""
     return next(tile for tile in FORWARD_SM90 if head_dim <= tile)
 
 
@@ -182,14 +189,20 @@ def backward_sm90_tile(head_dim: int) -> int:
     return next(tile for tile in BACKWARD_SM90 if head_dim <= tile)
 
 
-def forward_sm90_config(tile: int, flags: int = 0, causal: bool = False, seqlen_k: int = 0) -> tuple[int, int, int, int]:
-    """(block_m, head-dim tile, block_n, stages): the Hopper forward's template tile arguments for a
-    call with variant ``flags`` (_features.FEATURE_* bits), a causal mask or not, and ``seqlen_k`` keys."""
+def forward_sm90_config(tile: int, flags: int = 0, causal: bool = False, seqlen_k: int = 0) -> tuple:
+    """(block_m, head-dim tile, block_n, stages[, v block]): the Hopper forward's template tile
+    arguments for a call with variant ``flags`` (_features.FEATURE_* bits), a causal mask or not,
+    and ``seqlen_k`` keys; past 256, the v columns a tile covers (FORWARD_SM90_V_BLOCK)."""
     min_keys = plain_causal_min_keys.get()
     min_keys = FORWARD_SM90_PLAIN_CAUSAL_MIN_KEYS.get(tile, 0) if min_keys is None else min_keys
     plain = flags == 0 and (not causal or seqlen_k >= min_keys)
     block_m, block_n, stages = FORWARD_SM90_PLAIN.get(tile, FORWARD_SM90[tile]) if plain else FORWARD_SM90[tile]
-    return block_m, tile, block_n, stages
+    return (block_m, tile, block_n, stages) + ((FORWARD_SM90_V_BLOCK,) if tile > _traits.WIDE_TILE else ())
+
+
+def forward_sm90_v_blocks(config: tuple, head_dim_v: int) -> int:
+    """The tiles a query block takes: its v blocks past the wide tile (the kernel's TileScheduler), else 1."""
+    return -(-head_dim_v // config[4]) if config[1] > _traits.WIDE_TILE else 1
 
 
 def forward_sm90_head_dim_v_config(shape) -> tuple | None:
@@ -290,7 +303,7 @@ class Forward(Family):
         # One block per SM, or a block per tile, as the kernel states (forward_sm90_tile_order).
         # (The tile count is below 2^31: _checks bounds the portable kernels' grid, of smaller
         # blocks, by it.)
-        tiles = -(-shape.seqlen_q // block_m) * shape.batch * shape.heads
+        tiles = -(-shape.seqlen_q // block_m) * shape.batch * shape.heads * forward_sm90_v_blocks(config, shape.head_dim_v)
         grid = min(tiles, device.multiprocessors) if persistent else tiles
         maps = (shape.dtype, block_m, block_n, variant.packed is not None, tuple(_tma.layout_of(x) for x in arrays))
         return Launch(name, kernel, grid, forward_sm90_threads(config), smem), maps, counter_bytes
