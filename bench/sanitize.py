@@ -68,6 +68,27 @@ for dtype in (numpy.float16, ml_dtypes.bfloat16, numpy.float32):
             cupy.cuda.Device().synchronize()
             print("decode", dtype.__name__ if hasattr(dtype, "__name__") else dtype, "paged" if paged else "contiguous",
                   splits, "ok", flush=True)
+    # FlashAttention-2's kvcache options: rows of a larger cache (one index outside it), padding
+    # before each sequence's keys, rotary embedding of q and k_new (both pairings); then a paged
+    # cache with padding and rotary.
+    pool_k = cupy.asarray(rng.standard_normal((3, 96, 2, 72), dtype=numpy.float32).astype(dtype))
+    pool_v = pool_k.copy()
+    q = cupy.asarray(rng.standard_normal((2, 3, 8, 72), dtype=numpy.float32).astype(dtype))
+    new = cupy.asarray(rng.standard_normal((2, 2, 2, 72), dtype=numpy.float32).astype(dtype))
+    angles = numpy.arange(100)[:, None] * 0.01 * (numpy.arange(16) + 1)[None, :]
+    cos, sin = (cupy.asarray(f(angles).astype(numpy.float32)).astype(dtype) for f in (numpy.cos, numpy.sin))
+    for interleaved, index in ((False, [2, 0]), (True, [1, 7])):
+        cupy_flash.flash_decode(q, pool_k, pool_v, cache_seqlens=cupy.asarray([40, 77], dtype=cupy.int32), k_new=new,
+                                v_new=new, cache_batch_idx=cupy.asarray(index, dtype=cupy.int32),
+                                cache_leftpad=cupy.asarray([9, 0], dtype=cupy.int32), rotary_cos=cos, rotary_sin=sin,
+                                rotary_interleaved=interleaved, causal=True, num_splits=3)
+    pages = cupy.asarray(rng.standard_normal((14, 16, 2, 72), dtype=numpy.float32).astype(dtype))
+    table = cupy.asarray(rng.permutation(14)[:12].reshape(2, 6).astype(numpy.int32))
+    cupy_flash.flash_decode(q, pages, pages.copy(), cache_seqlens=cupy.asarray([40, 77], dtype=cupy.int32), k_new=new,
+                            v_new=new, block_table=table, cache_leftpad=cupy.asarray([33, 5], dtype=cupy.int32),
+                            rotary_cos=cos, rotary_sin=sin, window_size=(20, -1))
+    cupy.cuda.Device().synchronize()
+    print("kvcache options ok", flush=True)
     # Wide head dims: 512 / 512 paged with an append over 3 splits (v over two blocks, the wide
     # combine), and merge_attention_states of 504 columns.
     k_cache = cupy.asarray(rng.standard_normal((13, 16, 1, 512), dtype=numpy.float32).astype(dtype))

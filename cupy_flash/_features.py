@@ -30,13 +30,18 @@ FEATURE_VARLEN = 32
 # flag, so calls with one head_dim run the instantiations they ran before (no register held for a
 # second bound: the mma.sync forward spilled 36 bytes with one at d = 128).
 FEATURE_HEAD_DIM_V = 64
+# flash_decode's cache_batch_idx / cache_leftpad (FlashAttention-2's flash_attn_with_kvcache): each
+# sequence's cache row from an index array, its keys from a first row. A flag, so plain decoding
+# runs the instantiations it ran before.
+FEATURE_CACHE_INDEX = 128
 FORWARD_ONLY_FEATURES = FEATURE_SINK   # the backward reads the sink only through lse
 # flash_decode's variants
-DECODE_FEATURES = FEATURE_WINDOW | FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK | FEATURE_HEAD_DIM_V
+DECODE_FEATURES = FEATURE_WINDOW | FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK | FEATURE_HEAD_DIM_V | FEATURE_CACHE_INDEX
 ALL_FEATURES = (FEATURE_WINDOW | FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK | FEATURE_BIAS | FEATURE_VARLEN
                 | FEATURE_HEAD_DIM_V)
 FEATURE_NAMES = {FEATURE_WINDOW: "window", FEATURE_SOFTCAP: "softcap", FEATURE_ALIBI: "alibi",
-                 FEATURE_SINK: "sink", FEATURE_BIAS: "bias", FEATURE_VARLEN: "varlen", FEATURE_HEAD_DIM_V: "head_dim_v"}
+                 FEATURE_SINK: "sink", FEATURE_BIAS: "bias", FEATURE_VARLEN: "varlen", FEATURE_HEAD_DIM_V: "head_dim_v",
+                 FEATURE_CACHE_INDEX: "cache_index"}
 
 
 def cuda_defines() -> str:
@@ -62,6 +67,7 @@ class Variant:
     bias: object = None           # broadcastable to (batch, heads_q, seqlen_q, seqlen_k)
     packed: object = None         # a ``Packed`` batch (cu_seqlens): variable-length sequences
     head_dim_v: bool = False      # v's head_dim differs from q's (FEATURE_HEAD_DIM_V)
+    cache_index: bool = False     # flash_decode with cache_batch_idx or cache_leftpad (FEATURE_CACHE_INDEX)
 
     @property
     def plain(self) -> bool:
@@ -77,7 +83,8 @@ class Variant:
                 | (FEATURE_SINK if self.sink is not None else 0)
                 | (FEATURE_BIAS if self.bias is not None else 0)
                 | (FEATURE_VARLEN if self.packed is not None else 0)
-                | (FEATURE_HEAD_DIM_V if self.head_dim_v else 0))
+                | (FEATURE_HEAD_DIM_V if self.head_dim_v else 0)
+                | (FEATURE_CACHE_INDEX if self.cache_index else 0))
 
     @property
     def backward_flags(self) -> int:

@@ -73,6 +73,9 @@ FIELDS = (
     ("v_descale", "const float*", 1),
     ("vt_rows", "const int*", 1),         # FP8 forward, packed: sequence b's first row of V^T (a multiple of 32)
     ("head_dim_v", "long long", 1),       # v's, o's, dout's and dv's head_dim (head_dim: q's, k's, dq's, dk's)
+    ("cache_batch_idx", "const int*", 1),   # flash_decode, FEATURE_CACHE_INDEX: sequence b's cache is row [b] of
+    ("cache_leftpad", "const int*", 1),     #   the cache (null: b), its keys from row [b] (null: 0)
+    ("cache_batch", "long long", 1),        #   the cache's rows (cache_batch_idx outside them: no key seen)
 )
 
 POINTER_FIELDS = tuple(name for name, c_type, _ in FIELDS if c_type.endswith("*"))

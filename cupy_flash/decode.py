@@ -3,6 +3,7 @@ against a (paged) K/V cache, and ``merge_attention_states``."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
@@ -103,7 +104,7 @@ class DecodePlan(_launch.OutputAndLse):
     def call(self, arrays: tuple):
         """The repeated call (flash_decode's plan cache found this plan): (o, lse), or None where the
         plan cannot launch as it is (another current device, a capturing stream). ``arrays``: q,
-        k, v, cache_seqlens, block_table, k_new, v_new (None where absent)."""
+        k, v, cache_seqlens, block_table, k_new, v_new, cache_batch_idx, cache_leftpad (None where absent)."""
         stream = _launch.ready_stream(self)
         return None if stream is None else self._run(arrays, None, stream, False)
 
@@ -138,13 +139,14 @@ class DecodePlan(_launch.OutputAndLse):
 
 
 # A decode launch's arrays, in the order of its addresses (k and v: the caches).
-_NAMES = ("q", "k", "v", "cache_seqlens", "block_table", "k_new", "v_new", "o", "lse", "o_partial", "lse_partial")
+_NAMES = ("q", "k", "v", "cache_seqlens", "block_table", "k_new", "v_new", "cache_batch_idx", "cache_leftpad", "o", "lse",
+          "o_partial", "lse_partial")
 
 
 def decode_plan(q, k, v, shape, scale, variant, num_splits=None, *, cache=None) -> DecodePlan:
     """The plan of a checked decode call (or flash_forward's split path): ``shape.seqlen_k`` is the
     cache capacity; ``cache`` (flash_decode) holds cache_seqlens, block_table, page_shift, k_new,
-    v_new."""
+    v_new, cache_batch_idx, cache_leftpad."""
     import cupy
 
     device = q.device.id
@@ -171,7 +173,8 @@ def decode_plan(q, k, v, shape, scale, variant, num_splits=None, *, cache=None) 
         partials = tuple(4 * math.prod(s) for s in partial_shapes)
     if cache is not None:
         arrays.update(cache_seqlens=cache["cache_seqlens"], block_table=cache.get("block_table"),
-                      k_new=cache.get("k_new"), v_new=cache.get("v_new"))
+                      k_new=cache.get("k_new"), v_new=cache.get("v_new"), cache_batch_idx=cache.get("cache_batch_idx"),
+                      cache_leftpad=cache.get("cache_leftpad"))
     params = make_params(shape, scale, variant=variant, **arrays)
     params["num_splits"] = num_splits
     params["keys_per_split"] = keys_per_split
@@ -181,6 +184,7 @@ def decode_plan(q, k, v, shape, scale, variant, num_splits=None, *, cache=None) 
         if cache.get("block_table") is not None:
             params["block_table_stride"] = cache["block_table"].shape[1]
             params["page_shift"] = cache["page_shift"]
+        params["cache_batch"] = k.shape[0]
     new_rows = 0 if cache is None or cache.get("k_new") is None else int(cache["k_new"].shape[1])
     launches = family.decode_launches(device_info(device), shape, variant, grid, num_splits, new_rows)
     record = PointerRecord(params, {name: name for name in _NAMES if name in arrays and arrays[name] is not None})
@@ -195,13 +199,14 @@ def launch_decode(q, k, v, shape, scale, variant, num_splits=None, *, cache=None
     plan = decode_plan(q, k, v, shape, scale, variant, num_splits, cache=cache)
     cache = cache or {}
     return plan.run((q, k, v, cache.get("cache_seqlens"), cache.get("block_table"), cache.get("k_new"),
-                     cache.get("v_new")), out)
+                     cache.get("v_new"), cache.get("cache_batch_idx"), cache.get("cache_leftpad")), out)
 
 
 # ---------------------------------------------------------------------------------------------
 # flash_decode
 
-def check_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, block_table=None):
+def check_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, block_table=None, cache_batch_idx=None,
+                 cache_leftpad=None):
     """Shapes of a decode call (reads .shape/.dtype/.ndim only): (AttentionShape with seqlen_k =
     the cache capacity, page_shift or None)."""
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -230,6 +235,12 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, blo
     if batch < 1 or seqlen_q < 1 or heads < 1:
         raise ValueError(f"q has shape {tuple(q.shape)}; every dimension must be at least 1")
     _check_index_array("cache_seqlens", cache_seqlens, (batch,), "(batch,)")
+    for name, x in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if x is not None:
+            _check_index_array(name, x, (batch,), "(batch,)")
+    if cache_batch_idx is not None and block_table is not None:
+        raise ValueError("cache_batch_idx is not supported with block_table: a paged cache names each sequence's "
+                         "pages in block_table already")
     page_shift = None
     if block_table is not None:
         _check_index_array("block_table", block_table, None, "(batch, pages per sequence)")
@@ -243,9 +254,11 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, blo
         page_shift = page_size.bit_length() - 1
         capacity = int(block_table.shape[1]) * page_size
     else:
-        if int(k_cache.shape[0]) != batch:
+        if int(k_cache.shape[0]) != batch and cache_batch_idx is None:
             raise ValueError(f"k_cache has batch {k_cache.shape[0]} but q has batch {batch} (without block_table "
-                             "the cache is (batch, capacity, heads_kv, head_dim))")
+                             "or cache_batch_idx the cache is (batch, capacity, heads_kv, head_dim))")
+        if int(k_cache.shape[0]) < 1:
+            raise ValueError(f"k_cache has shape {tuple(k_cache.shape)}; it needs at least one sequence")
         capacity = int(k_cache.shape[1])
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new come together: pass both or neither")
@@ -279,6 +292,52 @@ def _check_index_array(name, x, shape, labels):
         raise ValueError(f"{name} has shape {tuple(x.shape)}; expected {labels} = {shape}")
 
 
+def check_rotary(rotary_cos, rotary_sin, interleaved, q, shape) -> bool:
+    """flash_decode's rotary options (reads .shape/.dtype/.ndim only); returns ``interleaved``."""
+    interleaved = _checks.check_flag("rotary_interleaved", interleaved)
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin come together: pass both or neither")
+    if rotary_cos is None:
+        return interleaved
+    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if getattr(x, "ndim", None) != 2:
+            raise ValueError(f"{name} must have 2 dimensions (seqlen_ro, rotary_dim / 2), got shape "
+                             f"{tuple(getattr(x, 'shape', ()))}")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but q has dtype {q.dtype}")
+    if tuple(rotary_sin.shape) != tuple(rotary_cos.shape):
+        raise ValueError(f"rotary_sin has shape {tuple(rotary_sin.shape)} but rotary_cos has {tuple(rotary_cos.shape)}")
+    seqlen_ro, half = (int(n) for n in rotary_cos.shape)
+    if not 1 <= half <= shape.head_dim // 2:
+        raise ValueError(f"rotary_cos has {half} columns (rotary_dim / 2); rotary_dim must be 2 to head_dim = "
+                         f"{shape.head_dim}")
+    if seqlen_ro < shape.seqlen_k:
+        raise ValueError(f"rotary_cos has {seqlen_ro} rows but the cache holds {shape.seqlen_k} keys a sequence; "
+                         "it needs a row for each position")
+    return interleaved
+
+
+def _rotated(q, k_new, cos, sin, interleaved: bool, cache_seqlens, shape, q_moves: bool):
+    """(q, k_new) rotated by flash_rotary_kernel (decode.cu) into new contiguous arrays; ``q_moves``:
+    q's rows at successive positions (causal or a window), else all at cache_seqlens[b]."""
+    import cupy
+
+    out_q = cupy.empty(q.shape, q.dtype)
+    out_k = None if k_new is None else cupy.empty(k_new.shape, k_new.dtype)
+    seqlen_new = 0 if k_new is None else int(k_new.shape[1])
+    rows = shape.batch * (shape.seqlen_q * shape.heads + seqlen_new * shape.heads_kv)
+    warps = _traits.ROW_KERNEL_THREADS // 32
+    _, kernel = family.rotary(shape.dtype, interleaved)
+    q_strides = [s // q.itemsize for s in q.strides[:3]]
+    k_strides = [0, 0, 0] if k_new is None else [s // k_new.itemsize for s in k_new.strides[:3]]
+    kernel((min(-(-rows // warps), 2**31 - 1),), (_traits.ROW_KERNEL_THREADS,),
+           (q, *(numpy.int64(n) for n in q_strides), q if k_new is None else k_new, *(numpy.int64(n) for n in k_strides),
+            out_q, out_q if out_k is None else out_k, cos, sin, cache_seqlens,
+            *(numpy.int32(n) for n in (shape.batch, shape.seqlen_q, shape.heads, seqlen_new, shape.heads_kv,
+                                       shape.head_dim, 2 * int(cos.shape[1]), int(cos.shape[0]), int(q_moves)))))
+    return out_q, out_k
+
+
 def _in_place_ready(name, x):
     """The cache is written in place: it cannot be copied, so it must already be kernel-ready."""
     if not _checks.readable_in_place(x):
@@ -288,6 +347,7 @@ def _in_place_ready(name, x):
 
 
 def flash_decode(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
+                 cache_batch_idx=None, cache_leftpad=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
                  softmax_scale=None, causal=False, window_size=None, softcap=0.0, alibi_slopes=None, sink=None,
                  num_splits=None, stream=None):
     """Attention of new queries against a K/V cache, appending k_new/v_new into it first.
@@ -311,19 +371,36 @@ def flash_decode(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, 
     ``window_size``, ``softcap``, ``alibi_slopes`` and ``sink`` as in flash_forward.
     num_splits: split the keys into this many ranges computed in parallel and merged exactly
     (default: chosen from the SM count and the work, sized for the capacity).
+    FlashAttention-2's ``flash_attn_with_kvcache`` options:
+    cache_batch_idx: int32 (batch,) on the GPU: sequence b's cache is row cache_batch_idx[b] of a
+    contiguous k_cache / v_cache of any number of rows (not with block_table); a row outside them
+    makes the sequence see no key and drops its new rows.
+    cache_leftpad: int32 (batch,) on the GPU: sequence b's keys start at cache row cache_leftpad[b]
+    (the rows before are padding, never seen); positions stay the cache's rows.
+    rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2) in q's dtype, seqlen_ro >= the capacity,
+    rotary_dim even and <= head_dim: q and k_new are rotated before attention (and k_new so into
+    the cache): k_new's row t at position cache_seqlens[b] + t, q's row t there too with ``causal``
+    or a window, else all of q at cache_seqlens[b] (FlashAttention-2's placement);
+    ``rotary_interleaved`` pairs columns (2i, 2i + 1) (GPT-J), else (i, i + rotary_dim / 2)
+    (GPT-NeoX). Rotated in float32 and rounded to the dtype once, by a row kernel ahead of the
+    decode kernel.
 
     Returns (o, lse): o like q with v's head_dim; lse float32 (batch, heads_q, seqlen_q).
     """
-    # A repeated call on CuPy arrays without ALiBi or a sink takes its checked plan (_plans) and launches.
-    if stream is None and alibi_slopes is None and sink is None:
+    # A repeated call on CuPy arrays without ALiBi, a sink or the kvcache options takes its checked
+    # plan (_plans) and launches.
+    if (stream is None and alibi_slopes is None and sink is None and cache_batch_idx is None and cache_leftpad is None
+            and rotary_cos is None and rotary_sin is None):
         plan = _plans.get(_plan_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, softmax_scale,
                                     causal, window_size, softcap, num_splits))
         if plan is not None:
-            result = plan.call((q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new))
+            result = plan.call((q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, None, None))
             if result is not None:
                 return result
     return _decode_checked(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, softmax_scale, causal,
-                           window_size, softcap, alibi_slopes, sink, num_splits, stream=stream)
+                           window_size, softcap, alibi_slopes, sink, num_splits, stream=stream,
+                           cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                           rotary=(rotary_cos, rotary_sin, rotary_interleaved))
 
 
 flash_decode.__doc__ = flash_decode.__doc__.rstrip() + "\n" + STREAM_DOC
@@ -331,15 +408,20 @@ flash_decode.__doc__ = flash_decode.__doc__.rstrip() + "\n" + STREAM_DOC
 
 @on_stream
 def _decode_checked(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, softmax_scale, causal, window_size,
-                    softcap, alibi_slopes, sink, num_splits):
+                    softcap, alibi_slopes, sink, num_splits, cache_batch_idx=None, cache_leftpad=None,
+                    rotary=(None, None, False)):
     """flash_decode with every check, on the stream the wrapper made current; keeps the plan of a
     call that _plan_key describes and that read every array in place."""
-    given = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
+    given = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, cache_batch_idx, cache_leftpad)
+    rotary_cos, rotary_sin, rotary_interleaved = rotary
+    kvcache_options = cache_batch_idx is not None or cache_leftpad is not None or rotary_cos is not None
     key = None
-    if alibi_slopes is None and sink is None:
+    if alibi_slopes is None and sink is None and not kvcache_options and rotary_sin is None:
         key = _plan_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, softmax_scale, causal,
                         window_size, softcap, num_splits)
-    shape, page_shift = check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+    shape, page_shift = check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx,
+                                     cache_leftpad)
+    rotary_interleaved = check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, shape)
     scale = _checks.check_softmax_scale(softmax_scale, shape.head_dim)
     causal = _checks.check_flag("causal", causal)
     num_splits = check_num_splits(num_splits)
@@ -350,21 +432,36 @@ def _decode_checked(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_tabl
         if features[name] is not None:
             features[name] = _checks.as_gpu_array(name, features[name])
     variant = check_variant(shape.batch, shape.heads, causal, head_dim_v=shape.own_head_dim_v, **features)
+    if cache_batch_idx is not None or cache_leftpad is not None:
+        variant = dataclasses.replace(variant, cache_index=True)
     with q.device:
         arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
         if block_table is not None:
             arrays["block_table"] = block_table = _checks.as_gpu_array("block_table", block_table)
+        if cache_batch_idx is not None:
+            arrays["cache_batch_idx"] = cache_batch_idx = _checks.as_gpu_array("cache_batch_idx", cache_batch_idx)
+        if cache_leftpad is not None:
+            arrays["cache_leftpad"] = cache_leftpad = _checks.as_gpu_array("cache_leftpad", cache_leftpad)
+        if rotary_cos is not None:
+            arrays["rotary_cos"] = rotary_cos = _checks.as_gpu_array("rotary_cos", rotary_cos)
+            arrays["rotary_sin"] = rotary_sin = _checks.as_gpu_array("rotary_sin", rotary_sin)
         if k_new is not None:
             arrays["k_new"] = k_new = _checks.kernel_ready(_checks.as_gpu_array("k_new", k_new))
             arrays["v_new"] = v_new = _checks.kernel_ready(_checks.as_gpu_array("v_new", v_new))
         _checks.same_device(**arrays)
         q = _checks.kernel_ready(q)
         k_cache, v_cache = _in_place_ready("k_cache", k_cache), _in_place_ready("v_cache", v_cache)
-        cache = dict(cache_seqlens=_contiguous(cache_seqlens), block_table=_contiguous(block_table),
-                     page_shift=page_shift, k_new=k_new, v_new=v_new)
+        cache_seqlens = _contiguous(cache_seqlens)
+        if rotary_cos is not None:   # q and k_new rotated into new arrays, which the kernels then read
+            q, k_new = _rotated(q, k_new, _contiguous(rotary_cos), _contiguous(rotary_sin), rotary_interleaved,
+                                cache_seqlens, shape, variant.causal or variant.window_left is not None)
+        cache = dict(cache_seqlens=cache_seqlens, block_table=_contiguous(block_table), page_shift=page_shift,
+                     k_new=k_new, v_new=v_new, cache_batch_idx=_contiguous(cache_batch_idx),
+                     cache_leftpad=_contiguous(cache_leftpad))
         variant = variant.on_device()
         plan = decode_plan(q, k_cache, v_cache, shape, scale, variant, num_splits, cache=cache)
-        arrays = (q, k_cache, v_cache, cache["cache_seqlens"], cache["block_table"], k_new, v_new)
+        arrays = (q, k_cache, v_cache, cache["cache_seqlens"], cache["block_table"], k_new, v_new,
+                  cache["cache_batch_idx"], cache["cache_leftpad"])
         if key is not None and all(x is y for x, y in zip(arrays, given)):   # checked, and no copy made
             _launch.kept(_plans, key, plan)
         return plan.run(arrays)

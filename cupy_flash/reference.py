@@ -338,10 +338,14 @@ def low_precision_backward_forms(do, q, k, v, **options) -> list:
 
 @_on_stream
 def decode_reference(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
-                     softmax_scale=None, causal=False, upcast=True, **features):
-    """What ``flash_decode`` returns, computed densely per sequence: its keys are the cache's first
-    cache_seqlens[b] rows (gathered through block_table for a paged cache) followed by k_new[b]. The
-    cache arrays are read, never written. Returns (o, lse) as ``attention_reference``."""
+                     cache_batch_idx=None, cache_leftpad=None, rotary_cos=None, rotary_sin=None,
+                     rotary_interleaved=False, softmax_scale=None, causal=False, upcast=True, **features):
+    """What ``flash_decode`` returns, computed densely per sequence: its keys are the cache's rows
+    cache_leftpad[b] (0 without it) to cache_seqlens[b] (gathered through block_table for a paged
+    cache, from cache row cache_batch_idx[b] with it) followed by k_new[b]. With rotary_cos /
+    rotary_sin, q and k_new are first rotated as flash_decode documents, in float32 and rounded to
+    the dtype once (the kernel's scheme, so both read the same rotated values). The cache arrays
+    are read, never written. Returns (o, lse) as ``attention_reference``."""
     unknown = sorted(set(features) - set(_checks.FEATURE_KEYWORDS) | set(features) & set(_checks.PACKED_KEYWORDS + ("bias",)))
     if unknown:
         raise TypeError(f"decode_reference() got unsupported keyword argument(s): {', '.join(unknown)}")
@@ -362,22 +366,34 @@ def decode_reference(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=No
     xp = _xp(q)
     lengths = numpy.asarray(_host(cache_seqlens)).astype(numpy.int64)
     table = None if block_table is None else numpy.asarray(_host(block_table)).astype(numpy.int64)
+    batch = int(q.shape[0])
+    cache_rows = numpy.arange(batch) if cache_batch_idx is None else numpy.asarray(_host(cache_batch_idx)).astype(numpy.int64)
+    first_keys = numpy.zeros(batch, numpy.int64) if cache_leftpad is None else \
+        numpy.maximum(numpy.asarray(_host(cache_leftpad)).astype(numpy.int64), 0)
+    if rotary_cos is not None:
+        window = features.get("window_size")
+        q_moves = bool(causal) or (window is not None and tuple(window) != (-1, -1))
+        q = rotate(q, rotary_cos, rotary_sin, lengths, q_moves, rotary_interleaved)
+        if k_new is not None:
+            k_new = rotate(k_new, rotary_cos, rotary_sin, lengths, True, rotary_interleaved)
 
     def rows_of(cache, b):
         # 16-bit values move as their bits: gathers and concatenation need no bfloat16 support.
         bits = cache.view(xp.uint16) if cache.dtype.itemsize == 2 else cache
-        n = int(lengths[b])
+        n, first = int(lengths[b]), int(first_keys[b])
         if table is None:
-            rows = bits[b, :n]
+            row = int(cache_rows[b])
+            rows = bits[row, first:n] if 0 <= row < cache.shape[0] else bits[0, :0]
         else:
             page_size = cache.shape[1]
-            keys = numpy.arange(n)
+            keys = numpy.arange(first, max(n, first))
             rows = bits[xp.asarray(table[b, keys // page_size]), xp.asarray(keys % page_size)]
         return rows
 
     def appended(cache, new, b):
         rows = rows_of(cache, b)
-        if new is not None:
+        # (a cache_batch_idx row outside the cache: the sequence sees no key, its new rows dropped)
+        if new is not None and (table is not None or 0 <= int(cache_rows[b]) < cache.shape[0]):
             extra = new.view(xp.uint16) if new.dtype.itemsize == 2 else new
             rows = xp.concatenate([rows, extra[b]], axis=0)
         return rows.view(cache.dtype) if cache.dtype.itemsize == 2 else rows
@@ -390,6 +406,32 @@ def decode_reference(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=No
         outs.append(o)
         lses.append(lse)
     return xp.concatenate(outs, axis=0), xp.concatenate(lses, axis=0)
+
+
+def rotate(x, cos, sin, cache_seqlens, moves: bool, interleaved: bool = False):
+    """x (batch, seqlen, heads, head_dim) of 16-bit floats turned by rotary embedding as flash_decode
+    does it: row t of sequence b at position cache_seqlens[b] + t (``moves``) or cache_seqlens[b],
+    clamped to cos's rows; columns paired (2i, 2i + 1) (``interleaved``) or (i, i + rotary_dim / 2)
+    for i < rotary_dim / 2 = cos.shape[1]; each value x0 c - x1 s or x0 s + x1 c in float32 (every
+    operation rounded), then rounded to x's dtype. Returns an array of x's dtype."""
+    xp = _xp(x)
+    seqlen_ro, half = (int(n) for n in cos.shape)
+    lengths = xp.asarray(numpy.asarray(_host(cache_seqlens)).astype(numpy.int64))
+    steps = xp.arange(x.shape[1]) if moves else xp.zeros(x.shape[1], dtype=xp.int64)
+    positions = xp.clip(lengths[:, None] + steps[None, :], 0, seqlen_ro - 1)            # (batch, seqlen)
+    c = _to_float(cos, xp, xp.float32)[positions][:, :, None, :]                          # (batch, seqlen, 1, half)
+    s = _to_float(sin, xp, xp.float32)[positions][:, :, None, :]
+    f = _to_float(x, xp, xp.float32)
+    index = xp.arange(half)
+    first, second = (2 * index, 2 * index + 1) if interleaved else (index, index + half)
+    x0, x1 = f[..., first], f[..., second]
+    out = f.copy()
+    out[..., first] = x0 * c - x1 * s
+    out[..., second] = x0 * s + x1 * c
+    rounded = round_to_dtype(out, x.dtype, xp)
+    if _is_bfloat16(x.dtype):
+        return (xp.ascontiguousarray(rounded).view(xp.uint32) >> 16).astype(xp.uint16).view(x.dtype)
+    return rounded.astype(x.dtype)
 
 
 def _attention_reference_dense(q, k, v, *, softmax_scale=None, causal=False, upcast=True, rounding="dense",

@@ -47,8 +47,25 @@ __device__ __forceinline__ int decode_seqlen_k(const FlashParams& p, long long b
     return (int)max(0LL, min((long long)__ldcg(p.cache_seqlens + b) + p.seqlen_new, p.cache_capacity));
 }
 
-// One warp per (batch, new token, K/V head): 16-byte copies of its K and V rows into the cache.
-template <typename T>
+// FEATURE_CACHE_INDEX (FlashAttention-2's cache_batch_idx, cache_leftpad): sequence b's cache is
+// row cache_batch_idx[b] of the cache (b without it), and its keys start at row cache_leftpad[b]
+// (0 without it): keys before it are not seen, and positions (the masks' diagonal, ALiBi) stay
+// the cache's rows, as FlashAttention-2 counts them. An index outside the cache's p.cache_batch
+// rows reads as -1: the sequence sees no key and its new rows are not written.
+template <bool CACHE_INDEX>
+__device__ __forceinline__ long long cache_row_of(const FlashParams& p, long long b) {
+    if (!CACHE_INDEX || p.cache_batch_idx == nullptr) return b;
+    const long long row = p.cache_batch_idx[b];
+    return row >= 0 && row < p.cache_batch ? row : -1;
+}
+template <bool CACHE_INDEX>
+__device__ __forceinline__ int cache_first_key(const FlashParams& p, long long b) {
+    return CACHE_INDEX && p.cache_leftpad != nullptr ? max(0, p.cache_leftpad[b]) : 0;
+}
+
+// One warp per (batch, new token, K/V head): 16-byte copies of its K and V rows into the cache
+// (CACHE_INDEX: at the sequence's cache row, cache_row_of).
+template <typename T, bool CACHE_INDEX = false>
 __global__ void flash_append_kernel(const FlashParams p) {
     // Launched early (_launch.py): k_new, v_new and cache_seqlens may come from the kernel ahead.
     // The decode kernel behind it may start at once, prefetching while the rows land; it reads
@@ -63,15 +80,60 @@ __global__ void flash_append_kernel(const FlashParams p) {
         const long long t = (r / heads_kv) % p.seqlen_new;
         const long long kv_head = r % heads_kv;
         const long long position = (long long)p.cache_seqlens[b] + t;
-        if (position < 0 || position >= p.cache_capacity) continue;
-        T* k_dst = static_cast<T*>(const_cast<void*>(p.k)) + cache_offset(p, p.k_strides, b, (int)position, kv_head);
-        T* v_dst = static_cast<T*>(const_cast<void*>(p.v)) + cache_offset(p, p.v_strides, b, (int)position, kv_head);
+        const long long cache_b = cache_row_of<CACHE_INDEX>(p, b);
+        if (position < 0 || position >= p.cache_capacity || (CACHE_INDEX && cache_b < 0)) continue;
+        T* k_dst = static_cast<T*>(const_cast<void*>(p.k)) + cache_offset(p, p.k_strides, cache_b, (int)position, kv_head);
+        T* v_dst = static_cast<T*>(const_cast<void*>(p.v)) + cache_offset(p, p.v_strides, cache_b, (int)position, kv_head);
         const T* k_src = static_cast<const T*>(p.k_new) + tensor_offset(p.k_new_strides, b, t, kv_head);
         const T* v_src = static_cast<const T*>(p.v_new) + tensor_offset(p.v_new_strides, b, t, kv_head);
         for (int c = 8 * lane; c < p.head_dim; c += 8 * 32)
             *reinterpret_cast<uint4*>(k_dst + c) = *reinterpret_cast<const uint4*>(k_src + c);
         for (int c = 8 * lane; c < p.head_dim_v; c += 8 * 32)
             *reinterpret_cast<uint4*>(v_dst + c) = *reinterpret_cast<const uint4*>(v_src + c);
+    }
+}
+
+// Rotary embedding of flash_decode's q and k_new (rotary_cos / rotary_sin, FlashAttention-2's): one
+// warp per row, first q's (batch, seqlen_q, heads), then k_new's (batch, seqlen_new, heads_kv),
+// each written rotated into out_q / out_k (contiguous, the same shapes), which the decode kernel
+// and the append then read. Row t of k_new sits at position cache_seqlens[b] + t; q's row t at
+// cache_seqlens[b] + t * q_step (q_step 1 with a causal mask or a window, else 0: all of q at
+// cache_seqlens[b], as FlashAttention-2 places them); positions clamp to the table's rows.
+// Columns pair as (2i, 2i + 1) when INTERLEAVED (GPT-J), else (i, i + rotary_dim / 2) (GPT-NeoX),
+// for i < rotary_dim / 2, turned by (cos, sin)[position, i]; columns from rotary_dim on are copied.
+// Each value is x0 c - x1 s or x0 s + x1 c in float32, every operation rounded (no fused
+// multiply-add: the reference computes the same in NumPy), then rounded once to T.
+template <typename T, bool INTERLEAVED>
+__global__ void __launch_bounds__(ROW_KERNEL_THREADS) flash_rotary_kernel(
+        const T* q, long long q_batch, long long q_row, long long q_head, const T* k_new, long long k_batch, long long k_row,
+        long long k_head, T* out_q, T* out_k, const T* cos, const T* sin, const int* cache_seqlens, int batch, int seqlen_q,
+        int heads, int seqlen_new, int heads_kv, int head_dim, int rotary_dim, int seqlen_ro, int q_step) {
+    const int lane = threadIdx.x & 31, half = rotary_dim / 2;
+    const long long q_rows = (long long)batch * seqlen_q * heads;
+    const long long rows = q_rows + (long long)batch * seqlen_new * heads_kv;
+    for (long long r = first_row_of_warp(); r < rows; r += rows_per_grid()) {
+        const bool is_q = r < q_rows;
+        const long long i = is_q ? r : r - q_rows;
+        const int per_token = is_q ? heads : heads_kv, tokens = is_q ? seqlen_q : seqlen_new;
+        long long b, t, h;   // (32-bit divisions where they fit: a 64-bit one is a call, which spilled)
+        if (rows <= 0xffffffffLL) {
+            const unsigned int u = (unsigned int)i, per = (unsigned int)per_token;
+            b = u / (per * (unsigned int)tokens), t = u / per % (unsigned int)tokens, h = u % per;
+        } else {
+            b = i / ((long long)tokens * per_token), t = i / per_token % tokens, h = i % per_token;
+        }
+        const T* src = is_q ? q + b * q_batch + t * q_row + h * q_head : k_new + b * k_batch + t * k_row + h * k_head;
+        T* dst = (is_q ? out_q : out_k) + i * head_dim;
+        const long long position = min((long long)seqlen_ro - 1,
+                                       max(0LL, (long long)cache_seqlens[b] + t * (is_q ? q_step : 1)));
+        for (int c = lane; c < half; c += 32) {
+            const int c0 = INTERLEAVED ? 2 * c : c, c1 = INTERLEAVED ? 2 * c + 1 : c + half;
+            const float x0 = to_float(src[c0]), x1 = to_float(src[c1]);
+            const float cs = to_float(cos[position * half + c]), sn = to_float(sin[position * half + c]);
+            dst[c0] = from_float<T>(__fsub_rn(__fmul_rn(x0, cs), __fmul_rn(x1, sn)));
+            dst[c1] = from_float<T>(__fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, cs)));
+        }
+        for (int c = rotary_dim + lane; c < head_dim; c += 32) dst[c] = src[c];
     }
 }
 
@@ -128,10 +190,10 @@ __device__ __forceinline__ void load_q_rows(const FlashParams& p, T* q_tile, lon
 }
 
 // Keys [key_begin, key_end) a decode block may see: its split's range, cut to the band of its first
-// and last tokens.
+// and last tokens (and to sequence b's first key: FEATURE_CACHE_INDEX).
 template <bool IS_CAUSAL, int FEATURES>
 __device__ __forceinline__ void block_key_range(const FlashParams& p, const Band& band, int seqlen_k, int split, int row0,
-                                                int row_count, long long group, int& key_begin, int& key_end) {
+                                                int row_count, long long group, long long b, int& key_begin, int& key_end) {
     const int token_first = (int)(row0 / group), token_last = (int)((row0 + row_count - 1) / group);
     key_begin = (int)min((long long)split * p.keys_per_split, (long long)seqlen_k);
     key_end = (int)min((long long)(split + 1) * p.keys_per_split, (long long)seqlen_k);
@@ -139,6 +201,7 @@ __device__ __forceinline__ void block_key_range(const FlashParams& p, const Band
         key_end = (int)max((long long)key_begin, min((long long)key_end, (long long)token_last + band.right + 1));
     if (FEATURES & FEATURE_WINDOW)
         key_begin = (int)min((long long)key_end, max((long long)key_begin, (long long)token_first + band.left));
+    if (FEATURES & FEATURE_CACHE_INDEX) key_begin = min(key_end, max(key_begin, cache_first_key<true>(p, b)));
 }
 
 // Rows g and g + 8 of this thread: token and head (and the ALiBi slope of that head).
@@ -167,7 +230,7 @@ struct DecodeTileLoader {
     const T* const& k;
     const T* const& v;
     T* const& my_tiles;   // [STAGES][K, V][KEYS][LD]
-    const long long &b, &kv_head;
+    const long long &b, &kv_head;   // b: the sequence's cache row (cache_row_of)
     const int &key_end, &head_dim, &head_dim_v, &lane;
     const unsigned long long& read_once;
 
@@ -462,7 +525,9 @@ flash_decode_kernel(const FlashParams p) {
     // Launched early (_launch.py), the block starts while the kernel ahead still runs: it asks L2 for
     // the first keys of its split meanwhile, and reads nothing else before that kernel has finished.
     // The combine may then start its blocks, which wait for this kernel's end.
-    prefetch_split_to_l2<T, FEATURES>(p, b, kv_head, split);
+    // (With FEATURE_CACHE_INDEX the cache row is known only after the wait: no prefetch.)
+    constexpr bool CACHE_INDEX = (FEATURES & FEATURE_CACHE_INDEX) != 0;
+    if (!CACHE_INDEX) prefetch_split_to_l2<T, FEATURES>(p, b, kv_head, split);
     wait_for_predecessor();
     allow_dependents();
 
@@ -470,13 +535,16 @@ flash_decode_kernel(const FlashParams p) {
     // cache_seqlens'.
     load_q_rows<T, LD, CHUNKS, 32 * NUM_WARPS>(p, q_tile, b, kv_head, group, row0, row_count, head_dim);
     cp_async_commit();
+    // The sequence's cache row (FEATURE_CACHE_INDEX; -1: outside the cache, no key seen).
+    const long long cache_b = cache_row_of<CACHE_INDEX>(p, b);
 
     // Keys this block may see: its split's range, cut to the band of its first and last tokens.
     const int seqlen_k = decode_seqlen_k(p, b);
     Sequence seq = {(int)p.seqlen_q, seqlen_k, 0, 0};
     const Band band = band_of(p, seq);
     int key_begin, key_end;
-    block_key_range<IS_CAUSAL, FEATURES>(p, band, seqlen_k, split, row0, row_count, group, key_begin, key_end);
+    block_key_range<IS_CAUSAL, FEATURES>(p, band, seqlen_k, split, row0, row_count, group, b, key_begin, key_end);
+    if (CACHE_INDEX && cache_b < 0) key_begin = key_end = 0;   // no tile at all: its loads would read row -1
 
     // Rows g and g + 8 of this thread: token and head (and the ALiBi slope of that head).
     int row_token[2];
@@ -495,7 +563,7 @@ flash_decode_kernel(const FlashParams p) {
     // for the combine and the next call (GQA 8:1, batch 1, 32k keys: 33.6 -> 32.1 us a call in a
     // graph; 33 splits of uneven chunks, to give all 132 SMs a block, measured no faster than 32).
     const unsigned long long read_once = l2_evict_first_policy();
-    const DecodeTileLoader<T, D_TILE, DV_TILE> load_tile = {p, k, v, my_tiles, b, kv_head, key_end, head_dim, head_dim_v,
+    const DecodeTileLoader<T, D_TILE, DV_TILE> load_tile = {p, k, v, my_tiles, cache_b, kv_head, key_end, head_dim, head_dim_v,
                                                    lane, read_once};
 
     float o_acc[O_TILES][4];

@@ -56,6 +56,24 @@ BAD_DECODE = [
     ("block_table dtype", dict(block_table=numpy.zeros((2, 2), numpy.int64)), TypeError, "block_table has dtype"),
     ("block_table batch", dict(k_cache=numpy.zeros((5, 16, 2, 16), numpy.float16), v_cache=numpy.zeros((5, 16, 2, 16), numpy.float16),
                                block_table=numpy.zeros((3, 2), numpy.int32)), ValueError, "block_table has shape"),
+    # FlashAttention-2's kvcache options
+    ("cache_batch_idx dtype", dict(cache_batch_idx=numpy.zeros(2, numpy.int64)), TypeError, "cache_batch_idx has dtype"),
+    ("cache_batch_idx shape", dict(cache_batch_idx=numpy.zeros(3, numpy.int32)), ValueError, "cache_batch_idx has shape"),
+    ("cache_batch_idx paged", dict(k_cache=numpy.zeros((4, 16, 2, 16), numpy.float16), v_cache=numpy.zeros((4, 16, 2, 16), numpy.float16),
+                                   block_table=numpy.zeros((2, 2), numpy.int32), cache_batch_idx=numpy.zeros(2, numpy.int32)),
+     ValueError, "cache_batch_idx is not supported with block_table"),
+    ("cache_leftpad shape", dict(cache_leftpad=numpy.zeros((2, 1), numpy.int32)), ValueError, "cache_leftpad has shape"),
+    ("rotary alone", dict(rotary_cos=numpy.zeros((32, 4), numpy.float16)), ValueError, "rotary_cos and rotary_sin"),
+    ("rotary dtype", dict(rotary_cos=numpy.zeros((32, 4), numpy.float32), rotary_sin=numpy.zeros((32, 4), numpy.float32)),
+     TypeError, "rotary_cos has dtype float32"),
+    ("rotary too wide", dict(rotary_cos=numpy.zeros((32, 9), numpy.float16), rotary_sin=numpy.zeros((32, 9), numpy.float16)),
+     ValueError, "rotary_dim must be 2 to head_dim = 16"),
+    ("rotary too short", dict(rotary_cos=numpy.zeros((31, 4), numpy.float16), rotary_sin=numpy.zeros((31, 4), numpy.float16)),
+     ValueError, "rotary_cos has 31 rows but the cache holds 32 keys"),
+    ("rotary shapes", dict(rotary_cos=numpy.zeros((32, 4), numpy.float16), rotary_sin=numpy.zeros((32, 2), numpy.float16)),
+     ValueError, "rotary_sin has shape"),
+    ("rotary_interleaved", dict(rotary_cos=numpy.zeros((32, 4), numpy.float16), rotary_sin=numpy.zeros((32, 4), numpy.float16),
+                                rotary_interleaved="yes"), TypeError, "rotary_interleaved"),
 ]
 
 
@@ -154,12 +172,25 @@ def decode_problems(draw):
             features["alibi_slopes"] = draw_alibi_slopes(draw, heads_kv * group)
         if draw(st.booleans()):
             features["sink"] = draw(st.lists(st.floats(-4.0, 4.0), min_size=heads_kv * group, max_size=heads_kv * group))
+    # FlashAttention-2's kvcache options, each a third of the time: the sequences' rows of a larger
+    # contiguous cache, padding before each sequence's keys, rotary embedding of q and k_new.
+    kvcache = {}
+    if not paged and draw(st.integers(0, 2)) == 0:
+        rows = batch + draw(st.integers(0, 2))
+        kvcache["cache_batch_idx"] = draw(st.permutations(range(rows)))[:batch]
+    if draw(st.integers(0, 2)) == 0:
+        kvcache["cache_leftpad"] = [draw(st.integers(0, n)) for n in lengths]
+    if draw(st.integers(0, 2)) == 0:
+        kvcache["rotary_dim"] = 2 * draw(st.integers(1, head_dim // 2))
+        kvcache["rotary_interleaved"] = draw(st.booleans())
+        kvcache["seqlen_ro"] = capacity + draw(st.integers(0, 5))
     return dict(dtype=draw(st.sampled_from(["float16", "bfloat16"])), batch=batch, heads_kv=heads_kv, heads=heads_kv * group,
                 seqlen_q=seqlen_q, new=new, capacity=capacity, page_size=page_size, lengths=lengths,
                 head_dim=head_dim, head_dim_v=draw(st.one_of(st.just(head_dim), eights, st.just(512))),
                 causal=draw(st.booleans()), features=features,
                 num_splits=draw(st.one_of(st.none(), st.integers(1, 9), st.just(128))),
-                logit_std=draw(st.sampled_from([0.3, 1.0, 3.0, 30.0])), seed=draw(st.integers(0, 2**32 - 1)))
+                logit_std=draw(st.sampled_from([0.3, 1.0, 3.0, 30.0])), seed=draw(st.integers(0, 2**32 - 1)),
+                kvcache=kvcache)
 
 
 def make_decode_inputs(p):
@@ -190,8 +221,27 @@ def make_decode_inputs(p):
         k_bits[flat] = k_dense.view(cupy.uint16).reshape(-1, p["page_size"], p["heads_kv"], d)
         v_bits[flat] = v_dense.view(cupy.uint16).reshape(-1, p["page_size"], p["heads_kv"], d_v)
         k_cache, v_cache, cache["block_table"] = k_pages, v_pages, cupy.asarray(table)
+    elif "cache_batch_idx" in p.get("kvcache", {}):
+        # The sequences' rows among others of a larger cache (a wrong row reads other data).
+        index = p["kvcache"]["cache_batch_idx"]
+        pool = (max(index) + 1, p["capacity"], p["heads_kv"])
+        k_cache, v_cache = random_array(rng, pool + (d,), p["dtype"]), random_array(rng, pool + (d_v,), p["dtype"])
+        for b, row in enumerate(index):
+            copy_bits(k_cache[row], k_dense[b])
+            copy_bits(v_cache[row], v_dense[b])
+        cache["cache_batch_idx"] = cupy.asarray(index, dtype=cupy.int32)
     else:
         k_cache, v_cache = k_dense.copy(), v_dense.copy()
+    kvcache = p.get("kvcache", {})
+    if "cache_leftpad" in kvcache:
+        cache["cache_leftpad"] = cupy.asarray(kvcache["cache_leftpad"], dtype=cupy.int32)
+    if "rotary_dim" in kvcache:
+        # Real angles (positions x frequencies), as a model's tables hold them, in q's dtype.
+        half = kvcache["rotary_dim"] // 2
+        angles = numpy.arange(kvcache["seqlen_ro"])[:, None] * 10000.0 ** (-numpy.arange(half) / half)[None, :]
+        cache["rotary_cos"], cache["rotary_sin"] = (cupy.asarray(f(angles).astype(numpy.float32)).astype(q.dtype)
+                                                    for f in (numpy.cos, numpy.sin))
+        cache["rotary_interleaved"] = kvcache["rotary_interleaved"]
     if new is not None:
         cache["k_new"], cache["v_new"] = new
     return q, k_cache, v_cache, cache, (k_dense, v_dense)
@@ -226,35 +276,40 @@ def decode_options(p):
               lengths=[650], head_dim=320, head_dim_v=448, causal=True, features={"window_size": (300, 0)},
               num_splits=None, logit_std=1.0, seed=320))
 def test_decode_matches_reference(p):
-    import cupy
+
+    from cupy_flash.reference import rotate
 
     count_example("decode_matches_reference")
-    q, k_cache, v_cache, cache, (k_dense, v_dense) = make_decode_inputs(p)
+    q, k_cache, v_cache, cache, _ = make_decode_inputs(p)
     opts = decode_options(p)
     k_before, v_before = k_cache.copy(), v_cache.copy()
     with poisoned_allocations():
         o, lse = cupy_flash.flash_decode(q, k_cache, v_cache, num_splits=p["num_splits"], **cache, **opts)
     context = str(p)
-    # The append wrote exactly rows lengths[b] .. + new of each sequence, bitwise, and nothing else.
+    # The append wrote exactly rows lengths[b] .. + new of each sequence (rotated k_new: the same
+    # float32 operations as the kernel's, so bitwise too), and nothing else.
+    expect_k, expect_v = k_before.copy(), v_before.copy()
     if p["new"]:
+        k_rows = cache["k_new"]
+        if "rotary_cos" in cache:
+            k_rows = rotate(k_rows, cache["rotary_cos"], cache["rotary_sin"], cache["cache_seqlens"], True,
+                            cache["rotary_interleaved"])
+        index = p.get("kvcache", {}).get("cache_batch_idx", list(range(p["batch"])))
         for b, length in enumerate(p["lengths"]):
-            copy_bits(k_dense[b, length:length + p["new"]], cache["k_new"][b])
-            copy_bits(v_dense[b, length:length + p["new"]], cache["v_new"][b])
-    if p["page_size"]:
-        table = cache["block_table"].get().reshape(-1)
-        expect_k, expect_v = k_before.copy(), v_before.copy()
-        expect_k.view(cupy.uint16)[cupy.asarray(table)] = k_dense.view(cupy.uint16).reshape(-1, p["page_size"], p["heads_kv"], p["head_dim"])
-        expect_v.view(cupy.uint16)[cupy.asarray(table)] = v_dense.view(cupy.uint16).reshape(-1, p["page_size"], p["heads_kv"],
-                                                                                            v_dense.shape[-1])
-    else:
-        expect_k, expect_v = k_dense, v_dense
+            for t in range(p["new"]):
+                if p["page_size"]:
+                    page = int(cache["block_table"][b, (length + t) // p["page_size"]])
+                    at = (page, (length + t) % p["page_size"])
+                else:
+                    at = (index[b], length + t)
+                copy_bits(expect_k[at], k_rows[b, t])
+                copy_bits(expect_v[at], cache["v_new"][b, t])
     assert bool((bitwise(k_cache) == bitwise(expect_k)).all()), "k_cache: the append wrote the wrong rows " + context
     assert bool((bitwise(v_cache) == bitwise(expect_v)).all()), "v_cache: the append wrote the wrong rows " + context
-    # Results against the reference over the cache as it now is.
-    lengths = cupy.asarray(p["lengths"], dtype=cupy.int32) + p["new"]
-    exact = decode_reference(q, k_dense, v_dense, cache_seqlens=lengths, **opts)
-    low = decode_reference(q, k_dense, v_dense, cache_seqlens=lengths, upcast=False, **opts)
-    assert o.shape == q.shape[:-1] + v_dense.shape[-1:] and o.dtype == q.dtype
+    # Results against the reference, given the call's own arguments and the caches as they were.
+    exact = decode_reference(q, k_before, v_before, **cache, **opts)
+    low = decode_reference(q, k_before, v_before, upcast=False, **cache, **opts)
+    assert o.shape == q.shape[:-1] + v_cache.shape[-1:] and o.dtype == q.dtype
     assert lse.shape == (p["batch"], p["heads"], p["seqlen_q"])
     magnitude = max_finite_abs(exact[1])
     check_error_rule("decode o", o, exact[0], low[0], context, magnitude)
@@ -499,3 +554,29 @@ def test_decode_graph_replay_matches_eager(num_splits):
             assert bool((bitwise(k_cache) == bitwise(k_eager)).all()), f"step {step}: k_cache"
             assert bool((bitwise(v_cache) == bitwise(v_eager)).all()), f"step {step}: v_cache"
             cache["cache_seqlens"] += 1   # the loop advances the lengths on the device
+
+
+@requires_gpu
+def test_cache_batch_idx_outside_the_cache_sees_no_key():
+    """A cache_batch_idx row outside the cache: that sequence sees no key (o = 0, lse = -inf) and its
+    new rows are written nowhere; the other sequence is as the reference has it."""
+    import cupy
+
+    rng = numpy.random.default_rng(11)
+    q = random_array(rng, (2, 1, 4, 64), "bfloat16")
+    pool = random_array(rng, (2, 128, 2, 64), "bfloat16")
+    new = random_array(rng, (2, 1, 2, 64), "bfloat16")
+    before = pool.copy()
+    lengths = cupy.asarray([50, 20], dtype=cupy.int32)
+    index = cupy.asarray([5, 0], dtype=cupy.int32)
+    o, lse = cupy_flash.flash_decode(q, pool, pool, cache_seqlens=lengths, k_new=new, v_new=new, cache_batch_idx=index)
+    assert bool((o[0].astype(cupy.float32) == 0).all()) and bool(cupy.isneginf(lse[0]).all())
+    assert bool((bitwise(pool[0, 20]) == bitwise(new[1, 0])).all())   # cache row 0 took sequence 1's token ...
+    expect = before.copy()
+    expect[0, 20] = pool[0, 20]
+    assert bool((bitwise(pool) == bitwise(expect)).all())             # ... and nothing else changed
+    exact = decode_reference(q[1:], before, before, cache_seqlens=lengths[1:], k_new=new[1:], v_new=new[1:],
+                             cache_batch_idx=index[1:])
+    low = decode_reference(q[1:], before, before, cache_seqlens=lengths[1:], k_new=new[1:], v_new=new[1:],
+                           cache_batch_idx=index[1:], upcast=False)
+    check_error_rule("decode o", o[1:], exact[0], low[0], "index outside the cache", max_finite_abs(exact[1]))

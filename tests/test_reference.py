@@ -363,3 +363,40 @@ def test_decode_reference_reads_mla_latent_cache_through_views():
         rows = numpy.concatenate([k_cache[page] for page in table[b]])[:lengths[b]]
         want, want_lse = attention_reference(q[b:b + 1], rows[None], rows[None, ..., :d_v], causal=True)
         assert numpy.allclose(o[b:b + 1], want, rtol=1e-12, atol=1e-12) and numpy.allclose(lse[b:b + 1], want_lse)
+
+
+def test_decode_reference_takes_flash_attn_with_kvcache_options():
+    """decode_reference's cache_batch_idx / cache_leftpad read each sequence's keys from its own cache
+    row and first key; rotary turns q and k_new as documented (pairs, positions), against a direct
+    float64 computation within the dtype's rounding."""
+    from cupy_flash import decode_reference
+    from cupy_flash.reference import rotate
+
+    rng = numpy.random.default_rng(5)
+    bf16 = ml_dtypes.bfloat16
+    q = rng.standard_normal((2, 3, 4, 16)).astype(bf16)
+    pool = rng.standard_normal((3, 40, 2, 16)).astype(bf16)
+    lengths, index, leftpad = numpy.array([30, 12], numpy.int32), numpy.array([2, 0], numpy.int32), numpy.array([5, 0], numpy.int32)
+    o, lse = decode_reference(q, pool, pool, cache_seqlens=lengths, cache_batch_idx=index, cache_leftpad=leftpad, causal=True)
+    for b in range(2):
+        keys = pool[index[b], leftpad[b]:lengths[b]][None]
+        o_b, lse_b = attention_reference(q[b:b + 1], keys, keys, causal=True)
+        assert numpy.array_equal(o[b:b + 1], o_b) and numpy.array_equal(lse[b:b + 1], lse_b)
+    # Rotary: GPT-NeoX pairs (i, i + 4) and GPT-J pairs (2i, 2i + 1) over rotary_dim 8 of 16.
+    angles = numpy.arange(50)[:, None] * 0.1 * (numpy.arange(4) + 1)[None, :]
+    cos, sin = numpy.cos(angles).astype(bf16), numpy.sin(angles).astype(bf16)
+    for interleaved in (False, True):
+        for moves in (False, True):
+            turned = rotate(q, cos, sin, lengths, moves, interleaved).astype(numpy.float64)
+            x = q.astype(numpy.float64)
+            first = numpy.arange(0, 8, 2) if interleaved else numpy.arange(4)
+            second = first + 1 if interleaved else first + 4
+            for b in range(2):
+                for t in range(3):
+                    pos = lengths[b] + (t if moves else 0)
+                    c, s = cos[pos].astype(numpy.float64), sin[pos].astype(numpy.float64)
+                    expect = x[b, t].copy()
+                    expect[:, first] = x[b, t][:, first] * c - x[b, t][:, second] * s
+                    expect[:, second] = x[b, t][:, first] * s + x[b, t][:, second] * c
+                    assert numpy.allclose(turned[b, t], expect, rtol=2**-7, atol=2**-7)
+            assert numpy.array_equal(turned[..., 8:], x[..., 8:])   # columns past rotary_dim: copied

@@ -21,16 +21,29 @@ def module_spec(dtype: str, tile: int | None = None, features: int = 0) -> Modul
     # The combine of split partials (float32) and of merge_attention_states' inputs (the dtype
     # itself); the append for the tensor-core dtypes flash_decode takes.
     partials = ("float32",) if dtype == "float32" else ("float32", dtype)
-    append = (append_kernel(spec),) if dtype in TENSOR_CORE_DTYPES else ()
-    return spec_with(spec, append + tuple(combine_kernel(spec, p, wide) for p in partials for wide in (False, True)))
+    append = tuple(append_kernel(spec, indexed) for indexed in (False, True)) if dtype in TENSOR_CORE_DTYPES else ()
+    rotary = tuple(rotary_kernel(spec, interleaved) for interleaved in (False, True)) if dtype in TENSOR_CORE_DTYPES else ()
+    return spec_with(spec, append + rotary + tuple(combine_kernel(spec, p, wide) for p in partials for wide in (False, True)))
 
 
 def decode_kernel(spec: ModuleSpec, causal: bool) -> str:
     return template("flash_decode_kernel", spec.ctype, spec.tile, _traits.DECODE_WARPS, causal, spec.features)
 
 
-def append_kernel(spec: ModuleSpec) -> str:
-    return template("flash_append_kernel", spec.ctype)
+def append_kernel(spec: ModuleSpec, cache_index: bool = False) -> str:
+    """``cache_index``: the sequences' cache rows from cache_batch_idx (FEATURE_CACHE_INDEX)."""
+    return template("flash_append_kernel", spec.ctype, *(("true",) if cache_index else ()))
+
+
+def rotary_kernel(spec: ModuleSpec, interleaved: bool) -> str:
+    return template("flash_rotary_kernel", spec.ctype, "true" if interleaved else "false")
+
+
+def rotary(dtype: str, interleaved: bool) -> tuple:
+    """(name, kernel) of flash_decode's rotary embedding of q and k_new (decode.cu)."""
+    spec = module_spec(dtype)
+    name = rotary_kernel(spec, interleaved)
+    return name, get_kernel(spec, name)
 
 
 def combine_kernel(spec: ModuleSpec, partial_dtype: str, wide: bool) -> str:
@@ -66,7 +79,7 @@ def decode_launches(device, shape, variant, grid: int, num_splits: int, new_rows
     # slower (1701 against 1488 us a call), and one of 384 blocks 5% slower.
     if new_rows:
         append_grid = row_kernel_grid(shape.batch * new_rows * shape.heads_kv)
-        name = append_kernel(rows_spec)
+        name = append_kernel(rows_spec, bool(variant.flags & _features.FEATURE_CACHE_INDEX))
         launches.append(Launch(name, get_kernel(rows_spec, name), append_grid, _traits.ROW_KERNEL_THREADS,
                                early=append_grid <= sms))
     spec = module_spec(shape.dtype, shape.tile, variant.flags)
@@ -82,8 +95,10 @@ def decode_launches(device, shape, variant, grid: int, num_splits: int, new_rows
 
 
 def module_specs(dtype: str, features) -> list:
-    """The row module of ``dtype``, and for the tensor-core dtypes each tile's decode kernels."""
+    """The row module of ``dtype``, and for the tensor-core dtypes each tile's decode kernels (with
+    a feature set, also FEATURE_CACHE_INDEX: flash_decode's alone, outside the shared sets)."""
     specs = [module_spec(dtype)]
     if dtype in TENSOR_CORE_DTYPES:
-        specs += [module_spec(dtype, tile, flags) for tile in _traits.HEAD_DIM_TILES for flags in features]
+        specs += [module_spec(dtype, tile, flags | (_features.FEATURE_CACHE_INDEX if flags else 0))
+                  for tile in _traits.HEAD_DIM_TILES for flags in features]
     return list(dict.fromkeys(specs))
