@@ -168,7 +168,7 @@ def test_info_names_the_path_of_each_dtype():
     assert families.describe_forward(H100, "portable")[0].startswith("bfloat16: tensor-core")
     assert families.describe_forward(A100, "auto")[1].startswith("float16: tensor-core")
     assert families.describe_backward(H100, "auto").startswith(
-        "float16/bfloat16: Hopper kernels from 256 keys; deterministic calls too")
+        "float16/bfloat16: Hopper kernels from 256 keys; deterministic calls too (head_dim <= 256;")
     assert families.describe_backward(H100, "auto").endswith(
         "dQ in a kernel of its own (no window, no packed batch): head_dim 1-64: deterministic non-causal up to 2048 "
         "keys, deterministic causal (any length); head_dim 65-128: deterministic non-causal up to 2048 keys, deterministic causal "

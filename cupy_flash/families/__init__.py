@@ -109,7 +109,7 @@ def describe_backward(device: DeviceInfo, setting: str | None = None) -> str:
     if backward_family(device, shape, _features.check_variant(1, 8, False), setting=setting) is not sm90.Backward:
         return "float16/bfloat16: tensor-core kernels (mma.sync; sm_80+)"
     if setting == "experimental":
-        return ("float16/bfloat16: Hopper kernels (no softcap, ALiBi or bias; "
+        return (f"float16/bfloat16: Hopper kernels (head_dim <= {max(sm90.BACKWARD_SM90)}; no softcap, ALiBi or bias; "
                 "the others: tensor-core kernels)")
 
     def from_keys(min_keys: dict) -> str:   # head-dim tiles with the same threshold said once
@@ -126,8 +126,8 @@ def describe_backward(device: DeviceInfo, setting: str | None = None) -> str:
     atomic, deterministic = sm90.BACKWARD_SM90_MIN_KEYS, sm90.BACKWARD_SM90_DETERMINISTIC_MIN_KEYS
     when = from_keys(atomic) + ("; deterministic calls too" if deterministic == atomic
                                 else f"; deterministic: {from_keys(deterministic)}")
-    return (f"float16/bfloat16: Hopper kernels {when} (no softcap, ALiBi or bias); "
-            f"the others: tensor-core kernels (mma.sync). {describe_dq_apart()}")
+    return (f"float16/bfloat16: Hopper kernels {when} (head_dim <= {max(sm90.BACKWARD_SM90)}; no softcap, ALiBi or "
+            f"bias); the others: tensor-core kernels (mma.sync). {describe_dq_apart()}")
 
 
 def describe_dq_apart() -> str:
