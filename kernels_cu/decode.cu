@@ -126,10 +126,12 @@ __global__ void __launch_bounds__(ROW_KERNEL_THREADS) flash_rotary_kernel(
         T* dst = (is_q ? out_q : out_k) + i * head_dim;
         const long long position = min((long long)seqlen_ro - 1,
                                        max(0LL, (long long)cache_seqlens[b] + t * (is_q ? q_step : 1)));
+        const T* cos_row = cos + position * half;
+        const T* sin_row = sin + position * half;
         for (int c = lane; c < half; c += 32) {
             const int c0 = INTERLEAVED ? 2 * c : c, c1 = INTERLEAVED ? 2 * c + 1 : c + half;
             const float x0 = to_float(src[c0]), x1 = to_float(src[c1]);
-            const float cs = to_float(cos[position * half + c]), sn = to_float(sin[position * half + c]);
+            const float cs = to_float(cos_row[c]), sn = to_float(sin_row[c]);
             dst[c0] = from_float<T>(__fsub_rn(__fmul_rn(x0, cs), __fmul_rn(x1, sn)));
             dst[c1] = from_float<T>(__fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, cs)));
         }
