@@ -414,9 +414,9 @@ def _decode_checked(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_tabl
     call that _plan_key describes and that read every array in place."""
     given = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, cache_batch_idx, cache_leftpad)
     rotary_cos, rotary_sin, rotary_interleaved = rotary
-    kvcache_options = cache_batch_idx is not None or cache_leftpad is not None or rotary_cos is not None
+    cache_index = cache_batch_idx is not None or cache_leftpad is not None
     key = None
-    if alibi_slopes is None and sink is None and not kvcache_options and rotary_sin is None:
+    if alibi_slopes is None and sink is None and not cache_index and rotary_cos is None and rotary_sin is None:
         key = _plan_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, softmax_scale, causal,
                         window_size, softcap, num_splits)
     shape, page_shift = check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx,
@@ -432,7 +432,7 @@ def _decode_checked(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_tabl
         if features[name] is not None:
             features[name] = _checks.as_gpu_array(name, features[name])
     variant = check_variant(shape.batch, shape.heads, causal, head_dim_v=shape.own_head_dim_v, **features)
-    if cache_batch_idx is not None or cache_leftpad is not None:
+    if cache_index:
         variant = dataclasses.replace(variant, cache_index=True)
     with q.device:
         arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
