@@ -197,7 +197,7 @@ def backward_extras_key(ndarray: type, do, o, lse, deterministic) -> tuple | Non
             lse.shape, lse.strides, lse.dtype, lse_data.device_id, type(deterministic), deterministic)
 
 
-PACKED_KEYWORDS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+PACKED_KEYWORDS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "block_table")
 FEATURE_KEYWORDS = ("window_size", "softcap", "alibi_slopes", "sink", "bias") + PACKED_KEYWORDS
 
 
@@ -215,11 +215,16 @@ def did_you_mean(names, choices) -> str:
     return f" (did you mean {', '.join(close)}?)" if close else ""
 
 
-def check_no_extra_options(function: str, options: dict) -> None:
+def check_no_extra_options(function: str, options: dict, paged: bool = True) -> None:
+    """TypeError for a keyword that is not a feature's; ``paged``: whether ``function`` takes
+    block_table (the backward does not: ValueError)."""
     unknown = sorted(set(options) - set(FEATURE_KEYWORDS))
     if unknown:
         raise TypeError(f"{function}() got unsupported keyword argument(s): {', '.join(unknown)}"
                         + did_you_mean(unknown, FEATURE_KEYWORDS + NAMED_KEYWORDS))
+    if not paged and options.get("block_table") is not None:
+        raise ValueError(f"block_table is not supported by {function}: the gradients need contiguous K and V "
+                         "(a paged cache is read by flash_forward and flash_decode only)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,8 +283,9 @@ class _ShapeOf:
         self.shape, self.dtype, self.ndim = (1,) + tuple(x.shape), x.dtype, x.ndim + 1
 
 
-def _check_cu_seqlens(name: str, cu, total: int, total_name: str):
-    """The host copy of an int32 prefix-sum array (one small device-to-host copy: a sync)."""
+def _check_cu_seqlens(name: str, cu, total: int | None, total_name: str):
+    """The host copy of an int32 prefix-sum array (one small device-to-host copy: a sync); ``total``:
+    where it must end (None: anywhere)."""
     if getattr(cu, "ndim", None) != 1 or cu.shape[0] < 2:
         raise ValueError(f"{name} must be a 1-D array of batch + 1 >= 2 offsets, got shape {tuple(getattr(cu, 'shape', ()))}")
     if cu.dtype != numpy.int32:
@@ -291,7 +297,7 @@ def _check_cu_seqlens(name: str, cu, total: int, total_name: str):
         raise ValueError(f"{name} must start at 0, got {int(host[0])}")
     if (numpy.diff(host) < 0).any():
         raise ValueError(f"{name} must be non-decreasing (prefix sums of sequence lengths), got {host.tolist()[:16]}")
-    if host[-1] != total:
+    if total is not None and host[-1] != total:
         raise ValueError(f"{name} ends at {int(host[-1])} but {total_name} has {total} rows; they must match")
     return host
 
@@ -308,34 +314,85 @@ def _check_max_seqlen(name: str, value, actual: int) -> int:
     return int(value)
 
 
-def check_packed(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, fp8: bool = False):
+def check_index_array(name, x, shape, labels):
+    """An int32 array of ``shape`` (None: any), or TypeError / ValueError naming it."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{name} must be an int32 array of shape {labels}, got {type(x).__name__}")
+    if x.dtype != numpy.int32:
+        raise TypeError(f"{name} has dtype {x.dtype}; expected int32")
+    if shape is not None and tuple(int(n) for n in x.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}; expected {labels} = {shape}")
+
+
+def check_block_table(block_table, k_cache, batch: int, name: str = "k_cache") -> tuple[int, int]:
+    """(page_shift, keys a sequence holds) of a paged cache: k_cache (pages, page_size, heads_kv, d)
+    with page_size a power of two >= 16, so a kernel's 16-key tile never crosses a page, and
+    block_table int32 (batch, pages per sequence). Reads .shape/.dtype only."""
+    check_index_array("block_table", block_table, None, "(batch, pages per sequence)")
+    if block_table.ndim != 2 or int(block_table.shape[0]) != batch or int(block_table.shape[1]) < 1:
+        raise ValueError(f"block_table has shape {tuple(block_table.shape)}; expected (batch, pages per "
+                         f"sequence) with batch {batch}")
+    page_size = int(k_cache.shape[1])
+    if page_size < 16 or page_size & (page_size - 1):
+        raise ValueError(f"{name} has pages of {page_size} keys (its axis 1); a paged cache needs a power "
+                         "of two from 16 up")
+    return page_size.bit_length() - 1, int(block_table.shape[1]) * page_size
+
+
+def check_packed(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                 block_table=None, fp8: bool = False):
     """Shape and ``_features.Packed`` of a packed variable-length batch: q (total_q, heads_q, d),
     k and v (total_k, heads_kv, d), cu_seqlens int32 prefix sums on the GPU (read back once to
-    check them: non-decreasing from 0 to the total). ``fp8``: check_qkv's."""
+    check them: non-decreasing from 0 to the total). With ``block_table``, k and v are a paged
+    cache (pages, page_size, heads_kv, d) as flash_decode's (check_block_table), and cu_seqlens_k's
+    lengths fit each sequence's pages. ``fp8``: check_qkv's."""
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu is None:
-            raise ValueError(f"{name} is missing: packed batches need both cu_seqlens_q and cu_seqlens_k")
+            raise ValueError(f"{name} is missing: packed batches need both cu_seqlens_q and cu_seqlens_k"
+                             + (" (block_table pages K and V of a packed batch; a dense batch's paged cache: "
+                                "flash_decode)" if block_table is not None else ""))
+    paged = block_table is not None
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if getattr(x, "ndim", None) != 3:
-            raise ValueError(f"{name} must have 3 dimensions (total_tokens, heads, head_dim) with cu_seqlens, "
-                             f"got shape {tuple(getattr(x, 'shape', ()))}")
-    dense = check_qkv(_ShapeOf(q), _ShapeOf(k), _ShapeOf(v), fp8=fp8)
+        rank = 4 if paged and name != "q" else 3
+        if getattr(x, "ndim", None) != rank:
+            layout = "(pages, page_size, heads, head_dim) with block_table" if rank == 4 else \
+                "(total_tokens, heads, head_dim) with cu_seqlens"
+            raise ValueError(f"{name} must have {rank} dimensions {layout}, got shape {tuple(getattr(x, 'shape', ()))}")
+    if paged:
+        if fp8:
+            raise ValueError("block_table is not supported with FP8 inputs: their forward reads contiguous K and V")
+        if dtype_name(q.dtype) not in ("float16", "bfloat16"):
+            raise TypeError(f"block_table takes float16 or bfloat16 inputs; q has dtype {q.dtype}")
+        k_rows, v_rows = (_Described.of((1, x.shape[0] * x.shape[1]) + tuple(x.shape[2:]), x.dtype) for x in (k, v))
+        dense = check_qkv(_ShapeOf(q), k_rows, v_rows)
+    else:
+        dense = check_qkv(_ShapeOf(q), _ShapeOf(k), _ShapeOf(v), fp8=fp8)
     cu_q, cu_k = as_gpu_array("cu_seqlens_q", cu_seqlens_q), as_gpu_array("cu_seqlens_k", cu_seqlens_k)
     if getattr(cu_q, "shape", None) != getattr(cu_k, "shape", None):
         raise ValueError(f"cu_seqlens_q has shape {tuple(cu_q.shape)} but cu_seqlens_k has shape "
                          f"{tuple(cu_k.shape)}; both hold batch + 1 offsets")
-    total_q, total_k = int(q.shape[0]), int(k.shape[0])
+    total_q = int(q.shape[0])
+    total_k = None if paged else int(k.shape[0])
     for label, total in (("q", total_q), ("k", total_k)):
-        if total >= 2**31:
+        if total is not None and total >= 2**31:
             raise ValueError(f"{label} has {total} rows; packed batches support fewer than 2^31 tokens")
     host_q = _check_cu_seqlens("cu_seqlens_q", cu_q, total_q, "q")
     host_k = _check_cu_seqlens("cu_seqlens_k", cu_k, total_k, "k")
+    page_shift = 0
+    if paged:
+        page_shift, capacity = check_block_table(block_table, k, len(host_q) - 1, "k")
+        longest = int(numpy.diff(host_k).max())
+        if longest > capacity:
+            raise ValueError(f"cu_seqlens_k gives a sequence {longest} keys but block_table holds "
+                             f"{capacity} per sequence ({block_table.shape[1]} pages of {k.shape[1]})")
+        block_table = as_gpu_array("block_table", block_table)
+        total_k = int(host_k[-1])
     max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, int(numpy.diff(host_q).max()))
     max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, int(numpy.diff(host_k).max()))
     shape = AttentionShape(len(host_q) - 1, max(max_q, 1), max(max_k, 1), dense.heads, dense.head_dim,
                            dense.dtype, dense.heads_kv, dense.head_dim_v)
     _check_grid(shape)
-    return shape, Packed(cu_q, cu_k, total_q, total_k, host_q, host_k)
+    return shape, Packed(cu_q, cu_k, total_q, total_k, host_q, host_k, block_table, page_shift)
 
 
 def prepare_qkv(q, k, v, softmax_scale, causal, features=None, fp8: bool = False):
@@ -348,7 +405,7 @@ def prepare_qkv(q, k, v, softmax_scale, causal, features=None, fp8: bool = False
     packed_options = {name: features.pop(name, None) for name in PACKED_KEYWORDS}
     q, k, v = (as_gpu_array(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
     packed = None
-    if packed_options["cu_seqlens_q"] is not None or packed_options["cu_seqlens_k"] is not None:
+    if any(packed_options[name] is not None for name in ("cu_seqlens_q", "cu_seqlens_k", "block_table")):
         shape, packed = check_packed(q, k, v, fp8=fp8, **packed_options)
     else:
         for name in ("max_seqlen_q", "max_seqlen_k"):
@@ -442,3 +499,10 @@ class _Described:
 
     def __init__(self, x):
         self.shape, self.ndim, self.dtype = tuple(int(n) for n in x.shape), len(x.shape), numpy.dtype(x.dtype)
+
+    @classmethod
+    def of(cls, shape: tuple, dtype):
+        """The description of an array of ``shape`` and ``dtype``."""
+        described = cls.__new__(cls)
+        described.shape, described.ndim, described.dtype = tuple(int(n) for n in shape), len(shape), numpy.dtype(dtype)
+        return described

@@ -34,14 +34,24 @@ FEATURE_HEAD_DIM_V = 64
 # sequence's cache row from an index array, its keys from a first row. A flag, so plain decoding
 # runs the instantiations it ran before.
 FEATURE_CACHE_INDEX = 128
-FORWARD_ONLY_FEATURES = FEATURE_SINK   # the backward reads the sink only through lse
+# flash_forward's packed batches with block_table: K and V read from a paged cache (flash_decode's
+# layout), the tensor-core forward only. A flag, so contiguous calls run the instantiations they ran
+# before.
+FEATURE_PAGED = 256
+# flash_decode with an FP8 cache: e4m3 keys and values read as bytes and converted in the kernel, a
+# descale per (sequence, K/V head). A flag, so 16-bit caches run the instantiations they ran before.
+FEATURE_FP8_CACHE = 512
+# The backward reads the sink only through lse, and takes no paged cache.
+FORWARD_ONLY_FEATURES = FEATURE_SINK | FEATURE_PAGED
 # flash_decode's variants
-DECODE_FEATURES = FEATURE_WINDOW | FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK | FEATURE_HEAD_DIM_V | FEATURE_CACHE_INDEX
+DECODE_FEATURES = (FEATURE_WINDOW | FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK | FEATURE_HEAD_DIM_V | FEATURE_CACHE_INDEX
+                   | FEATURE_FP8_CACHE)
 ALL_FEATURES = (FEATURE_WINDOW | FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK | FEATURE_BIAS | FEATURE_VARLEN
                 | FEATURE_HEAD_DIM_V)
 FEATURE_NAMES = {FEATURE_WINDOW: "window", FEATURE_SOFTCAP: "softcap", FEATURE_ALIBI: "alibi",
                  FEATURE_SINK: "sink", FEATURE_BIAS: "bias", FEATURE_VARLEN: "varlen", FEATURE_HEAD_DIM_V: "head_dim_v",
-                 FEATURE_CACHE_INDEX: "cache_index"}
+                 FEATURE_CACHE_INDEX: "cache_index", FEATURE_PAGED: "paged",
+                 FEATURE_FP8_CACHE: "fp8_cache"}
 
 
 def cuda_defines() -> str:
@@ -68,6 +78,7 @@ class Variant:
     packed: object = None         # a ``Packed`` batch (cu_seqlens): variable-length sequences
     head_dim_v: bool = False      # v's head_dim differs from q's (FEATURE_HEAD_DIM_V)
     cache_index: bool = False     # flash_decode with cache_batch_idx or cache_leftpad (FEATURE_CACHE_INDEX)
+    fp8_cache: bool = False       # flash_decode with an FP8 cache (FEATURE_FP8_CACHE)
 
     @property
     def plain(self) -> bool:
@@ -84,7 +95,9 @@ class Variant:
                 | (FEATURE_BIAS if self.bias is not None else 0)
                 | (FEATURE_VARLEN if self.packed is not None else 0)
                 | (FEATURE_HEAD_DIM_V if self.head_dim_v else 0)
-                | (FEATURE_CACHE_INDEX if self.cache_index else 0))
+                | (FEATURE_CACHE_INDEX if self.cache_index else 0)
+                | (FEATURE_FP8_CACHE if self.fp8_cache else 0)
+                | (FEATURE_PAGED if self.packed is not None and self.packed.block_table is not None else 0))
 
     @property
     def backward_flags(self) -> int:
@@ -108,7 +121,8 @@ class Variant:
 
     def device_arrays(self) -> tuple:
         """The arrays fill() points the kernels at (None where absent)."""
-        packed = () if self.packed is None else (self.packed.cu_seqlens_q, self.packed.cu_seqlens_k)
+        packed = () if self.packed is None else (self.packed.cu_seqlens_q, self.packed.cu_seqlens_k,
+                                                 self.packed.block_table)
         return (self.alibi_slopes, self.sink, self.bias) + packed
 
     def fill(self, record) -> None:
@@ -141,7 +155,9 @@ def broadcast_strides(array) -> list[int]:
 @dataclasses.dataclass(frozen=True)
 class Packed:
     """A packed variable-length batch: sequence b has query rows [cu_seqlens_q[b], cu_seqlens_q[b+1])
-    and key rows [cu_seqlens_k[b], cu_seqlens_k[b+1]) of q (total_q, heads, d) and k, v."""
+    and key rows [cu_seqlens_k[b], cu_seqlens_k[b+1]) of q (total_q, heads, d) and k, v; with a
+    block_table, k and v are a paged cache (pages, page_size, heads_kv, d) and key j of sequence b
+    is row j % page_size of page block_table[b, j // page_size] (cu_seqlens_k then only counts)."""
 
     cu_seqlens_q: object   # int32 (batch + 1,), on the GPU
     cu_seqlens_k: object
@@ -149,6 +165,8 @@ class Packed:
     total_k: int
     host_cu_seqlens_q: object   # NumPy copy (checked on the host)
     host_cu_seqlens_k: object = None
+    block_table: object = None  # int32 (batch, pages per sequence), on the GPU (FEATURE_PAGED)
+    page_shift: int = 0         # log2 of the page size
 
     def packed_row_of_padded(self, rows_per_sequence: int):
         """For each packed query row, its index in a (batch, rows_per_sequence) layout of the
@@ -163,6 +181,10 @@ class Packed:
         # layout, padded per sequence, so the backward reads them as it does for dense batches.
         record["lse_batch_stride"] = 0
         record["lse_head_stride"] = self.total_q
+        if self.block_table is not None:
+            record["block_table"] = self.block_table.data.ptr
+            record["block_table_stride"] = self.block_table.shape[1]
+            record["page_shift"] = self.page_shift
 
 
 def describe(flags: int) -> str:

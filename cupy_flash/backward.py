@@ -102,7 +102,7 @@ def backward_into(out, do, q, k, v, o, lse, *, softmax_scale=None, causal=False,
             if keep_fp8_plan is not None:
                 keep_fp8_plan(plan)
             return plan.run(dict(do=do, q=q, k=k, v=v, o=o, lse=lse), out)[0]
-    _checks.check_no_extra_options("flash_backward", features)
+    _checks.check_no_extra_options("flash_backward", features, paged=False)
     given = (do, q, k, v, o, lse)
     q, k, v, shape, scale, variant = _checks.prepare_qkv(q, k, v, softmax_scale, causal, features)
     deterministic = _checks.check_flag("deterministic", deterministic)

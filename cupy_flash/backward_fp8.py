@@ -38,7 +38,7 @@ def dequantized_call(do, q, k, v, o, lse, softmax_scale, causal, return_dbias, f
     o, lse unlike its outputs (do and o bfloat16)."""
     features = dict(features)
     descales = popped_descales(features)
-    _checks.check_no_extra_options("flash_backward", features)
+    _checks.check_no_extra_options("flash_backward", features, paged=False)
     q, k, v = (_checks.as_gpu_array(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
     check_fp8_call("flash_backward", dict(q=q, k=k, v=v), descales, features)
     if _checks.check_flag("return_dbias", return_dbias):

@@ -152,7 +152,11 @@ def flash_forward(q, k, v, *, softmax_scale=None, causal=False, num_splits=None,
     sums on the GPU; read back once to check them) with q (total_q, heads_q, head_dim) and k, v
     (total_k, heads_kv, head_dim); ``max_seqlen_q/k`` default to the longest sequence. Each sequence
     is attended on its own (causal and windows aligned to its own bottom-right corner); no padding
-    is computed. Not combined with ``bias``.
+    is computed. Not combined with ``bias``. With ``block_table`` (int32 (batch, pages per
+    sequence)) k and v are a paged cache (pages, page_size, heads_kv, head_dim) in flash_decode's
+    layout (page_size a power of two >= 16): key j of sequence b is row j % page_size of page
+    block_table[b, j // page_size], and cu_seqlens_k counts each sequence's keys (prefill straight
+    from the pages; float16 / bfloat16 on the tensor-core kernels; flash_backward refuses it).
 
     FP8 (Hopper): q, k, v uint8 arrays of e4m3 bits (``quantize_fp8``'s) with ``q_descale``
     (batch, heads_q) or (batch, heads_kv), ``k_descale`` and ``v_descale`` (batch, heads_kv); o is

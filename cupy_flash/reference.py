@@ -139,6 +139,34 @@ def _packed_sequences(features):
             for b in range(len(cu_q) - 1)]
 
 
+def _keys_of_pages(k, v, features: dict) -> tuple:
+    """k and v as a packed batch's (total_k, heads_kv, d) rows: as given, or with ``block_table`` in
+    ``features`` (popped) gathered from the paged cache k, v (pages, page_size, heads_kv, d), key j
+    of sequence b being row j % page_size of page block_table[b, j // page_size]."""
+    block_table = features.pop("block_table", None)
+    if block_table is None:
+        return k, v
+    if features.get("cu_seqlens_q") is None or features.get("cu_seqlens_k") is None:
+        raise ValueError("block_table pages K and V of a packed batch: it needs cu_seqlens_q and cu_seqlens_k")
+    for name, x in (("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"{name} must have 4 dimensions (pages, page_size, heads, head_dim) with block_table, "
+                             f"got shape {tuple(getattr(x, 'shape', ()))}")
+    table = numpy.asarray(_host(block_table)).astype(numpy.int64)
+    lengths = numpy.diff(numpy.asarray(_host(features["cu_seqlens_k"])).astype(numpy.int64))
+    pages, page_size = int(k.shape[0]), int(k.shape[1])
+    if table.ndim != 2 or table.shape[0] != len(lengths) or lengths.max(initial=0) > table.shape[1] * page_size:
+        raise ValueError(f"block_table has shape {table.shape}; expected (batch, pages per sequence) = "
+                         f"({len(lengths)}, >= {-(-int(lengths.max(initial=0)) // page_size)})")
+    keys = [numpy.arange(n) for n in lengths]
+    rows = numpy.concatenate([table[b, j // page_size] * page_size + j % page_size for b, j in enumerate(keys)])
+    if rows.size and not 0 <= rows.min() <= rows.max() < pages * page_size:
+        raise ValueError(f"block_table names a page outside k's {pages}")
+    xp = _xp(k)
+    index = xp.asarray(rows)
+    return tuple(x.reshape((pages * page_size,) + tuple(x.shape[2:]))[index] for x in (k, v))
+
+
 def features_of_sequence(features: dict, b: int) -> dict:
     """The feature keywords for batch entry b computed alone: per-batch ALiBi slopes (batch, heads)
     become that entry's (heads,)."""
@@ -236,10 +264,13 @@ def attention_reference(q, k, v, *, softmax_scale=None, causal=False, upcast=Tru
                         k_descale=None, v_descale=None, **features):
     """Dense attention; see ``_attention_reference_dense``. With ``cu_seqlens_q/k`` (a packed
     batch: q (total_q, heads, d)), each sequence separately: o (total_q, heads, d), lse (heads,
-    total_q). FP8 inputs (uint8 bits of e4m3 with their descales; ``_fp8_values``) are read as
-    their float64 values; ``rounding="fp8"`` with ``upcast=False`` rounds as the FP8 scheme does."""
+    total_q); with ``block_table`` too, k and v are a paged cache as flash_forward reads it. FP8
+    inputs (uint8 bits of e4m3 with their descales; ``_fp8_values``) are read as their float64
+    values; ``rounding="fp8"`` with ``upcast=False`` rounds as the FP8 scheme does."""
     (q, k, v), fp8 = _fp8_values("attention_reference", dict(q=q, k=k, v=v),
                                  dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale), features)
+    features = dict(features)
+    k, v = _keys_of_pages(k, v, features)
     _check_call("attention_reference", q, k, v, softmax_scale, causal, upcast, features)
     _check_rounding(rounding, fp8, upcast)
     sequences = _packed_sequences(features)
@@ -265,6 +296,7 @@ def attention_reference_backward(do, q, k, v, *, softmax_scale=None, causal=Fals
     options = {n: x for n, x in features.items() if n != "return_dbias"}
     (q, k, v), fp8 = _fp8_values("attention_reference_backward", dict(q=q, k=k, v=v),
                                  dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale), options)
+    _checks.check_no_extra_options("attention_reference_backward", options, paged=False)
     _check_call("attention_reference_backward", q, k, v, softmax_scale, causal, upcast, options, do=do)
     _check_rounding(rounding, fp8, upcast)
     _checks.check_flag("return_dbias", features.get("return_dbias", False))

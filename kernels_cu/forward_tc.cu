@@ -24,6 +24,17 @@
 #include "common.cuh"
 #include "tensor_core.cuh"
 
+// FEATURE_PAGED: rows [first, first + ROWS) of sequence b's K or V (strides: the tensor's;
+// rows_valid of them inside the sequence) through its block_table row into a tile, base pointing at
+// the K/V head's column 0 of page 0. (Contiguous calls keep their loads as they were written: the
+// same loads through one helper reordered a few instructions of 150 instantiations.)
+template <typename T, int ROWS, int WIDTH, int LD, int THREADS>
+__device__ __forceinline__ void load_paged_rows_tc(T* tile, const T* base, const FlashParams& p, const long long* strides,
+                                                   long long b, int first, int rows_valid, int width) {
+    async_load_paged_tile<T, ROWS, WIDTH, LD, THREADS>(tile, base, p.block_table + b * p.block_table_stride,
+                                                        (int)p.page_shift, strides[0], strides[1], first, rows_valid, width);
+}
+
 // Zeroes the O accumulators and starts each row's running max at -inf and its sum at 0.
 template <int M_TILES, int O_TILES>
 __device__ __forceinline__ void init_rows_tc(float (&o_acc)[M_TILES][O_TILES][4], float (&row_max)[M_TILES][2],
@@ -235,8 +246,10 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
     const float score_log2 = score_to_log2<FEATURES>(p);
 
     const T* q = static_cast<const T*>(p.q) + tensor_offset(p.q_strides, b, seq.q_row0 + q_start, h);
-    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, b, seq.k_row0, kv_head_of(h, p));
-    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, b, seq.k_row0, kv_head_of(h, p)) + v_col;
+    // (FEATURE_PAGED: at page 0, the rows come through block_table.)
+    constexpr bool PAGED = (FEATURES & FEATURE_PAGED) != 0;
+    const T* k = static_cast<const T*>(p.k) + tensor_offset(p.k_strides, PAGED ? 0 : b, PAGED ? 0 : seq.k_row0, kv_head_of(h, p));
+    const T* v = static_cast<const T*>(p.v) + tensor_offset(p.v_strides, PAGED ? 0 : b, PAGED ? 0 : seq.k_row0, kv_head_of(h, p)) + v_col;
 
     const int2 kv_range = kv_block_range<IS_CAUSAL, FEATURES>(seq, q_start, BLOCK_M, BLOCK_N, band);
     const int kv_end = kv_range.y;
@@ -244,7 +257,10 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
     async_load_tile<T, BLOCK_M, D_TILE, LD, THREADS>(q_tile, q, p.q_strides[1], seqlen_q - q_start, head_dim);
     if (kv_range.x < kv_end) {
         const int first = kv_range.x * BLOCK_N;
-        async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(k_tile, k + first * p.k_strides[1], p.k_strides[1], seqlen_k - first, head_dim);
+        if constexpr (PAGED)
+            load_paged_rows_tc<T, BLOCK_N, D_TILE, LD, THREADS>(k_tile, k, p, p.k_strides, b, first, seqlen_k - first, head_dim);
+        else
+            async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(k_tile, k + first * p.k_strides[1], p.k_strides[1], seqlen_k - first, head_dim);
     }
     cp_async_commit();
 
@@ -262,7 +278,11 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
         const int kv_start = kv_block * BLOCK_N;
         cp_async_wait();
         __syncthreads();   // K_j (and Q) landed; every warp is done reading V_{j-1}
-        async_load_tile<T, BLOCK_N, DV_TILE, LD_V, THREADS>(v_tile, v + kv_start * p.v_strides[1], p.v_strides[1], seqlen_k - kv_start, head_dim_v);
+        if constexpr (PAGED)
+            load_paged_rows_tc<T, BLOCK_N, DV_TILE, LD_V, THREADS>(v_tile, v, p, p.v_strides, b, kv_start, seqlen_k - kv_start,
+                                                                   head_dim_v);
+        else
+            async_load_tile<T, BLOCK_N, DV_TILE, LD_V, THREADS>(v_tile, v + kv_start * p.v_strides[1], p.v_strides[1], seqlen_k - kv_start, head_dim_v);
         if (FEATURES & FEATURE_BIAS)
             stage_bias_tile_tc<BLOCK_M, BLOCK_N, BIAS_LD, THREADS>(bias_tile, mod, q_start, kv_start, seqlen_q, seqlen_k);
         cp_async_commit();
@@ -275,7 +295,10 @@ __global__ void __launch_bounds__(32 * NUM_WARPS, 1) flash_forward_tc_kernel(con
         __syncthreads();   // V_j landed; every warp is done reading K_j
         if (kv_block + 1 < kv_end) {
             const int next = kv_start + BLOCK_N;
-            async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(k_tile, k + next * p.k_strides[1], p.k_strides[1], seqlen_k - next, head_dim);
+            if constexpr (PAGED)
+                load_paged_rows_tc<T, BLOCK_N, D_TILE, LD, THREADS>(k_tile, k, p, p.k_strides, b, next, seqlen_k - next, head_dim);
+            else
+                async_load_tile<T, BLOCK_N, D_TILE, LD, THREADS>(k_tile, k + next * p.k_strides[1], p.k_strides[1], seqlen_k - next, head_dim);
         }
         cp_async_commit();
 

@@ -95,6 +95,34 @@ __device__ __forceinline__ void async_load_tile(T* tile, const T* base, long lon
     }
 }
 
+// async_load_tile from a paged cache: row r is key first + r, at row (first + r) % page size of page
+// pages[(first + r) >> page_shift], where base points at page 0's first row (the head's column 0).
+// Each row asks for its own page, so any page size serves (flash_decode's, from 16 keys).
+template <typename T, int ROWS, int D_TILE, int LD, int THREADS>
+__device__ __forceinline__ void async_load_paged_tile(T* tile, const T* base, const int* pages, int page_shift,
+                                                      long long page_stride, long long row_stride, int first,
+                                                      int rows_valid, int head_dim) {
+    constexpr int CHUNKS = D_TILE / 8;   // 16-byte chunks per row
+    constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
+    static_assert(ROWS_PER_PASS >= 1, "too few threads for one row");
+    if (THREADS % CHUNKS != 0 && threadIdx.x >= ROWS_PER_PASS * CHUNKS) return;
+    const int c = (threadIdx.x % CHUNKS) * 8;
+    const int r0 = threadIdx.x / CHUNKS;
+    const int in_page = (1 << page_shift) - 1;
+    const unsigned int dst = smem_addr(tile + r0 * LD + c);
+#pragma unroll
+    for (int pass = 0; pass < (ROWS + ROWS_PER_PASS - 1) / ROWS_PER_PASS; ++pass) {
+        const int r = r0 + pass * ROWS_PER_PASS;
+        if (ROWS % ROWS_PER_PASS == 0 || r < ROWS) {
+            const bool valid = r < rows_valid && c < head_dim;
+            const int key = first + r;
+            const T* src = valid ? base + pages[key >> page_shift] * page_stride + (long long)(key & in_page) * row_stride + c
+                                 : base;
+            cp_async_16(dst + 2u * pass * ROWS_PER_PASS * LD, src, valid);
+        }
+    }
+}
+
 // Store rows [0, rows_valid) and columns [0, head_dim) of a (ROWS x D_TILE) shared-memory tile
 // (pitch LD elements) to global memory in 16-byte vectors, consecutive threads taking consecutive
 // chunks of a row (the epilogues stage their register results this way for coalesced stores).

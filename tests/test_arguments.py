@@ -36,6 +36,16 @@ def packed(a):
 CU = numpy.array([0, NQ, B * NQ], numpy.int32)
 CU_K = numpy.array([0, NK, B * NK], numpy.int32)
 
+
+def paged(a, page_size=16):
+    """Packed q with k and v as a paged cache: B pages of page_size keys (sequence b in page b)."""
+    cache = {n: a[n].repeat(-(-page_size // NK), axis=1)[:, :page_size] for n in ("k", "v")}
+    return {**packed(a), **cache}
+
+
+TABLE = numpy.arange(B, dtype=numpy.int32).reshape(B, 1)
+PAGED = {"cu_seqlens_q": CU, "cu_seqlens_k": CU_K, "block_table": TABLE}
+
 # (id, change to the good arguments, options, exception, text the message must contain)
 CASES = [
     ("q-rank", lambda a: {"q": a["q"][0]}, {}, ValueError, "q must have 4 dimensions"),
@@ -132,9 +142,27 @@ def call_backward(a, options):
 
 FORWARD_CASES = [
     ("return-dbias", lambda a: {}, {"return_dbias": True}, TypeError, "unsupported keyword argument(s): return_dbias"),
+    # A paged cache for a packed batch (block_table): flash_decode's page rules.
+    ("paged-without-cu", lambda a: {}, {"block_table": TABLE}, ValueError,
+     "cu_seqlens_q is missing: packed batches need both cu_seqlens_q and cu_seqlens_k (block_table pages"),
+    ("paged-k-rank", packed, PAGED, ValueError,
+     "k must have 4 dimensions (pages, page_size, heads, head_dim) with block_table"),
+    ("paged-float32", lambda a: {n: x.astype(numpy.float32) for n, x in paged(a).items() if n in "qkv"}, PAGED,
+     TypeError, "block_table takes float16 or bfloat16 inputs; q has dtype float32"),
+    ("paged-page-size", lambda a: paged(a, 8), PAGED, ValueError,
+     "k has pages of 8 keys (its axis 1); a paged cache needs a power of two from 16 up"),
+    ("paged-table-dtype", paged, {**PAGED, "block_table": TABLE.astype(numpy.int64)}, TypeError,
+     "block_table has dtype int64; expected int32"),
+    ("paged-table-batch", paged, {**PAGED, "block_table": TABLE[:1]}, ValueError,
+     "block_table has shape (1, 1); expected (batch, pages per sequence) with batch 2"),
+    ("paged-too-long", paged, {**PAGED, "cu_seqlens_k": numpy.array([0, 17, 20], numpy.int32)}, ValueError,
+     "cu_seqlens_k gives a sequence 17 keys but block_table holds 16 per sequence (1 pages of 16)"),
+]
+BACKWARD_ONLY_CASES = [
+    ("paged", paged, PAGED, ValueError, "block_table is not supported by flash_backward"),
 ]
 ALL = ([("forward",) + c for c in CASES + FORWARD_CASES] + [("backward",) + c for c in CASES]
-       + [("backward",) + c for c in BACKWARD_CASES])
+       + [("backward",) + c for c in BACKWARD_CASES + BACKWARD_ONLY_CASES])
 
 
 def _run(xp, kind, change, options, error, text):

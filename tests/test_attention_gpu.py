@@ -499,6 +499,68 @@ def test_packed_batches_match_reference(path, p, deterministic):
                          term_scales.get(name, 0.0), term_scales.get("delta:" + name, 0.0))
 
 
+def paged_cache(x, lens, page_size: int, table_seed: int):
+    """The packed keys x (total_k, heads_kv, d) as a paged cache (pages, page_size, heads_kv, d) in
+    scattered pages, and its block_table: every row that holds no key (spare pages, the rest of a
+    sequence's last page) is NaN, and table entries past a sequence's pages name spare pages."""
+    import cupy
+
+    rng = numpy.random.default_rng(table_seed)
+    host = cupy.asnumpy(x)
+    counts = [-(-n // page_size) for n in lens]
+    spare = 2
+    pages = rng.permutation(sum(counts) + spare)
+    width = max(max(counts), 1)
+    table = numpy.empty((len(lens), width), numpy.int32)
+    cache = numpy.full((len(pages), page_size) + host.shape[1:], numpy.nan, dtype=host.dtype)
+    used, row = 0, 0
+    for b, (n, count) in enumerate(zip(lens, counts)):
+        table[b, :count] = pages[used:used + count]
+        table[b, count:] = rng.choice(pages[len(pages) - spare:], width - count)
+        for j in range(count):
+            part = host[row + j * page_size:row + min(n, (j + 1) * page_size)]
+            cache[table[b, j], :len(part)] = part
+        used, row = used + count, row + n
+    return cupy.asarray(cache), cupy.asarray(table)
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+@given(packed_problems(), st.sampled_from([16, 32, 64, 128, 256]), st.integers(0, 2**32 - 1))
+@example(dict(dtype="float16", batch=3, heads=4, heads_kv=2, lens_q=[70, 1, 200], lens_k=[45, 9, 330],
+              seqlen_q=200, seqlen_k=330, head_dim=128, head_dim_v=128, causal=True, softmax_scale=None,
+              logit_std=1.0, seed=6, features={"window_size": (100, -1)}, max_slack=0), 16, 1)
+def test_paged_packed_forward_matches_reference(path, p, page_size, table_seed):
+    """flash_forward with block_table (K and V in scattered pages, NaN wherever no key is): the error
+    rule against the reference, and bitwise the packed call on contiguous keys where that runs the
+    same tensor-core tiles (the kernels differ only in their loads' addresses; on the H100 paged
+    calls at d = 128 take 32-key blocks: tensor_core.FORWARD_TC_PAGED_TARGETS)."""
+    count_example("paged_packed_forward_matches_reference")
+    if p["dtype"] == "float32":   # paged caches are float16 / bfloat16
+        p = {**p, "dtype": "bfloat16"}
+    q, k, v, _, opts = packed_inputs(p)
+    k_cache, block_table = paged_cache(k, p["lens_k"], page_size, table_seed)
+    v_cache, _ = paged_cache(v, p["lens_k"], page_size, table_seed)
+    context = describe(p) + f" lens_q={p['lens_q']} lens_k={p['lens_k']} page_size={page_size} kernels={path}"
+    with poisoned_allocations(), kernel_path(path), families.recording() as launched:
+        o, lse = cupy_flash.flash_forward(q, k_cache, v_cache, block_table=block_table, **opts)
+    assert launched_family(launched) == "forward_tc", context
+    assert o.shape == q.shape[:-1] + v.shape[-1:] and lse.shape == (p["heads"], q.shape[0])
+    o_exact, lse_exact = attention_reference(q, k_cache, v_cache, block_table=block_table, **opts)
+    o_low, lse_low = low_precision_outputs(q, k, v, **opts)
+    lse_magnitude = max_finite_abs(lse_exact)
+    check_error_rule("o", o, o_exact, o_low, context, lse_magnitude)
+    check_error_rule("lse", lse, lse_exact, lse_low, context, lse_magnitude)
+    with kernel_path("portable"), families.recording() as contiguous_launched:
+        o_contiguous, lse_contiguous = cupy_flash.flash_forward(q, k, v, **opts)
+
+    def tiles(launched):   # the kernel's template arguments but its feature flags
+        return [name.rsplit(",", 1)[0] for name in launched_kernels(launched)]
+
+    if tiles(launched) == tiles(contiguous_launched):
+        assert bool((bitwise(o) == bitwise(o_contiguous)).all()), context
+        assert bool((bitwise(lse) == bitwise(lse_contiguous)).all()), context
+
+
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 def test_packed_batch_equals_separate_calls(path):
     """Three sequences packed give bitwise the outputs of three dense calls where both run the same

@@ -177,6 +177,33 @@ def test_packed_reference_is_the_dense_reference_per_sequence():
         do[None, :3], q[None, :3], k[None, :4], v[None, :4], causal=True, alibi_slopes=slopes[0])[1][0])
 
 
+def test_paged_reference_reads_keys_through_the_block_table():
+    """A packed batch with block_table (flash_forward's paged K/V): each sequence's keys are gathered
+    from its pages, so the result equals the packed reference on contiguous keys; a page of NaN that
+    no table names is never read, and the backward refuses the table."""
+    rng = numpy.random.default_rng(8)
+    lens_q, lens_k, page_size = [3, 1, 4], [20, 0, 33], 16
+    q = rng.standard_normal((sum(lens_q), 2, 8))
+    k, v = (rng.standard_normal((sum(lens_k), 1, 8)) for _ in range(2))
+    cu_q, cu_k = numpy.cumsum([0] + lens_q).astype(numpy.int32), numpy.cumsum([0] + lens_k).astype(numpy.int32)
+    table = numpy.array([[4, 0, 6], [6, 6, 6], [2, 5, 1]], numpy.int32)   # pages of sequence 0: 4, 0; 2: 2, 5, 1
+    k_cache, v_cache = (numpy.full((7, page_size, 1, 8), numpy.nan) for _ in range(2))   # page 3 and 6 never hold keys
+    for cache, rows in ((k_cache, k), (v_cache, v)):
+        for b in (0, 2):
+            keys = rows[cu_k[b]:cu_k[b + 1]]
+            for j, page in enumerate(table[b, :-(-len(keys) // page_size)]):
+                part = keys[j * page_size:(j + 1) * page_size]
+                cache[page, :len(part)] = part
+    options = dict(causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    o, lse = attention_reference(q, k_cache, v_cache, block_table=table, **options)
+    o_packed, lse_packed = attention_reference(q, k, v, **options)
+    assert numpy.array_equal(o, o_packed) and numpy.array_equal(lse, lse_packed)
+    with pytest.raises(ValueError, match="block_table names a page outside k's 7"):
+        attention_reference(q, k_cache, v_cache, block_table=table + 2, **options)
+    with pytest.raises(ValueError, match="block_table is not supported by attention_reference_backward"):
+        attention_reference_backward(q, q, k_cache, v_cache, block_table=table, **options)
+
+
 def test_low_precision_reference_rounds_each_stage():
     rng = numpy.random.default_rng(2)
     for dtype in (numpy.float16, ml_dtypes.bfloat16):

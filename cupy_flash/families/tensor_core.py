@@ -36,6 +36,17 @@ FORWARD_TC_TARGETS = {
 }
 
 
+# A paged K/V cache (flash_forward's block_table, FEATURE_PAGED) takes these targets' tables: on
+# sm_90 the 64-key d = 128 tile spilled 56-164 bytes with the page reads beside it (255 registers),
+# so paged calls there take sm80's 32 keys.
+FORWARD_TC_PAGED_TARGETS = {"sm8x": "sm8x", "sm80": "sm80", "sm90": "sm80"}
+
+
+def forward_tc_target(target: str, flags: int) -> str:
+    """The tile table a tensor-core forward of kernel ``flags`` takes on a device of ``target``."""
+    return FORWARD_TC_PAGED_TARGETS[target] if flags & _features.FEATURE_PAGED else target
+
+
 def forward_tc_config(tile: int, target: str = "sm8x") -> tuple[int, int, int]:
     """(block_n, num_warps, m_tiles) of the tensor-core forward."""
     return FORWARD_TC_TARGETS[target][tile]
@@ -119,10 +130,14 @@ class _TensorCore(Family):
 class Forward(_TensorCore):
     name, kernel_name, tiles = "forward_tc", "flash_forward_tc_kernel", staticmethod(forward_tc_config)
 
+    @classmethod
+    def call_spec(cls, device, shape, flags: int) -> ModuleSpec:
+        return cls.module_spec(shape.dtype, shape.tile, forward_tc_target(device.tensor_core_target, flags), flags)
+
     @staticmethod
     def forward_launch(device, shape, variant, arrays) -> tuple:
         """(Launch, tensor maps, tile counter bytes) of a checked call."""
-        target = device.tensor_core_target
+        target = forward_tc_target(device.tensor_core_target, variant.flags)
         smem = forward_tc_smem_bytes(shape.tile, target, bias=variant.bias is not None)
         check_smem(device, smem, shape, "the forward with a bias" if variant.bias is not None else "the forward")
         spec = Forward.call_spec(device, shape, variant.flags)
@@ -165,9 +180,14 @@ class Backward(_TensorCore):
 
 
 def module_specs(dtype: str, features) -> list:
-    """The modules CI's compile check builds for ``dtype`` with each feature set of ``features``."""
+    """The modules CI's compile check builds for ``dtype`` with each feature set of ``features``, and
+    the forward's with a packed set's paged cache (FEATURE_PAGED: this family's alone) on the targets
+    whose tables paged calls take (FORWARD_TC_PAGED_TARGETS)."""
     if dtype not in TENSOR_CORE_DTYPES:
         return []
+    paged = _features.FEATURE_PAGED
     return [spec for tile in _traits.HEAD_DIM_TILES for flags in features for target in _traits.TENSOR_CORE_TARGETS
             for spec in ((Forward.module_spec(dtype, tile, target, flags),)
+                         + ((Forward.module_spec(dtype, tile, target, flags | paged),)
+                            if flags & _features.FEATURE_VARLEN and forward_tc_target(target, paged) == target else ())
                          + ((Backward.module_spec(dtype, tile, target, flags),) if tile in BACKWARD_TC_TARGETS[target] else ()))]
