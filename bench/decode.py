@@ -6,8 +6,9 @@
 Decoding is memory-bound, so the figure is bandwidth: bytes of K and V read per second, against
 the device's copy rate measured in the same run (a 1 GiB device-to-device copy: bytes read plus
 bytes written per second). For each (batch, cache length, GQA 8:1 or 1:1): flash_decode on a
-contiguous cache, flash_decode on a paged cache (pages of 256 keys, shuffled), and PyTorch SDPA's
-flash backend on the same tensors (seqlen_q = 1) where it runs. Caches rotate among enough copies
+contiguous cache, flash_decode on a paged cache (pages of 256 keys, shuffled), flash_decode on an
+FP8 cache of the same shape (e4m3, half the bytes; its speed-up over the bf16 cache is the time
+ratio), and PyTorch SDPA's flash backend on the same tensors (seqlen_q = 1) where it runs. Caches rotate among enough copies
 to exceed the L2 cache (so no call reads a cache its predecessor left in L2).
 
 A small decode call reads a few MB in microseconds, far less than one call's Python time, so calls
@@ -130,6 +131,12 @@ def one_shape(batch, length, heads_kv, copies):
         paged.append((k_pages, v_pages))
     replays["ours_paged"] = cupy_graph(
         lambda c: cupy_flash.flash_decode(q, c[0], c[1], cache_seqlens=lengths, block_table=table), paged)
+    # FP8: random e4m3 bits (no NaN codes) with a descale per (sequence, K/V head).
+    rng = cupy.random.default_rng(7)
+    fp8 = [tuple(rng.integers(0, 0x7e, k.shape, dtype=cupy.int32).astype(cupy.uint8) for _ in range(2)) for k, _ in caches]
+    descale = cupy.full((batch, heads_kv), 0.01, dtype=cupy.float32)
+    replays["ours_fp8"] = cupy_graph(lambda c: cupy_flash.flash_decode(q, c[0], c[1], cache_seqlens=lengths,
+                                                                       k_descale=descale, v_descale=descale), fp8)
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -141,8 +148,10 @@ def one_shape(batch, length, heads_kv, copies):
             replays["flash"] = torch_graph(torch, lambda c: sdpa(tq, c[0], c[1], enable_gqa=group > 1), tcaches)
     except Exception as error:   # the flash backend may refuse a shape (or enable_gqa)
         row["flash_error"] = f"{type(error).__name__}: {str(error)[:120]}"
-    for name, ms in interleaved_ms(replays).items():
-        row[f"{name}_gbs"] = kv_bytes / ms / 1e6
+    times = interleaved_ms(replays)
+    for name, ms in times.items():
+        row[f"{name}_gbs"] = kv_bytes / (2 if name == "ours_fp8" else 1) / ms / 1e6
+    row["fp8_speedup"] = times["ours"] / times["ours_fp8"]
     if "flash_gbs" in row:
         row["ours_over_flash"] = row["ours_gbs"] / row["flash_gbs"]
     return row
@@ -182,7 +191,8 @@ def main():
     copy = copy_rate_gbs()
     result = dict(device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), copy_gbs=copy, rows=[])
     print(f"copy rate {copy:.0f} GB/s (read + write)", flush=True)
-    print(f"{'batch':>5} {'cache':>7} {'gqa':>4} {'ours GB/s':>9} {'of copy':>7} {'paged':>7} {'flash':>7} {'ours/flash':>10}")
+    print(f"{'batch':>5} {'cache':>7} {'gqa':>4} {'ours GB/s':>9} {'of copy':>7} {'paged':>7} {'fp8 GB/s':>8} {'fp8 x':>5} "
+          f"{'flash':>7} {'ours/flash':>10}")
     for heads_kv in (HEADS // 8, HEADS):
         for batch in args.batches:
             for length in args.lengths:
@@ -195,7 +205,8 @@ def main():
                 result["rows"].append(row)
                 flash = row.get("flash_gbs")
                 print(f"{batch:5d} {length:7d} {row['gqa']:>4} {row['ours_gbs']:9.0f} {row['ours_of_copy']:7.2f} "
-                      f"{row['ours_paged_gbs']:7.0f} " + (f"{flash:7.0f} {row['ours_over_flash']:10.2f}" if flash else
+                      f"{row['ours_paged_gbs']:7.0f} {row['ours_fp8_gbs']:8.0f} {row['fp8_speedup']:5.2f} "
+                      + (f"{flash:7.0f} {row['ours_over_flash']:10.2f}" if flash else
                                                           f"{'n/a':>7} {'':>10} {row['flash_error'][:60]}"), flush=True)
                 cupy.get_default_memory_pool().free_all_blocks()
     os.makedirs(args.out, exist_ok=True)

@@ -89,6 +89,28 @@ for dtype in (numpy.float16, ml_dtypes.bfloat16, numpy.float32):
                             rotary_cos=cos, rotary_sin=sin, window_size=(20, -1))
     cupy.cuda.Device().synchronize()
     print("kvcache options ok", flush=True)
+    # An FP8 cache (e4m3 bits, descales per (sequence, K/V head)): contiguous with an append over 3
+    # splits, paged with padding, and 320 / 448 (v over two blocks).
+    for d, d_v, paged in ((80, 80, False), (80, 80, True), (320, 448, True)):
+        shape = (14, 16, 2) if paged else (2, 96, 2)
+        k8, v8 = (cupy.asarray(rng.integers(0, 0x7e, shape + (n,), dtype=numpy.uint8)) for n in (d, d_v))
+        q = cupy.asarray(rng.standard_normal((2, 2, 8, d), dtype=numpy.float32).astype(dtype))
+        new_k, new_v = (cupy.asarray(rng.standard_normal((2, 1, 2, n), dtype=numpy.float32).astype(dtype)) for n in (d, d_v))
+        descale = cupy.asarray(rng.random((2, 2), dtype=numpy.float32) + 0.01)
+        cache = dict(block_table=cupy.asarray(rng.permutation(14)[:12].reshape(2, 6).astype(numpy.int32)),
+                     cache_leftpad=cupy.asarray([33, 5], dtype=cupy.int32)) if paged else dict(num_splits=3)
+        cupy_flash.flash_decode(q, k8, v8, cache_seqlens=cupy.asarray([40, 77], dtype=cupy.int32), k_new=new_k,
+                                v_new=new_v, k_descale=descale, v_descale=descale, causal=True, **cache)
+    # A packed prefill straight from pages (flash_forward's block_table): pages of 16, shuffled.
+    lens_q, lens_k = [70, 0, 33], [45, 9, 130]
+    q = cupy.asarray(rng.standard_normal((sum(lens_q), 4, 72), dtype=numpy.float32).astype(dtype))
+    pages = cupy.asarray(rng.standard_normal((20, 16, 2, 72), dtype=numpy.float32).astype(dtype))
+    table = cupy.asarray(numpy.resize(rng.permutation(20), 27).reshape(3, 9).astype(numpy.int32))   # pages reused
+    cupy_flash.flash_forward(q, pages, pages.copy(), causal=True, block_table=table,
+                             cu_seqlens_q=cupy.asarray(numpy.cumsum([0] + lens_q), dtype=cupy.int32),
+                             cu_seqlens_k=cupy.asarray(numpy.cumsum([0] + lens_k), dtype=cupy.int32))
+    cupy.cuda.Device().synchronize()
+    print("fp8 cache and paged prefill ok", flush=True)
     # Wide head dims: 512 / 512 paged with an append over 3 splits (v over two blocks, the wide
     # combine), and merge_attention_states of 504 columns.
     k_cache = cupy.asarray(rng.standard_normal((13, 16, 1, 512), dtype=numpy.float32).astype(dtype))

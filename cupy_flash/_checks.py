@@ -262,6 +262,11 @@ def as_gpu_array(name: str, x):
     return array
 
 
+def fp8_as_bits(x):
+    """x, or where it is a PyTorch or JAX float8_e4m3fn array, its uint8 bits (_fp8_bits)."""
+    return _fp8_bits(x) if "float8_e4m3fn" in str(getattr(x, "dtype", "")) else x
+
+
 def _fp8_bits(x):
     """A PyTorch or JAX e4m3 array as uint8 bits, the form the FP8 calls take (CuPy holds no FP8
     dtype and refuses it through DLPack): a view in PyTorch, a bitcast in JAX. Their modules are

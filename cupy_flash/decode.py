@@ -31,7 +31,7 @@ MAX_SPLITS = 128
 DECODE_MAX_ROWS = 32
 
 
-def choose_splits(work_units: int, keys: int, tile: int, device: int) -> int:
+def choose_splits(work_units: int, keys: int, tile: int, device: int, fp8_cache: bool = False) -> int:
     """Splits of the keys over ``work_units`` blocks (batch x K/V heads x row blocks): while the
     work fits on the SMs, as many as keep one block per SM; past that, about one wave of the
     blocks each SM holds (_traits.decode_blocks_per_sm). Each split keeps MIN_KEYS_PER_SPLIT keys
@@ -47,7 +47,7 @@ def choose_splits(work_units: int, keys: int, tile: int, device: int) -> int:
     if work_units <= sms:
         wanted = sms // work_units
     else:
-        wanted = sms * _traits.decode_blocks_per_sm(tile) // work_units
+        wanted = sms * _traits.decode_blocks_per_sm(tile, fp8_cache) // work_units
     # Past one pass of the combine's warps, whole passes only: 33 splits (all 132 SMs) ran slower
     # than 32 (2001 against 2041 GB/s, GQA 8:1 batch 1 at 32k keys).
     combine_pass = _traits.COMBINE_BATCH * _traits.COMBINE_MAX_WARPS
@@ -104,7 +104,8 @@ class DecodePlan(_launch.OutputAndLse):
     def call(self, arrays: tuple):
         """The repeated call (flash_decode's plan cache found this plan): (o, lse), or None where the
         plan cannot launch as it is (another current device, a capturing stream). ``arrays``: q,
-        k, v, cache_seqlens, block_table, k_new, v_new, cache_batch_idx, cache_leftpad (None where absent)."""
+        k, v, cache_seqlens, block_table, k_new, v_new, cache_batch_idx, cache_leftpad, k_descale,
+        v_descale (None where absent)."""
         stream = _launch.ready_stream(self)
         return None if stream is None else self._run(arrays, None, stream, False)
 
@@ -139,14 +140,14 @@ class DecodePlan(_launch.OutputAndLse):
 
 
 # A decode launch's arrays, in the order of its addresses (k and v: the caches).
-_NAMES = ("q", "k", "v", "cache_seqlens", "block_table", "k_new", "v_new", "cache_batch_idx", "cache_leftpad", "o", "lse",
-          "o_partial", "lse_partial")
+_NAMES = ("q", "k", "v", "cache_seqlens", "block_table", "k_new", "v_new", "cache_batch_idx", "cache_leftpad", "k_descale",
+          "v_descale", "o", "lse", "o_partial", "lse_partial")
 
 
 def decode_plan(q, k, v, shape, scale, variant, num_splits=None, *, cache=None) -> DecodePlan:
     """The plan of a checked decode call (or flash_forward's split path): ``shape.seqlen_k`` is the
     cache capacity; ``cache`` (flash_decode) holds cache_seqlens, block_table, page_shift, k_new,
-    v_new, cache_batch_idx, cache_leftpad."""
+    v_new, cache_batch_idx, cache_leftpad, k_descale, v_descale."""
     import cupy
 
     device = q.device.id
@@ -154,7 +155,7 @@ def decode_plan(q, k, v, shape, scale, variant, num_splits=None, *, cache=None) 
     # Blocks before the split (v's columns over v_split blocks above the wide tile: decode.cu).
     work_units = shape.batch * shape.heads_kv * row_blocks * _traits.v_split(shape.tile)
     if num_splits is None:
-        num_splits = choose_splits(work_units, shape.seqlen_k, shape.tile, device)
+        num_splits = choose_splits(work_units, shape.seqlen_k, shape.tile, device, variant.fp8_cache)
     num_splits, keys_per_split = _split_layout(num_splits, shape.seqlen_k)
     grid = num_splits * work_units
     if grid > _checks.MAX_GRID_BLOCKS:
@@ -174,7 +175,8 @@ def decode_plan(q, k, v, shape, scale, variant, num_splits=None, *, cache=None) 
     if cache is not None:
         arrays.update(cache_seqlens=cache["cache_seqlens"], block_table=cache.get("block_table"),
                       k_new=cache.get("k_new"), v_new=cache.get("v_new"), cache_batch_idx=cache.get("cache_batch_idx"),
-                      cache_leftpad=cache.get("cache_leftpad"))
+                      cache_leftpad=cache.get("cache_leftpad"), k_descale=cache.get("k_descale"),
+                      v_descale=cache.get("v_descale"))
     params = make_params(shape, scale, variant=variant, **arrays)
     params["num_splits"] = num_splits
     params["keys_per_split"] = keys_per_split
@@ -199,24 +201,27 @@ def launch_decode(q, k, v, shape, scale, variant, num_splits=None, *, cache=None
     plan = decode_plan(q, k, v, shape, scale, variant, num_splits, cache=cache)
     cache = cache or {}
     return plan.run((q, k, v, cache.get("cache_seqlens"), cache.get("block_table"), cache.get("k_new"),
-                     cache.get("v_new"), cache.get("cache_batch_idx"), cache.get("cache_leftpad")), out)
+                     cache.get("v_new"), cache.get("cache_batch_idx"), cache.get("cache_leftpad"), cache.get("k_descale"),
+                     cache.get("v_descale")), out)
 
 
 # ---------------------------------------------------------------------------------------------
 # flash_decode
 
 def check_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, block_table=None, cache_batch_idx=None,
-                 cache_leftpad=None):
+                 cache_leftpad=None, k_descale=None, v_descale=None):
     """Shapes of a decode call (reads .shape/.dtype/.ndim only): (AttentionShape with seqlen_k =
-    the cache capacity, page_shift or None)."""
+    the cache capacity, page_shift or None). An FP8 cache: k_cache and v_cache uint8 (e4m3 bits)
+    with k_descale and v_descale (check_fp8_cache)."""
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if getattr(x, "ndim", None) != 4:
             raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(getattr(x, 'shape', ()))}")
     kind = _checks.dtype_name(q.dtype)
     if kind not in TENSOR_CORE_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}; flash_decode takes float16 or bfloat16")
+    fp8_cache = check_fp8_cache(q, k_cache, v_cache, k_descale, v_descale)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.dtype != q.dtype:
+        if x.dtype != q.dtype and not fp8_cache:
             raise TypeError(f"{name} has dtype {x.dtype} but q has dtype {q.dtype}")
     if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
         raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has shape {tuple(k_cache.shape)}; "
@@ -228,31 +233,27 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, blo
             raise ValueError(f"{name} has head_dim {d}; expected a multiple of 8 from 8 to {_traits.MAX_HEAD_DIM}")
     if int(k_cache.shape[3]) != head_dim:
         raise ValueError(f"k_cache has head_dim {k_cache.shape[3]} but q has head_dim {head_dim}")
+    if fp8_cache:
+        for name, d in (("k_cache", head_dim), ("v_cache", head_dim_v)):
+            if d % 16:
+                raise ValueError(f"{name} has head_dim {d}; an FP8 cache's rows are read in 16-byte units (a "
+                                 "multiple of 16)")
     heads_kv = int(k_cache.shape[2])
     if heads_kv < 1 or heads % heads_kv:
         raise ValueError(f"k_cache has {heads_kv} heads but q has {heads}; the query heads must be a multiple "
                          "of the K/V heads")
     if batch < 1 or seqlen_q < 1 or heads < 1:
         raise ValueError(f"q has shape {tuple(q.shape)}; every dimension must be at least 1")
-    _check_index_array("cache_seqlens", cache_seqlens, (batch,), "(batch,)")
+    _checks.check_index_array("cache_seqlens", cache_seqlens, (batch,), "(batch,)")
     for name, x in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
         if x is not None:
-            _check_index_array(name, x, (batch,), "(batch,)")
+            _checks.check_index_array(name, x, (batch,), "(batch,)")
     if cache_batch_idx is not None and block_table is not None:
         raise ValueError("cache_batch_idx is not supported with block_table: a paged cache names each sequence's "
                          "pages in block_table already")
     page_shift = None
     if block_table is not None:
-        _check_index_array("block_table", block_table, None, "(batch, pages per sequence)")
-        if block_table.ndim != 2 or int(block_table.shape[0]) != batch or int(block_table.shape[1]) < 1:
-            raise ValueError(f"block_table has shape {tuple(block_table.shape)}; expected (batch, pages per "
-                             f"sequence) with batch {batch}")
-        page_size = int(k_cache.shape[1])
-        if page_size < 16 or page_size & (page_size - 1):
-            raise ValueError(f"k_cache has pages of {page_size} keys (its axis 1); a paged cache needs a power "
-                             "of two from 16 up")
-        page_shift = page_size.bit_length() - 1
-        capacity = int(block_table.shape[1]) * page_size
+        page_shift, capacity = _checks.check_block_table(block_table, k_cache, batch)
     else:
         if int(k_cache.shape[0]) != batch and cache_batch_idx is None:
             raise ValueError(f"k_cache has batch {k_cache.shape[0]} but q has batch {batch} (without block_table "
@@ -279,17 +280,42 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, blo
             raise ValueError("k_new has no rows; pass k_new=None to append nothing")
     if capacity >= _checks.MAX_SEQLEN:
         raise ValueError(f"the cache holds {capacity} keys per sequence; at most {_checks.MAX_SEQLEN - 1} supported")
+    if fp8_cache:
+        for name, x in (("k_descale", k_descale), ("v_descale", v_descale)):
+            check_cache_descale(name, x, batch, heads_kv)
     shape = _checks.AttentionShape(batch, seqlen_q, capacity, heads, head_dim, kind, heads_kv, head_dim_v)
     return shape, page_shift
 
 
-def _check_index_array(name, x, shape, labels):
+def check_fp8_cache(q, k_cache, v_cache, k_descale, v_descale) -> bool:
+    """Whether the cache is FP8 (k_cache and v_cache uint8, e4m3 bits, with both descales), or
+    TypeError / ValueError naming what is missing or mixed."""
+    eight = [x.dtype == numpy.uint8 for x in (k_cache, v_cache)]
+    if not any(eight) and k_descale is None and v_descale is None:
+        return False
+    if eight[0] != eight[1]:
+        ours, other = ("k_cache", "v_cache") if eight[0] else ("v_cache", "k_cache")
+        raise TypeError(f"{ours} holds FP8 bits (uint8) but {other} has dtype {(v_cache if eight[0] else k_cache).dtype}; "
+                        "an FP8 cache has both in e4m3")
+    if not eight[0]:
+        name = "k_descale" if k_descale is not None else "v_descale"
+        raise ValueError(f"{name} is for an FP8 cache (k_cache and v_cache uint8, e4m3 bits); the cache has dtype "
+                         f"{k_cache.dtype}")
+    for name, x in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if x is None:
+            raise ValueError(f"{name} is missing: an FP8 cache (uint8 k_cache, v_cache) needs k_descale and v_descale")
+    return True
+
+
+def check_cache_descale(name: str, x, batch: int, heads_kv: int) -> None:
+    """An FP8 cache's descale: float32 (batch, heads_kv) or (heads_kv,) (one per K/V head)."""
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-        raise TypeError(f"{name} must be an int32 array of shape {labels}, got {type(x).__name__}")
-    if x.dtype != numpy.int32:
-        raise TypeError(f"{name} has dtype {x.dtype}; expected int32")
-    if shape is not None and tuple(int(n) for n in x.shape) != shape:
-        raise ValueError(f"{name} has shape {tuple(x.shape)}; expected {labels} = {shape}")
+        raise TypeError(f"{name} must be a float32 array of shape (batch, heads_kv), got {type(x).__name__}")
+    if x.dtype != numpy.float32:
+        raise TypeError(f"{name} has dtype {x.dtype}; expected float32")
+    if tuple(int(n) for n in x.shape) not in ((batch, heads_kv), (heads_kv,)):
+        raise ValueError(f"{name} has shape {tuple(x.shape)}; expected (batch, heads_kv) = {(batch, heads_kv)} or "
+                         f"(heads_kv,) = {(heads_kv,)}")
 
 
 def check_rotary(rotary_cos, rotary_sin, interleaved, q, shape) -> bool:
@@ -348,8 +374,8 @@ def _in_place_ready(name, x):
 
 def flash_decode(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
                  cache_batch_idx=None, cache_leftpad=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
-                 softmax_scale=None, causal=False, window_size=None, softcap=0.0, alibi_slopes=None, sink=None,
-                 num_splits=None, stream=None):
+                 k_descale=None, v_descale=None, softmax_scale=None, causal=False, window_size=None, softcap=0.0,
+                 alibi_slopes=None, sink=None, num_splits=None, stream=None):
     """Attention of new queries against a K/V cache, appending k_new/v_new into it first.
 
     q: (batch, seqlen_q, heads_q, head_dim) float16/bfloat16, the new tokens' queries.
@@ -384,6 +410,12 @@ def flash_decode(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, 
     ``rotary_interleaved`` pairs columns (2i, 2i + 1) (GPT-J), else (i, i + rotary_dim / 2)
     (GPT-NeoX). Rotated in float32 and rounded to the dtype once, by a row kernel ahead of the
     decode kernel.
+    An FP8 cache: k_cache and v_cache uint8 arrays of e4m3 bits (CuPy; PyTorch's and JAX's
+    float8_e4m3fn too) with ``k_descale`` and ``v_descale``, float32 (batch, heads_kv) or (heads_kv,),
+    read on the device only: sequence b's key row holds values decode(bits) x k_descale[b, head]
+    (head_dims multiples of 16). The kernel reads the bytes (half a 16-bit cache's) and converts
+    them exactly; k_new and v_new (q's dtype) are appended as the e4m3 bits of x / descale, rounded
+    to nearest even and saturated, as ``quantize_fp8`` rounds.
 
     Returns (o, lse): o like q with v's head_dim; lse float32 (batch, heads_q, seqlen_q).
     """
@@ -392,15 +424,16 @@ def flash_decode(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, 
     if (stream is None and alibi_slopes is None and sink is None and cache_batch_idx is None and cache_leftpad is None
             and rotary_cos is None and rotary_sin is None):
         plan = _plans.get(_plan_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, softmax_scale,
-                                    causal, window_size, softcap, num_splits))
+                                    causal, window_size, softcap, num_splits, k_descale, v_descale))
         if plan is not None:
-            result = plan.call((q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, None, None))
+            result = plan.call((q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, None, None, k_descale,
+                                v_descale))
             if result is not None:
                 return result
     return _decode_checked(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, softmax_scale, causal,
                            window_size, softcap, alibi_slopes, sink, num_splits, stream=stream,
                            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                           rotary=(rotary_cos, rotary_sin, rotary_interleaved))
+                           rotary=(rotary_cos, rotary_sin, rotary_interleaved), descales=(k_descale, v_descale))
 
 
 flash_decode.__doc__ = flash_decode.__doc__.rstrip() + "\n" + STREAM_DOC
@@ -409,18 +442,21 @@ flash_decode.__doc__ = flash_decode.__doc__.rstrip() + "\n" + STREAM_DOC
 @on_stream
 def _decode_checked(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, softmax_scale, causal, window_size,
                     softcap, alibi_slopes, sink, num_splits, cache_batch_idx=None, cache_leftpad=None,
-                    rotary=(None, None, False)):
+                    rotary=(None, None, False), descales=(None, None)):
     """flash_decode with every check, on the stream the wrapper made current; keeps the plan of a
     call that _plan_key describes and that read every array in place."""
-    given = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, cache_batch_idx, cache_leftpad)
+    k_descale, v_descale = descales
+    given = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, cache_batch_idx, cache_leftpad, k_descale,
+             v_descale)
     rotary_cos, rotary_sin, rotary_interleaved = rotary
     cache_index = cache_batch_idx is not None or cache_leftpad is not None
     key = None
     if alibi_slopes is None and sink is None and not cache_index and rotary_cos is None and rotary_sin is None:
         key = _plan_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, softmax_scale, causal,
-                        window_size, softcap, num_splits)
+                        window_size, softcap, num_splits, k_descale, v_descale)
+    k_cache, v_cache = _checks.fp8_as_bits(k_cache), _checks.fp8_as_bits(v_cache)   # PyTorch's and JAX's e4m3
     shape, page_shift = check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx,
-                                     cache_leftpad)
+                                     cache_leftpad, k_descale, v_descale)
     rotary_interleaved = check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, shape)
     scale = _checks.check_softmax_scale(softmax_scale, shape.head_dim)
     causal = _checks.check_flag("causal", causal)
@@ -434,6 +470,9 @@ def _decode_checked(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_tabl
     variant = check_variant(shape.batch, shape.heads, causal, head_dim_v=shape.own_head_dim_v, **features)
     if cache_index:
         variant = dataclasses.replace(variant, cache_index=True)
+    fp8_cache = k_descale is not None
+    if fp8_cache:
+        variant = dataclasses.replace(variant, fp8_cache=True)
     with q.device:
         arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
         if block_table is not None:
@@ -445,6 +484,10 @@ def _decode_checked(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_tabl
         if rotary_cos is not None:
             arrays["rotary_cos"] = rotary_cos = _checks.as_gpu_array("rotary_cos", rotary_cos)
             arrays["rotary_sin"] = rotary_sin = _checks.as_gpu_array("rotary_sin", rotary_sin)
+        if fp8_cache:   # one per (sequence, K/V head), as the kernels index them
+            k_descale, v_descale = (_cache_descale(_checks.as_gpu_array(n, x), shape)
+                                    for n, x in (("k_descale", k_descale), ("v_descale", v_descale)))
+            arrays.update(k_descale=k_descale, v_descale=v_descale)
         if k_new is not None:
             arrays["k_new"] = k_new = _checks.kernel_ready(_checks.as_gpu_array("k_new", k_new))
             arrays["v_new"] = v_new = _checks.kernel_ready(_checks.as_gpu_array("v_new", v_new))
@@ -457,11 +500,11 @@ def _decode_checked(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_tabl
                                 cache_seqlens, shape, variant.causal or variant.window_left is not None)
         cache = dict(cache_seqlens=cache_seqlens, block_table=_contiguous(block_table), page_shift=page_shift,
                      k_new=k_new, v_new=v_new, cache_batch_idx=_contiguous(cache_batch_idx),
-                     cache_leftpad=_contiguous(cache_leftpad))
+                     cache_leftpad=_contiguous(cache_leftpad), k_descale=k_descale, v_descale=v_descale)
         variant = variant.on_device()
         plan = decode_plan(q, k_cache, v_cache, shape, scale, variant, num_splits, cache=cache)
         arrays = (q, k_cache, v_cache, cache["cache_seqlens"], cache["block_table"], k_new, v_new,
-                  cache["cache_batch_idx"], cache["cache_leftpad"])
+                  cache["cache_batch_idx"], cache["cache_leftpad"], k_descale, v_descale)
         if key is not None and all(x is y for x, y in zip(arrays, given)):   # checked, and no copy made
             _launch.kept(_plans, key, plan)
         return plan.run(arrays)
@@ -474,21 +517,21 @@ _plans: dict = {}
 
 
 def _plan_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, softmax_scale, causal, window_size,
-              softcap, num_splits):
+              softcap, num_splits, k_descale=None, v_descale=None):
     ndarray = _checks.cupy_ndarray()
     if type(q) is not ndarray or type(k_cache) is not ndarray or type(v_cache) is not ndarray \
             or type(cache_seqlens) is not ndarray:
         return None
     optional = []
     aligned = q.data.ptr | k_cache.data.ptr | v_cache.data.ptr   # as read in place (block_table need not be)
-    for x in (k_new, v_new, block_table):
+    for x in (k_new, v_new, block_table, k_descale, v_descale):
         if x is None:
             optional.append(None)
         elif type(x) is not ndarray:
             return None
         else:
             optional.append((x.shape, x.strides, x.dtype, x.data.device_id))
-            aligned |= x.data.ptr if x is not block_table else 0
+            aligned |= x.data.ptr if x is k_new or x is v_new else 0
     if window_size is not None:
         if type(window_size) is not tuple:
             return None
@@ -498,6 +541,14 @@ def _plan_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, sof
             cache_seqlens.shape, cache_seqlens.strides, cache_seqlens.dtype, cache_seqlens.data.device_id,
             *optional, aligned & 15, type(softmax_scale), softmax_scale, type(causal), causal, window_size,
             type(softcap), softcap, type(num_splits), num_splits)
+
+
+def _cache_descale(x, shape):
+    """An FP8 cache's descale as the kernels read it: float32 (batch, heads_kv), C-contiguous (a
+    (heads_kv,) one broadcast over the batch: a copy of batch x heads_kv floats)."""
+    import cupy
+
+    return cupy.ascontiguousarray(cupy.broadcast_to(x, (shape.batch, shape.heads_kv)))
 
 
 def _contiguous(x):

@@ -371,18 +371,27 @@ def low_precision_backward_forms(do, q, k, v, **options) -> list:
 @_on_stream
 def decode_reference(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
                      cache_batch_idx=None, cache_leftpad=None, rotary_cos=None, rotary_sin=None,
-                     rotary_interleaved=False, softmax_scale=None, causal=False, upcast=True, **features):
+                     rotary_interleaved=False, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
+                     upcast=True, **features):
     """What ``flash_decode`` returns, computed densely per sequence: its keys are the cache's rows
     cache_leftpad[b] (0 without it) to cache_seqlens[b] (gathered through block_table for a paged
     cache, from cache row cache_batch_idx[b] with it) followed by k_new[b]. With rotary_cos /
     rotary_sin, q and k_new are first rotated as flash_decode documents, in float32 and rounded to
-    the dtype once (the kernel's scheme, so both read the same rotated values). The cache arrays
-    are read, never written. Returns (o, lse) as ``attention_reference``."""
+    the dtype once (the kernel's scheme, so both read the same rotated values). An FP8 cache
+    (uint8 e4m3 bits with k_descale, v_descale): sequence b's rows are decode(bits) x descale[b,
+    head] in float64, k_new / v_new first rounded into the cache's bits as flash_decode appends them
+    (``fp8.encode_fp8(x / descale)``). The cache arrays are read, never written. Returns (o, lse) as
+    ``attention_reference``."""
     unknown = sorted(set(features) - set(_checks.FEATURE_KEYWORDS) | set(features) & set(_checks.PACKED_KEYWORDS + ("bias",)))
     if unknown:
         raise TypeError(f"decode_reference() got unsupported keyword argument(s): {', '.join(unknown)}")
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+    fp8_cache = k_descale is not None or v_descale is not None
+    for name, x in (("q", q),) + (() if fp8_cache else (("k_cache", k_cache), ("v_cache", v_cache))):
         _check_array(name, x, (4,))
+    if fp8_cache:
+        from .decode import check_fp8_cache
+
+        check_fp8_cache(q, k_cache, v_cache, k_descale, v_descale)
     for name, x in (("k_new", k_new), ("v_new", v_new)):
         if x is not None:
             _check_array(name, x, (4,))
@@ -422,10 +431,24 @@ def decode_reference(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=No
             rows = bits[xp.asarray(table[b, keys // page_size]), xp.asarray(keys % page_size)]
         return rows
 
-    def appended(cache, new, b):
+    def descales(descale):   # (batch, heads_kv) float64, as the kernels index them
+        host = numpy.asarray(_host(descale)).astype(numpy.float64)
+        return xp.asarray(numpy.broadcast_to(host, (batch, int(k_cache.shape[2]))))
+
+    if fp8_cache:
+        from .fp8 import decode_fp8, encode_fp8
+
+        k_scales, v_scales = descales(k_descale), descales(v_descale)
+
+    def appended(cache, new, b, scales=None):
         rows = rows_of(cache, b)
         # (a cache_batch_idx row outside the cache: the sequence sees no key, its new rows dropped)
-        if new is not None and (table is not None or 0 <= int(cache_rows[b]) < cache.shape[0]):
+        keeps_new = new is not None and (table is not None or 0 <= int(cache_rows[b]) < cache.shape[0])
+        if scales is not None:   # FP8: the new rows' bits as the append writes them, then the values
+            if keeps_new:
+                rows = xp.concatenate([rows, encode_fp8(_to_float(new[b], xp, xp.float64) / scales[b][:, None])], axis=0)
+            return decode_fp8(rows) * scales[b][:, None]
+        if keeps_new:
             extra = new.view(xp.uint16) if new.dtype.itemsize == 2 else new
             rows = xp.concatenate([rows, extra[b]], axis=0)
         return rows.view(cache.dtype) if cache.dtype.itemsize == 2 else rows
@@ -433,8 +456,10 @@ def decode_reference(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=No
     outs, lses = [], []
     for b in range(q.shape[0]):
         own = features_of_sequence(features, b)
-        o, lse = _attention_reference_dense(q[b:b + 1], appended(k_cache, k_new, b)[None], appended(v_cache, v_new, b)[None],
-                                            softmax_scale=softmax_scale, causal=causal, upcast=upcast, **own)
+        keys = appended(k_cache, k_new, b, k_scales if fp8_cache else None)
+        values = appended(v_cache, v_new, b, v_scales if fp8_cache else None)
+        o, lse = _attention_reference_dense(q[b:b + 1], keys[None], values[None], softmax_scale=softmax_scale,
+                                            causal=causal, upcast=upcast, **own)
         outs.append(o)
         lses.append(lse)
     return xp.concatenate(outs, axis=0), xp.concatenate(lses, axis=0)

@@ -21,8 +21,12 @@
 // registers: V_SPLIT blocks share each (split, row block, batch, K/V head), each scoring every key
 // and keeping O over its own share of v's columns (the index fastest in the grid); the first writes
 // lse. They run DECODE_WIDE_STAGES stages, which fit sm_80's shared memory.
+// An FP8 cache (FEATURE_FP8_CACHE: e4m3 keys and values, a descale per (sequence, K/V head)) is read
+// in its own bytes: each warp's stages take the raw tiles, and a tile is converted (exactly) into
+// one T stage just before its products; S takes k's descale, and O v's at the end.
 
 #include "common.cuh"
+#include "fp8_values.cuh"
 #include "tensor_core.cuh"
 
 // Row (in elements) of key `key` of batch entry b, K/V head kv_head in a cache with these strides:
@@ -90,6 +94,43 @@ __global__ void flash_append_kernel(const FlashParams p) {
             *reinterpret_cast<uint4*>(k_dst + c) = *reinterpret_cast<const uint4*>(k_src + c);
         for (int c = 8 * lane; c < p.head_dim_v; c += 8 * 32)
             *reinterpret_cast<uint4*>(v_dst + c) = *reinterpret_cast<const uint4*>(v_src + c);
+    }
+}
+
+// flash_append_kernel into an FP8 cache (FEATURE_FP8_CACHE): each new row as the e4m3 bits of
+// x / descale (k_descale, v_descale of (b, K/V head)), rounded as quantize_fp8 rounds, 16 elements
+// a lane (FP8 caches have head dims that are multiples of 16).
+template <typename T>
+__device__ __forceinline__ void quantize_16(unsigned char* dst, const T* src, float descale) {
+    float values[16];
+    unpack(*reinterpret_cast<const uint4*>(src), values, T{});
+    unpack(*reinterpret_cast<const uint4*>(src + 8), values + 8, T{});
+    unsigned words[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int e = 0; e < 16; ++e) words[e / 4] |= e4m3_bits_of_quotient(values[e], descale) << (8 * (e % 4));
+    *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
+}
+template <typename T, bool CACHE_INDEX = false>
+__global__ void flash_append_fp8_kernel(const FlashParams p) {
+    wait_for_predecessor();   // (as flash_append_kernel)
+    allow_dependents();
+    const int lane = threadIdx.x & 31;
+    const long long heads_kv = p.heads / p.group;
+    const long long rows = p.batch * p.seqlen_new * heads_kv;
+    for (long long r = first_row_of_warp(); r < rows; r += rows_per_grid()) {
+        const long long b = r / (p.seqlen_new * heads_kv);
+        const long long t = (r / heads_kv) % p.seqlen_new;
+        const long long kv_head = r % heads_kv;
+        const long long position = (long long)p.cache_seqlens[b] + t;
+        const long long cache_b = cache_row_of<CACHE_INDEX>(p, b);
+        if (position < 0 || position >= p.cache_capacity || (CACHE_INDEX && cache_b < 0)) continue;
+        unsigned char* k_dst = static_cast<unsigned char*>(const_cast<void*>(p.k)) + cache_offset(p, p.k_strides, cache_b, (int)position, kv_head);
+        unsigned char* v_dst = static_cast<unsigned char*>(const_cast<void*>(p.v)) + cache_offset(p, p.v_strides, cache_b, (int)position, kv_head);
+        const T* k_src = static_cast<const T*>(p.k_new) + tensor_offset(p.k_new_strides, b, t, kv_head);
+        const T* v_src = static_cast<const T*>(p.v_new) + tensor_offset(p.v_new_strides, b, t, kv_head);
+        const float k_scale = p.k_descale[b * heads_kv + kv_head], v_scale = p.v_descale[b * heads_kv + kv_head];
+        for (int c = 16 * lane; c < p.head_dim; c += 16 * 32) quantize_16(k_dst + c, k_src + c, k_scale);
+        for (int c = 16 * lane; c < p.head_dim_v; c += 16 * 32) quantize_16(v_dst + c, v_src + c, v_scale);
     }
 }
 
@@ -295,6 +336,61 @@ struct DecodeTileLoader {
     }
 };
 
+// DecodeTileLoader's loads from an FP8 cache (FEATURE_FP8_CACHE): a stage's raw K and V tiles, rows
+// of D_TILE and DV_TILE bytes (unpadded: the conversion reads them in order), 16 elements a chunk.
+template <int D_TILE, int DV_TILE>
+struct DecodeFp8TileLoader {
+    const FlashParams& p;
+    const unsigned char* const& k;
+    const unsigned char* const& v;
+    unsigned char* const& my_raw;   // [STAGES][K, V][KEYS][D_TILE, DV_TILE]
+    const long long &b, &kv_head;   // b: the sequence's cache row (cache_row_of)
+    const int &key_end, &head_dim, &head_dim_v, &lane;
+
+    template <int WIDTH>
+    __device__ __forceinline__ void load_rows(unsigned char* dst, const unsigned char* src, long long row, long long row_stride,
+                                              int tile_start, int valid) const {
+        constexpr int KEYS = 16, CHUNKS = WIDTH / 16;
+#pragma unroll
+        for (int step = 0; step < (KEYS * CHUNKS + 31) / 32; ++step) {
+            const int i = lane + 32 * step;
+            if ((KEYS * CHUNKS) % 32 != 0 && i >= KEYS * CHUNKS) continue;   // past the tile: issue nothing
+            const int r = i / CHUNKS, col = (i % CHUNKS) * 16;
+            const bool ok = tile_start + r < key_end && col < valid;
+            // No L2 policy here (the 16-bit loads' evict-first): with one, ptxas (NVRTC 12.9) folded
+            // the shared window into a uniform register beside the memory descriptor in several
+            // instantiations (LDGSTS [R+UR0], desc[UR1]), which the H100 ran as an illegal instruction.
+            cp_async_16(smem_addr(dst + r * WIDTH + col), src + (ok ? row + r * row_stride + col : 0), ok);
+        }
+    }
+
+    __device__ __forceinline__ void operator()(int tile_start, int stage) const {
+        unsigned char* k_dst = my_raw + stage * 16 * (D_TILE + DV_TILE);
+        load_rows<D_TILE>(k_dst, k, cache_offset(p, p.k_strides, b, tile_start, kv_head), p.k_strides[1], tile_start, head_dim);
+        load_rows<DV_TILE>(k_dst + 16 * D_TILE, v, cache_offset(p, p.v_strides, b, tile_start, kv_head), p.v_strides[1],
+                           tile_start, head_dim_v);
+    }
+};
+
+// 16 raw rows of WIDTH e4m3 bytes into a T tile of pitch WIDTH + 8, exactly; a lane 16 elements at a time.
+template <typename T, int WIDTH>
+__device__ __forceinline__ void convert_fp8_rows(T* dst, const unsigned char* src, int lane) {
+    constexpr int CHUNKS = WIDTH / 16, LD = WIDTH + 8;
+#pragma unroll
+    for (int step = 0; step < (16 * CHUNKS + 31) / 32; ++step) {
+        const int i = lane + 32 * step;
+        if ((16 * CHUNKS) % 32 != 0 && i >= 16 * CHUNKS) continue;
+        const int r = i / CHUNKS, c = (i % CHUNKS) * 16;
+        const uint4 bytes = *reinterpret_cast<const uint4*>(src + r * WIDTH + c);
+        const uint4 lo = make_uint4(e4m3x2_to<T>(bytes.x), e4m3x2_to<T>(bytes.x >> 16), e4m3x2_to<T>(bytes.y),
+                                    e4m3x2_to<T>(bytes.y >> 16));
+        const uint4 hi = make_uint4(e4m3x2_to<T>(bytes.z), e4m3x2_to<T>(bytes.z >> 16), e4m3x2_to<T>(bytes.w),
+                                    e4m3x2_to<T>(bytes.w >> 16));
+        *reinterpret_cast<uint4*>(dst + r * LD + c) = lo;
+        *reinterpret_cast<uint4*>(dst + r * LD + c + 8) = hi;
+    }
+}
+
 // S = Q K^T of one key tile: the block's 16 rows against two n8 tiles of keys, from the lane's
 // ldmatrix addresses in Q and in the K tile.
 template <typename T, int D_TILE>
@@ -486,8 +582,12 @@ flash_decode_kernel(const FlashParams p) {
     constexpr bool WIDE = D_TILE > FLASH_WIDE_TILE;
     constexpr int V_SPLIT = WIDE ? FLASH_V_SPLIT : 1;    // blocks over v's columns (the header)
     constexpr int DV_TILE = D_TILE / V_SPLIT;            // v (and O) columns of this block
-    // Tiles in flight per warp (_traits.DECODE_STAGES: why 2; DECODE_WIDE_STAGES: why 1).
-    constexpr int STAGES = WIDE ? DECODE_WIDE_STAGES : DECODE_STAGES;
+    // Tiles in flight per warp (_traits.DECODE_STAGES: why 2; DECODE_WIDE_STAGES: why 1; an FP8
+    // cache's DECODE_FP8_STAGES).
+    constexpr bool FP8_CACHE = (FEATURES & FEATURE_FP8_CACHE) != 0;
+    constexpr int STAGES = WIDE ? DECODE_WIDE_STAGES
+                                : FP8_CACHE ? (D_TILE > 128 ? DECODE_FP8_STAGES_ABOVE_128 : DECODE_FP8_STAGES_TO_128)
+                                            : DECODE_STAGES;
     constexpr int LD = D_TILE + 8;           // padded pitch (see forward_tc.cu)
     constexpr int LD_V = DV_TILE + 8;        // the V tiles'
     constexpr int O_TILES = DV_TILE / 8;
@@ -496,7 +596,11 @@ flash_decode_kernel(const FlashParams p) {
     constexpr int TILE_ELEMS = KEYS * LD;    // one K tile
     constexpr int STAGE_ELEMS = TILE_ELEMS + KEYS * LD_V;   // a stage: a K and a V tile
     constexpr int MERGE_LD = DV_TILE + 8;    // float pitch of the epilogue's per-warp O (float2 stores conflict-free)
-    constexpr unsigned int LOOP_BYTES = (ROWS * LD + NUM_WARPS * STAGES * STAGE_ELEMS) * sizeof(T);
+    // FEATURE_FP8_CACHE: a warp's STAGES stages hold raw e4m3 tiles, converted into one T stage.
+    constexpr int COMPUTE_STAGES = FP8_CACHE ? 1 : STAGES;   // T stages of a warp
+    constexpr int RAW_STAGE_BYTES = FP8_CACHE ? KEYS * (D_TILE + DV_TILE) : 0;
+    constexpr unsigned int LOOP_BYTES = (ROWS * LD + NUM_WARPS * COMPUTE_STAGES * STAGE_ELEMS) * sizeof(T) +
+                                        NUM_WARPS * STAGES * RAW_STAGE_BYTES;
     constexpr unsigned int MERGE_BYTES = (ROWS * LD) * sizeof(T) + NUM_WARPS * ROWS * MERGE_LD * sizeof(float);
     constexpr unsigned int SMEM_BYTES = LOOP_BYTES > MERGE_BYTES ? LOOP_BYTES : MERGE_BYTES;
     static_assert(WIDE || CHUNKS <= 32 || CHUNKS % 32 == 0, "row chunks per lane");   // (wide: load_rows)
@@ -505,7 +609,9 @@ flash_decode_kernel(const FlashParams p) {
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* q_tile = reinterpret_cast<T*>(smem_raw);                  // [ROWS][LD]
-    T* warp_tiles = q_tile + ROWS * LD;                          // [NUM_WARPS][STAGES][K, V][KEYS][LD, LD_V]
+    T* warp_tiles = q_tile + ROWS * LD;                          // [NUM_WARPS][COMPUTE_STAGES][K, V][KEYS][LD, LD_V]
+    // FEATURE_FP8_CACHE: [NUM_WARPS][STAGES][K, V][KEYS][D_TILE, DV_TILE] bytes
+    unsigned char* raw_tiles = reinterpret_cast<unsigned char*>(warp_tiles + NUM_WARPS * COMPUTE_STAGES * STAGE_ELEMS);
     float* merge_o = reinterpret_cast<float*>(warp_tiles);       // epilogue: [NUM_WARPS][ROWS][MERGE_LD]
     __shared__ float merge_max[NUM_WARPS][ROWS], merge_max_scaled[NUM_WARPS][ROWS], merge_sum[NUM_WARPS][ROWS];
 
@@ -529,7 +635,8 @@ flash_decode_kernel(const FlashParams p) {
     // The combine may then start its blocks, which wait for this kernel's end.
     // (With FEATURE_CACHE_INDEX the cache row is known only after the wait: no prefetch.)
     constexpr bool CACHE_INDEX = (FEATURES & FEATURE_CACHE_INDEX) != 0;
-    if (!CACHE_INDEX) prefetch_split_to_l2<T, FEATURES>(p, b, kv_head, split);
+    if constexpr (!CACHE_INDEX && FP8_CACHE) prefetch_split_to_l2<unsigned char, FEATURES>(p, b, kv_head, split);
+    if (!CACHE_INDEX && !FP8_CACHE) prefetch_split_to_l2<T, FEATURES>(p, b, kv_head, split);
     wait_for_predecessor();
     allow_dependents();
 
@@ -556,7 +663,7 @@ flash_decode_kernel(const FlashParams p) {
 
     const T* k = static_cast<const T*>(p.k);
     const T* v = static_cast<const T*>(p.v) + v_col;
-    T* my_tiles = warp_tiles + warp * STAGES * STAGE_ELEMS;
+    T* my_tiles = warp_tiles + warp * COMPUTE_STAGES * STAGE_ELEMS;
     // This warp's tiles: starts key_begin rounded down to 16, then every NUM_WARPS-th tile.
     const int first_tile = (key_begin & ~(KEYS - 1)) + warp * KEYS;
     constexpr int TILE_STEP = NUM_WARPS * KEYS;
@@ -567,6 +674,17 @@ flash_decode_kernel(const FlashParams p) {
     const unsigned long long read_once = l2_evict_first_policy();
     const DecodeTileLoader<T, D_TILE, DV_TILE> load_tile = {p, k, v, my_tiles, cache_b, kv_head, key_end, head_dim, head_dim_v,
                                                    lane, read_once};
+    // FEATURE_FP8_CACHE: the raw tiles' loader, and the descales of this sequence's K/V head.
+    const unsigned char* k8 = static_cast<const unsigned char*>(p.k);
+    const unsigned char* v8 = static_cast<const unsigned char*>(p.v) + v_col;
+    unsigned char* my_raw = raw_tiles + warp * STAGES * RAW_STAGE_BYTES;
+    const DecodeFp8TileLoader<D_TILE, DV_TILE> load_fp8_tile = {p, k8, v8, my_raw, cache_b, kv_head, key_end, head_dim,
+                                                                 head_dim_v, lane};
+    float k_scale = 1.f, v_scale = 1.f;
+    if constexpr (FP8_CACHE) {
+        k_scale = p.k_descale[b * heads_kv + kv_head];
+        v_scale = p.v_descale[b * heads_kv + kv_head];
+    }
 
     float o_acc[O_TILES][4];
 #pragma unroll
@@ -579,7 +697,10 @@ flash_decode_kernel(const FlashParams p) {
 
 #pragma unroll
     for (int ahead = 0; ahead < STAGES - 1; ++ahead) {   // one commit group per tile, empty or not
-        if (first_tile + ahead * TILE_STEP < key_end) load_tile(first_tile + ahead * TILE_STEP, ahead);
+        if (first_tile + ahead * TILE_STEP < key_end) {
+            if constexpr (FP8_CACHE) load_fp8_tile(first_tile + ahead * TILE_STEP, ahead);
+            else load_tile(first_tile + ahead * TILE_STEP, ahead);
+        }
         cp_async_commit();
     }
     cp_async_wait<STAGES - 1>();   // the Q group (committed first) landed for this thread ...
@@ -587,15 +708,30 @@ flash_decode_kernel(const FlashParams p) {
     int stage = 0;
     for (int tile_start = first_tile; tile_start < key_end; tile_start += TILE_STEP, stage = (stage + 1) % STAGES) {
         const int ahead_start = tile_start + (STAGES - 1) * TILE_STEP;
-        if (ahead_start < key_end) load_tile(ahead_start, (stage + STAGES - 1) % STAGES);
+        if (ahead_start < key_end) {
+            if constexpr (FP8_CACHE) load_fp8_tile(ahead_start, (stage + STAGES - 1) % STAGES);
+            else load_tile(ahead_start, (stage + STAGES - 1) % STAGES);
+        }
         cp_async_commit();
         cp_async_wait<STAGES - 1>();   // this tile landed for this thread
         __syncwarp();         // ... and for the whole warp
-        const unsigned int k_lane = smem_addr(my_tiles + stage * STAGE_ELEMS) + b_frags_lane<LD>(lane);
-        const unsigned int v_lane = smem_addr(my_tiles + stage * STAGE_ELEMS + TILE_ELEMS) + b_frags_trans_lane<LD_V>(lane);
+        if constexpr (FP8_CACHE) {   // the raw tiles into the T stage (every lane done with it: the loop's end)
+            convert_fp8_rows<T, D_TILE>(my_tiles, my_raw + stage * RAW_STAGE_BYTES, lane);
+            convert_fp8_rows<T, DV_TILE>(my_tiles + TILE_ELEMS, my_raw + stage * RAW_STAGE_BYTES + KEYS * D_TILE, lane);
+            __syncwarp();
+        }
+        const int compute_stage = FP8_CACHE ? 0 : stage;
+        const unsigned int k_lane = smem_addr(my_tiles + compute_stage * STAGE_ELEMS) + b_frags_lane<LD>(lane);
+        const unsigned int v_lane = smem_addr(my_tiles + compute_stage * STAGE_ELEMS + TILE_ELEMS) + b_frags_trans_lane<LD_V>(lane);
 
         float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
         tile_scores<T, D_TILE>(s, q_lane, k_lane);
+        if constexpr (FP8_CACHE) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[j][e] *= k_scale;
+        }
         modify_and_mask<IS_CAUSAL, FEATURES>(p, s, tile_start, t, key_begin, key_end, band, row_token, row_slope);
         online_softmax_tile<O_TILES>(s, o_acc, row_max, row_max_scaled, row_sum, score_log2);
         accumulate_pv<T, O_TILES>(o_acc, s, v_lane);
@@ -608,6 +744,12 @@ flash_decode_kernel(const FlashParams p) {
     // plain sum over the warps. The merge is serial code on the critical path of every call: the
     // old form (one thread per (row, 4 columns), each redoing the row's max and total in a loop)
     // took 2.1 us of a 4k-key call (globaltimer stamps, H100).
+    if constexpr (FP8_CACHE) {
+#pragma unroll
+        for (int j = 0; j < O_TILES; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o_acc[j][e] *= v_scale;
+    }
     cp_async_wait<0>();
     __syncthreads();
     publish_warp_rows<NUM_WARPS>(merge_max, merge_max_scaled, merge_sum, row_max, row_max_scaled, row_sum, warp, g, t);

@@ -12,6 +12,7 @@
 // consecutive lanes and warps read consecutive rows; each lane reads 16-byte vectors of dO and O.
 
 #include "common.cuh"
+#include "fp8_values.cuh"
 
 // A warp's rows: head_dim's 16-byte vectors spread over a power-of-two group of lanes (at most 32),
 // so a warp takes 32 / lanes rows at once and every lane loads (16-bit, d = 128: 16 lanes a row; one
@@ -190,14 +191,6 @@ __global__ void __launch_bounds__(ROW_KERNEL_THREADS) flash_kv_group_sum_kernel(
 // 16-byte vector: 16 e4m3 elements in, 16 T out. descale is (descale rows, descale_heads); a query
 // head h reads column h / (heads / descale_heads) (descales per K/V head's group). Packed batches
 // (cu_seqlens != null; batch 1, rows the total): a row's sequence comes from a binary search.
-__device__ __forceinline__ float e4m3_value(unsigned bits) {
-    const unsigned exponent = (bits >> 3) & 15u, mantissa = bits & 7u;
-    float magnitude = exponent != 0u ? __uint_as_float(((exponent + 120u) << 23) | (mantissa << 20))   // 2^(e-7) (1 + m/8)
-                                     : (float)mantissa * 0.001953125f;                                  // m 2^-9
-    if ((bits & 0x7fu) == 0x7fu) magnitude = __uint_as_float(0x7fc00000u);                               // e4m3's NaN
-    return (bits & 0x80u) ? -magnitude : magnitude;
-}
-
 // Vector i (16 elements) of a (batch, rows, heads, head_dim) array in memory order: where it is.
 struct Fp8Vector {
     long long b, row, column;
@@ -260,27 +253,6 @@ __global__ void __launch_bounds__(ROW_KERNEL_THREADS) fp8_group_amax_kernel(
     unsigned bits = nan ? 0x7fc00000u : __float_as_uint(largest);
     for (int offset = 16; offset > 0; offset >>= 1) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, offset));
     if ((threadIdx.x & 31) == 0) atomicMax(amax + group, bits);
-}
-
-// e4m3 of x / scale as NumPy's float64 quotient rounds (to nearest even, saturated, sign kept),
-// in float32: q = x / scale rounded once, then q's e4m3 rounding, n = |q| / quantum (exact) and
-// its nearest integer. Only where n lands on a half can q's rounding have moved the quotient onto
-// a tie: there the exact residual x - q scale (fmaf; a correctly rounded quotient's residual is a
-// float) says which side the exact quotient lies on, and only a true tie goes to even.
-__device__ __forceinline__ unsigned e4m3_bits_of_quotient(float x, float scale) {
-    const float q = x / scale;
-    const unsigned sign = (__float_as_uint(q) >> 24) & 0x80u;
-    const float a = fabsf(q);
-    if (!(a < 448.f)) return sign | 0x7eu;   // saturated (the largest finite value)
-    const int binade = max((int)(__float_as_uint(a) >> 23) - 127, -6);   // -6: the subnormals' quantum too
-    const float n = a * __uint_as_float((unsigned)(127 + 3 - binade) << 23);   // a / 2^(binade - 3), exact
-    float r = rintf(n);
-    if (n - floorf(n) == 0.5f) {
-        const float residual = fmaf(-q, scale, x);
-        const float beyond = x >= 0.f ? residual : -residual;   // > 0: |x / scale| exceeds |q|
-        if (beyond != 0.f) r = beyond > 0.f ? floorf(n) + 1.f : floorf(n);
-    }
-    return sign | (unsigned)((binade + 6) * 8 + (int)r);   // subnormal (binade -6, r < 8) and normal alike
 }
 
 // bits (contiguous like x) and descale (batch x heads float32) from amax: a thread per 16 elements.

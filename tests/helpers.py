@@ -204,7 +204,7 @@ def poisoned_allocations():
 
 def bitwise(x):
     """Integer view of an array, for bitwise comparisons (NaN == NaN, -0 != 0)."""
-    return x.view({2: "u2", 4: "u4", 8: "u8"}[x.dtype.itemsize])
+    return x.view({1: "u1", 2: "u2", 4: "u4", 8: "u8"}[x.dtype.itemsize])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ merge_attention_states. Argument checks run on CPU; the rest needs the GPU."""
 import numpy
 import pytest
 from helpers import (
+    as_float64,
     bitwise,
     check_error_rule,
     count_example,
@@ -72,6 +73,22 @@ BAD_DECODE = [
      ValueError, "rotary_cos has 31 rows but the cache holds 32 keys"),
     ("rotary shapes", dict(rotary_cos=numpy.zeros((32, 4), numpy.float16), rotary_sin=numpy.zeros((32, 2), numpy.float16)),
      ValueError, "rotary_sin has shape"),
+    # An FP8 cache: uint8 k_cache and v_cache (e4m3 bits) with float32 descales.
+    ("fp8 cache mixed", dict(k_cache=numpy.zeros((2, 32, 2, 16), numpy.uint8)), TypeError,
+     "k_cache holds FP8 bits \\(uint8\\) but v_cache has dtype float16"),
+    ("fp8 descale missing", dict(k_cache=numpy.zeros((2, 32, 2, 16), numpy.uint8), v_cache=numpy.zeros((2, 32, 2, 16), numpy.uint8),
+                                 k_descale=numpy.ones((2, 2), numpy.float32)), ValueError, "v_descale is missing"),
+    ("descale without fp8", dict(k_descale=numpy.ones((2, 2), numpy.float32)), ValueError,
+     "k_descale is for an FP8 cache"),
+    ("fp8 head_dim", dict(k_cache=numpy.zeros((2, 32, 2, 16), numpy.uint8), v_cache=numpy.zeros((2, 32, 2, 8), numpy.uint8),
+                          k_descale=numpy.ones(2, numpy.float32), v_descale=numpy.ones(2, numpy.float32)), ValueError,
+     "v_cache has head_dim 8; an FP8 cache's rows are read in 16-byte units"),
+    ("fp8 descale shape", dict(k_cache=numpy.zeros((2, 32, 2, 16), numpy.uint8), v_cache=numpy.zeros((2, 32, 2, 16), numpy.uint8),
+                               k_descale=numpy.ones((3, 2), numpy.float32), v_descale=numpy.ones(2, numpy.float32)), ValueError,
+     "k_descale has shape \\(3, 2\\); expected \\(batch, heads_kv\\)"),
+    ("fp8 descale dtype", dict(k_cache=numpy.zeros((2, 32, 2, 16), numpy.uint8), v_cache=numpy.zeros((2, 32, 2, 16), numpy.uint8),
+                               k_descale=numpy.ones(2, numpy.float32), v_descale=numpy.ones(2, numpy.float64)), TypeError,
+     "v_descale has dtype float64; expected float32"),
     ("rotary_interleaved", dict(rotary_cos=numpy.zeros((32, 4), numpy.float16), rotary_sin=numpy.zeros((32, 4), numpy.float16),
                                 rotary_interleaved="yes"), TypeError, "rotary_interleaved"),
 ]
@@ -184,9 +201,17 @@ def decode_problems(draw):
         kvcache["rotary_dim"] = 2 * draw(st.integers(1, head_dim // 2))
         kvcache["rotary_interleaved"] = draw(st.booleans())
         kvcache["seqlen_ro"] = capacity + draw(st.integers(0, 5))
+    head_dim_v = draw(st.one_of(st.just(head_dim), eights, st.just(512)))
+    # An FP8 cache a third of the time (head dims rounded up to multiples of 16): descales per K/V
+    # head from the cache's largest magnitude times `fit` (0.5: the largest values saturate), given
+    # as (heads_kv,) or (batch, heads_kv).
+    fp8 = None
+    if draw(st.integers(0, 2)) == 0:
+        head_dim, head_dim_v = (-(-d // 16) * 16 for d in (head_dim, head_dim_v))
+        fp8 = dict(fit=draw(st.sampled_from([0.5, 1.0, 3.0])), per_batch=draw(st.booleans()))
     return dict(dtype=draw(st.sampled_from(["float16", "bfloat16"])), batch=batch, heads_kv=heads_kv, heads=heads_kv * group,
                 seqlen_q=seqlen_q, new=new, capacity=capacity, page_size=page_size, lengths=lengths,
-                head_dim=head_dim, head_dim_v=draw(st.one_of(st.just(head_dim), eights, st.just(512))),
+                head_dim=head_dim, head_dim_v=head_dim_v, fp8=fp8,
                 causal=draw(st.booleans()), features=features,
                 num_splits=draw(st.one_of(st.none(), st.integers(1, 9), st.just(128))),
                 logit_std=draw(st.sampled_from([0.3, 1.0, 3.0, 30.0])), seed=draw(st.integers(0, 2**32 - 1)),
@@ -244,14 +269,38 @@ def make_decode_inputs(p):
         cache["rotary_interleaved"] = kvcache["rotary_interleaved"]
     if new is not None:
         cache["k_new"], cache["v_new"] = new
+    if p.get("fp8"):
+        k_cache, v_cache = (fp8_cache(x, n, p, cache) for x, n, in ((k_cache, "k"), (v_cache, "v")))
     return q, k_cache, v_cache, cache, (k_dense, v_dense)
 
 
-def copy_bits(dst, src):
-    """dst[...] = src for 16-bit floats, as their bits (no bfloat16 arithmetic needed)."""
+def fp8_cache(x, name: str, p, cache):
+    """The cache x in FP8: e4m3 bits of x / descale with a descale per K/V head (the largest magnitude
+    of x and the new rows over 448, times p["fp8"]["fit"]), written into cache[name + "_descale"]."""
     import cupy
 
-    dst.view(cupy.uint16)[...] = src.view(cupy.uint16)
+    from cupy_flash.fp8 import encode_fp8
+
+    values = as_float64(x)
+    largest = abs(values).max(axis=(0, 1, 3))
+    if f"{name}_new" in cache:
+        largest = cupy.maximum(largest, abs(as_float64(cache[f"{name}_new"])).max(axis=(0, 1, 3)))
+    descale = (cupy.maximum(largest, 1e-3) / 448 * p["fp8"]["fit"]).astype(cupy.float32)
+    bits = encode_fp8(values / descale.astype(cupy.float64)[:, None])
+    if p["fp8"]["per_batch"]:
+        descale = cupy.ascontiguousarray(cupy.broadcast_to(descale, (p["batch"], p["heads_kv"])))
+    cache[f"{name}_descale"] = descale
+    return bits
+
+
+def copy_bits(dst, src):
+    """dst[...] = src for 16-bit floats, as their bits (no bfloat16 arithmetic needed); FP8 bits as they are."""
+    import cupy
+
+    if dst.dtype == cupy.uint8:
+        dst[...] = src
+    else:
+        dst.view(cupy.uint16)[...] = src.view(cupy.uint16)
 
 
 def decode_options(p):
@@ -275,6 +324,11 @@ def decode_options(p):
 @example(dict(dtype="float16", batch=1, heads_kv=2, heads=4, seqlen_q=3, new=0, capacity=700, page_size=None,
               lengths=[650], head_dim=320, head_dim_v=448, causal=True, features={"window_size": (300, 0)},
               num_splits=None, logit_std=1.0, seed=320))
+# An FP8 cache: e4m3 keys and values in scattered pages, saturating descales given per
+# (batch, K/V head), two new tokens appended (quantised), GQA 4:1, three splits.
+@example(dict(dtype="bfloat16", batch=2, heads_kv=2, heads=8, seqlen_q=2, new=2, capacity=512, page_size=32,
+              lengths=[300, 5], head_dim=128, head_dim_v=128, causal=True, features={}, num_splits=3, logit_std=1.0,
+              seed=8, fp8=dict(fit=0.5, per_batch=True)))
 def test_decode_matches_reference(p):
 
     from cupy_flash.reference import rotate
@@ -290,10 +344,15 @@ def test_decode_matches_reference(p):
     # float32 operations as the kernel's, so bitwise too), and nothing else.
     expect_k, expect_v = k_before.copy(), v_before.copy()
     if p["new"]:
-        k_rows = cache["k_new"]
+        k_rows, v_rows = cache["k_new"], cache["v_new"]
         if "rotary_cos" in cache:
             k_rows = rotate(k_rows, cache["rotary_cos"], cache["rotary_sin"], cache["cache_seqlens"], True,
                             cache["rotary_interleaved"])
+        if p.get("fp8"):   # the rows' e4m3 bits, as quantize_fp8 rounds x / descale
+            from cupy_flash.fp8 import encode_fp8
+
+            k_rows, v_rows = (encode_fp8(as_float64(x) / cache[n].reshape(-1, p["heads_kv"])[0].astype(numpy.float64)[:, None])
+                              for x, n in ((k_rows, "k_descale"), (v_rows, "v_descale")))
         index = p.get("kvcache", {}).get("cache_batch_idx", list(range(p["batch"])))
         for b, length in enumerate(p["lengths"]):
             for t in range(p["new"]):
@@ -303,7 +362,7 @@ def test_decode_matches_reference(p):
                 else:
                     at = (index[b], length + t)
                 copy_bits(expect_k[at], k_rows[b, t])
-                copy_bits(expect_v[at], cache["v_new"][b, t])
+                copy_bits(expect_v[at], v_rows[b, t])
     assert bool((bitwise(k_cache) == bitwise(expect_k)).all()), "k_cache: the append wrote the wrong rows " + context
     assert bool((bitwise(v_cache) == bitwise(expect_v)).all()), "v_cache: the append wrote the wrong rows " + context
     # Results against the reference, given the call's own arguments and the caches as they were.
@@ -314,6 +373,64 @@ def test_decode_matches_reference(p):
     magnitude = max_finite_abs(exact[1])
     check_error_rule("decode o", o, exact[0], low[0], context, magnitude)
     check_error_rule("decode lse", lse, exact[1], low[1], context, magnitude)
+
+
+@requires_gpu
+@pytest.mark.parametrize("layout", ["contiguous", "cache_batch_idx", "paged"])
+def test_fp8_cache_descales_per_sequence(layout):
+    """An FP8 cache whose descales differ per (sequence, K/V head), each sequence's rows quantised by
+    its own: the kernel takes sequence b's descale (not its cache row's) for the scores, O and the
+    appended rows. Against the reference over the dequantised cache, with the 2x rule."""
+    import cupy
+
+    from cupy_flash.fp8 import encode_fp8
+
+    rng = numpy.random.default_rng(12)
+    batch, heads_kv, heads, d, capacity, page = 3, 2, 8, 128, 256, 32
+    lengths = [100, 0, 254]
+    q = random_array(rng, (batch, 1, heads, d), "bfloat16")
+    values = [rng.standard_normal((batch, capacity, heads_kv, d)) * numpy.array([1.0, 8.0, 0.1])[:, None, None, None]
+              for _ in range(2)]
+    descales = [(abs(x).max(axis=(1, 3)) / 448).astype(numpy.float32) for x in values]   # (batch, heads_kv)
+    bits = [encode_fp8(x / s.astype(numpy.float64)[:, None, :, None]) for x, s in zip(values, descales)]
+    cache = dict(cache_seqlens=cupy.asarray(lengths, dtype=cupy.int32), k_descale=cupy.asarray(descales[0]),
+                 v_descale=cupy.asarray(descales[1]))
+    cache["k_new"], cache["v_new"] = (random_array(rng, (batch, 1, heads_kv, d), "bfloat16") for _ in range(2))
+    filler = encode_fp8(rng.standard_normal((8 * batch, capacity, heads_kv, d)))
+    if layout == "contiguous":
+        k_cache, v_cache = (cupy.asarray(x) for x in bits)
+    elif layout == "cache_batch_idx":
+        index = [2, 0, 3]
+        pools = [filler[:4].copy() for _ in bits]
+        for pool, x in zip(pools, bits):
+            pool[index] = x
+        k_cache, v_cache = (cupy.asarray(x) for x in pools)
+        cache["cache_batch_idx"] = cupy.asarray(index, dtype=cupy.int32)
+    else:
+        per = capacity // page
+        table = rng.permutation(batch * per + 5)[:batch * per].reshape(batch, per).astype(numpy.int32)
+        pools = [filler.reshape(-1, page, heads_kv, d)[:batch * per + 5].copy() for _ in bits]
+        for pool, x in zip(pools, bits):
+            pool[table.reshape(-1)] = x.reshape(-1, page, heads_kv, d)
+        k_cache, v_cache = (cupy.asarray(x) for x in pools)
+        cache["block_table"] = cupy.asarray(table)
+    k_before, v_before = k_cache.copy(), v_cache.copy()
+    with poisoned_allocations():
+        o, lse = cupy_flash.flash_decode(q, k_cache, v_cache, num_splits=2, **cache)
+    exact = decode_reference(q, k_before, v_before, **cache)
+    low = decode_reference(q, k_before, v_before, upcast=False, **cache)
+    magnitude = max_finite_abs(exact[1])
+    check_error_rule("fp8 cache o", o, exact[0], low[0], layout, magnitude)
+    check_error_rule("fp8 cache lse", lse, exact[1], low[1], layout, magnitude)
+    # The appended rows: each sequence's k_new in its own descale's bits.
+    for b, length in enumerate(lengths):
+        if layout == "paged":
+            at = (int(cache["block_table"][b, length // page]), length % page)
+        else:
+            at = ([2, 0, 3][b] if layout == "cache_batch_idx" else b, length)
+        for name, stored, scales in (("k_new", k_cache, descales[0]), ("v_new", v_cache, descales[1])):
+            expect = encode_fp8(as_float64(cache[name][b, 0]) / cupy.asarray(scales[b], dtype=cupy.float64)[:, None])
+            assert bool((stored[at] == expect).all()), f"{name} of sequence {b} ({layout})"
 
 
 @requires_gpu

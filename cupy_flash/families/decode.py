@@ -21,7 +21,8 @@ def module_spec(dtype: str, tile: int | None = None, features: int = 0) -> Modul
     # The combine of split partials (float32) and of merge_attention_states' inputs (the dtype
     # itself); the append for the tensor-core dtypes flash_decode takes.
     partials = ("float32",) if dtype == "float32" else ("float32", dtype)
-    append = tuple(append_kernel(spec, indexed) for indexed in (False, True)) if dtype in TENSOR_CORE_DTYPES else ()
+    append = tuple(append_kernel(spec, indexed, fp8) for fp8 in (False, True) for indexed in (False, True)) \
+        if dtype in TENSOR_CORE_DTYPES else ()
     rotary = tuple(rotary_kernel(spec, interleaved) for interleaved in (False, True)) if dtype in TENSOR_CORE_DTYPES else ()
     return spec_with(spec, append + rotary + tuple(combine_kernel(spec, p, wide) for p in partials for wide in (False, True)))
 
@@ -30,9 +31,11 @@ def decode_kernel(spec: ModuleSpec, causal: bool) -> str:
     return template("flash_decode_kernel", spec.ctype, spec.tile, _traits.DECODE_WARPS, causal, spec.features)
 
 
-def append_kernel(spec: ModuleSpec, cache_index: bool = False) -> str:
-    """``cache_index``: the sequences' cache rows from cache_batch_idx (FEATURE_CACHE_INDEX)."""
-    return template("flash_append_kernel", spec.ctype, *(("true",) if cache_index else ()))
+def append_kernel(spec: ModuleSpec, cache_index: bool = False, fp8_cache: bool = False) -> str:
+    """``cache_index``: the sequences' cache rows from cache_batch_idx (FEATURE_CACHE_INDEX);
+    ``fp8_cache``: new rows quantised into an e4m3 cache (FEATURE_FP8_CACHE)."""
+    name = "flash_append_fp8_kernel" if fp8_cache else "flash_append_kernel"
+    return template(name, spec.ctype, *(("true",) if cache_index else ()))
 
 
 def rotary_kernel(spec: ModuleSpec, interleaved: bool) -> str:
@@ -79,11 +82,11 @@ def decode_launches(device, shape, variant, grid: int, num_splits: int, new_rows
     # slower (1701 against 1488 us a call), and one of 384 blocks 5% slower.
     if new_rows:
         append_grid = row_kernel_grid(shape.batch * new_rows * shape.heads_kv)
-        name = append_kernel(rows_spec, bool(variant.flags & _features.FEATURE_CACHE_INDEX))
+        name = append_kernel(rows_spec, bool(variant.flags & _features.FEATURE_CACHE_INDEX), variant.fp8_cache)
         launches.append(Launch(name, get_kernel(rows_spec, name), append_grid, _traits.ROW_KERNEL_THREADS,
                                early=append_grid <= sms))
     spec = module_spec(shape.dtype, shape.tile, variant.flags)
-    smem = _traits.decode_smem_bytes(shape.tile)
+    smem = _traits.decode_smem_bytes(shape.tile, variant.fp8_cache)
     check_smem(device, smem, shape, "decoding")
     name = decode_kernel(spec, variant.causal)
     launches.append(Launch(name, get_kernel(spec, name, smem), grid, 32 * _traits.DECODE_WARPS, smem, early=grid <= sms))
@@ -96,9 +99,10 @@ def decode_launches(device, shape, variant, grid: int, num_splits: int, new_rows
 
 def module_specs(dtype: str, features) -> list:
     """The row module of ``dtype``, and for the tensor-core dtypes each tile's decode kernels (with
-    a feature set, also FEATURE_CACHE_INDEX: flash_decode's alone, outside the shared sets)."""
+    a feature set, also FEATURE_CACHE_INDEX: flash_decode's alone, outside the shared sets), each
+    also reading an FP8 cache (FEATURE_FP8_CACHE)."""
     specs = [module_spec(dtype)]
     if dtype in TENSOR_CORE_DTYPES:
-        specs += [module_spec(dtype, tile, flags | (_features.FEATURE_CACHE_INDEX if flags else 0))
-                  for tile in _traits.HEAD_DIM_TILES for flags in features]
+        specs += [module_spec(dtype, tile, flags | (_features.FEATURE_CACHE_INDEX if flags else 0) | fp8)
+                  for tile in _traits.HEAD_DIM_TILES for flags in features for fp8 in (0, _features.FEATURE_FP8_CACHE)]
     return list(dict.fromkeys(specs))
