@@ -365,6 +365,8 @@ def _as_cupy(buffer):
 
         pointer, shape, dtype, device = key
         shape, dtype = tuple(int(n) for n in shape), numpy.dtype(dtype)
+        if "float8" in str(dtype):   # CuPy holds no FP8 dtype: the bits (the kernels' form)
+            dtype = numpy.dtype(numpy.uint8)
         nbytes = int(numpy.prod(shape, dtype=numpy.int64)) * dtype.itemsize
         memory = cupy.cuda.UnownedMemory(pointer, nbytes, None, int(device))
         view = cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
@@ -389,7 +391,9 @@ def _device_pointer(buffer) -> int:
 # -------------------------------------------------------------------------------------------------
 # Decoding against a K/V cache updated in place.
 
-DECODE_OPTIONS = ("softmax_scale", "causal", "window_size", "softcap")
+DECODE_OPTIONS = ("softmax_scale", "causal", "window_size", "softcap", "rotary_interleaved")
+# flash_decode's array options, passed to the callback beside the arrays (in this order, where given).
+DECODE_ARRAYS = ("block_table", "cache_batch_idx", "cache_leftpad", "rotary_cos", "rotary_sin", "k_descale", "v_descale")
 
 
 def flash_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, **options):
@@ -398,15 +402,25 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, **o
     ``(o, k_cache, v_cache)``, the caches with the new rows in. The caches are the call's outputs
     aliased to its inputs: donate them (``jax.jit(step, donate_argnums=...)``) and XLA hands the
     same memory through, so only the new rows are written; without donation XLA first copies each
-    cache to keep the input intact. Contiguous caches only (no block_table); not differentiable.
-    o and lse are copied once from the kernels' outputs (a decode step's few query rows)."""
-    unknown = sorted(set(options) - set(DECODE_OPTIONS))
+    cache to keep the input intact. Options as flash_decode's: softmax_scale, causal, window_size,
+    softcap, and the arrays block_table (a paged cache), cache_batch_idx, cache_leftpad,
+    rotary_cos / rotary_sin (with rotary_interleaved), k_descale / v_descale (an FP8 cache of
+    ``jnp.float8_e4m3fn`` or uint8 bits). Not differentiable. o and lse are copied once from the
+    kernels' outputs (a decode step's few query rows)."""
+    unknown = sorted(set(options) - set(DECODE_OPTIONS) - set(DECODE_ARRAYS))
     if unknown:
-        raise TypeError(f"flash_decode (JAX) got unsupported option(s) {unknown}; it takes {list(DECODE_OPTIONS)}")
-    from .decode import check_decode
+        raise TypeError(f"flash_decode (JAX) got unsupported option(s) {unknown}; it takes "
+                        f"{list(DECODE_OPTIONS + DECODE_ARRAYS)}")
+    from .decode import check_decode, check_rotary
 
-    described = [None if x is None else _checks._Described(x) for x in (q, k_cache, v_cache, cache_seqlens, k_new, v_new)]
-    shape, _ = check_decode(*described, None)
+    arrays = {name: options.pop(name) for name in DECODE_ARRAYS if options.get(name) is not None}
+    described = {name: _described(x) for name, x in dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
+                                                         k_new=k_new, v_new=v_new, **arrays).items() if x is not None}
+    shape, _ = check_decode(*(described.get(name) for name in ("q", "k_cache", "v_cache", "cache_seqlens", "k_new", "v_new",
+                                                               "block_table", "cache_batch_idx", "cache_leftpad",
+                                                               "k_descale", "v_descale")))
+    check_rotary(described.get("rotary_cos"), described.get("rotary_sin"), options.get("rotary_interleaved", False),
+                 described["q"], shape)
     options = dict(options)
     if options.get("window_size") is not None:
         options["window_size"] = tuple(int(n) for n in options["window_size"])
@@ -414,19 +428,29 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, **o
                jax.ShapeDtypeStruct((shape.batch, shape.heads, shape.seqlen_q), numpy.float32),
                jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
     new = () if k_new is None else (k_new, v_new)
-    call = buffer_callback(functools.partial(_decode_callback, tuple(sorted(options.items()))), results,
-                           input_output_aliases={1: 2, 2: 3})
-    o, _, k_cache, v_cache = call(q, k_cache, v_cache, cache_seqlens, *new)
+    static = (tuple(sorted(options.items())), bool(new), tuple(arrays))
+    call = buffer_callback(functools.partial(_decode_callback, static), results, input_output_aliases={1: 2, 2: 3})
+    o, _, k_cache, v_cache = call(q, k_cache, v_cache, cache_seqlens, *new, *arrays.values())
     return o, k_cache, v_cache
 
 
-def _decode_callback(static, context, outputs, q, k_cache, v_cache, cache_seqlens, *new):
+def _described(x):
+    """check_decode's view of a JAX array: its shape, and an e4m3 array as the uint8 bits it holds."""
+    described = _checks._Described(x)
+    if "float8_e4m3fn" in str(x.dtype):
+        described.dtype = numpy.dtype(numpy.uint8)
+    return described
+
+
+def _decode_callback(static, context, outputs, q, k_cache, v_cache, cache_seqlens, *rest):
     from .decode import flash_decode as decode
 
+    options, has_new, names = static
     o, lse, k_out, v_out = outputs   # k_out, v_out: the caches' memory (aliased to the inputs)
     with _on_xla_stream(context, q):
-        k_new, v_new = (_as_cupy(x) for x in new) if new else (None, None)
+        k_new, v_new = (_as_cupy(x) for x in rest[:2]) if has_new else (None, None)
+        arrays = {name: _as_cupy(x) for name, x in zip(names, rest[2 if has_new else 0:])}
         result = decode(_as_cupy(q), _as_cupy(k_out), _as_cupy(v_out), cache_seqlens=_as_cupy(cache_seqlens),
-                        k_new=k_new, v_new=v_new, **dict(static))
+                        k_new=k_new, v_new=v_new, **arrays, **dict(options))
         _as_cupy(o)[...] = result[0]
         _as_cupy(lse)[...] = result[1]

@@ -3,6 +3,7 @@ torch.compile(fullgraph=True) and CUDA-graph capture. Skipped where jax or torch
 
 import os
 
+import numpy
 import pytest
 from helpers import bitwise, check_error_rule, jax_on_gpu, requires_gpu, torch_on_gpu
 
@@ -132,6 +133,37 @@ def test_jax_decode_updates_a_donated_cache_in_place():
     assert k_cache.unsafe_buffer_pointer() == pointer, "the donated cache was copied"
     assert bool((bitwise(_as_cupy(o)) == bitwise(expected)).all())
     assert bool((bitwise(_as_cupy(k_cache)) == bitwise(ck)).all()) and bool((bitwise(_as_cupy(v_cache)) == bitwise(cv)).all())
+
+
+def test_jax_decode_takes_the_kvcache_options():
+    """The JAX flash_decode with a paged FP8 cache (jnp.float8_e4m3fn), padding before each
+    sequence's keys and rotary embedding of q and k_new, under jax.jit: bitwise the CuPy call."""
+    jax = jax_on_gpu()
+    import jax.numpy as jnp
+
+    from cupy_flash.jax_adapter import flash_decode
+
+    keys = jax.random.split(jax.random.PRNGKey(5), 5)
+    pages, page, heads_kv, d = 10, 32, 2, 64
+    q = jax.random.normal(keys[0], (2, 1, 8, d), jnp.bfloat16)
+    k_cache, v_cache = (jax.random.normal(key, (pages, page, heads_kv, d), jnp.float32).astype(jnp.float8_e4m3fn)
+                        for key in keys[1:3])
+    k_new, v_new = (jax.random.normal(key, (2, 1, heads_kv, d), jnp.bfloat16) for key in keys[3:5])
+    angles = numpy.arange(160)[:, None] * 0.01 * (numpy.arange(16) + 1)[None, :]
+    options = dict(block_table=jnp.asarray([[3, 1, 7, 0, 9], [2, 8, 4, 6, 5]], jnp.int32),
+                   cache_leftpad=jnp.asarray([5, 0], jnp.int32), rotary_cos=jnp.asarray(numpy.cos(angles), jnp.bfloat16),
+                   rotary_sin=jnp.asarray(numpy.sin(angles), jnp.bfloat16), k_descale=jnp.asarray([0.5, 2.0], jnp.float32),
+                   v_descale=jnp.asarray([[1.0, 0.25], [3.0, 1.5]], jnp.float32))
+    lengths = jnp.asarray([40, 130], jnp.int32)
+    ck, cv = (_as_cupy(jax.lax.bitcast_convert_type(x, jnp.uint8)).copy() for x in (k_cache, v_cache))
+    expected = cupy_flash.flash_decode(_as_cupy(q), ck, cv, cache_seqlens=_as_cupy(lengths), k_new=_as_cupy(k_new),
+                                       v_new=_as_cupy(v_new), causal=True,
+                                       **{name: _as_cupy(x) for name, x in options.items()})[0]
+    step = jax.jit(lambda q, kc, vc, n, kn, vn: flash_decode(q, kc, vc, n, kn, vn, causal=True, **options))
+    o, k_cache, v_cache = step(q, k_cache, v_cache, lengths, k_new, v_new)
+    assert bool((bitwise(_as_cupy(o)) == bitwise(expected)).all())
+    for ours, theirs in ((k_cache, ck), (v_cache, cv)):
+        assert bool((_as_cupy(jax.lax.bitcast_convert_type(ours, jnp.uint8)) == theirs).all())
 
 
 def test_torch_compile_fullgraph_has_no_graph_breaks_and_equals_eager():
