@@ -72,16 +72,13 @@ ROW_STAT_PADDING = 128
 DECODE_WARPS = 4
 DECODE_ROWS = 16                      # (token, query head) rows per block
 DECODE_KEYS_PER_CHUNK = 16 * DECODE_WARPS   # keys one pass of the block's warps covers
-# Tiles in flight per warp. Three stages (two blocks per SM instead of three at head_dim 128)
+# Tiles in flight per warp (an FP8 cache's raw tiles too: four measured no faster, docs/performance.md,
+# Decoding). Three stages (two blocks per SM instead of three at head_dim 128)
 # measured no faster for 8 query heads per K/V head at batch 1 (1979 against 1986 GB/s at 32k keys)
 # and slower elsewhere (1:1 batch 1: 8%, GQA batch 8: 5%).
 DECODE_STAGES = 2
 # Above WIDE_TILE one stage: four warps' K tiles and v-split V tiles then fit sm_80's 163 KB.
 DECODE_WIDE_STAGES = 1
-# An FP8 cache's raw stages (16 keys of bytes each, half a 16-bit stage) per warp, up to head_dim 128
-# and above (beside one converted stage): as many bytes in flight as the 16-bit cache's two stages
-# where shared memory allows (sm_80's 163 KB above 128). Wide tiles take DECODE_WIDE_STAGES.
-DECODE_FP8_STAGES = {128: 4, 256: 2}
 # Blocks an SM holds (the kernel's __launch_bounds__ minimum, registers): up to head_dim 128, above.
 DECODE_BLOCKS_PER_SM = {128: 3, 256: 2}
 # The combine kernel: one block per row, each warp loading COMBINE_BATCH splits at a time, at most
@@ -93,10 +90,8 @@ COMBINE_MAX_WARPS = 8
 SM_SHARED_BYTES = 227 * 1024               # per SM for blocks on sm_90 (sm_80: 163 KB)
 
 
-def decode_stages(tile: int, fp8_cache: bool = False) -> int:
-    if tile > WIDE_TILE:
-        return DECODE_WIDE_STAGES
-    return DECODE_FP8_STAGES[128 if tile <= 128 else 256] if fp8_cache else DECODE_STAGES
+def decode_stages(tile: int) -> int:
+    return DECODE_STAGES if tile <= WIDE_TILE else DECODE_WIDE_STAGES
 
 
 def decode_smem_bytes(tile: int, fp8_cache: bool = False) -> int:
@@ -104,7 +99,7 @@ def decode_smem_bytes(tile: int, fp8_cache: bool = False) -> int:
     # epilogue's float32 O per warp reuses the stages. Rows padded by 8 elements. An FP8 cache: the
     # stages hold the raw e4m3 tiles (unpadded bytes), and each warp one converted stage.
     ld, ld_v = tile + 8, tile // v_split(tile) + 8
-    stages = decode_stages(tile, fp8_cache)
+    stages = decode_stages(tile)
     if fp8_cache:
         raw = DECODE_WARPS * stages * 16 * (tile + tile // v_split(tile))
         loop = 2 * (DECODE_ROWS * ld + DECODE_WARPS * 16 * (ld + ld_v)) + raw
@@ -143,7 +138,6 @@ def cuda_defines() -> str:
                   BACKWARD_SM90_CONSUMERS=BACKWARD_SM90_CONSUMERS, ROW_KERNEL_THREADS=ROW_KERNEL_THREADS,
                   FLASH_WIDE_TILE=WIDE_TILE, FLASH_V_SPLIT=V_SPLIT,
                   DECODE_ROWS=DECODE_ROWS, DECODE_STAGES=DECODE_STAGES, DECODE_WIDE_STAGES=DECODE_WIDE_STAGES,
-                  DECODE_FP8_STAGES_TO_128=DECODE_FP8_STAGES[128], DECODE_FP8_STAGES_ABOVE_128=DECODE_FP8_STAGES[256],
                   DECODE_BLOCKS_PER_SM_TO_128=DECODE_BLOCKS_PER_SM[128],
                   DECODE_BLOCKS_PER_SM_ABOVE_128=DECODE_BLOCKS_PER_SM[256],
                   COMBINE_BATCH=COMBINE_BATCH, COMBINE_MAX_WARPS=COMBINE_MAX_WARPS,

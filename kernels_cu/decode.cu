@@ -582,12 +582,8 @@ flash_decode_kernel(const FlashParams p) {
     constexpr bool WIDE = D_TILE > FLASH_WIDE_TILE;
     constexpr int V_SPLIT = WIDE ? FLASH_V_SPLIT : 1;    // blocks over v's columns (the header)
     constexpr int DV_TILE = D_TILE / V_SPLIT;            // v (and O) columns of this block
-    // Tiles in flight per warp (_traits.DECODE_STAGES: why 2; DECODE_WIDE_STAGES: why 1; an FP8
-    // cache's DECODE_FP8_STAGES).
-    constexpr bool FP8_CACHE = (FEATURES & FEATURE_FP8_CACHE) != 0;
-    constexpr int STAGES = WIDE ? DECODE_WIDE_STAGES
-                                : FP8_CACHE ? (D_TILE > 128 ? DECODE_FP8_STAGES_ABOVE_128 : DECODE_FP8_STAGES_TO_128)
-                                            : DECODE_STAGES;
+    // Tiles in flight per warp (_traits.DECODE_STAGES: why 2; DECODE_WIDE_STAGES: why 1).
+    constexpr int STAGES = WIDE ? DECODE_WIDE_STAGES : DECODE_STAGES;
     constexpr int LD = D_TILE + 8;           // padded pitch (see forward_tc.cu)
     constexpr int LD_V = DV_TILE + 8;        // the V tiles'
     constexpr int O_TILES = DV_TILE / 8;
@@ -597,6 +593,7 @@ flash_decode_kernel(const FlashParams p) {
     constexpr int STAGE_ELEMS = TILE_ELEMS + KEYS * LD_V;   // a stage: a K and a V tile
     constexpr int MERGE_LD = DV_TILE + 8;    // float pitch of the epilogue's per-warp O (float2 stores conflict-free)
     // FEATURE_FP8_CACHE: a warp's STAGES stages hold raw e4m3 tiles, converted into one T stage.
+    constexpr bool FP8_CACHE = (FEATURES & FEATURE_FP8_CACHE) != 0;
     constexpr int COMPUTE_STAGES = FP8_CACHE ? 1 : STAGES;   // T stages of a warp
     constexpr int RAW_STAGE_BYTES = FP8_CACHE ? KEYS * (D_TILE + DV_TILE) : 0;
     constexpr unsigned int LOOP_BYTES = (ROWS * LD + NUM_WARPS * COMPUTE_STAGES * STAGE_ELEMS) * sizeof(T) +

@@ -4,6 +4,7 @@ merge_attention_states. Argument checks run on CPU; the rest needs the GPU."""
 import numpy
 import pytest
 from helpers import (
+    DTYPES,
     as_float64,
     bitwise,
     check_error_rule,
@@ -373,6 +374,32 @@ def test_decode_matches_reference(p):
     magnitude = max_finite_abs(exact[1])
     check_error_rule("decode o", o, exact[0], low[0], context, magnitude)
     check_error_rule("decode lse", lse, exact[1], low[1], context, magnitude)
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fp8_cache_reads_every_e4m3_code_exactly(dtype):
+    """One cached key whose K and V rows hold the 254 finite e4m3 codes (subnormals and both zeros
+    among them): with q = e_h for head h and scale 1, lse[h] is k's code h, and o (a single key's
+    softmax is 1) is v's row exactly."""
+    import cupy
+
+    from cupy_flash.fp8 import decode_fp8
+
+    codes = numpy.array([c if c & 0x7F != 0x7F else 0 for c in range(256)], numpy.uint8)   # NaN codes as 0
+    d = 256
+    k_cache = cupy.zeros((1, 16, 1, d), cupy.uint8)
+    v_cache = cupy.zeros((1, 16, 1, d), cupy.uint8)
+    k_cache[0, 0, 0] = cupy.asarray(codes)
+    v_cache[0, 0, 0] = cupy.asarray(codes[::-1].copy())
+    q = cupy.asarray(numpy.eye(d, dtype=numpy.float32)[None, None]).astype(DTYPES[dtype])   # head h: e_h
+    ones = cupy.ones(1, cupy.float32)
+    o, lse = cupy_flash.flash_decode(q, k_cache, v_cache, cache_seqlens=cupy.ones(1, cupy.int32), k_descale=ones,
+                                     v_descale=ones, softmax_scale=1.0)
+    # (lse = max + log(1) in float32: within a rounding of the code's value, far below e4m3's steps)
+    assert bool(cupy.allclose(lse[0, :, 0], cupy.asarray(decode_fp8(codes)), rtol=1e-6, atol=0))
+    expect = cupy.asarray(decode_fp8(codes[::-1].copy()))
+    assert bool((as_float64(o[0, 0]) == expect[None, :]).all())
 
 
 @requires_gpu
