@@ -32,7 +32,7 @@ import numpy
 from ._checks import check_softmax_scale
 from .reference import _xp
 
-__all__ = ["zigzag_shard", "zigzag_unshard", "ring_blocks", "RingBlock", "LoopbackRing", "NcclRing",
+__all__ = ["zigzag_shard", "zigzag_indices", "zigzag_unshard", "ring_blocks", "RingBlock", "LoopbackRing", "NcclRing",
            "ring_attention_forward", "ring_attention_backward", "simulate_ring_forward", "simulate_ring_backward"]
 
 
@@ -64,6 +64,19 @@ def zigzag_shard(x, rank: int, world: int, axis: int = 1):
         index[axis] = slice(c * chunk, (c + 1) * chunk)
         parts.append(x[tuple(index)])
     return _xp(x).concatenate(parts, axis=axis)
+
+
+def zigzag_indices(length: int, world: int) -> numpy.ndarray:
+    """The row order that puts a full sequence of ``length`` rows in zigzag shards: ``x[:, index]``
+    is the ranks' shards (zigzag_shard) one after another, so a mesh's contiguous split of that
+    axis hands rank r its zigzag shard (the JAX ring, jax_adapter.ring_attention);
+    ``numpy.argsort(index)`` puts the rows back."""
+    _check_world(0, world)
+    if length % (2 * world):
+        raise ValueError(f"length is {length}; zigzag shards need a multiple of 2 * world = {2 * world}")
+    chunk = length // (2 * world)
+    return numpy.concatenate([numpy.arange(c * chunk, (c + 1) * chunk) for rank in range(world)
+                              for c in (rank, 2 * world - 1 - rank)])
 
 
 def zigzag_unshard(shards, axis: int = 1):

@@ -118,8 +118,9 @@ def _fp8_inference_callback(static, context, outputs, q8, k8, v8, q_descale, k_d
 
 
 @functools.lru_cache(maxsize=256)
-def _attention(static: tuple):
-    """The custom_vjp function of q, k, v -> (o, lse) for one set of options."""
+def _calls(static: tuple) -> tuple:
+    """(forward_call, backward_call) for one set of options: q, k, v -> (o, lse) and do, q, k, v, o,
+    lse -> (dq, dk, dv), each a buffer_callback running the kernels."""
     options = dict(static)
     deterministic = options.pop("deterministic")
     # Defaults left out: a call with no feature keywords reuses flash_forward's cached launch plan.
@@ -138,6 +139,14 @@ def _attention(static: tuple):
         results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
         return buffer_callback(_BackwardCallback(options, deterministic), results,
                                vmap_method="broadcast_all")(do, q, k, v, o, lse)
+
+    return forward_call, backward_call
+
+
+@functools.lru_cache(maxsize=256)
+def _attention(static: tuple):
+    """The custom_vjp function of q, k, v -> (o, lse) for one set of options."""
+    forward_call, backward_call = _calls(static)
 
     @jax.custom_vjp
     def attention(q, k, v):
@@ -454,3 +463,127 @@ def _decode_callback(static, context, outputs, q, k_cache, v_cache, cache_seqlen
                         k_new=k_new, v_new=v_new, **arrays, **dict(options))
         _as_cupy(o)[...] = result[0]
         _as_cupy(lse)[...] = result[1]
+
+
+# -------------------------------------------------------------------------------------------------
+# Ring attention over a mesh axis: context parallelism under jax.jit, without MPI.
+
+def ring_attention(q, k, v, axis_name, *, causal=False, softmax_scale=None, deterministic=False):
+    """Exact attention over a sequence sharded along the mesh axis ``axis_name``, called inside
+    ``jax.shard_map`` with q, k, v the rank's shard (batch, local_seqlen, heads, head_dim) and the
+    sequence axis split over ``axis_name``; returns o of the shard's rows. The ring of
+    cupy_flash.distributed on XLA's collectives: K/V shards travel by ``jax.lax.ppermute`` (the next
+    one issued before this one is attended), the partial outputs merge through their logsumexp in
+    float32, and the gradient (a ``jax.custom_vjp``) sends K/V around again with float32 dK/dV
+    accumulators that arrive home summed; dQ stays local. With ``causal`` the shards must be in
+    zigzag order (``distributed.zigzag_indices(seqlen, world)`` permutes the full sequence so that
+    the mesh's contiguous split gives each rank chunks r and 2P - 1 - r), so that every rank does
+    the same work at every step (``distributed.ring_blocks``); local_seqlen is then even."""
+    static = _checks.check_traced_call("ring_attention (JAX)", q, k, v,
+                                       dict(softmax_scale=softmax_scale, causal=causal, deterministic=deterministic))
+    if dict(static)["causal"] and q.shape[-3] % 2:
+        raise ValueError(f"q has {q.shape[-3]} rows a shard; causal ring attention takes zigzag shards of two equal chunks")
+    if tuple(k.shape[-4:-2]) != tuple(q.shape[-4:-2]):
+        raise ValueError(f"k has shape {tuple(k.shape)} but q has {tuple(q.shape)}; ring shards hold the same rows of q, k, v")
+    return _ring(static, axis_name)(q, k, v)
+
+
+@functools.lru_cache(maxsize=64)
+def _ring(static: tuple, axis_name):
+    """The custom_vjp ring function of q, k, v -> o for one set of options and mesh axis."""
+    options = dict(static)
+    causal = options["causal"]
+    full = _calls(tuple((n, False if n == "causal" else x) for n, x in static))      # no mask
+    masked = _calls(tuple((n, True if n == "causal" else x) for n, x in static))     # the own shard, causal
+    jnp = jax.numpy
+
+    def world() -> int:   # the axis's size, a Python int while tracing
+        size = getattr(jax.lax, "axis_size", None)
+        return int(size(axis_name)) if size is not None else int(jax.lax.psum(1, axis_name))
+
+    def shift(xs: tuple) -> tuple:
+        size = world()
+        return tuple(jax.lax.ppermute(x, axis_name, [(i, (i + 1) % size) for i in range(size)]) for x in xs)
+
+    def as_f32(xs: tuple) -> tuple:
+        return tuple(x.astype(jnp.float32) for x in xs)
+
+    def attend(step, rank, q, k, v):
+        """(o, lse) of the local queries against the K/V shard held at ``step``; rows a step does not
+        see get lse -inf (ring_blocks: the own shard causal; an earlier rank's first chunk for every
+        query; a later rank's whole shard for the second chunk of queries)."""
+        if not causal:
+            return full[0](q, k, v)
+        if step == 0:
+            return masked[0](q, k, v)
+        half = q.shape[1] // 2
+
+        def earlier(q, k, v):
+            return full[0](q, k[:, :half], v[:, :half])
+
+        def later(q, k, v):
+            o, lse = full[0](q[:, half:], k, v)
+            return (jnp.concatenate((jnp.zeros_like(o), o), axis=1),
+                    jnp.concatenate((jnp.full(lse.shape, -jnp.inf, lse.dtype), lse), axis=2))
+        return jax.lax.cond(rank >= step, earlier, later, q, k, v)
+
+    def gradients(step, rank, do, q, k, v, o, lse):
+        """(dq, dk, dv) pieces of ``attend``'s calls, float32, of the local q's and the held shard's rows."""
+        if not causal:
+            return as_f32(full[1](do, q, k, v, o, lse))
+        if step == 0:
+            return as_f32(masked[1](do, q, k, v, o, lse))
+        half = q.shape[1] // 2
+
+        def earlier(do, q, k, v, o, lse):
+            dq, dk, dv = as_f32(full[1](do, q, k[:, :half], v[:, :half], o, lse))
+            return dq, *(jnp.concatenate((x, jnp.zeros_like(x)), axis=1) for x in (dk, dv))
+
+        def later(do, q, k, v, o, lse):
+            dq, dk, dv = as_f32(full[1](do[:, half:], q[:, half:], k, v, o[:, half:], lse[:, :, half:]))
+            return jnp.concatenate((jnp.zeros_like(dq), dq), axis=1), dk, dv
+        return jax.lax.cond(rank >= step, earlier, later, do, q, k, v, o, lse)
+
+    def forward(q, k, v):
+        rank = jax.lax.axis_index(axis_name)
+        batch, rows, heads = q.shape[:3]
+        o_acc = jnp.zeros((batch, rows, heads, v.shape[-1]), jnp.float32)
+        lse_acc = jnp.full((batch, heads, rows), -jnp.inf, jnp.float32)
+        held = (k, v)
+        for step in range(world()):
+            coming = shift(held) if step + 1 < world() else None   # in flight while this shard is attended
+            o, lse = attend(step, rank, q, *held)
+            merged = jnp.logaddexp(lse_acc, lse)
+            seen = jnp.isfinite(merged)
+            safe = jnp.where(seen, merged, 0.0)
+            weights = [jnp.where(seen, jnp.exp(x - safe), 0.0).transpose(0, 2, 1)[..., None] for x in (lse_acc, lse)]
+            o_acc = o_acc * weights[0] + o.astype(jnp.float32) * weights[1]
+            lse_acc = merged
+            held = coming
+        return o_acc.astype(q.dtype), lse_acc
+
+    @jax.custom_vjp
+    def ring(q, k, v):
+        return forward(q, k, v)[0]
+
+    def ring_forward(q, k, v):
+        o, lse = forward(q, k, v)
+        return o, (q, k, v, o, lse)
+
+    def ring_backward(saved, do):
+        q, k, v, o, lse = saved
+        do = do.astype(q.dtype)
+        rank = jax.lax.axis_index(axis_name)
+        dq = jnp.zeros(q.shape, jnp.float32)
+        held = (k, v, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+        for step in range(world()):
+            if step:
+                held = shift(held)   # the accumulators travel with their K/V
+            dq_part, dk_part, dv_part = gradients(step, rank, do, q, held[0], held[1], o, lse)
+            dq = dq + dq_part
+            held = (held[0], held[1], held[2] + dk_part, held[3] + dv_part)
+        dk, dv = shift(held[2:])   # one more shift: home
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    ring.defvjp(ring_forward, ring_backward)
+    return ring

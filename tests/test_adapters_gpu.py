@@ -324,3 +324,61 @@ def test_adapters_take_v_with_its_own_head_dim(d, d_v):
 
     for name, ours, want in zip(("o", "dq", "dk", "dv"), value_and_grads(jq, jk, jv, jdo), expected):
         assert bool(cupy.array_equal(bitwise(as_gpu_array(name, ours)), bitwise(want))), ("jax", name)
+
+
+def _shard_map(jax, function, mesh, specs, out_specs):
+    """jax.shard_map (or jax.experimental's) without the replication check (the kernels are callbacks)."""
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:
+        from jax.experimental.shard_map import shard_map
+    for check in ({"check_vma": False}, {"check_rep": False}):
+        try:
+            return shard_map(function, mesh=mesh, in_specs=specs, out_specs=out_specs, **check)
+        except TypeError:
+            continue
+    raise RuntimeError("no shard_map signature fits")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_jax_ring_attention_matches_the_reference(causal):
+    """jax_adapter.ring_attention under jax.jit over a mesh of every GPU (2 or 4; zigzag shards, GQA):
+    o and the gradients through the ring against the float64 reference of the unsplit sequence, with
+    the 2x / 3x rule."""
+    jax = jax_on_gpu()
+    import jax.numpy as jnp
+    import ml_dtypes
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from cupy_flash.distributed import zigzag_indices
+    from cupy_flash.jax_adapter import ring_attention
+
+    devices = [device for device in jax.devices() if device.platform == "gpu"]
+    if len(devices) < 2:
+        pytest.skip("the JAX ring needs two GPUs (a mesh axis)")
+    world = 4 if len(devices) >= 4 else 2
+    mesh = Mesh(numpy.array(devices[:world]), ("ring",))
+    batch, seqlen, heads, heads_kv, d = 2, 512 * world, 4, 2, 64
+    rng = numpy.random.default_rng(world + causal)
+    q, k, v, w = (rng.standard_normal((batch, seqlen, h, d), dtype=numpy.float32).astype(ml_dtypes.bfloat16)
+                  for h in (heads, heads_kv, heads_kv, heads))
+    index = zigzag_indices(seqlen, world) if causal else numpy.arange(seqlen)
+    back = numpy.argsort(index)
+    sharding = NamedSharding(mesh, P(None, "ring"))
+    qz, kz, vz, wz = (jax.device_put(jnp.asarray(x[:, index]), sharding) for x in (q, k, v, w))
+    spec = P(None, "ring")
+    ring = _shard_map(jax, lambda q, k, v: ring_attention(q, k, v, "ring", causal=causal), mesh, (spec,) * 3, spec)
+    o = numpy.asarray(jax.jit(ring)(qz, kz, vz))[:, back]
+
+    def loss(q, k, v):
+        return (ring(q, k, v).astype(jnp.float32) * wz.astype(jnp.float32)).sum()
+
+    grads = [numpy.asarray(g)[:, back] for g in jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qz, kz, vz)]
+    exact = attention_reference(q, k, v, causal=causal)[0]
+    low = attention_reference(q, k, v, causal=causal, upcast=False)[0]
+    context = f"world={world} causal={causal}"
+    check_error_rule("ring o", o, exact, low, context)
+    exact_grads = attention_reference_backward(w, q, k, v, causal=causal)
+    low_grads = attention_reference_backward(w, q, k, v, causal=causal, upcast=False)
+    for name, ours, e, lo in zip(("dq", "dk", "dv"), grads, exact_grads, low_grads):
+        check_error_rule(f"ring {name}", ours, e, lo, context, factor=3.0)

@@ -26,6 +26,17 @@ def test_zigzag_shards_hold_chunks_r_and_2p_minus_1_minus_r_and_unshard_back():
         distributed.zigzag_shard(x, 0, 2.0)
 
 
+def test_zigzag_indices_order_the_rows_as_the_shards_one_after_another():
+    x = numpy.arange(2 * 24 * 3).reshape(2, 24, 3)
+    for world in (1, 2, 3, 4, 6):
+        index = distributed.zigzag_indices(24, world)
+        shards = [distributed.zigzag_shard(x, r, world) for r in range(world)]
+        assert (x[:, index] == numpy.concatenate(shards, axis=1)).all()
+        assert (x[:, index][:, numpy.argsort(index)] == x).all()
+    with pytest.raises(ValueError, match="multiple of 2 \\* world"):
+        distributed.zigzag_indices(20, 3)
+
+
 def _global_rows(rank, world, local):
     """Global positions of a rank's zigzag rows."""
     half = local // 2
