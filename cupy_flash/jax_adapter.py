@@ -587,3 +587,30 @@ def _ring(static: tuple, axis_name):
 
     ring.defvjp(ring_forward, ring_backward)
     return ring
+
+
+def ulysses_attention(q, k, v, axis_name, **options):
+    """Exact attention over a sequence split along the mesh axis ``axis_name`` by all-to-all over the
+    heads (DeepSpeed-Ulysses), inside ``jax.shard_map``: q, k, v are the rank's contiguous shard
+    (batch, local_seqlen, heads, head_dim); ``jax.lax.all_to_all`` regathers the sequence and splits
+    the heads (each rank then holds heads / P of them over the whole sequence), ``flash_attention``
+    runs there with every one of its options (causal, window_size, softcap, softmax_scale,
+    deterministic), and a second all-to-all returns o to the sequence split. Differentiable (the
+    all-to-alls' transposes are all-to-alls). Query and K/V heads must be multiples of the axis size
+    (repeat K/V heads to use more ranks than there are K/V heads)."""
+    size = getattr(jax.lax, "axis_size", None)
+    world = int(size(axis_name)) if size is not None else int(jax.lax.psum(1, axis_name))
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"{name} must have 4 dimensions (batch, local_seqlen, heads, head_dim), "
+                             f"got shape {tuple(getattr(x, 'shape', ()))}")
+        if x.shape[2] % world:
+            raise ValueError(f"{name} has {x.shape[2]} heads, not a multiple of the {world} ranks of axis "
+                             f"{axis_name!r}: all-to-all gives each rank heads / {world} of them (repeat the K/V "
+                             "heads, or use ring_attention)")
+
+    def to_heads(x):     # (b, n / P, h, d) -> (b, n, h / P, d)
+        return jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
+
+    o = flash_attention(to_heads(q), to_heads(k), to_heads(v), **options)
+    return jax.lax.all_to_all(o, axis_name, split_axis=1, concat_axis=2, tiled=True)   # back to the sequence split

@@ -382,3 +382,47 @@ def test_jax_ring_attention_matches_the_reference(causal):
     low_grads = attention_reference_backward(w, q, k, v, causal=causal, upcast=False)
     for name, ours, e, lo in zip(("dq", "dk", "dv"), grads, exact_grads, low_grads):
         check_error_rule(f"ring {name}", ours, e, lo, context, factor=3.0)
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(window_size=(300, 0), softcap=20.0)], ids=["causal", "window"])
+def test_jax_ulysses_attention_matches_the_reference(options):
+    """jax_adapter.ulysses_attention (all-to-all over the heads) under jax.jit over a mesh of every GPU
+    (2 or 4; contiguous shards, GQA 8 / 4): o and the gradients against the float64 reference with the
+    2x / 3x rule, the variants included; K/V heads that do not divide over the ranks are refused."""
+    jax = jax_on_gpu()
+    import jax.numpy as jnp
+    import ml_dtypes
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from cupy_flash.jax_adapter import ulysses_attention
+
+    devices = [device for device in jax.devices() if device.platform == "gpu"]
+    if len(devices) < 2:
+        pytest.skip("all-to-all attention needs two GPUs (a mesh axis)")
+    world = 4 if len(devices) >= 4 else 2
+    mesh = Mesh(numpy.array(devices[:world]), ("sp",))
+    batch, seqlen, heads, heads_kv, d = 2, 512 * world, 8, 4, 64
+    rng = numpy.random.default_rng(world)
+    q, k, v, w = (rng.standard_normal((batch, seqlen, h, d), dtype=numpy.float32).astype(ml_dtypes.bfloat16)
+                  for h in (heads, heads_kv, heads_kv, heads))
+    spec = P(None, "sp")
+    sharding = NamedSharding(mesh, spec)
+    qs, ks, vs, ws = (jax.device_put(jnp.asarray(x), sharding) for x in (q, k, v, w))
+    attention = _shard_map(jax, lambda q, k, v: ulysses_attention(q, k, v, "sp", **options), mesh, (spec,) * 3, spec)
+    o = numpy.asarray(jax.jit(attention)(qs, ks, vs))
+
+    def loss(q, k, v):
+        return (attention(q, k, v).astype(jnp.float32) * ws.astype(jnp.float32)).sum()
+
+    grads = [numpy.asarray(g) for g in jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qs, ks, vs)]
+    exact = attention_reference(q, k, v, **options)[0]
+    low = attention_reference(q, k, v, upcast=False, **options)[0]
+    context = f"world={world} {options}"
+    check_error_rule("ulysses o", o, exact, low, context)
+    for name, ours, e, lo in zip(("dq", "dk", "dv"), grads, attention_reference_backward(w, q, k, v, **options),
+                                 attention_reference_backward(w, q, k, v, upcast=False, **options)):
+        check_error_rule(f"ulysses {name}", ours, e, lo, context, factor=3.0)
+    one_kv = _shard_map(jax, lambda q, k, v: ulysses_attention(q, k[:, :, :1], v[:, :, :1], "sp"), mesh, (spec,) * 3, spec)
+    with pytest.raises(ValueError, match="k has 1 heads, not a multiple of the"):
+        jax.jit(one_kv)(qs, ks, vs)
