@@ -153,15 +153,17 @@ def chunk_visibility(rank: int, world: int, step: int, causal: bool) -> numpy.nd
 # ---------------------------------------------------------------------------------------------
 # Per-rank state: the merge of partial outputs, and the gradient pieces of each step.
 
-def _flash_backend():
+def _flash_backend(softcap: float = 0.0):
+    """(forward, backward) of one block on the flash kernels; ``softcap`` applies to every block's
+    logits as to one call's (the sink joins once, in _ForwardRank.result)."""
     from .backward import flash_backward
     from .forward import flash_forward
 
     def forward(q, k, v, causal, scale):
-        return flash_forward(q, k, v, causal=causal, softmax_scale=scale)
+        return flash_forward(q, k, v, causal=causal, softmax_scale=scale, softcap=softcap)
 
     def backward(do, q, k, v, o, lse, causal, scale):
-        return flash_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale)
+        return flash_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, softcap=softcap)
     return forward, backward
 
 
@@ -185,7 +187,14 @@ class _ForwardRank:
                                      _rows(v, block.k_start, block.k_stop), block.causal, self.scale)
             _merge_rows(self.o, self.lse, o, lse, block.q_start, block.q_stop)
 
-    def result(self):
+    def result(self, sink=None):
+        """(o, lse) over every shard; ``sink`` (heads,) float32 joins each row's softmax once, as a
+        logit with no value (a row that saw no key then has lse = the sink and o = 0)."""
+        if sink is not None:
+            xp = _xp(self.o)
+            joined = xp.logaddexp(self.lse, sink.astype(xp.float32)[None, :, None])
+            self.o *= xp.where(xp.isfinite(self.lse), xp.exp(self.lse - joined), 0).transpose(0, 2, 1)[..., None]
+            self.lse = joined
         return self.o.astype(self.q.dtype), self.lse
 
 
@@ -313,6 +322,19 @@ class NcclRing:
 # ---------------------------------------------------------------------------------------------
 # The ring.
 
+def _check_ring_variant(softcap, sink, like, backend) -> tuple:
+    """(softcap as flash_forward checks it, sink as float32 (heads,) where ``like`` (a q shard) lives)."""
+    from ._features import _check_float_array, check_softcap
+
+    softcap = check_softcap(softcap)
+    if sink is not None:
+        _check_float_array("sink", sink, [(like.shape[2],)], "(heads_q,)")
+        sink = _xp(like).asarray(sink, dtype=numpy.float32)
+    if backend is not None and softcap:
+        raise ValueError("softcap takes the flash backend")
+    return softcap, sink
+
+
 def _check_shards(name, shards, world, like=None):
     if len(shards) != world:
         raise ValueError(f"{name} has {len(shards)} shards; the ring has {world} ranks")
@@ -328,7 +350,7 @@ def _check_shards(name, shards, world, like=None):
                              "every rank holds an equal shard")
 
 
-def _run_forward(ring, qs, ks, vs, causal, softmax_scale, backend):
+def _run_forward(ring, qs, ks, vs, causal, softmax_scale, backend, sink=None):
     world = ring.world
     _check_shards("q", qs, len(ring.ranks))
     _check_shards("k", ks, len(ring.ranks), like=qs)
@@ -344,10 +366,10 @@ def _run_forward(ring, qs, ks, vs, causal, softmax_scale, backend):
             rank.attend(step, k, v)
         if handle is not None:
             payloads = ring.finish_shift(handle)
-    return [rank.result() for rank in ranks]
+    return [rank.result(sink) for rank in ranks]
 
 
-def _run_backward(ring, dos, qs, ks, vs, os_, lses, causal, softmax_scale, backend):
+def _run_backward(ring, dos, qs, ks, vs, os_, lses, causal, softmax_scale, backend, sink=None):
     world = ring.world
     for name, shards in (("do", dos), ("q", qs), ("k", ks), ("v", vs), ("o", os_)):
         _check_shards(name, shards, len(ring.ranks), like=qs)
@@ -374,34 +396,58 @@ def _run_backward(ring, dos, qs, ks, vs, os_, lses, causal, softmax_scale, backe
         if kv_handle is not None:
             payloads = ring.finish_shift(kv_handle)
     accumulators = ring.finish_shift(handle)
-    return [(rank.dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
-            for rank, q, k, v, (dk, dv) in zip(ranks, qs, ks, vs, accumulators)]
+    grads = [(rank.dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+             for rank, q, k, v, (dk, dv) in zip(ranks, qs, ks, vs, accumulators)]
+    if sink is None:
+        return grads
+    return [g + (_sink_gradient(do, o, lse, sink),) for g, do, o, lse in zip(grads, dos, os_, lses)]
 
 
-def simulate_ring_forward(qs, ks, vs, *, causal=False, softmax_scale=None, _backend=None):
+def _sink_gradient(do, o, lse, sink):
+    """d loss / d sink of one rank's rows: -sum over them of P(sink) * rowsum(dO * O), P(sink) =
+    exp(sink - lse) with lse the forward's (the sink joined). The blocks' backward reads the sink
+    through lse alone; the ranks' parts add up to the gradient."""
+    xp = _xp(o)
+    delta = (do.astype(xp.float32) * o.astype(xp.float32)).sum(axis=3).transpose(0, 2, 1)   # (batch, heads, rows)
+    p_sink = xp.exp(sink.astype(xp.float32)[None, :, None] - lse)
+    return -(p_sink * delta).sum(axis=(0, 2))
+
+
+def simulate_ring_forward(qs, ks, vs, *, causal=False, softmax_scale=None, softcap=0.0, sink=None, _backend=None):
     """The ring forward over ``len(qs)`` virtual ranks in this process (``LoopbackRing``): qs[r],
     ks[r], vs[r] are rank r's zigzag shards (``zigzag_shard``); returns [(o_r, lse_r)], each rank's
-    output shard (dtype of q) and float32 lse (batch, heads, local_seqlen)."""
+    output shard (dtype of q) and float32 lse (batch, heads, local_seqlen). ``softcap`` and ``sink``
+    as flash_forward's (the sink joins each row's softmax once, after the shards' merge)."""
     ring = LoopbackRing(len(qs))
-    return _run_forward(ring, list(qs), list(ks), list(vs), causal, softmax_scale, _backend or _flash_backend())
+    softcap, sink = _check_ring_variant(softcap, sink, qs[0], _backend) if qs else (softcap, sink)
+    return _run_forward(ring, list(qs), list(ks), list(vs), causal, softmax_scale, _backend or _flash_backend(softcap),
+                        sink)
 
 
-def simulate_ring_backward(dos, qs, ks, vs, os_, lses, *, causal=False, softmax_scale=None, _backend=None):
+def simulate_ring_backward(dos, qs, ks, vs, os_, lses, *, causal=False, softmax_scale=None, softcap=0.0, sink=None,
+                           _backend=None):
     """The ring backward over virtual ranks (see ``simulate_ring_forward``): os_ and lses are the
-    forward's per-rank results; returns [(dq_r, dk_r, dv_r)] in the rank's shards."""
+    forward's per-rank results; returns [(dq_r, dk_r, dv_r)] in the rank's shards, with the sink
+    [(dq_r, dk_r, dv_r, dsink_r)]: dsink_r of rank r's rows (their sum is the sink's gradient)."""
     ring = LoopbackRing(len(qs))
+    softcap, sink = _check_ring_variant(softcap, sink, qs[0], _backend) if qs else (softcap, sink)
     return _run_backward(ring, list(dos), list(qs), list(ks), list(vs), list(os_), list(lses), causal, softmax_scale,
-                         _backend or _flash_backend())
+                         _backend or _flash_backend(softcap), sink)
 
 
-def ring_attention_forward(q, k, v, *, ring, causal=False, softmax_scale=None):
+def ring_attention_forward(q, k, v, *, ring, causal=False, softmax_scale=None, softcap=0.0, sink=None):
     """This rank's (o, lse) of attention over the whole sequence, q, k, v being its zigzag shards
-    and ``ring`` its ``NcclRing``. Every rank calls it at once."""
-    ((o, lse),) = _run_forward(ring, [q], [k], [v], causal, softmax_scale, _flash_backend())
+    and ``ring`` its ``NcclRing``. Every rank calls it at once. ``softcap`` and ``sink`` as
+    flash_forward's (sink: (heads_q,) float32, the same on every rank)."""
+    softcap, sink = _check_ring_variant(softcap, sink, q, None)
+    ((o, lse),) = _run_forward(ring, [q], [k], [v], causal, softmax_scale, _flash_backend(softcap), sink)
     return o, lse
 
 
-def ring_attention_backward(do, q, k, v, o, lse, *, ring, causal=False, softmax_scale=None):
-    """This rank's (dq, dk, dv) shards, given its shards of do, q, k, v and the forward's o, lse."""
-    ((dq, dk, dv),) = _run_backward(ring, [do], [q], [k], [v], [o], [lse], causal, softmax_scale, _flash_backend())
-    return dq, dk, dv
+def ring_attention_backward(do, q, k, v, o, lse, *, ring, causal=False, softmax_scale=None, softcap=0.0, sink=None):
+    """This rank's (dq, dk, dv) shards, given its shards of do, q, k, v and the forward's o, lse;
+    with ``sink`` also this rank's part of dsink (all-reduce the ranks' parts for the gradient)."""
+    softcap, sink = _check_ring_variant(softcap, sink, q, None)
+    ((*grads,),) = _run_backward(ring, [do], [q], [k], [v], [o], [lse], causal, softmax_scale, _flash_backend(softcap),
+                                 sink)
+    return tuple(grads)
