@@ -528,3 +528,45 @@ def _torch_memory(device):
 
     with cupy.cuda.using_allocator(allocate):
         yield
+
+
+# -------------------------------------------------------------------------------------------------
+# Decoding against a K/V cache: FlashAttention-2's flash_attn_with_kvcache.
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
+                            num_splits=0, return_softmax_lse=False, *, k_descale=None, v_descale=None, sink=None):
+    """cupy_flash.flash_decode on PyTorch tensors with FlashAttention-2's ``flash_attn_with_kvcache``
+    signature and defaults (``rotary_interleaved=True``, ``num_splits=0``: chosen): k and v (the new
+    tokens) are written into k_cache / v_cache in place at cache_seqlens[b], rotated first where
+    rotary_cos / rotary_sin are given; cache_seqlens an int or an int32 (batch,) tensor. Also an FP8
+    cache (torch.float8_e4m3fn k_cache / v_cache with float32 ``k_descale`` / ``v_descale``) and a
+    ``sink``. Returns out like q (v's head_dim), and its lse (batch, heads, seqlen_q) with
+    ``return_softmax_lse``. Inference: no gradient. On PyTorch's current stream; outputs and
+    temporaries from its caching allocator (CUDA graphs capture the call)."""
+    from .decode import flash_decode
+
+    if cache_seqlens is None:
+        raise ValueError("cache_seqlens is missing: the keys already in each sequence's cache (an int, or an int32 "
+                         "(batch,) tensor)")
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    o = torch.empty(tuple(q.shape[:-1]) + (v_cache.shape[-1],), dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+    tensors = dict(cache_seqlens=cache_seqlens, k_new=k, v_new=v, block_table=block_table,
+                   cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, rotary_cos=rotary_cos,
+                   rotary_sin=rotary_sin, k_descale=k_descale, v_descale=v_descale, alibi_slopes=alibi_slopes,
+                   sink=sink)
+    with torch.no_grad(), _torch_memory(q.device), _on_torch_stream(q):
+        named = {name: x for name, x in tensors.items() if x is not None}
+        views = dict(zip(named, _views(tuple(named), tuple(named.values()))))
+        q_view, k_view, v_view = _views(("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
+        out, out_lse = flash_decode(q_view, k_view, v_view, softmax_scale=softmax_scale, causal=causal,
+                                    window_size=window_size, softcap=softcap, rotary_interleaved=rotary_interleaved,
+                                    num_splits=num_splits or None, **views)
+        o_view, lse_view = _views(("o", "lse"), (o, lse))
+        bits = "u2" if out.dtype.itemsize == 2 else out.dtype   # 16-bit values copied as their bits
+        o_view.view(bits)[...] = out.view(bits)
+        lse_view[...] = out_lse
+    return (o, lse) if return_softmax_lse else o

@@ -426,3 +426,52 @@ def test_jax_ulysses_attention_matches_the_reference(options):
     one_kv = _shard_map(jax, lambda q, k, v: ulysses_attention(q, k[:, :, :1], v[:, :, :1], "sp"), mesh, (spec,) * 3, spec)
     with pytest.raises(ValueError, match="k has 1 heads, not a multiple of the"):
         jax.jit(one_kv)(qs, ks, vs)
+
+
+def test_torch_flash_attn_with_kvcache_is_flash_decode():
+    """torch_adapter.flash_attn_with_kvcache (FlashAttention-2's signature: rotary interleaved by
+    default, num_splits 0, an int cache_seqlens) on a paged cache with new tokens, and on an FP8
+    cache: bitwise flash_decode on copies, the caches updated alike, lse when asked for."""
+    torch = torch_on_gpu()
+    import cupy
+
+    from cupy_flash.torch_adapter import flash_attn_with_kvcache
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    q = torch.randn(2, 1, 8, 64, device=dev, dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(12, 16, 2, 64, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    k_new, v_new = (torch.randn(2, 1, 2, 64, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    table = torch.tensor([[3, 1, 7, 0, 9], [2, 8, 4, 6, 5]], dtype=torch.int32, device=dev)
+    angles = torch.arange(80, device=dev)[:, None] * 0.01 * (torch.arange(16, device=dev) + 1)[None, :]
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    ck, cv = (_as_cupy_torch(x).copy() for x in (k_cache, v_cache))
+    expected, expected_lse = cupy_flash.flash_decode(_as_cupy_torch(q), ck, cv, cache_seqlens=cupy.full(2, 40, cupy.int32),
+                                                     k_new=_as_cupy_torch(k_new), v_new=_as_cupy_torch(v_new),
+                                                     block_table=_as_cupy_torch(table), rotary_cos=_as_cupy_torch(cos),
+                                                     rotary_sin=_as_cupy_torch(sin), rotary_interleaved=True, causal=True)
+    o, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=40,
+                                     block_table=table, causal=True, return_softmax_lse=True)
+    assert o.shape == q.shape and lse.shape == (2, 8, 1)
+    assert bool((bitwise(_as_cupy_torch(o)) == bitwise(expected)).all())
+    assert bool((_as_cupy_torch(lse) == expected_lse).all())
+    assert bool((bitwise(_as_cupy_torch(k_cache)) == bitwise(ck)).all()) and bool((bitwise(_as_cupy_torch(v_cache)) == bitwise(cv)).all())
+    # An FP8 cache (torch.float8_e4m3fn) with descales per K/V head.
+    k8, v8 = (torch.randn(2, 64, 2, 64, device=dev).to(torch.float8_e4m3fn) for _ in range(2))
+    descale = torch.tensor([0.5, 2.0], device=dev)
+    expected = cupy_flash.flash_decode(_as_cupy_torch(q), _as_cupy_torch(k8.view(torch.uint8)).copy(),
+                                       _as_cupy_torch(v8.view(torch.uint8)).copy(), cache_seqlens=cupy.full(2, 50, cupy.int32),
+                                       k_descale=_as_cupy_torch(descale), v_descale=_as_cupy_torch(descale))[0]
+    o = flash_attn_with_kvcache(q, k8, v8, cache_seqlens=50, k_descale=descale, v_descale=descale)
+    assert bool((bitwise(_as_cupy_torch(o)) == bitwise(expected)).all())
+
+
+def _as_cupy_torch(x):
+    """A CuPy view of a CUDA tensor (bfloat16 through its bits)."""
+    import cupy
+    import ml_dtypes
+    import torch
+
+    if x.dtype == torch.bfloat16:
+        return cupy.from_dlpack(x.view(torch.int16)).view(ml_dtypes.bfloat16)
+    return cupy.from_dlpack(x)
