@@ -372,9 +372,9 @@ struct DecodeFp8TileLoader {
     }
 };
 
-// 16 raw rows of WIDTH e4m3 bytes into a T tile of pitch WIDTH + 8, exactly; a lane 16 elements at a time.
-template <typename T, int WIDTH>
-__device__ __forceinline__ void convert_fp8_rows(T* dst, const unsigned char* src, int lane) {
+// 16 raw rows of WIDTH e4m3 bytes into an fp16 tile of pitch WIDTH + 8, exactly; a lane 16 elements at a time.
+template <int WIDTH>
+__device__ __forceinline__ void convert_fp8_rows(fa_f16* dst, const unsigned char* src, int lane) {
     constexpr int CHUNKS = WIDTH / 16, LD = WIDTH + 8;
 #pragma unroll
     for (int step = 0; step < (16 * CHUNKS + 31) / 32; ++step) {
@@ -382,12 +382,48 @@ __device__ __forceinline__ void convert_fp8_rows(T* dst, const unsigned char* sr
         if ((16 * CHUNKS) % 32 != 0 && i >= 16 * CHUNKS) continue;
         const int r = i / CHUNKS, c = (i % CHUNKS) * 16;
         const uint4 bytes = *reinterpret_cast<const uint4*>(src + r * WIDTH + c);
-        const uint4 lo = make_uint4(e4m3x2_to<T>(bytes.x), e4m3x2_to<T>(bytes.x >> 16), e4m3x2_to<T>(bytes.y),
-                                    e4m3x2_to<T>(bytes.y >> 16));
-        const uint4 hi = make_uint4(e4m3x2_to<T>(bytes.z), e4m3x2_to<T>(bytes.z >> 16), e4m3x2_to<T>(bytes.w),
-                                    e4m3x2_to<T>(bytes.w >> 16));
+        const uint4 lo = make_uint4(e4m3x2_to_f16x2(bytes.x), e4m3x2_to_f16x2(bytes.x >> 16), e4m3x2_to_f16x2(bytes.y),
+                                    e4m3x2_to_f16x2(bytes.y >> 16));
+        const uint4 hi = make_uint4(e4m3x2_to_f16x2(bytes.z), e4m3x2_to_f16x2(bytes.z >> 16), e4m3x2_to_f16x2(bytes.w),
+                                    e4m3x2_to_f16x2(bytes.w >> 16));
         *reinterpret_cast<uint4*>(dst + r * LD + c) = lo;
         *reinterpret_cast<uint4*>(dst + r * LD + c + 8) = hi;
+    }
+}
+
+// The products' type of a decode block: T, but fp16 for bf16 calls on an FP8 cache, whose tiles then
+// convert in one instruction a pair (through float32 to bf16 they took four, and the conversion is
+// the FP8 path's serial work: docs/performance.md, Decoding); Q's rows are scaled into fp16's
+// range first (scale_q_rows_to_f16).
+template <typename T, bool FP8_CACHE> struct DecodeProducts { using type = T; static constexpr bool q_to_f16 = false; };
+template <> struct DecodeProducts<fa_bf16, true> { using type = fa_f16; static constexpr bool q_to_f16 = true; };
+// (An FP8 cache's products are fp16 for either dtype: the converted stage is fa_f16.)
+
+// 2^n, exactly, for |n| <= 126.
+__device__ __forceinline__ float power_of_two(int n) { return __uint_as_float((unsigned)(127 + n) << 23); }
+
+// The block's bf16 Q rows (in shared memory) into fp16 in place, row r times 2^s_r with s_r putting
+// its largest magnitude at [2^14, 2^15) (exact but below 2^-10 of it, where fp16 turns
+// subnormal); row_unscale[r] = 2^-s_r, which the scores take back. Warp w: rows 4w .. 4w + 3.
+template <int D_TILE, int LD, int NUM_WARPS>
+__device__ __forceinline__ void scale_q_rows_to_f16(fa_bf16* q_tile, float* row_unscale, int warp, int lane) {
+    static_assert(DECODE_ROWS == 4 * NUM_WARPS, "four rows a warp");
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int row = 4 * warp + i;
+        fa_bf16* q_row = q_tile + row * LD;
+        float largest = 0.f;
+        for (int c = lane; c < D_TILE; c += 32) largest = fmaxf(largest, fabsf(to_float(q_row[c])));
+        for (int offset = 16; offset > 0; offset >>= 1) largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, offset));
+        const int exponent = largest > 0.f ? (int)((__float_as_uint(largest) >> 23) & 0xffu) - 127 : 14;
+        const int shift = 14 - exponent;            // -113 .. 141: applied as two powers of two
+        const int first = shift / 2, second = shift - first;
+        const float scale_first = power_of_two(first), scale_second = power_of_two(second);
+        for (int c = lane; c < D_TILE; c += 32) {
+            const fa_f16 half = from_float<fa_f16>(to_float(q_row[c]) * scale_first * scale_second);
+            reinterpret_cast<fa_f16*>(q_row)[c] = half;
+        }
+        if (lane == 0) row_unscale[row] = power_of_two(-first) * power_of_two(-second);   // (a subnormal is exact)
     }
 }
 
@@ -611,6 +647,10 @@ flash_decode_kernel(const FlashParams p) {
     unsigned char* raw_tiles = reinterpret_cast<unsigned char*>(warp_tiles + NUM_WARPS * COMPUTE_STAGES * STAGE_ELEMS);
     float* merge_o = reinterpret_cast<float*>(warp_tiles);       // epilogue: [NUM_WARPS][ROWS][MERGE_LD]
     __shared__ float merge_max[NUM_WARPS][ROWS], merge_max_scaled[NUM_WARPS][ROWS], merge_sum[NUM_WARPS][ROWS];
+    // The products' type (DecodeProducts): fp16 for bf16 calls on an FP8 cache, Q's rows scaled.
+    using CT = typename DecodeProducts<T, FP8_CACHE>::type;
+    constexpr bool Q_TO_F16 = DecodeProducts<T, FP8_CACHE>::q_to_f16;
+    __shared__ float row_unscale[Q_TO_F16 ? ROWS : 1];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -661,6 +701,7 @@ flash_decode_kernel(const FlashParams p) {
     const T* k = static_cast<const T*>(p.k);
     const T* v = static_cast<const T*>(p.v) + v_col;
     T* my_tiles = warp_tiles + warp * COMPUTE_STAGES * STAGE_ELEMS;
+    fa_f16* my_products = reinterpret_cast<fa_f16*>(my_tiles);   // FEATURE_FP8_CACHE's converted stage
     // This warp's tiles: starts key_begin rounded down to 16, then every NUM_WARPS-th tile.
     const int first_tile = (key_begin & ~(KEYS - 1)) + warp * KEYS;
     constexpr int TILE_STEP = NUM_WARPS * KEYS;
@@ -702,6 +743,14 @@ flash_decode_kernel(const FlashParams p) {
     }
     cp_async_wait<STAGES - 1>();   // the Q group (committed first) landed for this thread ...
     __syncthreads();               // ... and for the block: every warp reads all of Q
+    // Q_TO_F16: Q's rows scaled into fp16 in place, and each thread's rows' score factors.
+    float score_factor[2] = {k_scale, k_scale};
+    if constexpr (Q_TO_F16) {
+        scale_q_rows_to_f16<D_TILE, LD, NUM_WARPS>(reinterpret_cast<fa_bf16*>(q_tile), row_unscale, warp, lane);
+        __syncthreads();
+        score_factor[0] = k_scale * row_unscale[g];
+        score_factor[1] = k_scale * row_unscale[g + 8];
+    }
     int stage = 0;
     for (int tile_start = first_tile; tile_start < key_end; tile_start += TILE_STEP, stage = (stage + 1) % STAGES) {
         const int ahead_start = tile_start + (STAGES - 1) * TILE_STEP;
@@ -713,8 +762,8 @@ flash_decode_kernel(const FlashParams p) {
         cp_async_wait<STAGES - 1>();   // this tile landed for this thread
         __syncwarp();         // ... and for the whole warp
         if constexpr (FP8_CACHE) {   // the raw tiles into the T stage (every lane done with it: the loop's end)
-            convert_fp8_rows<T, D_TILE>(my_tiles, my_raw + stage * RAW_STAGE_BYTES, lane);
-            convert_fp8_rows<T, DV_TILE>(my_tiles + TILE_ELEMS, my_raw + stage * RAW_STAGE_BYTES + KEYS * D_TILE, lane);
+            convert_fp8_rows<D_TILE>(my_products, my_raw + stage * RAW_STAGE_BYTES, lane);
+            convert_fp8_rows<DV_TILE>(my_products + TILE_ELEMS, my_raw + stage * RAW_STAGE_BYTES + KEYS * D_TILE, lane);
             __syncwarp();
         }
         const int compute_stage = FP8_CACHE ? 0 : stage;
@@ -722,16 +771,16 @@ flash_decode_kernel(const FlashParams p) {
         const unsigned int v_lane = smem_addr(my_tiles + compute_stage * STAGE_ELEMS + TILE_ELEMS) + b_frags_trans_lane<LD_V>(lane);
 
         float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        tile_scores<T, D_TILE>(s, q_lane, k_lane);
+        tile_scores<CT, D_TILE>(s, q_lane, k_lane);
         if constexpr (FP8_CACHE) {
 #pragma unroll
             for (int j = 0; j < 2; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[j][e] *= k_scale;
+                for (int e = 0; e < 4; ++e) s[j][e] *= score_factor[e >> 1];
         }
         modify_and_mask<IS_CAUSAL, FEATURES>(p, s, tile_start, t, key_begin, key_end, band, row_token, row_slope);
         online_softmax_tile<O_TILES>(s, o_acc, row_max, row_max_scaled, row_sum, score_log2);
-        accumulate_pv<T, O_TILES>(o_acc, s, v_lane);
+        accumulate_pv<CT, O_TILES>(o_acc, s, v_lane);
         __syncwarp();   // every lane is done with this stage before the next iteration refills it
     }
 

@@ -35,9 +35,10 @@ __device__ __forceinline__ unsigned e4m3_bits_of_quotient(float x, float scale) 
 }
 
 // Two e4m3 values (bytes 0 and 1 of `pair`) as an fp16 pair, exactly: every finite e4m3 value is an
-// fp16. sm_89+ converts in one instruction; before, e4m3's bits placed in fp16's (sign kept,
-// exponent and mantissa one place right: 2^-8 of the value, subnormals included) are scaled by 2^8
-// (e4m3's NaN then reads as 480; quantisation never writes it).
+// fp16 (an FP8 cache's tiles convert to fp16 for bf16 calls too: decode.cu, DecodeProducts).
+// sm_89+ converts in one instruction; before, e4m3's bits placed in fp16's (sign kept, exponent
+// and mantissa one place right: 2^-8 of the value, subnormals included) are scaled by 2^8 (e4m3's
+// NaN then reads as 480; quantisation never writes it).
 __device__ __forceinline__ unsigned int e4m3x2_to_f16x2(unsigned int pair) {
     unsigned int out;
 #if __CUDA_ARCH__ >= 890
@@ -47,16 +48,5 @@ __device__ __forceinline__ unsigned int e4m3x2_to_f16x2(unsigned int pair) {
     const unsigned int scaled = (spread & 0x80008000u) | ((spread >> 1) & 0x3f803f80u);
     asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(out) : "r"(scaled), "r"(0x5c005c00u));   // x 256 (exact)
 #endif
-    return out;
-}
-
-// Two e4m3 values as a pair of T (fp16 or bf16), exactly.
-template <typename T> __device__ __forceinline__ unsigned int e4m3x2_to(unsigned int pair);
-template <> __device__ __forceinline__ unsigned int e4m3x2_to<fa_f16>(unsigned int pair) { return e4m3x2_to_f16x2(pair); }
-template <> __device__ __forceinline__ unsigned int e4m3x2_to<fa_bf16>(unsigned int pair) {
-    const unsigned int halves = e4m3x2_to_f16x2(pair);
-    unsigned int out;
-    asm("{\n\t.reg .f16 lo, hi;\n\t.reg .f32 flo, fhi;\n\tmov.b32 {lo, hi}, %1;\n\tcvt.f32.f16 flo, lo;\n\t"
-        "cvt.f32.f16 fhi, hi;\n\tcvt.rn.bf16x2.f32 %0, fhi, flo;\n\t}" : "=r"(out) : "r"(halves));
     return out;
 }
