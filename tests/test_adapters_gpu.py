@@ -326,6 +326,17 @@ def test_adapters_take_v_with_its_own_head_dim(d, d_v):
         assert bool(cupy.array_equal(bitwise(as_gpu_array(name, ours)), bitwise(want))), ("jax", name)
 
 
+def _mesh_of_gpus(jax, axis: str):
+    """(a mesh of every GPU, 4 at most, over ``axis``; its size), or a skip below two GPUs."""
+    from jax.sharding import Mesh
+
+    devices = [device for device in jax.devices() if device.platform == "gpu"]
+    if len(devices) < 2:
+        pytest.skip("context parallelism under JAX needs two GPUs (a mesh axis)")
+    world = 4 if len(devices) >= 4 else 2
+    return Mesh(numpy.array(devices[:world]), (axis,)), world
+
+
 def _shard_map(jax, function, mesh, specs, out_specs):
     """jax.shard_map (or jax.experimental's) without the replication check (the kernels are callbacks)."""
     shard_map = getattr(jax, "shard_map", None)
@@ -347,17 +358,13 @@ def test_jax_ring_attention_matches_the_reference(causal):
     jax = jax_on_gpu()
     import jax.numpy as jnp
     import ml_dtypes
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from cupy_flash.distributed import zigzag_indices
     from cupy_flash.jax_adapter import ring_attention
 
-    devices = [device for device in jax.devices() if device.platform == "gpu"]
-    if len(devices) < 2:
-        pytest.skip("the JAX ring needs two GPUs (a mesh axis)")
-    world = 4 if len(devices) >= 4 else 2
-    mesh = Mesh(numpy.array(devices[:world]), ("ring",))
+    mesh, world = _mesh_of_gpus(jax, "ring")
     batch, seqlen, heads, heads_kv, d = 2, 512 * world, 4, 2, 64
     rng = numpy.random.default_rng(world + causal)
     q, k, v, w = (rng.standard_normal((batch, seqlen, h, d), dtype=numpy.float32).astype(ml_dtypes.bfloat16)
@@ -392,16 +399,12 @@ def test_jax_ulysses_attention_matches_the_reference(options):
     jax = jax_on_gpu()
     import jax.numpy as jnp
     import ml_dtypes
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from cupy_flash.jax_adapter import ulysses_attention
 
-    devices = [device for device in jax.devices() if device.platform == "gpu"]
-    if len(devices) < 2:
-        pytest.skip("all-to-all attention needs two GPUs (a mesh axis)")
-    world = 4 if len(devices) >= 4 else 2
-    mesh = Mesh(numpy.array(devices[:world]), ("sp",))
+    mesh, world = _mesh_of_gpus(jax, "sp")
     batch, seqlen, heads, heads_kv, d = 2, 512 * world, 8, 4, 64
     rng = numpy.random.default_rng(world)
     q, k, v, w = (rng.standard_normal((batch, seqlen, h, d), dtype=numpy.float32).astype(ml_dtypes.bfloat16)
