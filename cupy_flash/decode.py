@@ -219,7 +219,7 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, blo
     kind = _checks.dtype_name(q.dtype)
     if kind not in TENSOR_CORE_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}; flash_decode takes float16 or bfloat16")
-    fp8_cache = check_fp8_cache(q, k_cache, v_cache, k_descale, v_descale)
+    fp8_cache = check_fp8_cache(k_cache, v_cache, k_descale, v_descale)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if x.dtype != q.dtype and not fp8_cache:
             raise TypeError(f"{name} has dtype {x.dtype} but q has dtype {q.dtype}")
@@ -287,7 +287,7 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, blo
     return shape, page_shift
 
 
-def check_fp8_cache(q, k_cache, v_cache, k_descale, v_descale) -> bool:
+def check_fp8_cache(k_cache, v_cache, k_descale, v_descale) -> bool:
     """Whether the cache is FP8 (k_cache and v_cache uint8, e4m3 bits, with both descales), or
     TypeError / ValueError naming what is missing or mixed."""
     eight = [x.dtype == numpy.uint8 for x in (k_cache, v_cache)]

@@ -488,6 +488,12 @@ def ring_attention(q, k, v, axis_name, *, causal=False, softmax_scale=None, dete
     return _ring(static, axis_name)(q, k, v)
 
 
+def _axis_size(axis_name) -> int:
+    """The size of mesh axis ``axis_name``, a Python int while tracing inside shard_map."""
+    size = getattr(jax.lax, "axis_size", None)
+    return int(size(axis_name)) if size is not None else int(jax.lax.psum(1, axis_name))
+
+
 @functools.lru_cache(maxsize=64)
 def _ring(static: tuple, axis_name):
     """The custom_vjp ring function of q, k, v -> o for one set of options and mesh axis."""
@@ -497,9 +503,8 @@ def _ring(static: tuple, axis_name):
     masked = _calls(tuple((n, True if n == "causal" else x) for n, x in static))     # the own shard, causal
     jnp = jax.numpy
 
-    def world() -> int:   # the axis's size, a Python int while tracing
-        size = getattr(jax.lax, "axis_size", None)
-        return int(size(axis_name)) if size is not None else int(jax.lax.psum(1, axis_name))
+    def world() -> int:
+        return _axis_size(axis_name)
 
     def shift(xs: tuple) -> tuple:
         size = world()
@@ -598,8 +603,7 @@ def ulysses_attention(q, k, v, axis_name, **options):
     deterministic), and a second all-to-all returns o to the sequence split. Differentiable (the
     all-to-alls' transposes are all-to-alls). Query and K/V heads must be multiples of the axis size
     (repeat K/V heads to use more ranks than there are K/V heads)."""
-    size = getattr(jax.lax, "axis_size", None)
-    world = int(size(axis_name)) if size is not None else int(jax.lax.psum(1, axis_name))
+    world = _axis_size(axis_name)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 4:
             raise ValueError(f"{name} must have 4 dimensions (batch, local_seqlen, heads, head_dim), "

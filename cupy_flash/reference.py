@@ -391,7 +391,7 @@ def decode_reference(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=No
     if fp8_cache:
         from .decode import check_fp8_cache
 
-        check_fp8_cache(q, k_cache, v_cache, k_descale, v_descale)
+        check_fp8_cache(k_cache, v_cache, k_descale, v_descale)
     for name, x in (("k_new", k_new), ("v_new", v_new)):
         if x is not None:
             _check_array(name, x, (4,))
