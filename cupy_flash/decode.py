@@ -545,10 +545,14 @@ def _plan_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, sof
 
 def _cache_descale(x, shape):
     """An FP8 cache's descale as the kernels read it: float32 (batch, heads_kv), C-contiguous (a
-    (heads_kv,) one broadcast over the batch: a copy of batch x heads_kv floats)."""
+    (heads_kv,) one broadcast over the batch: a copy of batch x heads_kv floats). One already so is
+    passed through as it is, so that the call can keep its plan (the plan's arrays are the caller's)."""
     import cupy
 
-    return cupy.ascontiguousarray(cupy.broadcast_to(x, (shape.batch, shape.heads_kv)))
+    want = (shape.batch, shape.heads_kv)
+    if tuple(x.shape) == want and x.flags.c_contiguous:
+        return x
+    return cupy.ascontiguousarray(cupy.broadcast_to(x, want))
 
 
 def _contiguous(x):

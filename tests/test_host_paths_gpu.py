@@ -107,6 +107,42 @@ def test_decode_plans_hold_for_new_arrays_lengths_streams_and_graphs():
     _same(o_graph, direct[0], "graph replay")
 
 
+def test_fp8_decode_keeps_its_plan_and_reads_each_calls_descales():
+    """An FP8 cache's call with (batch, heads_kv) descales keeps its plan; a repeat on new caches and
+    new descale values equals the checked route bit for bit (the plan reads each call's descales);
+    (heads_kv,) descales, which the checked route broadcasts into a copy, keep none."""
+
+    from cupy_flash import decode
+
+    rng = numpy.random.default_rng(11)
+
+    def fp8_inputs():
+        q, k_cache, v_cache, lengths, k_new, v_new = _decode_inputs(rng)
+        (k8, k_descale), (v8, v_descale) = (cupy_flash.quantize_fp8(x) for x in (k_cache, v_cache))
+        return q, k8, v8, lengths, k_new, v_new, k_descale, v_descale
+
+    def call(q, k8, v8, lengths, k_new, v_new, k_descale, v_descale):
+        with poisoned_allocations():
+            return cupy_flash.flash_decode(q, k8.copy(), v8.copy(), cache_seqlens=lengths, k_new=k_new, v_new=v_new,
+                                           k_descale=k_descale, v_descale=v_descale, causal=True)
+
+    decode._plans.clear()
+    call(*fp8_inputs())
+    assert len(decode._plans) == 1, "an FP8 call with (batch, heads_kv) descales kept no plan"
+    for step in range(2):
+        inputs = fp8_inputs()
+        scaled = inputs[:6] + (inputs[6] * (2.0 + step), inputs[7] * 0.5)   # new values at new addresses
+        cached = call(*scaled)
+        decode._plans.clear()
+        checked = call(*scaled)
+        for name, a, b in zip(("o", "lse"), cached, checked):
+            _same(a, b, f"FP8 {name} step {step}")
+    decode._plans.clear()
+    inputs = fp8_inputs()
+    call(*inputs[:6], inputs[6][0].copy(), inputs[7][0].copy())
+    assert not decode._plans, "(heads_kv,) descales, copied by the checked route, kept a plan"
+
+
 def test_plans_are_per_device():
     """Arrays on another GPU than the current one, and the same shapes on each GPU: each call runs
     on its arrays' device (a plan's kernel belongs to one device), equal to that device's own calls."""
