@@ -175,21 +175,33 @@ class _ForwardRank:
     """One rank's running (o, lse) over the K/V shards attended so far (float32)."""
 
     def __init__(self, q, rank, world, causal, scale, backend, head_dim_v):
-        xp = _xp(q)
         self.q, self.rank, self.world, self.causal, self.scale, self.backend = q, rank, world, causal, scale, backend
-        batch, seqlen, heads, _ = q.shape
-        self.o = xp.zeros((batch, seqlen, heads, head_dim_v), dtype=xp.float32)   # v's head_dim
+        self.head_dim_v = head_dim_v
+        self.o = self.lse = None   # from the first block where it covers every row (step 0's does)
+
+    def _start(self):
+        xp = _xp(self.q)
+        batch, seqlen, heads, _ = self.q.shape
+        self.o = xp.zeros((batch, seqlen, heads, self.head_dim_v), dtype=xp.float32)   # v's head_dim
         self.lse = xp.full((batch, heads, seqlen), -numpy.inf, dtype=xp.float32)
 
     def attend(self, step, k, v):
+        xp = _xp(self.q)
         for block in ring_blocks(self.rank, self.world, step, self.causal, self.q.shape[1]):
             o, lse = self.backend[0](_rows(self.q, block.q_start, block.q_stop), _rows(k, block.k_start, block.k_stop),
                                      _rows(v, block.k_start, block.k_stop), block.causal, self.scale)
+            if self.o is None and (block.q_start, block.q_stop) == (0, self.q.shape[1]):
+                self.o, self.lse = xp.ascontiguousarray(o, dtype=xp.float32), xp.ascontiguousarray(lse, dtype=xp.float32)
+                continue
+            if self.o is None:
+                self._start()
             _merge_rows(self.o, self.lse, o, lse, block.q_start, block.q_stop)
 
     def result(self, sink=None):
         """(o, lse) over every shard; ``sink`` (heads,) float32 joins each row's softmax once, as a
         logit with no value (a row that saw no key then has lse = the sink and o = 0)."""
+        if self.o is None:
+            self._start()
         if sink is not None:
             xp = _xp(self.o)
             joined = xp.logaddexp(self.lse, sink.astype(xp.float32)[None, :, None])
@@ -202,6 +214,10 @@ def _merge_rows(o_acc, lse_acc, o, lse, start, stop):
     """(o_acc, lse_acc)[rows] <- the exact merge with the partial (o, lse) over other keys. A side
     whose lse is -inf (no key) weighs 0; a row no side saw stays o = 0, lse = -inf."""
     xp = _xp(o_acc)
+    if xp is not numpy:   # one kernel pass (preprocess.cu) where the array operations below take six
+        from .families.rows import ring_merge
+        ring_merge(o_acc, lse_acc, xp.ascontiguousarray(o), xp.ascontiguousarray(lse, dtype=xp.float32), start)
+        return
     old = lse_acc[:, :, start:stop]
     lse = lse.astype(xp.float32)
     new = xp.logaddexp(old, lse)
@@ -217,10 +233,9 @@ class _BackwardRank:
     """One rank's dQ (float32) and the dK/dV pieces of the K/V shard in hand at each step."""
 
     def __init__(self, do, q, o, lse, rank, world, causal, scale, backend):
-        xp = _xp(q)
         self.do, self.q, self.o, self.lse = do, q, o, lse
         self.rank, self.world, self.causal, self.scale, self.backend = rank, world, causal, scale, backend
-        self.dq = xp.zeros(q.shape, dtype=xp.float32)
+        self.dq = None   # from the first block where it covers every row (step 0's does)
 
     def gradients(self, step, k, v):
         """Adds this step's dQ rows into dq; returns its dK/dV pieces [(k_start, k_stop, dk, dv)], to
@@ -232,16 +247,43 @@ class _BackwardRank:
                                          _rows(k, b.k_start, b.k_stop), _rows(v, b.k_start, b.k_stop),
                                          _rows(self.o, b.q_start, b.q_stop), self.lse[:, :, b.q_start:b.q_stop],
                                          b.causal, self.scale)
-            self.dq[:, b.q_start:b.q_stop] += dq.astype(xp.float32)
+            if self.dq is None and (b.q_start, b.q_stop) == (0, self.q.shape[1]):
+                self.dq = xp.ascontiguousarray(dq, dtype=xp.float32)
+            else:
+                if self.dq is None:
+                    self.dq = xp.zeros(self.q.shape, dtype=xp.float32)
+                _accumulate_rows(self.dq, dq, b.q_start)
             pieces.append((b.k_start, b.k_stop, dk, dv))
         return pieces
 
 
+def _accumulate_rows(acc, x, start):
+    """acc[:, start:start + n] += x in float32 (acc float32, x of n rows)."""
+    xp = _xp(acc)
+    if xp is numpy:
+        acc[:, start:start + x.shape[1]] += x.astype(xp.float32)
+    else:   # one kernel pass (preprocess.cu), where a cast and a strided add took three
+        from .families.rows import ring_accumulate
+        ring_accumulate(acc, xp.ascontiguousarray(x), start)
+
+
+def _accumulators(k, v, pieces):
+    """Float32 (dK, dV) accumulators of a K/V shard holding the sum of its ``pieces``: the first
+    piece itself where it covers the whole shard (step 0's does), else zeros."""
+    xp = _xp(k)
+    if pieces and (pieces[0][0], pieces[0][1]) == (0, k.shape[1]):
+        dk_acc, dv_acc = (xp.ascontiguousarray(x, dtype=xp.float32) for x in pieces[0][2:])
+        pieces = pieces[1:]
+    else:
+        dk_acc, dv_acc = xp.zeros(k.shape, xp.float32), xp.zeros(v.shape, xp.float32)
+    _add_pieces(dk_acc, dv_acc, pieces)
+    return dk_acc, dv_acc
+
+
 def _add_pieces(dk_acc, dv_acc, pieces):
-    xp = _xp(dk_acc)
-    for start, stop, dk, dv in pieces:
-        dk_acc[:, start:stop] += dk.astype(xp.float32)
-        dv_acc[:, start:stop] += dv.astype(xp.float32)
+    for start, _, dk, dv in pieces:
+        _accumulate_rows(dk_acc, dk, start)
+        _accumulate_rows(dv_acc, dv, start)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,18 +422,17 @@ def _run_backward(ring, dos, qs, ks, vs, os_, lses, causal, softmax_scale, backe
     scale = check_softmax_scale(softmax_scale, qs[0].shape[3])
     ranks = [_BackwardRank(do, q, o, lse, r, world, causal, scale, backend)
              for do, q, o, lse, r in zip(dos, qs, os_, lses, ring.ranks)]
-    xp = _xp(qs[0])
     payloads = [(k, v) for k, v in zip(ks, vs)]
     handle = None
     for step in range(world):
         kv_handle = ring.start_shift(payloads) if step < world - 1 else None
         pieces = [rank.gradients(step, k, v) for rank, (k, v) in zip(ranks, payloads)]
         if handle is None:   # step 0: each rank starts the accumulators of its own K/V
-            accumulators = [(xp.zeros(k.shape, xp.float32), xp.zeros(v.shape, xp.float32)) for k, v in payloads]
+            accumulators = [_accumulators(k, v, own) for (k, v), own in zip(payloads, pieces)]
         else:                # those of the K/V in hand, from the rank before, who added its part
             accumulators = ring.finish_shift(handle)   # (their shift ran under this step's products)
-        for (dk, dv), own in zip(accumulators, pieces):
-            _add_pieces(dk, dv, own)
+            for (dk, dv), own in zip(accumulators, pieces):
+                _add_pieces(dk, dv, own)
         handle = ring.start_shift(accumulators)   # P shifts in all: the last brings them home
         if kv_handle is not None:
             payloads = ring.finish_shift(kv_handle)

@@ -281,3 +281,46 @@ __global__ void __launch_bounds__(ROW_KERNEL_THREADS) fp8_quantize_kernel(
         *reinterpret_cast<uint4*>(bits + i * 16) = make_uint4(words[0], words[1], words[2], words[3]);
     }
 }
+
+// Ring attention's running output (cupy_flash/distributed.py), in one pass where separate array
+// operations took six: rows [row0, row0 + n) of a rank's float32 (o_acc, lse_acc) joined with a
+// block's partial (o, lse) over other keys, as two softmaxes over disjoint keys join: lse =
+// log(e^lse_acc + e^lse) and o their weighted mean. A side with lse = -inf (no key) weighs 0; a row
+// neither side saw stays (o_acc, -inf). o_acc (batch, local, heads, head_dim_v) and lse_acc (batch,
+// heads, local), o (batch, n, heads, head_dim_v) and lse (batch, heads, n): contiguous. A warp a
+// (batch, row, head), its lanes over the columns.
+template <typename T>
+__global__ void __launch_bounds__(ROW_KERNEL_THREADS) ring_merge_kernel(
+        float* o_acc, float* lse_acc, const T* o, const float* lse, int batch, int local, int row0, int n, int heads,
+        int head_dim_v) {
+    const int lane = threadIdx.x & 31;
+    const long long rows = (long long)batch * n * heads;
+    for (long long r = first_row_of_warp(); r < rows; r += rows_per_grid()) {
+        const long long b = r / ((long long)n * heads), t = r / heads % n, h = r % heads;
+        float* acc_lse = lse_acc + (b * heads + h) * local + row0 + t;
+        const float old = *acc_lse, part = lse[(b * heads + h) * n + t];
+        const float top = fmaxf(old, part);
+        if (top == FLASH_NEG_INF) continue;
+        const float w_old = expf(old - top), w_new = expf(part - top), inv_total = 1.f / (w_old + w_new);
+        float* acc_row = o_acc + ((b * local + row0 + t) * heads + h) * head_dim_v;
+        const T* row = o + r * head_dim_v;
+        for (int c = lane; c < head_dim_v; c += 32)
+            acc_row[c] = (acc_row[c] * w_old + to_float(row[c]) * w_new) * inv_total;
+        __syncwarp();
+        if (lane == 0) *acc_lse = top + logf(w_old + w_new);
+    }
+}
+
+// acc[:, row0:row0 + n] += x in float32: acc (batch, acc_rows, inner) float32 and x (batch, n, inner),
+// contiguous (the ring's dQ rows and its travelling dK / dV accumulators). A warp a (batch, row).
+template <typename T>
+__global__ void __launch_bounds__(ROW_KERNEL_THREADS) ring_accumulate_kernel(
+        float* acc, const T* x, int batch, int acc_rows, int row0, int n, int inner) {
+    const int lane = threadIdx.x & 31;
+    const long long rows = (long long)batch * n;
+    for (long long r = first_row_of_warp(); r < rows; r += rows_per_grid()) {
+        float* acc_row = acc + ((r / n) * acc_rows + row0 + r % n) * inner;
+        const T* row = x + r * inner;
+        for (int c = lane; c < inner; c += 32) acc_row[c] += to_float(row[c]);
+    }
+}

@@ -106,3 +106,36 @@ def test_loopback_ring_takes_softcap_and_the_sink(world, causal):
     dsink = sum(g[3] for g in grads)
     check_error_rule("dsink", dsink, exact_grads[3], low_grads[3], context, max_finite_abs(exact[1]),
                      float(abs(exact_grads[3]).max()) * seqlen, factor=3.0)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_ring_merge_and_accumulate_kernels_match_the_array_operations(dtype):
+    """ring_merge_kernel and ring_accumulate_kernel (preprocess.cu) against the NumPy path of the
+    same functions, on rows off the accumulator's start, with rows that no side saw (lse -inf on
+    one side or both)."""
+    import cupy
+
+    rng = numpy.random.default_rng(7)
+    batch, local, heads, d_v, n, row0 = 2, 37, 3, 72, 19, 11
+    o_acc = rng.standard_normal((batch, local, heads, d_v)).astype(numpy.float32)
+    lse_acc = rng.standard_normal((batch, heads, local)).astype(numpy.float32) * 4
+    o = random_array(rng, (batch, n, heads, d_v), dtype, 1.0, xp=numpy)
+    lse = rng.standard_normal((batch, heads, n)).astype(numpy.float32) * 4
+    lse_acc[0, 1, row0 + 2] = lse[1, 2, 5] = -numpy.inf
+    lse_acc[1, 0, row0 + 4] = lse[1, 0, 4] = -numpy.inf   # neither side: stays (o_acc, -inf)
+    lse_acc[:, :, :row0] = 99.0                           # rows outside the block: untouched
+    o_acc[0, row0 + 2, 1] = o_acc[1, row0 + 4, 0] = 0.0   # (a row with lse -inf holds o = 0)
+    gpu = [cupy.asarray(x) for x in (o_acc, lse_acc, o, lse)]
+    want_o, want_lse = o_acc.copy(), lse_acc.copy()
+    distributed._merge_rows(want_o, want_lse, o.astype(numpy.float32), lse, row0, row0 + n)
+    distributed._merge_rows(gpu[0], gpu[1], gpu[2], gpu[3], row0, row0 + n)
+    numpy.testing.assert_allclose(gpu[0].get(), want_o, rtol=1e-5, atol=1e-5)
+    numpy.testing.assert_allclose(gpu[1].get(), want_lse, rtol=1e-5, atol=1e-5)
+    assert gpu[1][1, 0, row0 + 4] == -numpy.inf
+
+    acc = rng.standard_normal((batch, local, heads, d_v)).astype(numpy.float32)
+    want = acc.copy()
+    distributed._accumulate_rows(want, o, row0)
+    got = cupy.asarray(acc)
+    distributed._accumulate_rows(got, cupy.asarray(o), row0)
+    numpy.testing.assert_array_equal(got.get(), want)

@@ -1,7 +1,8 @@
 """The row kernels (kernels_cu/preprocess.cu, every dtype, any GPU): a warp per row, looping over
 the rows. The backward's preprocess (delta = rowsum(dO * O), lse in log2, the dQ accumulator
-zeroed), the scale-and-cast of the dQ accumulator, the GQA sum of per-query-head dK/dV, and the
-FP8 backward's dequantisation of q, k, v (a thread per 16 elements)."""
+zeroed), the scale-and-cast of the dQ accumulator, the GQA sum of per-query-head dK/dV, the
+FP8 backward's dequantisation of q, k, v (a thread per 16 elements), and the ring's merge of partial
+outputs and its float32 accumulations (distributed.py)."""
 
 from __future__ import annotations
 
@@ -23,12 +24,14 @@ _ROW_BLOCKS_PER_SM = 32
 
 PREPROCESS, DQ_CONVERT, KV_GROUP_SUM = "flash_preprocess_kernel", "flash_dq_convert_kernel", "flash_kv_group_sum_kernel"
 FP8_DEQUANTIZE, FP8_GROUP_AMAX, FP8_QUANTIZE = "fp8_dequantize_kernel", "fp8_group_amax_kernel", "fp8_quantize_kernel"
+RING_MERGE, RING_ACCUMULATE = "ring_merge_kernel", "ring_accumulate_kernel"
 
 
 def module_spec(dtype: str) -> ModuleSpec:
     spec = ModuleSpec("preprocess", dtype)
     return spec_with(spec, (template(kernel, spec.ctype) for kernel in (PREPROCESS, DQ_CONVERT, KV_GROUP_SUM, FP8_DEQUANTIZE,
-                                                                      FP8_GROUP_AMAX, FP8_QUANTIZE)))
+                                                                      FP8_GROUP_AMAX, FP8_QUANTIZE, RING_MERGE,
+                                                                      RING_ACCUMULATE)))
 
 
 def row_kernel_grid(rows: int) -> int:
@@ -88,6 +91,41 @@ def quantize_e4m3(x, out=None):
              (x, *strides, numpy.int32(batch), numpy.int32(seqlen), numpy.int32(heads), numpy.int32(head_dim), amax, bits,
               descale))
     return bits, descale
+
+
+def _rows_grid(rows: int) -> tuple[int]:
+    return (max(min(row_kernel_grid(rows), _ROW_BLOCKS_PER_SM * current_device().multiprocessors), 1),)
+
+
+def ring_merge(o_acc, lse_acc, o, lse, row0: int) -> None:
+    """ring_merge_kernel on the current stream: rows [row0, row0 + n) of the float32 running (o_acc
+    (batch, local, heads, head_dim_v), lse_acc (batch, heads, local)) joined with a block's (o (batch,
+    n, heads, head_dim_v), lse (batch, heads, n) float32), every array C-contiguous."""
+    import numpy
+
+    from .._dtypes import dtype_name
+
+    batch, local, heads, head_dim_v = (int(n) for n in o_acc.shape)
+    n = int(o.shape[1])
+    spec = module_spec(dtype_name(o.dtype))
+    kernel = get_kernel(spec, template(RING_MERGE, spec.ctype))
+    kernel(_rows_grid(batch * n * heads), (_traits.ROW_KERNEL_THREADS,),
+           (o_acc, lse_acc, o, lse, *(numpy.int32(v) for v in (batch, local, row0, n, heads, head_dim_v))))
+
+
+def ring_accumulate(acc, x, row0: int) -> None:
+    """ring_accumulate_kernel on the current stream: acc[:, row0:row0 + n] += x, acc float32 (batch,
+    rows, ...) and x (batch, n, ...) of one trailing shape, both C-contiguous."""
+    import numpy
+
+    from .._dtypes import dtype_name
+
+    batch, acc_rows, n = int(acc.shape[0]), int(acc.shape[1]), int(x.shape[1])
+    inner = int(x.size) // max(batch * n, 1)
+    spec = module_spec(dtype_name(x.dtype))
+    kernel = get_kernel(spec, template(RING_ACCUMULATE, spec.ctype))
+    kernel(_rows_grid(batch * n), (_traits.ROW_KERNEL_THREADS,),
+           (acc, x, *(numpy.int32(v) for v in (batch, acc_rows, row0, n, inner))))
 
 
 def launch_preprocess(params, shape):
