@@ -423,21 +423,27 @@ def _run_backward(ring, dos, qs, ks, vs, os_, lses, causal, softmax_scale, backe
     ranks = [_BackwardRank(do, q, o, lse, r, world, causal, scale, backend)
              for do, q, o, lse, r in zip(dos, qs, os_, lses, ring.ranks)]
     payloads = [(k, v) for k, v in zip(ks, vs)]
-    handle = None
+    done = None   # each rank's accumulators with its part added: they travel with the next shift
     for step in range(world):
-        kv_handle = ring.start_shift(payloads) if step < world - 1 else None
+        # One shift a step, under its products: the next step's K/V, and the accumulators completed
+        # at the step before (one NCCL group, where two shifts queued on one stream took longer).
+        parts = [(kv if step < world - 1 else ()) + (acc if done is not None else ())
+                 for kv, acc in zip(payloads, done or [()] * len(payloads))]
+        handle = ring.start_shift(parts) if parts[0] else None
         pieces = [rank.gradients(step, k, v) for rank, (k, v) in zip(ranks, payloads)]
-        if handle is None:   # step 0: each rank starts the accumulators of its own K/V
-            accumulators = [_accumulators(k, v, own) for (k, v), own in zip(payloads, pieces)]
-        else:                # those of the K/V in hand, from the rank before, who added its part
-            accumulators = ring.finish_shift(handle)   # (their shift ran under this step's products)
-            for (dk, dv), own in zip(accumulators, pieces):
+        arrived = ring.finish_shift(handle) if handle is not None else None
+        if done is None:   # step 0: each rank starts the accumulators of its own K/V
+            done = [_accumulators(k, v, own) for (k, v), own in zip(payloads, pieces)]
+        else:              # those of the K/V in hand, from the rank before, who added its part
+            done = [tuple(received[-2:]) for received in arrived]
+            for (dk, dv), own in zip(done, pieces):
                 _add_pieces(dk, dv, own)
-        handle = ring.start_shift(accumulators)   # P shifts in all: the last brings them home
-        if kv_handle is not None:
-            payloads = ring.finish_shift(kv_handle)
-    accumulators = ring.finish_shift(handle)
-    grads = [(rank.dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+        if step < world - 1:
+            payloads = [tuple(received[:2]) for received in arrived]
+    # P shifts of the accumulators in all: the last brings them home, cast first (half the bytes).
+    accumulators = ring.finish_shift(ring.start_shift([(dk.astype(k.dtype), dv.astype(v.dtype))
+                                                       for (dk, dv), (k, v) in zip(done, payloads)]))
+    grads = [(rank.dq.astype(q.dtype), dk, dv)
              for rank, q, k, v, (dk, dv) in zip(ranks, qs, ks, vs, accumulators)]
     if sink is None:
         return grads
