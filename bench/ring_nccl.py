@@ -10,8 +10,8 @@ its zigzag shard and runs ``ring_attention_forward`` / ``ring_attention_backward
   - per total length (causal, d = 128, bf16, 16 heads, batch 1): forward + backward time of the
     ring, of the same kernel calls with the transport removed (each rank keeps its own K/V:
     compute only), and of one GPU over the whole sequence (rank 0); the overlap ratio (ring /
-    compute only), the speed-up over one GPU, each rank's compute time (imbalance) and its peak
-    pool memory (O(local tokens)).
+    compute only), the speed-up over one GPU and its efficiency (speed-up / GPUs), each rank's compute
+    time (imbalance) and its peak pool memory (O(local tokens)).
 Rank 0 prints the table last and writes JSON to --out.
 """
 
@@ -167,13 +167,16 @@ def main():
     for row in exact:
         print(f"  {row['dtype']} causal={int(row['causal'])}: o {row['o']:.2f} dq {row['dq']:.2f} "
               f"dk {row['dk']:.2f} dv {row['dv']:.2f} {'ok' if all(row[n + '_ok'] for n in ('o', 'dq', 'dk', 'dv')) else 'FAIL'}")
-    print("| tokens | GPUs | ring ms | compute-only ms | overlap | one GPU ms | speed-up | imbalance | peak GB/rank |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| tokens | GPUs | ring ms | compute-only ms | overlap | one GPU ms | speed-up | efficiency | imbalance | "
+          "peak GB/rank |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in scale:
         one = f"{row['one_gpu_ms']:.1f}" if row["one_gpu_ms"] else "n/a"
         speed = f"{row['speedup']:.2f}" if row["speedup"] else "n/a"
+        efficiency = f"{row['speedup'] / world:.3f}" if row["speedup"] else "n/a"
         print(f"| {row['total']} | {world} | {row['ring_ms']:.1f} | {row['compute_ms']:.1f} | {row['overlap']:.3f} | "
-              f"{one} | {speed} | {100 * row['imbalance']:.1f}% | {max(row['peak_bytes_per_rank']) / 1e9:.2f} |")
+              f"{one} | {speed} | {efficiency} | {100 * row['imbalance']:.1f}% | "
+              f"{max(row['peak_bytes_per_rank']) / 1e9:.2f} |")
     print(f"JSON: {path}")
 
 
