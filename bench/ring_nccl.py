@@ -1,13 +1,14 @@
 """The NCCL ring on several GPUs of one host: exactness, overlap and scaling in one run.
 
-    NCCL_NVLS_ENABLE=0 mpirun -n 2 python bench/ring_nccl.py [--seqlens 131072 524288] [--out DIR]
+    NCCL_NVLS_ENABLE=0 mpirun -n 2 python bench/ring_nccl.py [--seqlens 131072 524288] [--window 4096] [--out DIR]
 
 One process per GPU (rank r on GPU r). Every rank draws the same full sequence (one seed), keeps
 its zigzag shard and runs ``ring_attention_forward`` / ``ring_attention_backward``:
   - exactness (total 2048 tokens, causal and not, bf16 and fp16): the gathered outputs and gradients
     against the float64 reference, beside a dense low-precision reference and one flash call over
     the whole sequence (err / low-precision err: the 2x / 3x rule);
-  - per total length (causal, d = 128, bf16, 16 heads, batch 1): forward + backward time of the
+  - per total length (causal, d = 128, bf16, 16 heads, batch 1; with --window W a sliding window
+    of W keys back, window_size (W, 0), the ring and the one GPU alike): forward + backward time of the
     ring, of the same kernel calls with the transport removed (each rank keeps its own K/V:
     compute only), and of one GPU over the whole sequence (rank 0); the overlap ratio (ring /
     compute only), the speed-up over one GPU and its efficiency (speed-up / GPUs), each rank's compute
@@ -56,29 +57,29 @@ def gather(mpi, x):
     return parts
 
 
-def exactness(mpi, ring, rank, world, dtype_name, causal):
+def exactness(mpi, ring, rank, world, dtype_name, causal, window=None):
     dtype = DTYPES[dtype_name]
     batch, seqlen, heads, heads_kv, d = 1, 2048, 8, 2, 128
     q, do = full((batch, seqlen, heads, d), dtype, 1), full((batch, seqlen, heads, d), dtype, 4)
     k, v = full((batch, seqlen, heads_kv, d), dtype, 2), full((batch, seqlen, heads_kv, d), dtype, 3)
     mine = [distributed.zigzag_shard(x, rank, world) for x in (q, k, v, do)]
-    o, lse = distributed.ring_attention_forward(*mine[:3], ring=ring, causal=causal)
-    grads = distributed.ring_attention_backward(mine[3], *mine[:3], o, lse, ring=ring, causal=causal)
+    o, lse = distributed.ring_attention_forward(*mine[:3], ring=ring, causal=causal, window_size=window)
+    grads = distributed.ring_attention_backward(mine[3], *mine[:3], o, lse, ring=ring, causal=causal, window_size=window)
     gathered = [gather(mpi, x) for x in (o, *grads)]
     if rank != 0:
         return None
     ours = [distributed.zigzag_unshard([cupy.asarray(p) for p in parts]) for parts in gathered]
-    exact_o, _ = cupy_flash.attention_reference(q, k, v, causal=causal)
-    low_o, _ = cupy_flash.attention_reference(q, k, v, causal=causal, upcast=False)
-    one_o, one_lse = cupy_flash.flash_forward(q, k, v, causal=causal)
-    exact_g = cupy_flash.attention_reference_backward(do, q, k, v, causal=causal)
-    low_g = cupy_flash.attention_reference_backward(do, q, k, v, causal=causal, upcast=False)
-    one_g = cupy_flash.flash_backward(do, q, k, v, one_o, one_lse, causal=causal)
+    exact_o, _ = cupy_flash.attention_reference(q, k, v, causal=causal, window_size=window)
+    low_o, _ = cupy_flash.attention_reference(q, k, v, causal=causal, window_size=window, upcast=False)
+    one_o, one_lse = cupy_flash.flash_forward(q, k, v, causal=causal, window_size=window)
+    exact_g = cupy_flash.attention_reference_backward(do, q, k, v, causal=causal, window_size=window)
+    low_g = cupy_flash.attention_reference_backward(do, q, k, v, causal=causal, window_size=window, upcast=False)
+    one_g = cupy_flash.flash_backward(do, q, k, v, one_o, one_lse, causal=causal, window_size=window)
 
     def err(x, ref):
         return float(abs(x.astype(cupy.float64) - ref).max())
 
-    row = {"dtype": dtype_name, "causal": causal}
+    row = {"dtype": dtype_name, "causal": causal, "window": window}
     for name, x, e, lo, one, bound in (("o", ours[0], exact_o, low_o, one_o, 2),
                                        *[(n, ours[i + 1], exact_g[i], low_g[i], one_g[i], 3)
                                          for i, n in enumerate(("dq", "dk", "dv"))]):
@@ -102,15 +103,15 @@ def timed(fn, repeats=5):
     return statistics.median(times)
 
 
-def scaling(mpi, ring, rank, world, total):
+def scaling(mpi, ring, rank, world, total, window):
     batch, heads, d, dtype = 1, 16, 128, ml_dtypes.bfloat16
     local = total // world
     mine = [distributed.zigzag_shard(full((batch, total, heads, d), dtype, s), rank, world) for s in range(4)]
     cupy.get_default_memory_pool().free_all_blocks()
 
     def train_step(r):
-        o, lse = distributed.ring_attention_forward(*mine[:3], ring=r, causal=True)
-        distributed.ring_attention_backward(mine[3], *mine[:3], o, lse, ring=r, causal=True)
+        o, lse = distributed.ring_attention_forward(*mine[:3], ring=r, causal=True, window_size=window)
+        distributed.ring_attention_backward(mine[3], *mine[:3], o, lse, ring=r, causal=True, window_size=window)
 
     mpi.Barrier()
     ring_ms = timed(lambda: train_step(ring))
@@ -122,8 +123,8 @@ def scaling(mpi, ring, rank, world, total):
             whole = [full((batch, total, heads, d), dtype, s) for s in range(4)]
 
             def one():
-                o, lse = cupy_flash.flash_forward(*whole[:3], causal=True)
-                cupy_flash.flash_backward(whole[3], *whole[:3], o, lse, causal=True)
+                o, lse = cupy_flash.flash_forward(*whole[:3], causal=True, window_size=window)
+                cupy_flash.flash_backward(whole[3], *whole[:3], o, lse, causal=True, window_size=window)
             one_ms = timed(one)
             del whole
         except cupy.cuda.memory.OutOfMemoryError:
@@ -134,7 +135,7 @@ def scaling(mpi, ring, rank, world, total):
     if rank != 0:
         return None
     ring_time = max(rings)
-    return {"total": total, "local": local, "ring_ms": ring_time, "compute_ms": max(computes),
+    return {"total": total, "local": local, "window": window, "ring_ms": ring_time, "compute_ms": max(computes),
             "overlap": ring_time / max(computes), "one_gpu_ms": one_ms,
             "speedup": one_ms / ring_time if one_ms else None,
             "imbalance": max(computes) / min(computes) - 1, "peak_bytes_per_rank": peaks,
@@ -145,6 +146,7 @@ def main():
     parser = argparse.ArgumentParser(prog="python -m bench.ring_nccl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqlens", nargs="+", type=int, default=[131072, 524288])
+    parser.add_argument("--window", type=int, default=None, help="a sliding window of this many keys back")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     from mpi4py import MPI
@@ -155,7 +157,9 @@ def main():
     ring = distributed.NcclRing.create(rank, world, broadcast=lambda x: mpi.bcast(x, root=0))
     started = time.time()
     exact = [exactness(mpi, ring, rank, world, dtype, causal) for dtype in DTYPES for causal in (False, True)]
-    scale = [scaling(mpi, ring, rank, world, total) for total in args.seqlens]
+    exact.append(exactness(mpi, ring, rank, world, "bf16", True, (300, 0)))
+    window = None if args.window is None else (args.window, 0)
+    scale = [scaling(mpi, ring, rank, world, total, window) for total in args.seqlens]
     if rank != 0:
         return
     result = {"world": world, "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
@@ -165,7 +169,7 @@ def main():
         json.dump(result, f, indent=1)
     print("exactness (err / reference err; the rule: o <= 2, gradients <= 3)")
     for row in exact:
-        print(f"  {row['dtype']} causal={int(row['causal'])}: o {row['o']:.2f} dq {row['dq']:.2f} "
+        print(f"  {row['dtype']} causal={int(row['causal'])} window={row['window']}: o {row['o']:.2f} dq {row['dq']:.2f} "
               f"dk {row['dk']:.2f} dv {row['dv']:.2f} {'ok' if all(row[n + '_ok'] for n in ('o', 'dq', 'dk', 'dv')) else 'FAIL'}")
     print("| tokens | GPUs | ring ms | compute-only ms | overlap | one GPU ms | speed-up | efficiency | imbalance | "
           "peak GB/rank |")

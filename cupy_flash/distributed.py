@@ -25,11 +25,13 @@ stream of their own so the next K/V travels while this one is attended.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 
 import numpy
 
 from ._checks import check_softmax_scale
+from ._features import check_window
 from .reference import _xp
 
 __all__ = ["zigzag_shard", "zigzag_indices", "zigzag_unshard", "ring_blocks", "RingBlock", "LoopbackRing", "NcclRing",
@@ -104,13 +106,15 @@ def zigzag_unshard(shards, axis: int = 1):
 @dataclasses.dataclass(frozen=True)
 class RingBlock:
     """One dense call of a ring step, in the rank's local rows: queries [q_start, q_stop) of its
-    shard against keys [k_start, k_stop) of the K/V shard in hand, with or without the causal mask
-    (aligned as flash_forward aligns it: bottom-right, here on a square block)."""
+    shard against keys [k_start, k_stop) of the K/V shard in hand, with or without the causal mask,
+    or with ``window`` = (left, right), flash_forward's window_size for the block (both masks aligned
+    as flash_forward aligns them: bottom-right)."""
     q_start: int
     q_stop: int
     k_start: int
     k_stop: int
     causal: bool
+    window: tuple[int, int] | None = None
 
 
 def source_rank(rank: int, world: int, step: int) -> int:
@@ -118,12 +122,30 @@ def source_rank(rank: int, world: int, step: int) -> int:
     return (rank - step) % world
 
 
-def ring_blocks(rank: int, world: int, step: int, causal: bool, local_seqlen: int) -> list[RingBlock]:
+def ring_blocks(rank: int, world: int, step: int, causal: bool, local_seqlen: int,
+                window_size=None) -> list[RingBlock]:
     """The dense calls rank ``rank`` makes at ``step`` on shards of ``local_seqlen`` rows (zigzag:
-    two chunks of local_seqlen / 2), from the chunk-level mask; an empty list skips the step."""
+    two chunks of local_seqlen / 2), from the chunk-level mask; an empty list skips the step.
+    ``window_size`` = (left, right) over the whole sequence, as flash_forward's (causal: right 0):
+    a call per pair of chunks the band reaches (_band_block)."""
     _check_world(rank, world)
     if not 0 <= step < world:
         raise ValueError(f"step is {step}; expected 0 <= step < world = {world}")
+    left, right = check_window(window_size)
+    if left >= 0 or (right >= 0 and not causal):
+        if local_seqlen % 2:
+            raise ValueError(f"local_seqlen is {local_seqlen}; zigzag shards hold two equal chunks")
+        half = local_seqlen // 2
+        source = source_rank(rank, world, step)
+        blocks = []
+        for q_row, q_chunk in enumerate((rank, 2 * world - 1 - rank)):
+            for k_row, k_chunk in enumerate((source, 2 * world - 1 - source)):
+                block = _band_block(half, (q_chunk - k_chunk) * half, left, 0 if causal else right)
+                if block is not None:
+                    q0, q1, k0, k1, window = block
+                    blocks.append(RingBlock(q_row * half + q0, q_row * half + q1, k_row * half + k0, k_row * half + k1,
+                                            False, window))
+        return blocks
     if not causal:
         return [RingBlock(0, local_seqlen, 0, local_seqlen, False)]
     if local_seqlen % 2:
@@ -135,6 +157,28 @@ def ring_blocks(rank: int, world: int, step: int, causal: bool, local_seqlen: in
     if source < rank:   # its first chunk precedes both of ours; its second follows both
         return [RingBlock(0, local_seqlen, 0, half, False)]
     return [RingBlock(half, local_seqlen, 0, local_seqlen, False)]   # both of its chunks precede our second
+
+
+def _band_block(size: int, offset: int, left: int, right: int):
+    """A chunk of ``size`` queries starting ``offset`` rows after a chunk of ``size`` keys, under the
+    band key - query in [-left, right] (-1: unbounded): None where no pair is visible, the whole
+    chunk pair (window None) where all are, else (q0, q1, k0, k1, (left, right)): the rows and keys
+    with a visible pair, and the window that flash_forward's bottom-right alignment gives them."""
+    lo = -math.inf if left < 0 else offset - left     # key - query (local) in [lo, hi]
+    hi = math.inf if right < 0 else offset + right
+    if lo > size - 1 or hi < -(size - 1):
+        return None
+    if lo <= -(size - 1) and hi >= size - 1:
+        return 0, size, 0, size, None
+    q0 = max(0, -hi) if hi < math.inf else 0          # queries before it see no key
+    k0 = max(0, q0 + lo) if lo > -math.inf else 0     # keys before every query's band
+    k1 = min(size, size + hi) if hi < math.inf else size
+    q1 = min(size, k1 - lo) if lo > -math.inf else size
+    n, m, shift = q1 - q0, k1 - k0, (k1 - k0) - (q1 - q0)
+    lo, hi = lo + q0 - k0, hi + q0 - k0               # the band in the cropped block's rows
+    window = (-1 if lo == -math.inf else int(shift - lo), -1 if hi == math.inf else int(hi - shift))
+    assert n > 0 and m > 0 and window[0] >= -1 and window[1] >= -1
+    return q0, q1, k0, k1, window
 
 
 def chunk_visibility(rank: int, world: int, step: int, causal: bool) -> numpy.ndarray:
@@ -159,11 +203,12 @@ def _flash_backend(softcap: float = 0.0):
     from .backward import flash_backward
     from .forward import flash_forward
 
-    def forward(q, k, v, causal, scale):
-        return flash_forward(q, k, v, causal=causal, softmax_scale=scale, softcap=softcap)
+    def forward(q, k, v, causal, scale, window):
+        return flash_forward(q, k, v, causal=causal, softmax_scale=scale, softcap=softcap, window_size=window)
 
-    def backward(do, q, k, v, o, lse, causal, scale):
-        return flash_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, softcap=softcap)
+    def backward(do, q, k, v, o, lse, causal, scale, window):
+        return flash_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, softcap=softcap,
+                              window_size=window)
     return forward, backward
 
 
@@ -174,9 +219,9 @@ def _rows(x, start, stop):
 class _ForwardRank:
     """One rank's running (o, lse) over the K/V shards attended so far (float32)."""
 
-    def __init__(self, q, rank, world, causal, scale, backend, head_dim_v):
+    def __init__(self, q, rank, world, causal, scale, backend, head_dim_v, window_size):
         self.q, self.rank, self.world, self.causal, self.scale, self.backend = q, rank, world, causal, scale, backend
-        self.head_dim_v = head_dim_v
+        self.head_dim_v, self.window_size = head_dim_v, window_size
         self.o = self.lse = None   # from the first block where it covers every row (step 0's does)
 
     def _start(self):
@@ -187,9 +232,9 @@ class _ForwardRank:
 
     def attend(self, step, k, v):
         xp = _xp(self.q)
-        for block in ring_blocks(self.rank, self.world, step, self.causal, self.q.shape[1]):
+        for block in ring_blocks(self.rank, self.world, step, self.causal, self.q.shape[1], self.window_size):
             o, lse = self.backend[0](_rows(self.q, block.q_start, block.q_stop), _rows(k, block.k_start, block.k_stop),
-                                     _rows(v, block.k_start, block.k_stop), block.causal, self.scale)
+                                     _rows(v, block.k_start, block.k_stop), block.causal, self.scale, block.window)
             if self.o is None and (block.q_start, block.q_stop) == (0, self.q.shape[1]):
                 self.o, self.lse = xp.ascontiguousarray(o, dtype=xp.float32), xp.ascontiguousarray(lse, dtype=xp.float32)
                 continue
@@ -232,9 +277,10 @@ def _merge_rows(o_acc, lse_acc, o, lse, start, stop):
 class _BackwardRank:
     """One rank's dQ (float32) and the dK/dV pieces of the K/V shard in hand at each step."""
 
-    def __init__(self, do, q, o, lse, rank, world, causal, scale, backend):
+    def __init__(self, do, q, o, lse, rank, world, causal, scale, backend, window_size):
         self.do, self.q, self.o, self.lse = do, q, o, lse
         self.rank, self.world, self.causal, self.scale, self.backend = rank, world, causal, scale, backend
+        self.window_size = window_size
         self.dq = None   # from the first block where it covers every row (step 0's does)
 
     def gradients(self, step, k, v):
@@ -242,11 +288,11 @@ class _BackwardRank:
         be added into the travelling accumulators once they arrive (their shift overlaps this)."""
         xp = _xp(self.q)
         pieces = []
-        for b in ring_blocks(self.rank, self.world, step, self.causal, self.q.shape[1]):
+        for b in ring_blocks(self.rank, self.world, step, self.causal, self.q.shape[1], self.window_size):
             dq, dk, dv = self.backend[1](_rows(self.do, b.q_start, b.q_stop), _rows(self.q, b.q_start, b.q_stop),
                                          _rows(k, b.k_start, b.k_stop), _rows(v, b.k_start, b.k_stop),
                                          _rows(self.o, b.q_start, b.q_stop), self.lse[:, :, b.q_start:b.q_stop],
-                                         b.causal, self.scale)
+                                         b.causal, self.scale, b.window)
             if self.dq is None and (b.q_start, b.q_stop) == (0, self.q.shape[1]):
                 self.dq = xp.ascontiguousarray(dq, dtype=xp.float32)
             else:
@@ -364,10 +410,12 @@ class NcclRing:
 # ---------------------------------------------------------------------------------------------
 # The ring.
 
-def _check_ring_variant(softcap, sink, like, backend) -> tuple:
-    """(softcap as flash_forward checks it, sink as float32 (heads,) where ``like`` (a q shard) lives)."""
+def _check_ring_variant(softcap, sink, like, backend, window_size=None) -> tuple:
+    """(softcap as flash_forward checks it, sink as float32 (heads,) where ``like`` (a q shard) lives);
+    window_size checked as flash_forward checks it."""
     from ._features import _check_float_array, check_softcap
 
+    check_window(window_size)
     softcap = check_softcap(softcap)
     if sink is not None:
         _check_float_array("sink", sink, [(like.shape[2],)], "(heads_q,)")
@@ -392,7 +440,7 @@ def _check_shards(name, shards, world, like=None):
                              "every rank holds an equal shard")
 
 
-def _run_forward(ring, qs, ks, vs, causal, softmax_scale, backend, sink=None):
+def _run_forward(ring, qs, ks, vs, causal, softmax_scale, backend, sink=None, window_size=None):
     world = ring.world
     _check_shards("q", qs, len(ring.ranks))
     _check_shards("k", ks, len(ring.ranks), like=qs)
@@ -400,7 +448,7 @@ def _run_forward(ring, qs, ks, vs, causal, softmax_scale, backend, sink=None):
     if causal and qs[0].shape[1] % 2:
         raise ValueError(f"q has local_seqlen {qs[0].shape[1]}; causal zigzag shards hold two equal chunks")
     scale = check_softmax_scale(softmax_scale, qs[0].shape[3])
-    ranks = [_ForwardRank(q, r, world, causal, scale, backend, vs[0].shape[3]) for q, r in zip(qs, ring.ranks)]
+    ranks = [_ForwardRank(q, r, world, causal, scale, backend, vs[0].shape[3], window_size) for q, r in zip(qs, ring.ranks)]
     payloads = [(k, v) for k, v in zip(ks, vs)]
     for step in range(world):
         handle = ring.start_shift(payloads) if step < world - 1 else None
@@ -411,7 +459,7 @@ def _run_forward(ring, qs, ks, vs, causal, softmax_scale, backend, sink=None):
     return [rank.result(sink) for rank in ranks]
 
 
-def _run_backward(ring, dos, qs, ks, vs, os_, lses, causal, softmax_scale, backend, sink=None):
+def _run_backward(ring, dos, qs, ks, vs, os_, lses, causal, softmax_scale, backend, sink=None, window_size=None):
     world = ring.world
     for name, shards in (("do", dos), ("q", qs), ("k", ks), ("v", vs), ("o", os_)):
         _check_shards(name, shards, len(ring.ranks), like=qs)
@@ -420,7 +468,7 @@ def _run_backward(ring, dos, qs, ks, vs, os_, lses, causal, softmax_scale, backe
         if tuple(lse.shape) != want:
             raise ValueError(f"lse[{r}] has shape {tuple(lse.shape)}; expected (batch, heads, local_seqlen) = {want}")
     scale = check_softmax_scale(softmax_scale, qs[0].shape[3])
-    ranks = [_BackwardRank(do, q, o, lse, r, world, causal, scale, backend)
+    ranks = [_BackwardRank(do, q, o, lse, r, world, causal, scale, backend, window_size)
              for do, q, o, lse, r in zip(dos, qs, os_, lses, ring.ranks)]
     payloads = [(k, v) for k, v in zip(ks, vs)]
     done = None   # each rank's accumulators with its part added: they travel with the next shift
@@ -460,41 +508,46 @@ def _sink_gradient(do, o, lse, sink):
     return -(p_sink * delta).sum(axis=(0, 2))
 
 
-def simulate_ring_forward(qs, ks, vs, *, causal=False, softmax_scale=None, softcap=0.0, sink=None, _backend=None):
+def simulate_ring_forward(qs, ks, vs, *, causal=False, softmax_scale=None, softcap=0.0, sink=None, window_size=None,
+                          _backend=None):
     """The ring forward over ``len(qs)`` virtual ranks in this process (``LoopbackRing``): qs[r],
     ks[r], vs[r] are rank r's zigzag shards (``zigzag_shard``); returns [(o_r, lse_r)], each rank's
-    output shard (dtype of q) and float32 lse (batch, heads, local_seqlen). ``softcap`` and ``sink``
-    as flash_forward's (the sink joins each row's softmax once, after the shards' merge)."""
+    output shard (dtype of q) and float32 lse (batch, heads, local_seqlen). ``softcap``, ``sink`` and
+    ``window_size`` as flash_forward's over the whole sequence (the sink joins each row's softmax
+    once, after the shards' merge; a step whose shard the window does not reach computes nothing)."""
     ring = LoopbackRing(len(qs))
-    softcap, sink = _check_ring_variant(softcap, sink, qs[0], _backend) if qs else (softcap, sink)
+    softcap, sink = _check_ring_variant(softcap, sink, qs[0], _backend, window_size) if qs else (softcap, sink)
     return _run_forward(ring, list(qs), list(ks), list(vs), causal, softmax_scale, _backend or _flash_backend(softcap),
-                        sink)
+                        sink, window_size)
 
 
 def simulate_ring_backward(dos, qs, ks, vs, os_, lses, *, causal=False, softmax_scale=None, softcap=0.0, sink=None,
-                           _backend=None):
+                           window_size=None, _backend=None):
     """The ring backward over virtual ranks (see ``simulate_ring_forward``): os_ and lses are the
     forward's per-rank results; returns [(dq_r, dk_r, dv_r)] in the rank's shards, with the sink
     [(dq_r, dk_r, dv_r, dsink_r)]: dsink_r of rank r's rows (their sum is the sink's gradient)."""
     ring = LoopbackRing(len(qs))
-    softcap, sink = _check_ring_variant(softcap, sink, qs[0], _backend) if qs else (softcap, sink)
+    softcap, sink = _check_ring_variant(softcap, sink, qs[0], _backend, window_size) if qs else (softcap, sink)
     return _run_backward(ring, list(dos), list(qs), list(ks), list(vs), list(os_), list(lses), causal, softmax_scale,
-                         _backend or _flash_backend(softcap), sink)
+                         _backend or _flash_backend(softcap), sink, window_size)
 
 
-def ring_attention_forward(q, k, v, *, ring, causal=False, softmax_scale=None, softcap=0.0, sink=None):
+def ring_attention_forward(q, k, v, *, ring, causal=False, softmax_scale=None, softcap=0.0, sink=None,
+                           window_size=None):
     """This rank's (o, lse) of attention over the whole sequence, q, k, v being its zigzag shards
-    and ``ring`` its ``NcclRing``. Every rank calls it at once. ``softcap`` and ``sink`` as
-    flash_forward's (sink: (heads_q,) float32, the same on every rank)."""
-    softcap, sink = _check_ring_variant(softcap, sink, q, None)
-    ((o, lse),) = _run_forward(ring, [q], [k], [v], causal, softmax_scale, _flash_backend(softcap), sink)
+    and ``ring`` its ``NcclRing``. Every rank calls it at once. ``softcap``, ``sink`` and
+    ``window_size`` as flash_forward's over the whole sequence (sink: (heads_q,) float32, the same
+    on every rank; window_size: (left, right) in global positions)."""
+    softcap, sink = _check_ring_variant(softcap, sink, q, None, window_size)
+    ((o, lse),) = _run_forward(ring, [q], [k], [v], causal, softmax_scale, _flash_backend(softcap), sink, window_size)
     return o, lse
 
 
-def ring_attention_backward(do, q, k, v, o, lse, *, ring, causal=False, softmax_scale=None, softcap=0.0, sink=None):
+def ring_attention_backward(do, q, k, v, o, lse, *, ring, causal=False, softmax_scale=None, softcap=0.0, sink=None,
+                            window_size=None):
     """This rank's (dq, dk, dv) shards, given its shards of do, q, k, v and the forward's o, lse;
     with ``sink`` also this rank's part of dsink (all-reduce the ranks' parts for the gradient)."""
-    softcap, sink = _check_ring_variant(softcap, sink, q, None)
+    softcap, sink = _check_ring_variant(softcap, sink, q, None, window_size)
     ((*grads,),) = _run_backward(ring, [do], [q], [k], [v], [o], [lse], causal, softmax_scale, _flash_backend(softcap),
-                                 sink)
+                                 sink, window_size)
     return tuple(grads)

@@ -44,8 +44,9 @@ def _global_rows(rank, world, local):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize("causal", [False, True])
-def test_ring_blocks_compute_exactly_the_visible_pairs_and_balance_the_ranks(world, causal):
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, (4, -1)), (False, (2, 5)), (False, (-1, 0)),
+                                           (False, (7, -1)), (True, (0, -1)), (False, (0, 0)), (True, (40, -1))])
+def test_ring_blocks_compute_exactly_the_visible_pairs_and_balance_the_ranks(world, causal, window):
     local = 6
     work = []
     for rank in range(world):
@@ -54,22 +55,20 @@ def test_ring_blocks_compute_exactly_the_visible_pairs_and_balance_the_ranks(wor
         for step in range(world):
             source = distributed.source_rank(rank, world, step)
             rows, keys = _global_rows(rank, world, local), _global_rows(source, world, local)
-            for b in distributed.ring_blocks(rank, world, step, causal, local):
-                mask = numpy.ones((b.q_stop - b.q_start, b.k_stop - b.k_start), dtype=bool)
-                if b.causal:   # bottom-right, as the kernels align it
-                    mask = numpy.tril(mask, k=(b.k_stop - b.k_start) - (b.q_stop - b.q_start))
+            for b in distributed.ring_blocks(rank, world, step, causal, local, window):
+                assert b.window is None or (not b.causal and min(b.window) >= -1), b
+                mask = _visible(b.q_stop - b.q_start, b.k_stop - b.k_start, b.causal, b.window)   # bottom-right
                 qi, ki = numpy.nonzero(mask)
                 numpy.add.at(done, (rows[b.q_start + qi], keys[b.k_start + ki]), 1)
                 pairs += mask.size   # a dense call's work, masked entries included
         mine = _global_rows(rank, world, local)
-        dense = numpy.ones((local * world, local * world), dtype=bool)
-        if causal:
-            dense = numpy.tril(dense)
+        dense = _visible(local * world, local * world, causal, window)
         want = numpy.zeros_like(done)
         want[mine] = dense[mine]
         assert (done == want).all(), (rank, world)   # every visible pair once, nothing else
         work.append(pairs)
-    assert max(work) == min(work)   # zigzag: every rank the same work
+    if window is None:
+        assert max(work) == min(work)   # zigzag: every rank the same work
 
 
 def test_chunk_visibility_agrees_with_ring_blocks():
@@ -87,6 +86,15 @@ def test_chunk_visibility_agrees_with_ring_blocks():
                 assert (covered == seen).all(), (world, rank, step, seen, blocks)
 
 
+def _visible(nq: int, nk: int, causal: bool, window=None) -> numpy.ndarray:
+    """flash_forward's mask, written from its definition: key j is visible from query i iff
+    shift - left <= j - i <= shift + right, shift = nk - nq (causal: right 0; -1 unbounded)."""
+    left, right = window if window is not None else (-1, -1)
+    right = 0 if causal else right
+    offset = numpy.arange(nk)[None, :] - numpy.arange(nq)[:, None] - (nk - nq)
+    return (offset <= (right if right >= 0 else nq + nk)) & (offset >= (-left if left >= 0 else -nq - nk))
+
+
 # A float64 dense backend with flash_forward's and flash_backward's contracts (o, lse; gradients
 # from the given o and lse, GQA group sums), that also checks no call sees more than one shard.
 class DenseBackend:
@@ -96,19 +104,16 @@ class DenseBackend:
     def _shape_check(self, q, k):
         assert q.shape[1] <= self.local and k.shape[1] <= self.local, "a call saw more than a shard"
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q, k, v, causal, scale, window=None):
         self._shape_check(q, k)
-        return attention_reference(q, k, v, causal=causal, softmax_scale=scale)
+        return attention_reference(q, k, v, causal=causal, softmax_scale=scale, window_size=window)
 
-    def backward(self, do, q, k, v, o, lse, causal, scale):
+    def backward(self, do, q, k, v, o, lse, causal, scale, window=None):
         self._shape_check(q, k)
         group = q.shape[2] // k.shape[2]
         kk, vv = numpy.repeat(k, group, axis=2), numpy.repeat(v, group, axis=2)
         s = scale * numpy.einsum("bqhd,bkhd->bhqk", q, kk)
-        if causal:
-            nq, nk = q.shape[1], k.shape[1]
-            visible = numpy.arange(nk)[None, :] <= numpy.arange(nq)[:, None] + (nk - nq)
-            s = numpy.where(visible, s, -numpy.inf)
+        s = numpy.where(_visible(q.shape[1], k.shape[1], causal, window), s, -numpy.inf)
         p = numpy.exp(s - lse[..., None])
         dv = numpy.einsum("bhqk,bqhd->bkhd", p, do)
         dp = numpy.einsum("bqhd,bkhd->bhqk", do, vv)
@@ -152,6 +157,34 @@ def test_simulated_ring_equals_attention_over_the_whole_sequence(world, causal, 
         assert numpy.abs(ours - refs[i]).max() <= 1e-6 * scale, name   # summed in float32
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal,window", [(True, (5, -1)), (False, (3, 9)), (False, (-1, 2)), (True, (0, -1)),
+                                           (False, (20, 20))])
+def test_simulated_ring_with_a_window_equals_attention_over_the_whole_sequence(world, causal, window):
+    """A sliding window over global positions: each step's calls (a chunk pair each, cropped to the
+    band) merge to the whole sequence's attention, forward and backward; rows the band gives no key
+    in a step merge nothing."""
+    rng = numpy.random.default_rng(world * 7 + causal + window[0])
+    batch, seqlen, heads, heads_kv, d = 2, 8 * world, 4, 2, 16
+    q = rng.standard_normal((batch, seqlen, heads, d))
+    k, v = (rng.standard_normal((batch, seqlen, heads_kv, d)) for _ in range(2))
+    do = rng.standard_normal((batch, seqlen, heads, d))
+    backend = DenseBackend(seqlen // world).pair()
+    shard = lambda x, axis=1: [distributed.zigzag_shard(x, r, world, axis=axis) for r in range(world)]   # noqa: E731
+    options = dict(causal=causal, softmax_scale=0.3, window_size=window, _backend=backend)
+    outs = distributed.simulate_ring_forward(shard(q), shard(k), shard(v), **options)
+    o = distributed.zigzag_unshard([o for o, _ in outs])
+    lse = distributed.zigzag_unshard([lse for _, lse in outs], axis=2)
+    o_ref, lse_ref = attention_reference(q, k, v, causal=causal, softmax_scale=0.3, window_size=window)
+    assert numpy.abs(o - o_ref).max() < 1e-6 and numpy.abs(lse - lse_ref).max() < 1e-5
+    grads = distributed.simulate_ring_backward(shard(do), shard(q), shard(k), shard(v), shard(o_ref),
+                                               shard(lse_ref, 2), **options)
+    refs = DenseBackend(seqlen).backward(do, q, k, v, o_ref, lse_ref, causal, 0.3, window)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        ours = distributed.zigzag_unshard([g[i] for g in grads])
+        assert numpy.abs(ours - refs[i]).max() <= 1e-6 * numpy.abs(refs[i]).max(), name
+
+
 def test_ring_arguments_are_checked():
     backend = DenseBackend(8).pair()
     q = [numpy.zeros((1, 8, 2, 16))] * 2
@@ -162,6 +195,10 @@ def test_ring_arguments_are_checked():
                                           [numpy.zeros((1, 7, 2, 16))] * 2, causal=True, _backend=backend)
     with pytest.raises(ValueError, match=r"k\[0\]"):
         distributed.simulate_ring_forward(q, [numpy.zeros((1, 6, 2, 16))] * 2, q, _backend=backend)
+    with pytest.raises(ValueError, match="window_size left"):
+        distributed.simulate_ring_forward(q, q, q, window_size=(-2, 0), _backend=backend)
+    with pytest.raises(TypeError, match="window_size"):
+        distributed.simulate_ring_backward(q, q, q, q, q, [numpy.zeros((1, 2, 8))] * 2, window_size=4, _backend=backend)
 
 
 class _OneRankOfMany:

@@ -108,6 +108,42 @@ def test_loopback_ring_takes_softcap_and_the_sink(world, causal):
                      float(abs(exact_grads[3]).max()) * seqlen, factor=3.0)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("causal,window", [(True, (100, -1)), (False, (60, 130))])
+def test_loopback_ring_takes_a_sliding_window(world, causal, window):
+    """A window over global positions: each step's calls on the flash kernels (a chunk pair each,
+    cropped to the band) against the float64 reference of the whole sequence (2x / 3x rule)."""
+    rng = numpy.random.default_rng(world * 10 + causal)
+    batch, heads, heads_kv, d, chunk = 2, 4, 2, 64, 77
+    seqlen = 2 * world * chunk
+    q, do = (random_array(rng, (batch, seqlen, heads, d), "bfloat16", 2.0) for _ in range(2))
+    k, v = (random_array(rng, (batch, seqlen, heads_kv, d), "bfloat16", 2.0) for _ in range(2))
+    options = dict(causal=causal, window_size=window)
+
+    def shard(x, axis=1):
+        return [distributed.zigzag_shard(x, r, world, axis=axis) for r in range(world)]
+
+    with poisoned_allocations():
+        outs = distributed.simulate_ring_forward(shard(q), shard(k), shard(v), **options)
+    o = distributed.zigzag_unshard([o for o, _ in outs])
+    lse = distributed.zigzag_unshard([lse for _, lse in outs], axis=2)
+    exact = attention_reference(q, k, v, **options)
+    low = attention_reference(q, k, v, upcast=False, **options)
+    context = f"ring world={world} causal={causal} window={window}"
+    check_error_rule("o", o, exact[0], low[0], context, max_finite_abs(exact[1]))
+    check_error_rule("lse", lse, exact[1], low[1], context, max_finite_abs(exact[1]))
+    with poisoned_allocations():
+        grads = distributed.simulate_ring_backward(shard(do), shard(q), shard(k), shard(v), shard(o), shard(lse, 2),
+                                                   **options)
+    exact_grads = attention_reference_backward(do, q, k, v, **options)
+    low_grads = low_precision_gradients(do, q, k, v, **options)
+    scales = gradient_term_scales(do, q, k, v, **options)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        ours = distributed.zigzag_unshard([g[i] for g in grads])
+        check_error_rule(name, ours, exact_grads[i], low_grads[i], context, max_finite_abs(exact[1]), scales[name],
+                         scales.get("delta:" + name, 0.0), factor=3.0)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_ring_merge_and_accumulate_kernels_match_the_array_operations(dtype):
     """ring_merge_kernel and ring_accumulate_kernel (preprocess.cu) against the NumPy path of the
