@@ -231,16 +231,20 @@ class _ForwardRank:
         self.lse = xp.full((batch, heads, seqlen), -numpy.inf, dtype=xp.float32)
 
     def attend(self, step, k, v):
-        xp = _xp(self.q)
         for block in ring_blocks(self.rank, self.world, step, self.causal, self.q.shape[1], self.window_size):
             o, lse = self.backend[0](_rows(self.q, block.q_start, block.q_stop), _rows(k, block.k_start, block.k_stop),
                                      _rows(v, block.k_start, block.k_stop), block.causal, self.scale, block.window)
-            if self.o is None and (block.q_start, block.q_stop) == (0, self.q.shape[1]):
-                self.o, self.lse = xp.ascontiguousarray(o, dtype=xp.float32), xp.ascontiguousarray(lse, dtype=xp.float32)
-                continue
-            if self.o is None:
-                self._start()
-            _merge_rows(self.o, self.lse, o, lse, block.q_start, block.q_stop)
+            self.add_block(o, lse, block.q_start, block.q_stop)
+
+    def add_block(self, o, lse, q_start, q_stop):
+        """Joins a block's partial (o, lse) over rows [q_start, q_stop) into the running (o, lse)."""
+        xp = _xp(self.q)
+        if self.o is None and (q_start, q_stop) == (0, self.q.shape[1]):
+            self.o, self.lse = xp.ascontiguousarray(o, dtype=xp.float32), xp.ascontiguousarray(lse, dtype=xp.float32)
+            return
+        if self.o is None:
+            self._start()
+        _merge_rows(self.o, self.lse, o, lse, q_start, q_stop)
 
     def result(self, sink=None):
         """(o, lse) over every shard; ``sink`` (heads,) float32 joins each row's softmax once, as a
@@ -337,15 +341,16 @@ def _add_pieces(dk_acc, dv_acc, pieces):
 
 class LoopbackRing:
     """P virtual ranks in one process: a shift is a rotation (rank r receives rank r - 1's payload,
-    the same arrays, no copy). The schedule is the NCCL ring's; only the transport differs."""
+    or r + 1's with ``reverse``: the same arrays, no copy). The schedule is the NCCL ring's; only
+    the transport differs."""
 
     def __init__(self, world: int):
         _check_world(0, world)
         self.world = world
         self.ranks = tuple(range(world))
 
-    def start_shift(self, payloads):
-        return [payloads[(r - 1) % self.world] for r in range(self.world)]
+    def start_shift(self, payloads, reverse=False):
+        return [payloads[(r + (1 if reverse else -1)) % self.world] for r in range(self.world)]
 
     def finish_shift(self, handle):
         return handle
@@ -355,9 +360,9 @@ class NcclRing:
     """This process's rank of a ring of ``world`` GPUs over NCCL (``cupy.cuda.nccl``; one process per
     GPU). Shifts run on a stream of their own: ``start_shift`` waits for the work queued so far on
     the current stream, sends this rank's payload to rank + 1 and receives rank - 1's into new
-    arrays; ``finish_shift`` makes the current stream wait for them. ``communicator`` is a
-    ``cupy.cuda.nccl.NcclCommunicator`` (``NcclRing.create`` makes one from an id shared by the
-    launcher, e.g. through mpi4py)."""
+    arrays (with ``reverse``, to rank - 1 from rank + 1); ``finish_shift`` makes the current stream
+    wait for them. ``communicator`` is a ``cupy.cuda.nccl.NcclCommunicator`` (``NcclRing.create``
+    makes one from an id shared by the launcher, e.g. through mpi4py)."""
 
     def __init__(self, communicator, rank: int, world: int):
         _check_world(rank, world)
@@ -380,7 +385,7 @@ class NcclRing:
             unique_id = broadcast(unique_id)
         return cls(nccl.NcclCommunicator(world, unique_id, rank), rank, world)
 
-    def start_shift(self, payloads):
+    def start_shift(self, payloads, reverse=False):
         import cupy
         from cupy.cuda import nccl
 
@@ -389,6 +394,8 @@ class NcclRing:
         self.stream.wait_event(ready)
         received = tuple(cupy.empty_like(x) for x in payload)
         following, preceding = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        if reverse:
+            following, preceding = preceding, following
         nccl.groupStart()
         for sent, into in zip(payload, received):
             # Bytes: NCCL has no bfloat16 for every CuPy build; the arrays are contiguous.
@@ -448,6 +455,9 @@ def _run_forward(ring, qs, ks, vs, causal, softmax_scale, backend, sink=None, wi
     if causal and qs[0].shape[1] % 2:
         raise ValueError(f"q has local_seqlen {qs[0].shape[1]}; causal zigzag shards hold two equal chunks")
     scale = check_softmax_scale(softmax_scale, qs[0].shape[3])
+    left = halo_window(causal, window_size, qs[0].shape[1])
+    if left is not None:
+        return _halo_forward(ring, qs, ks, vs, scale, backend, left, sink)
     ranks = [_ForwardRank(q, r, world, causal, scale, backend, vs[0].shape[3], window_size) for q, r in zip(qs, ring.ranks)]
     payloads = [(k, v) for k, v in zip(ks, vs)]
     for step in range(world):
@@ -468,6 +478,9 @@ def _run_backward(ring, dos, qs, ks, vs, os_, lses, causal, softmax_scale, backe
         if tuple(lse.shape) != want:
             raise ValueError(f"lse[{r}] has shape {tuple(lse.shape)}; expected (batch, heads, local_seqlen) = {want}")
     scale = check_softmax_scale(softmax_scale, qs[0].shape[3])
+    left = halo_window(causal, window_size, qs[0].shape[1])
+    if left is not None:
+        return _halo_backward(ring, dos, qs, ks, vs, os_, lses, scale, backend, left, sink)
     ranks = [_BackwardRank(do, q, o, lse, r, world, causal, scale, backend, window_size)
              for do, q, o, lse, r in zip(dos, qs, os_, lses, ring.ranks)]
     payloads = [(k, v) for k, v in zip(ks, vs)]
@@ -496,6 +509,96 @@ def _run_backward(ring, dos, qs, ks, vs, os_, lses, causal, softmax_scale, backe
     if sink is None:
         return grads
     return [g + (_sink_gradient(do, o, lse, sink),) for g, do, o, lse in zip(grads, dos, os_, lses)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sliding windows with no keys ahead that reach at most one chunk back: halos instead of the ring.
+
+def halo_window(causal: bool, window_size, local_seqlen: int) -> int | None:
+    """The left size W of a window with no keys ahead (causal, or right 0) that reaches at most one
+    zigzag chunk back (W <= local_seqlen / 2), else None. Each chunk then sees its own keys and the
+    last W of the chunk before it, which a neighbouring rank hands over: two shifts of W rows
+    instead of the ring's P - 1 shifts of whole shards, and one call per chunk."""
+    left, right = check_window(window_size)
+    if (causal or right == 0) and 0 <= left <= local_seqlen // 2 and local_seqlen % 2 == 0:
+        return left
+    return None
+
+
+def _halos(ring, ks, vs, left):
+    """Per local rank, the K/V rows within ``left`` before each of its two chunks: (first chunk's
+    halo or None for chunk 0, second chunk's halo), each a (k, v) pair of ``left`` rows."""
+    if left == 0:
+        return [(None, None)] * len(ks)
+    half, world = ks[0].shape[1] // 2, ring.world
+    tails = [[tuple(_xp(x).ascontiguousarray(x[:, stop - left:stop]) for x in (k, v)) for k, v in zip(ks, vs)]
+             for stop in (half, 2 * half)]
+    before, after = tails
+    if world > 1:   # chunk r - 1's tail from rank r - 1; chunk 2P - 2 - r's (rank r + 1's second chunk) from rank r + 1
+        handles = ring.start_shift(tails[0]), ring.start_shift(tails[1], reverse=True)
+        before, after = (ring.finish_shift(h) for h in handles)
+    # rank P - 1's second chunk (P) follows its own first (P - 1)
+    return [(before[i] if r > 0 else None, after[i] if r < world - 1 else tails[0][i]) for i, r in enumerate(ring.ranks)]
+
+
+def _with_halo(halo, k, v, start, count):
+    """K and V rows [start, start + count), after the halo's rows where there is one."""
+    own = (_rows(k, start, start + count), _rows(v, start, start + count))
+    if halo is None:
+        return own
+    return tuple(_xp(k).concatenate([h, x], axis=1) for h, x in zip(halo, own))
+
+
+def _halo_forward(ring, qs, ks, vs, scale, backend, left, sink):
+    half = qs[0].shape[1] // 2
+    results = []
+    for q, k, v, halos, r in zip(qs, ks, vs, _halos(ring, ks, vs, left), ring.ranks):
+        rank = _ForwardRank(q, r, ring.world, True, scale, backend, v.shape[3], None)
+        for start, halo in zip((0, half), halos):
+            # the halo's left rows first: keys sit `left` rows before their queries' diagonal
+            o, lse = backend[0](_rows(q, start, start + half), *_with_halo(halo, k, v, start, half), False, scale, (left, 0))
+            rank.add_block(o, lse, start, start + half)
+        results.append(rank.result(sink))
+    return results
+
+
+def _halo_backward(ring, dos, qs, ks, vs, os_, lses, scale, backend, left, sink):
+    xp, half, world = _xp(qs[0]), qs[0].shape[1] // 2, ring.world
+    grads, home = [], ([], [])   # the halos' dK / dV rows, to send to their chunks' ranks
+    for do, q, k, v, o, lse, halos, r in zip(dos, qs, ks, vs, os_, lses, _halos(ring, ks, vs, left), ring.ranks):
+        dk, dv = xp.zeros(k.shape, xp.float32), xp.zeros(v.shape, xp.float32)
+        dq = []
+        for side, (start, halo) in enumerate(zip((0, half), halos)):
+            rows = start, start + half
+            dq_part, dk_part, dv_part = backend[1](_rows(do, *rows), _rows(q, *rows), *_with_halo(halo, k, v, start, half),
+                                                   _rows(o, *rows), lse[:, :, start:start + half], False, scale, (left, 0))
+            dq.append(dq_part)
+            n = 0 if halo is None else left
+            _accumulate_rows(dk, dk_part[:, n:], start)
+            _accumulate_rows(dv, dv_part[:, n:], start)
+            piece = (dk_part[:, :n], dv_part[:, :n])
+            if halo is not None and side == 1 and r == world - 1:   # its own first chunk's tail
+                _accumulate_rows(dk, piece[0], half - left)
+                _accumulate_rows(dv, piece[1], half - left)
+            if halo is None or (side == 1 and r == world - 1):
+                piece = (xp.zeros((k.shape[0], left) + k.shape[2:], k.dtype), xp.zeros((v.shape[0], left) + v.shape[2:], v.dtype))
+            home[side].append(tuple(xp.ascontiguousarray(x) for x in piece))
+        grads.append([xp.concatenate(dq, axis=1), dk, dv])
+    if left > 0 and world > 1:   # first chunks' halos to rank r - 1, second chunks' to rank r + 1
+        handles = ring.start_shift(home[0], reverse=True), ring.start_shift(home[1])
+        from_after, from_before = (ring.finish_shift(h) for h in handles)
+        for i, r in enumerate(ring.ranks):
+            _, dk, dv = grads[i]
+            if r < world - 1:   # rank r + 1's first chunk saw our first chunk's tail
+                _accumulate_rows(dk, from_after[i][0], half - left)
+                _accumulate_rows(dv, from_after[i][1], half - left)
+            if r > 0:           # rank r - 1's second chunk saw our second chunk's tail
+                _accumulate_rows(dk, from_before[i][0], 2 * half - left)
+                _accumulate_rows(dv, from_before[i][1], 2 * half - left)
+    out = [(dq, dk.astype(k.dtype), dv.astype(v.dtype)) for (dq, dk, dv), k, v in zip(grads, ks, vs)]
+    if sink is None:
+        return out
+    return [g + (_sink_gradient(do, o, lse, sink),) for g, do, o, lse in zip(out, dos, os_, lses)]
 
 
 def _sink_gradient(do, o, lse, sink):

@@ -158,14 +158,15 @@ def test_simulated_ring_equals_attention_over_the_whole_sequence(world, causal, 
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("causal,window", [(True, (5, -1)), (False, (3, 9)), (False, (-1, 2)), (True, (0, -1)),
-                                           (False, (20, 20))])
+@pytest.mark.parametrize("causal,window", [(True, (5, -1)), (False, (3, 9)), (False, (-1, 2)), (False, (20, 20)),
+                                           (True, (0, -1)), (True, (3, -1)), (True, (4, -1)), (False, (2, 0))])
 def test_simulated_ring_with_a_window_equals_attention_over_the_whole_sequence(world, causal, window):
-    """A sliding window over global positions: each step's calls (a chunk pair each, cropped to the
-    band) merge to the whole sequence's attention, forward and backward; rows the band gives no key
-    in a step merge nothing."""
+    """A sliding window over global positions, forward and backward against the whole sequence's
+    attention: on the ring, each step's calls (a chunk pair each, cropped to the band); with no key
+    ahead and at most a chunk (4 rows) back, the halo exchange (halo_window: the last four)."""
     rng = numpy.random.default_rng(world * 7 + causal + window[0])
     batch, seqlen, heads, heads_kv, d = 2, 8 * world, 4, 2, 16
+    assert (distributed.halo_window(causal, window, 8) is not None) == (window[1] <= 0 and 0 <= window[0] <= 4)
     q = rng.standard_normal((batch, seqlen, heads, d))
     k, v = (rng.standard_normal((batch, seqlen, heads_kv, d)) for _ in range(2))
     do = rng.standard_normal((batch, seqlen, heads, d))

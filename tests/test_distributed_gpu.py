@@ -109,10 +109,11 @@ def test_loopback_ring_takes_softcap_and_the_sink(world, causal):
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("causal,window", [(True, (100, -1)), (False, (60, 130))])
+@pytest.mark.parametrize("causal,window", [(True, (100, -1)), (False, (60, 130)), (True, (50, -1)), (False, (77, 0))])
 def test_loopback_ring_takes_a_sliding_window(world, causal, window):
-    """A window over global positions: each step's calls on the flash kernels (a chunk pair each,
-    cropped to the band) against the float64 reference of the whole sequence (2x / 3x rule)."""
+    """A window over global positions against the float64 reference of the whole sequence (2x / 3x
+    rule): on the ring, each step's calls (a chunk pair each, cropped to the band); with no key
+    ahead and at most a chunk (77 rows) back, the halo exchange (the last two)."""
     rng = numpy.random.default_rng(world * 10 + causal)
     batch, heads, heads_kv, d, chunk = 2, 4, 2, 64, 77
     seqlen = 2 * world * chunk
