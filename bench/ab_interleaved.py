@@ -15,7 +15,7 @@ source): fill it first on a cold machine. Peers are not timed here: tables again
 B is the ``cupy_flash`` that ``import`` finds, which under ``python -m`` is the current directory's
 before PYTHONPATH's: to time another copy as B, pass ``--tree DIR`` (a variant run with
 PYTHONPATH=VARIANT from the repository root timed the working tree against itself, B/A 1.00
-throughout: docs/performance.md, "bench.ab_interleaved --tree DIR"). The files A and B come from are printed first.
+throughout: docs/decisions.md, "bench.ab_interleaved --tree DIR"). The files A and B come from are printed first.
 """
 
 from __future__ import annotations

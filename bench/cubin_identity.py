@@ -11,7 +11,7 @@ differs but whose kernels' SASS does not changed something else (a symbol, an un
 whose SASS differs needs the GPU guard (property suite, sanitizers, ``bench.ab_interleaved``).
 ``--compare`` also says where each entry's PTX is the same up to register names (both files made
 with this version): the same program, whose SASS ptxas may still allocate differently.
-Decision record: docs/performance.md, "structure changes proved by the cubins".
+Decision record: docs/decisions.md, "structure changes proved by the cubins".
 """
 
 from __future__ import annotations

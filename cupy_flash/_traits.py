@@ -72,7 +72,7 @@ ROW_STAT_PADDING = 128
 DECODE_WARPS = 4
 DECODE_ROWS = 16                      # (token, query head) rows per block
 DECODE_KEYS_PER_CHUNK = 16 * DECODE_WARPS   # keys one pass of the block's warps covers
-# Tiles in flight per warp (an FP8 cache's raw tiles too: four measured no faster, docs/performance.md,
+# Tiles in flight per warp (an FP8 cache's raw tiles too: four measured no faster, docs/decisions.md,
 # Decoding). Three stages (two blocks per SM instead of three at head_dim 128)
 # measured no faster for 8 query heads per K/V head at batch 1 (1979 against 1986 GB/s at 32k keys)
 # and slower elsewhere (1:1 batch 1: 8%, GQA batch 8: 5%).

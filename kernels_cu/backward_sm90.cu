@@ -1,6 +1,6 @@
 // Hopper backward (sm_90a) for float16 / bfloat16, on the forward's vocabulary (sm90_mma.cuh,
 // sm90_tma.cuh). Where it runs: cupy_flash/families/sm90.py, Backward.supports; how it is built and why:
-// docs/performance.md ("How each path is built", and the decision record's Hopper backward).
+// docs/performance.md ("How each path is built") and docs/decisions.md (Hopper backward).
 //
 // A tile is a key block of BLOCK_N keys of one (batch, head); one block per SM walks the tiles,
 // taking the next from a counter (key blocks of one head consecutive: their Q, dO and dQ rows stay
@@ -72,7 +72,7 @@ struct BackwardSm90Storage {
     // the source of the TMA reduce-add into dq_accum.
     // Key split with dQ transposed (dq_transposed): the consumer's 64 columns of dQ for all BLOCK_M
     // queries, as two 32-column halves. Unused without dQ (ADDS_DQ false; using it at d = 256 for
-    // a second P^T / dS^T buffer measured +0.4%: docs/performance.md, "P^T / dS^T double buffer").
+    // a second P^T / dS^T buffer measured +0.4%: docs/decisions.md, "P^T / dS^T double buffer").
     alignas(SWIZZLE_ATOM_BYTES) float dq[BACKWARD_SM90_CONSUMERS][HEAD_DIM_SPLIT ? 1 : 2][key_split_dq_rows<BLOCK_M>][32];
     alignas(16) float lse_log2[STAGES][BLOCK_M];
     alignas(16) float delta[STAGES][BLOCK_M];
@@ -185,7 +185,7 @@ __device__ __forceinline__ BackwardSm90Block backward_sm90_block(const FlashPara
     // across them (longest_first_tile; a key block sees fewer queries the later it starts).
     // (This beside key_block_of_tile's head-major branch on purpose: folded into it, with a
     // deal_tail flag, the plain kernels measured 0.97-1.00x at d = 256, 0.99-1.01x at d = 64 / 128:
-    // docs/performance.md, "the key block's two constructions kept apart".)
+    // docs/decisions.md, "the key block's two constructions kept apart".)
     KeyBlock block;
     if (triangular_tiles<IS_CAUSAL, FEATURES> && p.dq_semaphore == nullptr) {
         const unsigned int heads = (unsigned int)p.heads;
@@ -455,7 +455,7 @@ struct KeySplitShape {
     // Where DEFER_DQ_ADD the fence, the barrier and the add of a block's staged piece wait until the
     // next block's products are issued (d = 128: S^T's; d = 64, whose S^T is short: dP^T's) and run
     // under them, not between this block's products and the next's while the tensor cores idle.
-    // Interleaved A/B (docs/performance.md, "deferred dQ add"): d = 128 atomic
+    // Interleaved A/B (docs/decisions.md, "deferred dQ add"): d = 128 atomic
     // 2k-16k 1.03-1.09x, d = 64 atomic 2k-16k 1.03-1.08x (d = 64 after S^T instead: 0.92x causal).
     // Deterministic calls add at once, their turn first: deferred, their publish waited for the
     // later add (d = 128 0.94-0.98x at 2k-4k, d = 64 0.95-0.97x at 4k-16k without a mask). No
@@ -961,7 +961,7 @@ struct HeadDimSplitTile {
     // its own publishes the turn. Measured (H100, bf16, interleaved against one thread
     // publishing between the consumers' barriers, its fence holding both): 1.01-1.07x at
     // 2k-16k; a publisher warp in the producer warpgroup polling the count measured 0.73-0.79x
-    // at 4k-16k without a mask (docs/performance.md, "deterministic publisher warp"). The key split
+    // at 4k-16k without a mask (docs/decisions.md, "deterministic publisher warp"). The key split
     // (d <= 128) still publishes from a thread after its dS barrier: not measured this way.
     // The count's eighth arrival of a turn is its last: the consumers' barriers of the next
     // block keep a turn's arrivals ahead of any of the next turn's.

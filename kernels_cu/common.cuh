@@ -537,7 +537,7 @@ struct HeadScope {
 // A query-block kernel's block (query_block_of's order): its first query and its head. A packed
 // batch's grid covers the longest sequence, so a block may lie past its own (past_sequence). The
 // key-block kernels keep their own prologue, which builds the band and score modifier after that
-// exit (docs/performance.md, portable backward: "a small vocabulary").
+// exit (docs/decisions.md, portable backward: "a small vocabulary").
 template <typename T, int FEATURES>
 struct QueryBlockScope {
     int q_start;

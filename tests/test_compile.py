@@ -19,7 +19,7 @@ ARCHS = _compile.ALL_ARCHS
 # lengths and row offsets, which are loaded (not kernel parameters ptxas can rematerialise), in a
 # kernel already at 255 registers; ptxas spills 4-24 bytes in some of its instantiations (76 in one
 # sm_8x d=128 combination). Re-reading them at each use, 32-bit offsets and smaller score passes
-# each moved the spills between instantiations without removing them (docs/performance.md). Every
+# each moved the spills between instantiations without removing them (docs/decisions.md). Every
 # other instantiation must not spill at all.
 VARLEN_BACKWARD_SPILL_LIMIT = 128
 # Known and measured: the FP8 forward at d = 256 holds O (128 registers), S of a 128-key block (64)
@@ -177,7 +177,7 @@ def test_fp8_dequantize_launcher_matches_its_kernel(reports):
 def test_hopper_kernels_reach_shared_memory_as_shared(reports):
     """No generic loads or stores in the Hopper kernels (PTX): shared storage reached through a
     pointer that lost its address space (an integer cast) compiles to generic LD.E / ST.E, and the
-    backward's dQ staging then waited at its proxy fence (docs/performance.md, "shared storage keeps
+    backward's dQ staging then waited at its proxy fence (docs/decisions.md, "shared storage keeps
     its address space": the fix gained 4-11%)."""
     checked = 0
     for _, kernel in hopper_kernels(reports):

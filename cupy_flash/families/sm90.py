@@ -36,11 +36,11 @@ from ._base import BackwardSchedule, Family, current_device_id, spec_with, templ
 # the kernel checks at compile time that it fits 227 KB.
 # FlashAttention-3's bf16 tiles for reference: d<=64 192x192 (3 consumers), d<=128 128x176
 # (causal 128x128), d<=256 128x80, two stages. Measured (bench/tile_sweep.py --sm90, H100, bf16,
-# docs/performance.md): d=64 192x128 was +10% at 16k but -30% causal at 4k, and its plain kernel
+# docs/decisions.md): d=64 192x128 was +10% at 16k but -30% causal at 4k, and its plain kernel
 # spills 44 bytes (3 consumers get 160 registers); d=128 128x176 +3% at 16k and 1k, -2% at 4k, and
 # spills 44 bytes with variants; d=256 128x80 +7-8% over 128x64 from 4k; d<=192 a tile of its own,
 # 128x112 (O staged in Q's rows; 128x96 and 128x80 no faster at 16k): d = 192 1.04-1.23x cuDNN
-# against 0.91-0.94x at 4k-16k on the 256 tile (docs/performance.md).
+# against 0.91-0.94x at 4k-16k on the 256 tile (docs/decisions.md).
 # Variant instantiations (score modifiers, windows) take these tiles: all compile spill-free.
 # Past 256 (the 512 tile, head dims 264-512) a consumer's O over 512 columns would be 256 registers
 # a thread: a tile covers FORWARD_SM90_V_BLOCK of v's columns, its v blocks side by side, each
@@ -122,7 +122,7 @@ BACKWARD_SM90_PLAIN = {128: (128, 80, 2)}
 BACKWARD_SM90_DQ_APART = {64: (128, 128, 3), 128: (128, 64, 3), 256: (128, 32, 3)}
 # Which calls take it: (deterministic, causal) -> up to how many keys (None: any); absent: none.
 # Measured (H200, bf16, 1k-16k, interleaved against the kernel that adds dQ, in
-# docs/performance.md): d = 256 1.00-1.05x its atomic calls and 1.31-1.61x its deterministic
+# docs/decisions.md): d = 256 1.00-1.05x its atomic calls and 1.31-1.61x its deterministic
 # ones (turns there cost 1.28-1.48x the atomic time); d = 64 and 128 atomic 0.79-0.90x (their
 # main kernel hides its adds), deterministic d = 64 1.12 / 1.03 / 0.96 / 0.93x at 1k / 2k / 4k /
 # 16k without a mask and 1.34 / 1.17 / 1.05 / 1.01x with one, d = 128 1.02 / 1.00 / 0.95 / 0.91x
