@@ -66,60 +66,35 @@ def test_loopback_ring_holds_the_error_rule_over_the_whole_sequence(world, causa
                          scales.get("delta:" + name, 0.0), factor=3.0)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("causal", [False, True])
-def test_loopback_ring_takes_softcap_and_the_sink(world, causal):
-    """softcap on every block and the sink joined once after the merge: o, lse and dq, dk, dv, dsink
-    (the ranks' parts summed) against the float64 reference of the whole sequence."""
-    import cupy
-
-    rng = numpy.random.default_rng(world * 10 + causal)
-    batch, heads, heads_kv, d, chunk = 2, 4, 2, 64, 77
-    seqlen = 2 * world * chunk
-    q, do = (random_array(rng, (batch, seqlen, heads, d), "bfloat16", 2.0) for _ in range(2))
-    k, v = (random_array(rng, (batch, seqlen, heads_kv, d), "bfloat16", 2.0) for _ in range(2))
-    sink = cupy.asarray([-1.0, 0.5, 2.0, 4.0], dtype=cupy.float32)
-    options = dict(causal=causal, softcap=5.0, sink=sink)
-
-    def shard(x, axis=1):
-        return [distributed.zigzag_shard(x, r, world, axis=axis) for r in range(world)]
-
-    with poisoned_allocations():
-        outs = distributed.simulate_ring_forward(shard(q), shard(k), shard(v), **options)
-    o = distributed.zigzag_unshard([o for o, _ in outs])
-    lse = distributed.zigzag_unshard([lse for _, lse in outs], axis=2)
-    exact = attention_reference(q, k, v, **options)
-    low = attention_reference(q, k, v, upcast=False, **options)
-    context = f"ring world={world} causal={causal} softcap sink"
-    check_error_rule("o", o, exact[0], low[0], context, max_finite_abs(exact[1]))
-    check_error_rule("lse", lse, exact[1], low[1], context, max_finite_abs(exact[1]))
-    with poisoned_allocations():
-        grads = distributed.simulate_ring_backward(shard(do), shard(q), shard(k), shard(v), shard(o), shard(lse, 2),
-                                                   **options)
-    exact_grads = attention_reference_backward(do, q, k, v, **options)
-    low_grads = low_precision_gradients(do, q, k, v, **options)
-    scales = gradient_term_scales(do, q, k, v, **options)
-    for i, name in enumerate(("dq", "dk", "dv")):
-        ours = distributed.zigzag_unshard([g[i] for g in grads])
-        check_error_rule(name, ours, exact_grads[i], low_grads[i], context, max_finite_abs(exact[1]), scales[name],
-                         scales.get("delta:" + name, 0.0), factor=3.0)
-    dsink = sum(g[3] for g in grads)
-    check_error_rule("dsink", dsink, exact_grads[3], low_grads[3], context, max_finite_abs(exact[1]),
-                     float(abs(exact_grads[3]).max()) * seqlen, factor=3.0)
+# The ring's variants, each against the float64 reference of the whole sequence: softcap on every
+# block and the sink joined once after the merge; windows over global positions, on the ring (a call
+# per chunk pair, cropped to the band) and, with no key ahead and at most a chunk (77 rows) back, by
+# the halo exchange (distributed.halo_window).
+RING_VARIANTS = {
+    "softcap, sink": dict(softcap=5.0, sink=(-1.0, 0.5, 2.0, 4.0)),
+    "causal, softcap, sink": dict(causal=True, softcap=5.0, sink=(-1.0, 0.5, 2.0, 4.0)),
+    "causal window 100 (ring)": dict(causal=True, window_size=(100, -1)),
+    "window (60, 130) (ring)": dict(window_size=(60, 130)),
+    "causal window 50 (halos)": dict(causal=True, window_size=(50, -1)),
+    "window (77, 0) (halos)": dict(window_size=(77, 0)),
+}
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("causal,window", [(True, (100, -1)), (False, (60, 130)), (True, (50, -1)), (False, (77, 0))])
-def test_loopback_ring_takes_a_sliding_window(world, causal, window):
-    """A window over global positions against the float64 reference of the whole sequence (2x / 3x
-    rule): on the ring, each step's calls (a chunk pair each, cropped to the band); with no key
-    ahead and at most a chunk (77 rows) back, the halo exchange (the last two)."""
-    rng = numpy.random.default_rng(world * 10 + causal)
+@pytest.mark.parametrize("variant", list(RING_VARIANTS))
+def test_loopback_ring_takes_its_variants(world, variant):
+    """o, lse and dq, dk, dv (and dsink, the ranks' parts summed) against the float64 reference of
+    the whole sequence, with the 2x / 3x rule."""
+    import cupy
+
+    options = dict(RING_VARIANTS[variant])
+    if "sink" in options:
+        options["sink"] = cupy.asarray(options["sink"], dtype=cupy.float32)
+    rng = numpy.random.default_rng(world * 10 + len(variant))
     batch, heads, heads_kv, d, chunk = 2, 4, 2, 64, 77
     seqlen = 2 * world * chunk
     q, do = (random_array(rng, (batch, seqlen, heads, d), "bfloat16", 2.0) for _ in range(2))
     k, v = (random_array(rng, (batch, seqlen, heads_kv, d), "bfloat16", 2.0) for _ in range(2))
-    options = dict(causal=causal, window_size=window)
 
     def shard(x, axis=1):
         return [distributed.zigzag_shard(x, r, world, axis=axis) for r in range(world)]
@@ -130,7 +105,7 @@ def test_loopback_ring_takes_a_sliding_window(world, causal, window):
     lse = distributed.zigzag_unshard([lse for _, lse in outs], axis=2)
     exact = attention_reference(q, k, v, **options)
     low = attention_reference(q, k, v, upcast=False, **options)
-    context = f"ring world={world} causal={causal} window={window}"
+    context = f"ring world={world} {variant}"
     check_error_rule("o", o, exact[0], low[0], context, max_finite_abs(exact[1]))
     check_error_rule("lse", lse, exact[1], low[1], context, max_finite_abs(exact[1]))
     with poisoned_allocations():
@@ -143,6 +118,10 @@ def test_loopback_ring_takes_a_sliding_window(world, causal, window):
         ours = distributed.zigzag_unshard([g[i] for g in grads])
         check_error_rule(name, ours, exact_grads[i], low_grads[i], context, max_finite_abs(exact[1]), scales[name],
                          scales.get("delta:" + name, 0.0), factor=3.0)
+    if "sink" in options:
+        dsink = sum(g[3] for g in grads)
+        check_error_rule("dsink", dsink, exact_grads[3], low_grads[3], context, max_finite_abs(exact[1]),
+                         float(abs(exact_grads[3]).max()) * seqlen, factor=3.0)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
