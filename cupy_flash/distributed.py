@@ -504,8 +504,7 @@ def _run_backward(ring, dos, qs, ks, vs, os_, lses, causal, softmax_scale, backe
     # P shifts of the accumulators in all: the last brings them home, cast first (half the bytes).
     accumulators = ring.finish_shift(ring.start_shift([(dk.astype(k.dtype), dv.astype(v.dtype))
                                                        for (dk, dv), (k, v) in zip(done, payloads)]))
-    grads = [(rank.dq.astype(q.dtype), dk, dv)
-             for rank, q, k, v, (dk, dv) in zip(ranks, qs, ks, vs, accumulators)]
+    grads = [(rank.dq.astype(q.dtype), dk, dv) for rank, q, (dk, dv) in zip(ranks, qs, accumulators)]
     if sink is None:
         return grads
     return [g + (_sink_gradient(do, o, lse, sink),) for g, do, o, lse in zip(grads, dos, os_, lses)]
