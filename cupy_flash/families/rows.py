@@ -39,12 +39,17 @@ def row_kernel_grid(rows: int) -> int:
     return min(-(-rows // warps_per_block), _MAX_ROW_BLOCKS)
 
 
+def _capped_row_grid(rows: int) -> int:
+    """A row kernel's grid over ``rows`` rows: a warp per row, at most _ROW_BLOCKS_PER_SM blocks an SM."""
+    return min(row_kernel_grid(rows), _ROW_BLOCKS_PER_SM * current_device().multiprocessors)
+
+
 def row_launch(kernel: str, shape, rows: int | None = None, record: str = "main") -> Launch:
     """The Launch of row kernel ``kernel`` (PREPROCESS, DQ_CONVERT, KV_GROUP_SUM) over ``rows`` rows
     (default: every query row of ``shape``), taking params record ``record``."""
     spec = module_spec(shape.dtype)
     rows = shape.batch * shape.seqlen_q * shape.heads if rows is None else rows
-    grid = min(row_kernel_grid(rows), _ROW_BLOCKS_PER_SM * current_device().multiprocessors)
+    grid = _capped_row_grid(rows)
     name = template(kernel, spec.ctype)
     return Launch(name, get_kernel(spec, name), grid, _traits.ROW_KERNEL_THREADS, record=record)
 
@@ -94,7 +99,7 @@ def quantize_e4m3(x, out=None):
 
 
 def _rows_grid(rows: int) -> tuple[int]:
-    return (max(min(row_kernel_grid(rows), _ROW_BLOCKS_PER_SM * current_device().multiprocessors), 1),)
+    return (max(_capped_row_grid(rows), 1),)
 
 
 def ring_merge(o_acc, lse_acc, o, lse, row0: int) -> None:
