@@ -340,16 +340,26 @@ def kernel_parameters(arguments: tuple):
 class Packed:
     """A call's launches with their parameters packed for one stream: each (CUfunction, grid,
     threads, shared memory bytes, kernelParams address, the early launch's arguments or None,
-    kernelParams) from (kernel, grid, threads, shared memory, arguments, early). The arrays of
-    addresses (and configs) are held here, so the addresses stay valid as long as this does.
-    ``early``: a programmatic dependent launch where the driver allows (the plan passes it only on
-    sm_90+)."""
+    kernelParams) from (kernel, grid, threads, shared memory, arguments, early), after ``zeroed``
+    ((address, bytes) set to zero first). The arrays of addresses (and configs) are held here, so
+    the addresses stay valid as long as this does. ``early``: a programmatic dependent launch where
+    the driver allows (the plan passes it only on sm_90+).
 
-    __slots__ = ("launches", "stream", "launch", "names")
+    Run a second time (the same arrays, stream and host thread: packed_once found it), the launches
+    are captured once into a CUDA graph, and from then on ``run`` is that graph's one launch:
+    cudaGraphLaunch costs 2.2-2.7 us of host time for one to three kernels against 4-5 us for each
+    kernel launched (docs/decisions.md, host path: graphs). The kernels, their parameters and their
+    order are the same, so the results are the same bit for bit; what a graph gives up is the early
+    start of its first kernel behind the work before it in the stream (the early launches inside
+    it stay early). ``CUPY_FLASH_GRAPHS=0`` (read when a graph would be captured) keeps the
+    launches one by one."""
 
-    def __init__(self, launches, stream: int, names: tuple = ()):
+    __slots__ = ("launches", "stream", "launch", "names", "zeroed", "has_early", "_runs", "_graph")
+
+    def __init__(self, launches, stream: int, names: tuple = (), zeroed: tuple = ()):
         self.launch = cuda_calls().launch
         self.names = names   # (family, (kernel name, ...)): what recording() notes
+        self.zeroed = zeroed
         packed = []
         for kernel, grid, threads, shared_mem, arguments, early in launches:
             parameters = kernel_parameters(arguments)
@@ -358,16 +368,121 @@ class Packed:
             packed.append((function, grid, threads, shared_mem, ctypes.addressof(parameters), early_arguments,
                            parameters))
         self.launches, self.stream = tuple(packed), stream
+        self.has_early = any(launch[5] is not None for launch in packed)
+        self._runs = 0
+        self._graph = None   # a _Graph once captured; False: launched one by one
 
     def run(self) -> None:
-        """Launch each kernel in turn on the stream, through CuPy's binding of the driver's
-        cuLaunchKernel (3.8 us of host time against a ctypes call's 5.6 on the H100's host; CuPy's
-        kernel call converts its arguments again on every call)."""
-        launch, stream = self.launch, self.stream
-        for function, grid, threads, shared_mem, address, early_arguments, _ in self.launches:
-            if early_arguments is not None and _launched_early(early_arguments):
-                continue
+        """The launches on the stream: the captured graph's launch where there is one (and it was
+        captured with the early launches as they are allowed now), else each memset and kernel in
+        turn, through CuPy's bindings of the driver's calls (cuLaunchKernel: 3.8-5 us of host time
+        against a ctypes call's 5.6 on the H100's host; CuPy's kernel call converts its arguments
+        again on every call); a second run captures the graph."""
+        graph = self._graph
+        if graph and (not self.has_early or graph.early == _early_allowed()):
+            graph.launch(self.stream)
+            return
+        self._launch_each(self.stream, None)
+        if graph is None:
+            self._runs += 1
+            if self._runs == GRAPH_AFTER_RUNS:
+                self._graph = _captured(self)
+
+    def _launch_each(self, stream: int, capture_early) -> None:
+        """Each memset and kernel on ``stream`` in turn: the packed stream, or (capturing a graph)
+        another, for which ``capture_early`` makes an early launch's arguments."""
+        memset = cuda_calls().memset
+        for address, nbytes in self.zeroed:
+            memset(address, 0, nbytes, stream)
+        launch = self.launch
+        for function, grid, threads, shared_mem, address, early_arguments, parameters in self.launches:
+            if early_arguments is not None:
+                if capture_early is not None:
+                    early_arguments = capture_early(function, grid, threads, shared_mem, stream, parameters)
+                if _launched_early(early_arguments):
+                    continue
             launch(function, grid, 1, 1, threads, 1, 1, shared_mem, stream, address, 0)
+
+
+# A Packed is captured into a graph on its second run (its first may be the only one: a shape or a
+# buffer seen once pays no capture, ~20-60 us).
+GRAPH_AFTER_RUNS = 2
+_graphs_variable = environment_reader("CUPY_FLASH_GRAPHS")   # "0": no graphs
+
+
+def _early_allowed() -> bool:
+    """Whether an early launch would be tried now (not refused, not turned off)."""
+    return not _EarlyLaunches.refused and _pdl_variable() != "0"
+
+
+class _Graph:
+    """An instantiated CUDA graph (cudaGraphExec_t), uploaded for its stream, destroyed with this
+    object (the driver frees one still running when it completes). ``early``: whether its capture
+    launched early the kernels that may be."""
+
+    __slots__ = ("executable", "early", "launch", "destroy")
+
+    def __init__(self, executable: int, early: bool):
+        from cupy.cuda import runtime
+
+        self.executable, self.early = executable, early
+        self.launch = functools.partial(runtime.graphLaunch, executable)   # (stream)
+        self.destroy = runtime.graphExecDestroy
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.destroy(self.executable)
+
+
+_capture_streams: dict = {}   # (device, host thread) -> the stream graphs are captured on
+
+
+def _captured(packed: Packed):
+    """``packed``'s launches captured into a CUDA graph (a _Graph) from a stream of this host
+    thread's own, or False where graphs are turned off or the capture failed (the launches then go
+    one by one, as before)."""
+    if _graphs_variable() == "0":
+        return False
+    import cupy
+    from cupy.cuda import runtime
+
+    device = runtime.getDevice()
+    key = (device, threading.get_ident())
+    side = _capture_streams.get(key)
+    if side is None:
+        side = kept(_capture_streams, key, cupy.cuda.Stream(non_blocking=True))
+    early = _early_allowed()
+    try:
+        runtime.streamBeginCapture(side.ptr, runtime.streamCaptureModeThreadLocal)
+    except Exception:
+        return False
+    launched = False
+    try:
+        packed._launch_each(side.ptr, _early_arguments)
+        launched = True
+    except Exception:
+        pass
+    finally:
+        try:
+            graph = runtime.streamEndCapture(side.ptr)
+        except Exception:
+            graph = None
+    if graph is None:
+        return False
+    try:
+        if not launched or (packed.has_early and early != _early_allowed()):
+            return False
+        executable = runtime.graphInstantiate(graph)
+    except Exception:
+        return False
+    finally:
+        runtime.graphDestroy(graph)
+    captured = _Graph(executable, early)
+    try:
+        runtime.graphUpload(executable, packed.stream)
+    except Exception:
+        return False
+    return captured
 
 
 def _early_arguments(function: int, grid: int, threads: int, shared_mem: int, stream: int, parameters) -> tuple:

@@ -271,12 +271,10 @@ class BackwardPlan:
         addresses of first_names. The preprocess reads the inputs and writes temporaries only (its
         record's dq, dk, dv are null), so it goes out before the gradients are allocated: their
         allocations (~7 us of host time, which a short call's GPU waits for) move behind it."""
-        for offset, nbytes in self.zeroed:
-            self.cuda.memset(workspace + offset, 0, nbytes, stream)
         addresses = inputs + tuple(workspace + offset for _, offset, *_ in self.temporaries)
         packed_once(self._launched_first, addresses, stream, capturing,
                     lambda: self._packed(self.launches[:1], dict(zip(self.first_names, addresses)), stream,
-                                         capturing)).run()
+                                         capturing, tuple((workspace + offset, nbytes) for offset, nbytes in self.zeroed))).run()
         return addresses
 
     def launch_rest(self, addresses: tuple, stream: int, capturing: bool) -> None:
@@ -285,9 +283,9 @@ class BackwardPlan:
                     lambda: self._packed(self.launches[1:], dict(zip(self.names, addresses)), stream,
                                          capturing)).run()
 
-    def _packed(self, launches: tuple, addresses: dict, stream: int, capturing: bool) -> Packed:
+    def _packed(self, launches: tuple, addresses: dict, stream: int, capturing: bool, zeroed: tuple = ()) -> Packed:
         """``launches`` (entries of self.launches) with their parameters for the arrays at
-        ``addresses`` (by name)."""
+        ``addresses`` (by name), after ``zeroed`` ((address, bytes) set to zero)."""
         filled = {name: self.records[name].filled(addresses) for name in {launch.record for launch in launches}}
         packed = []
         for launch in launches:
@@ -299,7 +297,7 @@ class BackwardPlan:
             else:   # the dQ kernel
                 arguments = (self._maps_of(addresses, launch.maps), record)
             packed.append((launch.kernel, launch.grid, launch.threads, launch.smem, arguments, launch.early))
-        return Packed(packed, stream, (self.family, tuple(launch.name for launch in launches)))
+        return Packed(packed, stream, (self.family, tuple(launch.name for launch in launches)), zeroed)
 
     def _maps_of(self, addresses: dict, map_set: int):
         """A Hopper kernel's maps argument (BackwardSm90Maps, BackwardDqSm90Maps), encoded once per

@@ -347,3 +347,66 @@ def test_kept_workspaces_hold_for_queued_chains_on_two_streams(monkeypatch, kern
     fresh = chains()
     for i, (a, b) in enumerate(zip(kept, fresh)):
         _same(a, b, f"output {i}")
+
+
+@pytest.mark.parametrize("kernels", ["auto", "portable"])
+def test_repeated_launches_replay_as_graphs_bit_for_bit(monkeypatch, kernels):
+    """A Packed run a second time (same arrays, stream, thread) is captured into a CUDA graph and
+    from then on launched as one (_launch.Packed.run). Forward, deterministic backward (its zeroed
+    semaphores ride in the graph) and split decode (early launches) called five times on the same
+    buffers, whose contents change between calls: equal bit for bit to the same calls with graphs
+    off (CUPY_FLASH_GRAPHS=0, nothing captured); turning early launches off after the capture
+    sends the graphs' launches back to the stream one by one, with the same results."""
+    import cupy
+
+    from cupy_flash import _launch, backward, decode, families, forward
+
+    rng = numpy.random.default_rng(17)
+    q, k, v, do = (random_array(rng, (2, 200, 4, 64), "bfloat16") for _ in range(4))
+    query = random_array(rng, (2, 1, 16, 64), "bfloat16")
+    caches = [random_array(rng, (2, 3000, 2, 64), "bfloat16") for _ in range(2)]
+    lengths = cupy.asarray([2900, 1700], dtype=cupy.int32)
+    starts = [x.copy() for x in (q, do, query)]
+    captured = []
+    capture = _launch._captured
+
+    def noting_capture(packed):
+        graph = capture(packed)
+        if graph:
+            captured.append(packed.names)
+        return graph
+
+    monkeypatch.setattr(_launch, "_captured", noting_capture)
+
+    def calls():
+        for x, start in zip((q, do, query), starts):
+            x[...] = start
+        for plans in (forward._plans, backward._plans, decode._plans):
+            plans.clear()
+        outputs = []
+        with families.use_kernels(kernels):
+            for step in range(5):
+                o, lse = cupy_flash.flash_forward(q, k, v, causal=True)
+                grads = cupy_flash.flash_backward(do, q, k, v, o, lse, causal=True, deterministic=True)
+                o_new, lse_new = cupy_flash.flash_decode(query, *caches, cache_seqlens=lengths, num_splits=8)
+                # to the host, so that the next step's outputs take the same blocks of the pool
+                outputs += [cupy.asnumpy(x) for x in (o, lse, *grads, o_new, lse_new)]
+                del o, lse, grads, o_new, lse_new
+                # new contents, same buffers: the graphs read memory, not values
+                q[...] = (q + (step + 1) / 64).astype(q.dtype)
+                do[...] = (-do).astype(do.dtype)
+                query[...] = (query - 1 / 32).astype(query.dtype)
+        cupy.cuda.Device().synchronize()
+        return outputs
+
+    monkeypatch.setenv("CUPY_FLASH_GRAPHS", "0")
+    direct = calls()
+    assert not captured
+    monkeypatch.delenv("CUPY_FLASH_GRAPHS")
+    graphed = calls()
+    assert len(captured) >= 4, captured   # forward, the backward's two, decode
+    for i, (a, b) in enumerate(zip(direct, graphed)):
+        _same(a, b, f"output {i} (step {i // 7})")
+    monkeypatch.setenv("CUPY_FLASH_PDL", "0")
+    for i, (a, b) in enumerate(zip(direct, calls())):
+        _same(a, b, f"output {i} without early launches")
