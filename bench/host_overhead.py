@@ -9,7 +9,8 @@ its launch counts as GPU time whenever the GPU waits for it. This measures the h
 microseconds of Python per call, warm (plans made, the pool's blocks in place), no synchronisation,
 on a problem small enough that the GPU keeps up (the median of 7 runs of 500 calls, the calls of a
 group interleaved run by run). Rows:
-- ``flash_forward``, ``flash_backward``, ``flash_decode`` on CuPy arrays;
+- ``flash_forward``, ``flash_backward``, ``flash_decode`` on CuPy arrays, beside the same calls with
+  their launches one by one rather than replayed as a CUDA graph (_launch.Packed);
 - on Hopper, the FP8 ``flash_forward`` and ``flash_backward`` with host descales, beside bf16's;
 - ``torch_adapter.flash_attn_func``: a forward without grad, a forward that records its autograd
   node, and forward + ``backward()``, beside SDPA's cuDNN backend doing the same and a trivial
@@ -61,21 +62,39 @@ def random(shape, dtype, seed):
     return cupy.random.default_rng(seed).standard_normal(shape, dtype=cupy.float32).astype(dtype)
 
 
-def direct_rows(dtype, baseline=None):
-    q, k, v, do = (random(SHAPE, dtype, s) for s in range(4))
-    cache = random((1, 4096, 2, 64), dtype, 5), random((1, 4096, 2, 64), dtype, 6)
-    query = random((1, 1, 16, 64), dtype, 7)
+def direct_calls(module, dtype, seed: int, label: str) -> dict:
+    """{name + label: the call} of flash_forward, flash_backward and flash_decode from ``module``
+    on arrays of their own (drawn from ``seed``)."""
+    q, k, v, do = (random(SHAPE, dtype, seed + s) for s in range(4))
+    cache = random((1, 4096, 2, 64), dtype, seed + 5), random((1, 4096, 2, 64), dtype, seed + 6)
+    query = random((1, 1, 16, 64), dtype, seed + 7)
     lengths = cupy.full((1,), 4000, dtype=cupy.int32)
-    calls = {}
-    for label, module in (("", cupy_flash), (" (baseline)", baseline)):
-        if module is None:
-            continue
-        o, lse = module.flash_forward(q, k, v, causal=True)
-        calls.update({
-            f"flash_forward{label}": lambda m=module: m.flash_forward(q, k, v, causal=True),
-            f"flash_backward{label}": lambda m=module, o=o, lse=lse: m.flash_backward(do, q, k, v, o, lse, causal=True),
-            f"flash_decode{label} (GQA 16/2, 4k cache)": lambda m=module: m.flash_decode(query, *cache, cache_seqlens=lengths),
-        })
+    o, lse = module.flash_forward(q, k, v, causal=True)
+    return {f"flash_forward{label}": lambda: module.flash_forward(q, k, v, causal=True),
+            f"flash_backward{label}": lambda: module.flash_backward(do, q, k, v, o, lse, causal=True),
+            f"flash_decode{label} (GQA 16/2, 4k cache)": lambda: module.flash_decode(query, *cache, cache_seqlens=lengths)}
+
+
+def direct_rows(dtype, baseline=None):
+    """The direct calls; beside them the same calls on arrays of their own whose launches go one by
+    one (no graph is captured during them: _launch.Packed), and ``baseline``'s."""
+    from cupy_flash import _launch
+
+    calls = direct_calls(cupy_flash, dtype, 0, "")
+    graphs_on, graphs_off = _launch._graphs_variable, lambda: "0"
+
+    def one_by_one(call):
+        def timed():
+            _launch._graphs_variable = graphs_off   # what CUPY_FLASH_GRAPHS=0 does, for this call alone
+            try:
+                call()
+            finally:
+                _launch._graphs_variable = graphs_on
+        return timed
+
+    calls.update({name: one_by_one(call) for name, call in direct_calls(cupy_flash, dtype, 10, " (launches one by one)").items()})
+    if baseline is not None:
+        calls.update(direct_calls(baseline, dtype, 0, " (baseline)"))
     return list(host_us(calls).items())
 
 
