@@ -9,6 +9,9 @@
     bench    the attention benchmark: forward and backward TFLOP/s against PyTorch SDPA's
              FlashAttention-2 and cuDNN backends on the same data (ours alone without PyTorch),
              a table, JSON and a plot (python -m cupy_flash bench --help)
+    launch   run a script as one process per GPU with torchrun's environment (RANK, WORLD_SIZE,
+             LOCAL_RANK, MASTER_ADDR, MASTER_PORT), for distributed.NcclRing.from_environment:
+             python -m cupy_flash launch -n 2 examples/ring_attention.py
     source   the CUDA text one kernel family compiles from (its .cu with the headers expanded), or
              with --interface the header Python writes (flash_interface.cuh), to compile a
              kernels_cu file on its own with nvcc -I
@@ -269,6 +272,28 @@ def command_source(args) -> int:
 
 # ---------------------------------------------------------------------------------------------
 
+def command_launch(args) -> int:
+    from . import _rendezvous
+
+    if not args.program:
+        print("launch: a script (or -m module) to run is missing", file=sys.stderr)
+        return 2
+    processes = args.nproc
+    if processes is None:
+        try:
+            import cupy
+
+            processes = cupy.cuda.runtime.getDeviceCount()
+        except Exception:   # noqa: BLE001 - no GPU or no CuPy: one process, which says why itself
+            processes = 1
+    if processes < 1:
+        print(f"launch: --nproc {processes}: expected at least 1", file=sys.stderr)
+        return 2
+    return _rendezvous.launch(args.program, processes, args.port)
+
+
+# ---------------------------------------------------------------------------------------------
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m cupy_flash", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -285,6 +310,10 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument("--seed", type=int, default=0)
     # bench: its own parser (cupy_flash/benchmark.py), which main hands the rest of the line to
     commands.add_parser("bench", help="TFLOP/s against PyTorch SDPA's flash and cuDNN (bench --help)", add_help=False)
+    launch = commands.add_parser("launch", help="one process per GPU with torchrun's environment")
+    launch.add_argument("-n", "--nproc", type=int, default=None, help="processes (default: the GPUs visible)")
+    launch.add_argument("--port", type=int, default=None, help="MASTER_PORT (default: a free one)")
+    launch.add_argument("program", nargs=argparse.REMAINDER, help="script.py [args] or -m module [args]")
     source = commands.add_parser("source", help="a kernel family's CUDA text, or the interface header")
     source.add_argument("family", nargs="?", choices=_compile.FAMILIES)
     source.add_argument("--interface", action="store_true", help=f"print {_compile.INTERFACE_HEADER}")
@@ -309,5 +338,5 @@ def main(argv=None) -> int:
         if not 1 <= head_dim <= _traits.MAX_HEAD_DIM:
             print(f"head dim {head_dim}: expected 1 to {_traits.MAX_HEAD_DIM}", file=sys.stderr)
             return 2
-    return {"info": command_info, "warmup": command_warmup, "check": command_check,
+    return {"info": command_info, "warmup": command_warmup, "check": command_check, "launch": command_launch,
             "source": command_source}[args.command](args)

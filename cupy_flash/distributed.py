@@ -32,10 +32,12 @@ import numpy
 
 from ._checks import check_softmax_scale
 from ._features import check_window
+from ._rendezvous import launch_environment
 from .reference import _xp
 
-__all__ = ["zigzag_shard", "zigzag_indices", "zigzag_unshard", "ring_blocks", "RingBlock", "LoopbackRing", "NcclRing",
-           "ring_attention_forward", "ring_attention_backward", "simulate_ring_forward", "simulate_ring_backward"]
+__all__ = ["zigzag_shard", "zigzag_indices", "zigzag_unshard", "ring_blocks", "RingBlock", "LoopbackRing",
+           "NcclRing", "launch_environment", "ring_attention_forward", "ring_attention_backward",
+           "simulate_ring_forward", "simulate_ring_backward"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,6 +387,32 @@ class NcclRing:
             unique_id = broadcast(unique_id)
         return cls(nccl.NcclCommunicator(world, unique_id, rank), rank, world)
 
+    @classmethod
+    def from_environment(cls, timeout: float = 300.0):
+        """A ring over every rank of the job that started this process, from its launcher's
+        environment (torchrun, ``python -m cupy_flash launch``, mpirun, srun: see
+        ``_rendezvous``): the current device becomes the local rank's GPU (modulo the GPUs
+        visible), and rank 0's NCCL id reaches the other ranks over TCP (MASTER_ADDR, port
+        CUPY_FLASH_PORT or MASTER_PORT + 1), without MPI or PyTorch; under mpirun with no
+        MASTER_ADDR set, through mpi4py's broadcast where it imports (hosts need not share an
+        address then). A process started alone is a ring of one."""
+        import os
+
+        import cupy
+        from cupy.cuda import nccl
+
+        from . import _rendezvous
+
+        place = launch_environment()
+        cupy.cuda.Device(place.local_rank % cupy.cuda.runtime.getDeviceCount()).use()
+        broadcast = _mpi_broadcast(place.world) if place.source in ("OMPI_COMM_WORLD_RANK", "PMI_RANK") \
+            and "MASTER_ADDR" not in os.environ else None
+        if broadcast is not None:
+            return cls.create(place.rank, place.world, broadcast=broadcast)
+        unique_id = _rendezvous.share_from_rank0(place, lambda: list(nccl.get_unique_id()),
+                                                 _rendezvous.rendezvous_address(), _rendezvous.job_id(), timeout)
+        return cls.create(place.rank, place.world, unique_id=tuple(unique_id))
+
     def start_shift(self, payloads, reverse=False):
         import cupy
         from cupy.cuda import nccl
@@ -412,6 +440,17 @@ class NcclRing:
         received, _sent, done = handle
         cupy.cuda.get_current_stream().wait_event(done)
         return [received]
+
+
+def _mpi_broadcast(world: int):
+    """mpi4py's broadcast from rank 0 over COMM_WORLD where mpi4py imports and its world is
+    ``world``, else None."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    comm = MPI.COMM_WORLD
+    return (lambda value: comm.bcast(value, root=0)) if comm.Get_size() == world else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,12 +1,16 @@
 """Ring attention (context parallelism) in pure CuPy: forward + backward over a sequence split across
 GPUs, checked against one GPU's flash call over the whole sequence.
 
-    NCCL_NVLS_ENABLE=0 mpirun -n 2 python examples/ring_attention.py --tokens 65536   # one process per GPU
+    python -m cupy_flash launch -n 2 examples/ring_attention.py --tokens 65536      # one process per GPU
+    torchrun --nproc_per_node 2 examples/ring_attention.py --tokens 65536           # the same, by torchrun
+    NCCL_NVLS_ENABLE=0 mpirun -n 2 python examples/ring_attention.py --tokens 65536   # or by mpirun
     python examples/ring_attention.py --virtual-ranks 4                             # one GPU, 4 virtual ranks
 
 Each rank keeps its zigzag shard of q, k, v (chunks r and 2P - 1 - r of 2P), so causal work is equal
-across ranks; K/V travel around the ring over NCCL while each rank attends to the shard in hand.
-Prints each output's max error against the single-GPU result; exits 1 if one is out of bounds.
+across ranks; K/V travel around the ring over NCCL while each rank attends to the shard in hand. The
+ring comes from the launcher's environment (``NcclRing.from_environment``: rank, world size, GPU and
+rank 0's NCCL id, without MPI or PyTorch). Each rank prints its outputs' max error against its part
+of the single-GPU result; exits 1 if one is out of bounds (the launcher passes that on).
 """
 
 import argparse
@@ -29,27 +33,20 @@ def main():
     args = parser.parse_args()
     require_gpu("ring_attention")   # one line and exit status 1 where there is none
 
-    try:   # started by mpirun with several processes: one GPU each, NCCL between them
-        from mpi4py import MPI
-        mpi = MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
-    except ImportError:
-        mpi = None
+    place = distributed.launch_environment()   # started by a launcher with several processes?
     shape = (1, args.tokens, args.heads, args.head_dim)
-    rng = cupy.random.default_rng(0)   # the same full sequence on every rank
+    if place.world > 1:   # one GPU each, NCCL between them
+        ring = distributed.NcclRing.from_environment()
+        world = ring.world
+    rng = cupy.random.default_rng(0)   # the same full sequence on every rank (on its GPU)
     q, k, v, do = (rng.standard_normal(shape, dtype=cupy.float32).astype(ml_dtypes.bfloat16) for _ in range(4))
 
-    if mpi is not None:
-        rank, world = mpi.Get_rank(), mpi.Get_size()
-        cupy.cuda.Device(rank % cupy.cuda.runtime.getDeviceCount()).use()
-        q, k, v, do = (cupy.asarray(x) for x in (q, k, v, do))   # onto this rank's GPU
-        ring = distributed.NcclRing.create(rank, world, broadcast=lambda x: mpi.bcast(x, root=0))
-        mine = [distributed.zigzag_shard(x, rank, world) for x in (q, k, v, do)]
+    if place.world > 1:
+        mine = [distributed.zigzag_shard(x, ring.rank, world) for x in (q, k, v, do)]
         o, lse = distributed.ring_attention_forward(*mine[:3], ring=ring, causal=True)
         grads = distributed.ring_attention_backward(mine[3], *mine[:3], o, lse, ring=ring, causal=True)
-        parts = [mpi.gather(cupy.asnumpy(x), root=0) for x in (o, *grads)]
-        if rank != 0:
-            return 0
-        ours = [distributed.zigzag_unshard([cupy.asarray(p) for p in ranks]) for ranks in parts]
+        ours = [o, *grads]
+        label = f"rank {ring.rank} of {world}"
     else:
         world = args.virtual_ranks
         shards = [[distributed.zigzag_shard(x, r, world) for r in range(world)] for x in (q, k, v, do)]
@@ -58,14 +55,17 @@ def main():
                                                    causal=True)
         ours = [distributed.zigzag_unshard([o for o, _ in outs])] + [
             distributed.zigzag_unshard([g[i] for g in grads]) for i in range(3)]
+        label = f"{world} virtual ranks"
 
     one_o, one_lse = cupy_flash.flash_forward(q, k, v, causal=True)   # one GPU, the whole sequence
     ones = [one_o, *cupy_flash.flash_backward(do, q, k, v, one_o, one_lse, causal=True)]
+    if place.world > 1:   # this rank's part of them
+        ones = [distributed.zigzag_shard(x, ring.rank, world) for x in ones]
     failed = False
     for name, x, one in zip(("o", "dq", "dk", "dv"), ours, ones):
         error = float(abs(x.astype(cupy.float32) - one.astype(cupy.float32)).max())
         size = float(abs(one.astype(cupy.float32)).max())
-        print(f"{name}: max |ring - one GPU| = {error:.3e} (values up to {size:.3e}; {world} ranks, {args.tokens} tokens)")
+        print(f"{name}: max |ring - one GPU| = {error:.3e} (values up to {size:.3e}; {label}, {args.tokens} tokens)")
         failed |= not error <= 2e-2 * size   # two bf16 roundings apart, at most
     return 1 if failed else 0
 

@@ -180,7 +180,8 @@ def _shown_commands() -> list:
 
 def test_the_readme_shows_the_commands_users_run():
     shown = _shown_commands()
-    for command in ("-m cupy_flash bench", "examples/quickstart.py", "examples/ring_attention.py --tokens 65536"):
+    for command in ("-m cupy_flash bench", "examples/quickstart.py",
+                    "-m cupy_flash launch -n 4 examples/ring_attention.py --tokens 65536"):
         assert command in shown, shown
 
 
