@@ -409,9 +409,14 @@ class NcclRing:
             and "MASTER_ADDR" not in os.environ else None
         if broadcast is not None:
             return cls.create(place.rank, place.world, broadcast=broadcast)
-        unique_id = _rendezvous.share_from_rank0(place, lambda: list(nccl.get_unique_id()),
-                                                 _rendezvous.rendezvous_address(), _rendezvous.job_id(), timeout)
-        return cls.create(place.rank, place.world, unique_id=tuple(unique_id))
+        def made():   # the id as JSON: CuPy 14's is bytes, older ones' a tuple of ints
+            unique_id = nccl.get_unique_id()
+            return {"bytes": isinstance(unique_id, bytes), "values": list(unique_id)}
+
+        shared = _rendezvous.share_from_rank0(place, made, _rendezvous.rendezvous_address(), _rendezvous.job_id(),
+                                              timeout)
+        unique_id = bytes(shared["values"]) if shared["bytes"] else tuple(shared["values"])
+        return cls.create(place.rank, place.world, unique_id=unique_id)
 
     def start_shift(self, payloads, reverse=False):
         import cupy
