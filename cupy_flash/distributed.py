@@ -35,8 +35,9 @@ from ._features import check_window
 from ._rendezvous import launch_environment
 from .reference import _xp
 
-__all__ = ["zigzag_shard", "zigzag_indices", "zigzag_unshard", "ring_blocks", "RingBlock", "LoopbackRing",
-           "NcclRing", "launch_environment", "ring_attention_forward", "ring_attention_backward",
+__all__ = ["zigzag_shard", "zigzag_indices", "zigzag_unshard", "zigzag_shard_packed", "zigzag_unshard_packed",
+           "zigzag_packed_indices", "local_cu_seqlens", "ring_blocks", "packed_ring_blocks", "RingBlock",
+           "LoopbackRing", "NcclRing", "launch_environment", "ring_attention_forward", "ring_attention_backward",
            "simulate_ring_forward", "simulate_ring_backward"]
 
 
@@ -100,6 +101,77 @@ def zigzag_unshard(shards, axis: int = 1):
             index[axis] = slice(position * half, (position + 1) * half)
             chunks[c] = shard[tuple(index)]
     return _xp(shards[0]).concatenate(chunks, axis=axis)
+
+
+# Packed (variable-length) batches: each sequence cut into 2P chunks as a dense one is, a rank
+# holding chunks r and 2P - 1 - r of every sequence, chunk-major: rows [0, half) hold chunk r of
+# each sequence in turn, rows [half, 2 half) chunk 2P - 1 - r of each. Each half is then a packed
+# batch of its own with one prefix-sum array (``local_cu_seqlens``), so a ring step is a packed call
+# per pair of halves (packed_ring_blocks).
+
+def _packed_lengths(cu_seqlens, world: int) -> numpy.ndarray:
+    """The sequences' lengths (int64) from the whole batch's ``cu_seqlens`` (host or GPU), each a
+    multiple of 2 x world, else ValueError naming the first that is not."""
+    host = numpy.asarray(cu_seqlens.get() if hasattr(cu_seqlens, "get") else cu_seqlens)
+    if host.ndim != 1 or host.shape[0] < 2 or host.dtype.kind not in "iu":
+        raise ValueError(f"cu_seqlens must be a 1-D integer array of batch + 1 >= 2 offsets, got shape {host.shape} "
+                         f"and dtype {host.dtype}")
+    host = host.astype(numpy.int64)
+    lengths = numpy.diff(host)
+    if host[0] != 0 or (lengths < 0).any():
+        raise ValueError(f"cu_seqlens must start at 0 and not decrease (prefix sums of lengths), got {host.tolist()[:16]}")
+    off = numpy.flatnonzero(lengths % (2 * world))
+    if off.size:
+        b = int(off[0])
+        raise ValueError(f"cu_seqlens: sequence {b} has {int(lengths[b])} tokens; on a ring of {world} ranks each "
+                         f"sequence is cut into {2 * world} equal chunks, so its length must be a multiple of {2 * world}")
+    return lengths
+
+
+def local_cu_seqlens(cu_seqlens, world: int) -> numpy.ndarray:
+    """int32 prefix sums of one chunk of each sequence: each half of a rank's packed shard is a packed
+    batch with these offsets (the shard holds 2 x their last rows)."""
+    chunks = _packed_lengths(cu_seqlens, world) // (2 * world)
+    return numpy.concatenate([[0], numpy.cumsum(chunks)]).astype(numpy.int32)
+
+
+def zigzag_packed_indices(cu_seqlens, rank: int, world: int) -> numpy.ndarray:
+    """The rows of the whole packed batch that rank ``rank`` holds, in its shard's order: chunk r of
+    every sequence, then chunk 2P - 1 - r of every sequence."""
+    _check_world(rank, world)
+    lengths = _packed_lengths(cu_seqlens, world)
+    starts, chunks = numpy.concatenate([[0], numpy.cumsum(lengths)[:-1]]), lengths // (2 * world)
+    return numpy.concatenate([numpy.arange(start + c * size, start + (c + 1) * size, dtype=numpy.int64)
+                              for c in (rank, 2 * world - 1 - rank) for start, size in zip(starts, chunks)]
+                             + [numpy.zeros(0, numpy.int64)])
+
+
+def zigzag_shard_packed(x, cu_seqlens, rank: int, world: int, axis: int = 0):
+    """Rank ``rank``'s shard of a packed batch ``x`` (rows along ``axis``: q, k, v, o, do (total,
+    heads, d); lse (heads, total) with axis=1) with the whole batch's ``cu_seqlens``."""
+    xp = _xp(x)
+    return xp.take(x, xp.asarray(zigzag_packed_indices(cu_seqlens, rank, world)), axis=axis)
+
+
+def zigzag_unshard_packed(shards, cu_seqlens, axis: int = 0):
+    """The whole packed batch from every rank's shard (the inverse of zigzag_shard_packed)."""
+    world = len(shards)
+    order = numpy.concatenate([zigzag_packed_indices(cu_seqlens, r, world) for r in range(world)])
+    xp = _xp(shards[0])
+    return xp.take(xp.concatenate(list(shards), axis=axis), xp.asarray(numpy.argsort(order)), axis=axis)
+
+
+def packed_ring_blocks(rank: int, world: int, step: int, causal: bool, local_rows: int) -> list[RingBlock]:
+    """The calls rank ``rank`` makes at ``step`` on chunk-major packed shards of ``local_rows`` rows:
+    one per pair of halves (its chunk r or 2P - 1 - r of every sequence, against the shard in
+    hand's) that sees anything, causal where the two chunks are the same (each sequence's block on
+    the diagonal, equal lengths), unmasked where the keys' chunk comes first (chunk_visibility)."""
+    if not 0 <= step < world:
+        raise ValueError(f"step is {step}; expected 0 <= step < world = {world}")
+    half = local_rows // 2
+    seen = chunk_visibility(rank, world, step, causal)
+    return [RingBlock(i * half, (i + 1) * half, j * half, (j + 1) * half, seen[i, j] == "diag")
+            for i in range(2) for j in range(2) if seen[i, j] != "skip"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,6 +286,48 @@ def _flash_backend(softcap: float = 0.0):
     return forward, backward
 
 
+def _flash_packed_backend(softcap: float, cu_half, max_half: int):
+    """(forward, backward) of one block of packed halves (rows of (1, rows, heads, d) views) on the
+    flash kernels' packed path, every sequence of the block a chunk of ``max_half`` rows at most
+    with the offsets ``cu_half`` (int32 on the GPU). lse travels as (1, heads, rows)."""
+    from .backward import flash_backward
+    from .forward import flash_forward
+
+    packed = dict(cu_seqlens_q=cu_half, cu_seqlens_k=cu_half, max_seqlen_q=max_half, max_seqlen_k=max_half)
+
+    def forward(q, k, v, causal, scale, window):
+        o, lse = flash_forward(q[0], k[0], v[0], causal=causal, softmax_scale=scale, softcap=softcap, **packed)
+        return o[None], lse[None]
+
+    def backward(do, q, k, v, o, lse, causal, scale, window):
+        grads = flash_backward(do[0], q[0], k[0], v[0], o[0], lse[0], causal=causal, softmax_scale=scale,
+                               softcap=softcap, **packed)
+        return tuple(g[None] for g in grads)
+    return forward, backward
+
+
+def _per_sequence_backend(backend, cu_half: numpy.ndarray):
+    """A dense (forward, backward) run on each sequence of a block of packed halves in turn (the
+    CPU tests' float64 backend), with the flash packed backend's contract."""
+    forward, backward = backend
+    bounds = [(a, b) for a, b in zip(cu_half[:-1].tolist(), cu_half[1:].tolist()) if b > a]   # empty ones: no rows
+
+    def each(x, start, stop, axis=1):
+        return x[(slice(None),) * axis + (slice(start, stop),)]
+
+    def packed_forward(q, k, v, causal, scale, window):
+        xp = _xp(q)
+        parts = [forward(each(q, a, b), each(k, a, b), each(v, a, b), causal, scale, window) for a, b in bounds]
+        return xp.concatenate([o for o, _ in parts], axis=1), xp.concatenate([lse for _, lse in parts], axis=2)
+
+    def packed_backward(do, q, k, v, o, lse, causal, scale, window):
+        xp = _xp(q)
+        parts = [backward(each(do, a, b), each(q, a, b), each(k, a, b), each(v, a, b), each(o, a, b), each(lse, a, b, 2),
+                          causal, scale, window) for a, b in bounds]
+        return tuple(xp.concatenate([p[i] for p in parts], axis=1) for i in range(3))
+    return packed_forward, packed_backward
+
+
 def _rows(x, start, stop):
     return x[:, start:stop]
 
@@ -221,9 +335,10 @@ def _rows(x, start, stop):
 class _ForwardRank:
     """One rank's running (o, lse) over the K/V shards attended so far (float32)."""
 
-    def __init__(self, q, rank, world, causal, scale, backend, head_dim_v, window_size):
+    def __init__(self, q, rank, world, causal, scale, backend, head_dim_v, window_size, schedule=None):
         self.q, self.rank, self.world, self.causal, self.scale, self.backend = q, rank, world, causal, scale, backend
-        self.head_dim_v, self.window_size = head_dim_v, window_size
+        self.head_dim_v = head_dim_v
+        self.schedule = schedule or (lambda step: ring_blocks(rank, world, step, causal, q.shape[1], window_size))
         self.o = self.lse = None   # from the first block where it covers every row (step 0's does)
 
     def _start(self):
@@ -233,7 +348,7 @@ class _ForwardRank:
         self.lse = xp.full((batch, heads, seqlen), -numpy.inf, dtype=xp.float32)
 
     def attend(self, step, k, v):
-        for block in ring_blocks(self.rank, self.world, step, self.causal, self.q.shape[1], self.window_size):
+        for block in self.schedule(step):
             o, lse = self.backend[0](_rows(self.q, block.q_start, block.q_stop), _rows(k, block.k_start, block.k_stop),
                                      _rows(v, block.k_start, block.k_stop), block.causal, self.scale, block.window)
             self.add_block(o, lse, block.q_start, block.q_stop)
@@ -283,10 +398,10 @@ def _merge_rows(o_acc, lse_acc, o, lse, start, stop):
 class _BackwardRank:
     """One rank's dQ (float32) and the dK/dV pieces of the K/V shard in hand at each step."""
 
-    def __init__(self, do, q, o, lse, rank, world, causal, scale, backend, window_size):
+    def __init__(self, do, q, o, lse, rank, world, causal, scale, backend, window_size, schedule=None):
         self.do, self.q, self.o, self.lse = do, q, o, lse
         self.rank, self.world, self.causal, self.scale, self.backend = rank, world, causal, scale, backend
-        self.window_size = window_size
+        self.schedule = schedule or (lambda step: ring_blocks(rank, world, step, causal, q.shape[1], window_size))
         self.dq = None   # from the first block where it covers every row (step 0's does)
 
     def gradients(self, step, k, v):
@@ -294,7 +409,7 @@ class _BackwardRank:
         be added into the travelling accumulators once they arrive (their shift overlaps this)."""
         xp = _xp(self.q)
         pieces = []
-        for b in ring_blocks(self.rank, self.world, step, self.causal, self.q.shape[1], self.window_size):
+        for b in self.schedule(step):
             dq, dk, dv = self.backend[1](_rows(self.do, b.q_start, b.q_stop), _rows(self.q, b.q_start, b.q_stop),
                                          _rows(k, b.k_start, b.k_stop), _rows(v, b.k_start, b.k_stop),
                                          _rows(self.o, b.q_start, b.q_stop), self.lse[:, :, b.q_start:b.q_stop],
@@ -491,7 +606,9 @@ def _check_shards(name, shards, world, like=None):
                              "every rank holds an equal shard")
 
 
-def _run_forward(ring, qs, ks, vs, causal, softmax_scale, backend, sink=None, window_size=None):
+def _run_forward(ring, qs, ks, vs, causal, softmax_scale, backend, sink=None, window_size=None, schedule=None):
+    """Each rank's (o, lse). ``schedule``: (rank, step) -> the rank's blocks at the step (packed
+    shards'); None: ring_blocks."""
     world = ring.world
     _check_shards("q", qs, len(ring.ranks))
     _check_shards("k", ks, len(ring.ranks), like=qs)
@@ -499,10 +616,11 @@ def _run_forward(ring, qs, ks, vs, causal, softmax_scale, backend, sink=None, wi
     if causal and qs[0].shape[1] % 2:
         raise ValueError(f"q has local_seqlen {qs[0].shape[1]}; causal zigzag shards hold two equal chunks")
     scale = check_softmax_scale(softmax_scale, qs[0].shape[3])
-    left = halo_window(causal, window_size, qs[0].shape[1])
+    left = halo_window(causal, window_size, qs[0].shape[1]) if schedule is None else None
     if left is not None:
         return _halo_forward(ring, qs, ks, vs, scale, backend, left, sink)
-    ranks = [_ForwardRank(q, r, world, causal, scale, backend, vs[0].shape[3], window_size) for q, r in zip(qs, ring.ranks)]
+    ranks = [_ForwardRank(q, r, world, causal, scale, backend, vs[0].shape[3], window_size,
+                          schedule and (lambda step, r=r: schedule(r, step))) for q, r in zip(qs, ring.ranks)]
     payloads = [(k, v) for k, v in zip(ks, vs)]
     for step in range(world):
         handle = ring.start_shift(payloads) if step < world - 1 else None
@@ -513,7 +631,8 @@ def _run_forward(ring, qs, ks, vs, causal, softmax_scale, backend, sink=None, wi
     return [rank.result(sink) for rank in ranks]
 
 
-def _run_backward(ring, dos, qs, ks, vs, os_, lses, causal, softmax_scale, backend, sink=None, window_size=None):
+def _run_backward(ring, dos, qs, ks, vs, os_, lses, causal, softmax_scale, backend, sink=None, window_size=None,
+                  schedule=None):
     world = ring.world
     for name, shards in (("do", dos), ("q", qs), ("k", ks), ("v", vs), ("o", os_)):
         _check_shards(name, shards, len(ring.ranks), like=qs)
@@ -522,10 +641,11 @@ def _run_backward(ring, dos, qs, ks, vs, os_, lses, causal, softmax_scale, backe
         if tuple(lse.shape) != want:
             raise ValueError(f"lse[{r}] has shape {tuple(lse.shape)}; expected (batch, heads, local_seqlen) = {want}")
     scale = check_softmax_scale(softmax_scale, qs[0].shape[3])
-    left = halo_window(causal, window_size, qs[0].shape[1])
+    left = halo_window(causal, window_size, qs[0].shape[1]) if schedule is None else None
     if left is not None:
         return _halo_backward(ring, dos, qs, ks, vs, os_, lses, scale, backend, left, sink)
-    ranks = [_BackwardRank(do, q, o, lse, r, world, causal, scale, backend, window_size)
+    ranks = [_BackwardRank(do, q, o, lse, r, world, causal, scale, backend, window_size,
+                           schedule and (lambda step, r=r: schedule(r, step)))
              for do, q, o, lse, r in zip(dos, qs, os_, lses, ring.ranks)]
     payloads = [(k, v) for k, v in zip(ks, vs)]
     done = None   # each rank's accumulators with its part added: they travel with the next shift
@@ -654,46 +774,99 @@ def _sink_gradient(do, o, lse, sink):
     return -(p_sink * delta).sum(axis=(0, 2))
 
 
+def _packed_ring(cu_seqlens, world: int, q_shards, causal: bool, backend, softcap: float, window_size):
+    """(backend, schedule) of a ring over packed shards (``cu_seqlens``: the whole batch's), after
+    the checks: q shards of 2 x local_cu_seqlens[-1] rows, no window."""
+    if check_window(window_size) != (-1, -1):
+        raise ValueError("window_size is not supported with cu_seqlens on the ring: a window would crop each "
+                         "sequence's chunks differently")
+    cu_half = local_cu_seqlens(cu_seqlens, world)
+    rows = 2 * int(cu_half[-1])
+    if not rows:
+        raise ValueError("cu_seqlens: the batch has no tokens")
+    for r, q in enumerate(q_shards):
+        if getattr(q, "ndim", None) != 3 or q.shape[0] != rows:
+            raise ValueError(f"q[{r}] has shape {tuple(getattr(q, 'shape', ()))}; with cu_seqlens a rank's shard is "
+                             f"(2 x {int(cu_half[-1])} = {rows} rows, heads, head_dim): zigzag_shard_packed")
+    if backend is not None:
+        backend = _per_sequence_backend(backend, cu_half)
+    else:
+        backend = _flash_packed_backend(softcap, _xp(q_shards[0]).asarray(cu_half), int(numpy.diff(cu_half).max()))
+    return backend, (lambda rank, step: packed_ring_blocks(rank, world, step, causal, rows))
+
+
+def _dense_like(qs, cu_seqlens):
+    """A q shard as the variant checks read it (batch, rows, heads, d): a packed one with a batch of 1."""
+    packed = cu_seqlens is not None and getattr(qs[0], "ndim", None) == 3
+    return qs[0][None] if packed else qs[0]
+
+
+def _forward(ring, qs, ks, vs, causal, softmax_scale, softcap, sink, window_size, cu_seqlens, backend):
+    """_run_forward, on dense or (``cu_seqlens``) packed shards: each rank's (o, lse)."""
+    softcap, sink = _check_ring_variant(softcap, sink, _dense_like(qs, cu_seqlens), backend, window_size) if qs \
+        else (softcap, sink)
+    if cu_seqlens is None:
+        return _run_forward(ring, qs, ks, vs, causal, softmax_scale, backend or _flash_backend(softcap), sink,
+                            window_size)
+    backend, schedule = _packed_ring(cu_seqlens, ring.world, qs, causal, backend, softcap, window_size)
+    outs = _run_forward(ring, [q[None] for q in qs], [k[None] for k in ks], [v[None] for v in vs], causal,
+                        softmax_scale, backend, sink, None, schedule)
+    return [(o[0], lse[0]) for o, lse in outs]
+
+
+def _backward(ring, dos, qs, ks, vs, os_, lses, causal, softmax_scale, softcap, sink, window_size, cu_seqlens,
+              backend):
+    """_run_backward, on dense or (``cu_seqlens``) packed shards: each rank's gradients."""
+    softcap, sink = _check_ring_variant(softcap, sink, _dense_like(qs, cu_seqlens), backend, window_size) if qs \
+        else (softcap, sink)
+    if cu_seqlens is None:
+        return _run_backward(ring, dos, qs, ks, vs, os_, lses, causal, softmax_scale, backend or _flash_backend(softcap),
+                             sink, window_size)
+    backend, schedule = _packed_ring(cu_seqlens, ring.world, qs, causal, backend, softcap, window_size)
+    views = [[x[None] for x in shards] for shards in (dos, qs, ks, vs, os_, lses)]
+    grads = _run_backward(ring, *views, causal, softmax_scale, backend, sink, None, schedule)
+    return [tuple(g[0] for g in rank[:3]) + tuple(rank[3:]) for rank in grads]
+
+
 def simulate_ring_forward(qs, ks, vs, *, causal=False, softmax_scale=None, softcap=0.0, sink=None, window_size=None,
-                          _backend=None):
+                          cu_seqlens=None, _backend=None):
     """The ring forward over ``len(qs)`` virtual ranks in this process (``LoopbackRing``): qs[r],
     ks[r], vs[r] are rank r's zigzag shards (``zigzag_shard``); returns [(o_r, lse_r)], each rank's
     output shard (dtype of q) and float32 lse (batch, heads, local_seqlen). ``softcap``, ``sink`` and
     ``window_size`` as flash_forward's over the whole sequence (the sink joins each row's softmax
-    once, after the shards' merge; a step whose shard the window does not reach computes nothing)."""
-    ring = LoopbackRing(len(qs))
-    softcap, sink = _check_ring_variant(softcap, sink, qs[0], _backend, window_size) if qs else (softcap, sink)
-    return _run_forward(ring, list(qs), list(ks), list(vs), causal, softmax_scale, _backend or _flash_backend(softcap),
-                        sink, window_size)
+    once, after the shards' merge; a step whose shard the window does not reach computes nothing).
+    ``cu_seqlens``: the shards are a packed batch's (``zigzag_shard_packed`` of (total, heads, d)
+    arrays with the whole batch's prefix sums, each length a multiple of 2 x ranks); lse_r is then
+    (heads, local rows). Not with window_size."""
+    return _forward(LoopbackRing(len(qs)), list(qs), list(ks), list(vs), causal, softmax_scale, softcap, sink,
+                    window_size, cu_seqlens, _backend)
 
 
 def simulate_ring_backward(dos, qs, ks, vs, os_, lses, *, causal=False, softmax_scale=None, softcap=0.0, sink=None,
-                           window_size=None, _backend=None):
+                           window_size=None, cu_seqlens=None, _backend=None):
     """The ring backward over virtual ranks (see ``simulate_ring_forward``): os_ and lses are the
     forward's per-rank results; returns [(dq_r, dk_r, dv_r)] in the rank's shards, with the sink
     [(dq_r, dk_r, dv_r, dsink_r)]: dsink_r of rank r's rows (their sum is the sink's gradient)."""
-    ring = LoopbackRing(len(qs))
-    softcap, sink = _check_ring_variant(softcap, sink, qs[0], _backend, window_size) if qs else (softcap, sink)
-    return _run_backward(ring, list(dos), list(qs), list(ks), list(vs), list(os_), list(lses), causal, softmax_scale,
-                         _backend or _flash_backend(softcap), sink, window_size)
+    return _backward(LoopbackRing(len(qs)), list(dos), list(qs), list(ks), list(vs), list(os_), list(lses), causal,
+                     softmax_scale, softcap, sink, window_size, cu_seqlens, _backend)
 
 
 def ring_attention_forward(q, k, v, *, ring, causal=False, softmax_scale=None, softcap=0.0, sink=None,
-                           window_size=None):
+                           window_size=None, cu_seqlens=None):
     """This rank's (o, lse) of attention over the whole sequence, q, k, v being its zigzag shards
     and ``ring`` its ``NcclRing``. Every rank calls it at once. ``softcap``, ``sink`` and
     ``window_size`` as flash_forward's over the whole sequence (sink: (heads_q,) float32, the same
-    on every rank; window_size: (left, right) in global positions)."""
-    softcap, sink = _check_ring_variant(softcap, sink, q, None, window_size)
-    ((o, lse),) = _run_forward(ring, [q], [k], [v], causal, softmax_scale, _flash_backend(softcap), sink, window_size)
+    on every rank; window_size: (left, right) in global positions). ``cu_seqlens``: a packed batch
+    (q, k, v its ``zigzag_shard_packed`` shards; the whole batch's prefix sums, the same on every
+    rank; lse (heads, local rows))."""
+    ((o, lse),) = _forward(ring, [q], [k], [v], causal, softmax_scale, softcap, sink, window_size, cu_seqlens, None)
     return o, lse
 
 
 def ring_attention_backward(do, q, k, v, o, lse, *, ring, causal=False, softmax_scale=None, softcap=0.0, sink=None,
-                            window_size=None):
+                            window_size=None, cu_seqlens=None):
     """This rank's (dq, dk, dv) shards, given its shards of do, q, k, v and the forward's o, lse;
     with ``sink`` also this rank's part of dsink (all-reduce the ranks' parts for the gradient)."""
-    softcap, sink = _check_ring_variant(softcap, sink, q, None, window_size)
-    ((*grads,),) = _run_backward(ring, [do], [q], [k], [v], [o], [lse], causal, softmax_scale, _flash_backend(softcap),
-                                 sink, window_size)
+    ((*grads,),) = _backward(ring, [do], [q], [k], [v], [o], [lse], causal, softmax_scale, softcap, sink, window_size,
+                             cu_seqlens, None)
     return tuple(grads)

@@ -243,3 +243,87 @@ def test_a_ranks_memory_is_linear_in_its_shard_and_independent_of_the_ring(causa
     two, eight = (_peak_bytes_of_one_rank(world, 64, causal) for world in (2, 8))
     assert eight <= 1.25 * two, (two, eight)   # keeping every shard seen: 2.7x
     assert _peak_bytes_of_one_rank(2, 128, causal) <= 3 * two
+
+
+def test_packed_shards_hold_chunks_r_and_2p_minus_1_minus_r_of_every_sequence_and_unshard_back():
+    cu = numpy.array([0, 8, 8, 24, 32])   # lengths 8, 0, 16, 8 on 2 ranks: chunks of 2, 0, 4, 2
+    x = numpy.arange(32 * 3).reshape(32, 3)
+    shards = [distributed.zigzag_shard_packed(x, cu, r, 2) for r in range(2)]
+    assert shards[0][:, 0].tolist() == [3 * i for i in (0, 1, 8, 9, 10, 11, 24, 25, 6, 7, 20, 21, 22, 23, 30, 31)]
+    assert distributed.local_cu_seqlens(cu, 2).tolist() == [0, 2, 2, 6, 8]
+    assert (distributed.zigzag_unshard_packed(shards, cu) == x).all()
+    lse = numpy.arange(2 * 32).reshape(2, 32)   # (heads, total): rows along axis 1
+    assert (distributed.zigzag_unshard_packed([distributed.zigzag_shard_packed(lse, cu, r, 2, axis=1)
+                                               for r in range(2)], cu, axis=1) == lse).all()
+
+
+def _packed_reference(q, k, v, do, cu, causal, sink=None):
+    """Attention, its lse and gradients over each sequence of a packed batch on its own (float64)."""
+    outs = []
+    for a, b in zip(cu[:-1], cu[1:]):
+        if a == b:
+            continue
+        o, lse = attention_reference(q[None, a:b], k[None, a:b], v[None, a:b], causal=causal, softmax_scale=0.3,
+                                     sink=sink)
+        grads = DenseBackend(b - a).backward(do[None, a:b], q[None, a:b], k[None, a:b], v[None, a:b], o, lse, causal, 0.3) \
+            if sink is None else (None,) * 3
+        outs.append((o[0], lse[0], *(g if g is None else g[0] for g in grads)))
+    return [numpy.concatenate([x[i] for x in outs], axis=1 if i == 1 else 0) if outs[0][i] is not None else None
+            for i in range(5)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads_kv", [4, 1])
+def test_simulated_ring_over_packed_shards_equals_each_sequence_alone(world, causal, heads_kv):
+    """A packed batch of mixed lengths (an empty sequence among them) on the ring: each sequence cut
+    into 2P chunks, the shards chunk-major; forward and backward against attention over each whole
+    sequence on its own."""
+    rng = numpy.random.default_rng(world * 5 + causal + heads_kv)
+    lengths = numpy.array([3, 0, 1, 5]) * 2 * world
+    cu = numpy.concatenate([[0], numpy.cumsum(lengths)])
+    total, heads, d = int(cu[-1]), 4, 16
+    q, do = (rng.standard_normal((total, heads, d)) for _ in range(2))
+    k, v = (rng.standard_normal((total, heads_kv, d)) for _ in range(2))
+    backend = DenseBackend(total).pair()
+    shard = lambda x, axis=0: [distributed.zigzag_shard_packed(x, cu, r, world, axis) for r in range(world)]   # noqa: E731
+    options = dict(causal=causal, softmax_scale=0.3, cu_seqlens=cu, _backend=backend)
+    outs = distributed.simulate_ring_forward(shard(q), shard(k), shard(v), **options)
+    o = distributed.zigzag_unshard_packed([o for o, _ in outs], cu)
+    lse = distributed.zigzag_unshard_packed([lse for _, lse in outs], cu, axis=1)
+    o_ref, lse_ref, *refs = _packed_reference(q, k, v, do, cu, causal)
+    assert numpy.abs(o - o_ref).max() < 1e-6 and numpy.abs(lse - lse_ref).max() < 1e-5
+    grads = distributed.simulate_ring_backward(shard(do), shard(q), shard(k), shard(v), shard(o_ref), shard(lse_ref, 1),
+                                               **options)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        ours = distributed.zigzag_unshard_packed([g[i] for g in grads], cu)
+        assert numpy.abs(ours - refs[i]).max() <= 1e-6 * numpy.abs(refs[i]).max(), name
+
+
+def test_packed_ring_takes_a_sink():
+    world, rng = 3, numpy.random.default_rng(2)
+    cu = numpy.array([0, 12, 18, 42])
+    q, k, v = (rng.standard_normal((42, 2, 8)) for _ in range(3))
+    sink = numpy.array([0.5, -1.0])
+    shard = lambda x: [distributed.zigzag_shard_packed(x, cu, r, world) for r in range(world)]   # noqa: E731
+    outs = distributed.simulate_ring_forward(shard(q), shard(k), shard(v), causal=True, softmax_scale=0.3, sink=sink,
+                                             cu_seqlens=cu, _backend=DenseBackend(42).pair())
+    o = distributed.zigzag_unshard_packed([o for o, _ in outs], cu)
+    o_ref, lse_ref, *_ = _packed_reference(q, k, v, q, cu, True, sink=sink)
+    assert numpy.abs(o - o_ref).max() < 1e-6
+    assert numpy.abs(distributed.zigzag_unshard_packed([lse for _, lse in outs], cu, axis=1) - lse_ref).max() < 1e-5
+
+
+def test_packed_ring_arguments_are_checked():
+    backend = DenseBackend(8).pair()
+    q = [numpy.zeros((8, 2, 16))] * 2
+    with pytest.raises(ValueError, match="sequence 1 has 6 tokens.*multiple of 4"):
+        distributed.simulate_ring_forward(q, q, q, cu_seqlens=numpy.array([0, 8, 14]), _backend=backend)
+    with pytest.raises(ValueError, match="window_size is not supported with cu_seqlens"):
+        distributed.simulate_ring_forward(q, q, q, cu_seqlens=numpy.array([0, 16]), window_size=(4, 0), _backend=backend)
+    with pytest.raises(ValueError, match=r"q\[0\] has shape \(8, 2, 16\).*12 rows"):
+        distributed.simulate_ring_forward(q, q, q, cu_seqlens=numpy.array([0, 24]), _backend=backend)
+    with pytest.raises(ValueError, match="no tokens"):
+        distributed.simulate_ring_forward(q, q, q, cu_seqlens=numpy.array([0, 0]), _backend=backend)
+    with pytest.raises(ValueError, match="start at 0"):
+        distributed.simulate_ring_forward(q, q, q, cu_seqlens=numpy.array([4, 20]), _backend=backend)

@@ -9,6 +9,7 @@ from helpers import (
     gradient_term_scales,
     low_precision_gradients,
     max_finite_abs,
+    packed_gradient_term_scales,
     poisoned_allocations,
     random_array,
     requires_gpu,
@@ -122,6 +123,56 @@ def test_loopback_ring_takes_its_variants(world, variant):
         dsink = sum(g[3] for g in grads)
         check_error_rule("dsink", dsink, exact_grads[3], low_grads[3], context, max_finite_abs(exact[1]),
                          float(abs(exact_grads[3]).max()) * seqlen, factor=3.0)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lengths,heads_kv,sink", [((77, 0, 5, 300), 2, False), ((1, 128, 33), 4, True)])
+def test_loopback_ring_over_packed_shards_holds_the_error_rule(world, causal, lengths, heads_kv, sink):
+    """A packed batch of mixed lengths (each a multiple of 2 x ranks: chunks of 77, 0, 5 and 300
+    rows, or 1, 128 and 33) on the ring, the shards chunk-major (zigzag_shard_packed), each step a
+    packed flash call per pair of halves: o, lse and dq, dk, dv (dsink) against the float64 reference
+    of each whole sequence, with the 2x / 3x rule."""
+    import cupy
+
+    rng = numpy.random.default_rng(world * 10 + causal + heads_kv)
+    heads, d = 4, 64
+    cu_host = numpy.concatenate([[0], numpy.cumsum(numpy.array(lengths) * 2 * world)]).astype(numpy.int32)
+    cu, total = cupy.asarray(cu_host), int(cu_host[-1])
+    q, do = (random_array(rng, (total, heads, d), "bfloat16", 2.0) for _ in range(2))
+    k, v = (random_array(rng, (total, heads_kv, d), "bfloat16", 2.0) for _ in range(2))
+    options = dict(causal=causal)
+    if sink:
+        options["sink"] = cupy.asarray([-1.0, 0.5, 2.0, 4.0], dtype=cupy.float32)
+    packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+    def shard(x, axis=0):
+        return [distributed.zigzag_shard_packed(x, cu_host, r, world, axis) for r in range(world)]
+
+    with poisoned_allocations():
+        outs = distributed.simulate_ring_forward(shard(q), shard(k), shard(v), cu_seqlens=cu_host, **options)
+    o = distributed.zigzag_unshard_packed([o for o, _ in outs], cu_host)
+    lse = distributed.zigzag_unshard_packed([lse for _, lse in outs], cu_host, axis=1)
+    exact = attention_reference(q, k, v, **options, **packed)
+    low = attention_reference(q, k, v, upcast=False, **options, **packed)
+    context = f"packed ring world={world} causal={causal} lengths={lengths} heads_kv={heads_kv} sink={sink}"
+    check_error_rule("o", o, exact[0], low[0], context, max_finite_abs(exact[1]))
+    check_error_rule("lse", lse, exact[1], low[1], context, max_finite_abs(exact[1]))
+    with poisoned_allocations():
+        grads = distributed.simulate_ring_backward(shard(do), shard(q), shard(k), shard(v), shard(o), shard(lse, 1),
+                                                   cu_seqlens=cu_host, **options)
+    exact_grads = attention_reference_backward(do, q, k, v, **options, **packed)
+    low_grads = low_precision_gradients(do, q, k, v, **options, **packed)
+    scales = packed_gradient_term_scales(len(lengths), do, q, k, v, o, dict(options, **packed))
+    for i, (name, x) in enumerate((("dq", q), ("dk", k), ("dv", v))):
+        ours = distributed.zigzag_unshard_packed([g[i] for g in grads], cu_host)
+        assert ours.shape == x.shape and ours.dtype == x.dtype
+        check_error_rule(name, ours, exact_grads[i], low_grads[i], context, max_finite_abs(exact[1]), scales[name],
+                         scales.get("delta:" + name, 0.0), factor=3.0)
+    if sink:
+        dsink = sum(g[3] for g in grads)
+        check_error_rule("dsink", dsink, exact_grads[3], low_grads[3], context, max_finite_abs(exact[1]),
+                         float(abs(exact_grads[3]).max()) * max(lengths) * 2 * world, factor=3.0)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
