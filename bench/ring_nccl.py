@@ -1,6 +1,6 @@
 """The NCCL ring on several GPUs of one host: exactness, overlap and scaling in one run.
 
-    NCCL_NVLS_ENABLE=0 mpirun -n 2 python bench/ring_nccl.py [--seqlens 131072 524288] [--window 4096] [--out DIR]
+    NCCL_NVLS_ENABLE=0 mpirun -n 2 python bench/ring_nccl.py [--seqlens 131072 524288] [--window 4096 | --packed] [--out DIR]
 
 One process per GPU (rank r on GPU r). Every rank draws the same full sequence (one seed), keeps
 its zigzag shard and runs ``ring_attention_forward`` / ``ring_attention_backward``:
@@ -12,7 +12,9 @@ its zigzag shard and runs ``ring_attention_forward`` / ``ring_attention_backward
     ring, of the same kernel calls with the transport removed (each rank keeps its own K/V:
     compute only), and of one GPU over the whole sequence (rank 0); the overlap ratio (ring /
     compute only), the speed-up over one GPU and its efficiency (speed-up / GPUs), each rank's compute
-    time (imbalance) and its peak pool memory (O(local tokens)).
+    time (imbalance) and its peak pool memory (O(local tokens)). With --packed the total length is a
+    packed batch of four sequences of mixed lengths (1/2, 1/4, 1/8, 1/8 of it; cu_seqlens), the ring
+    against one GPU running the same packed call.
 Rank 0 prints the table last and writes JSON to --out.
 """
 
@@ -103,15 +105,26 @@ def timed(fn, repeats=5):
     return statistics.median(times)
 
 
-def scaling(mpi, ring, rank, world, total, window):
+def mixed_lengths(total: int) -> numpy.ndarray:
+    """--packed's prefix sums: four sequences of 1/2, 1/4, 1/8 and 1/8 of ``total`` tokens."""
+    return numpy.concatenate([[0], numpy.cumsum([total // 2, total // 4, total // 8, total // 8])]).astype(numpy.int32)
+
+
+def scaling(mpi, ring, rank, world, total, window, packed=False):
     batch, heads, d, dtype = 1, 16, 128, ml_dtypes.bfloat16
     local = total // world
-    mine = [distributed.zigzag_shard(full((batch, total, heads, d), dtype, s), rank, world) for s in range(4)]
+    cu = mixed_lengths(total) if packed else None
+    shape, options = ((total, heads, d), dict(cu_seqlens=cu)) if packed else ((batch, total, heads, d), {})
+    if packed:
+        mine = [distributed.zigzag_shard_packed(full(shape, dtype, s), cu, rank, world) for s in range(4)]
+    else:
+        mine = [distributed.zigzag_shard(full(shape, dtype, s), rank, world) for s in range(4)]
     cupy.get_default_memory_pool().free_all_blocks()
 
     def train_step(r):
-        o, lse = distributed.ring_attention_forward(*mine[:3], ring=r, causal=True, window_size=window)
-        distributed.ring_attention_backward(mine[3], *mine[:3], o, lse, ring=r, causal=True, window_size=window)
+        o, lse = distributed.ring_attention_forward(*mine[:3], ring=r, causal=True, window_size=window, **options)
+        distributed.ring_attention_backward(mine[3], *mine[:3], o, lse, ring=r, causal=True, window_size=window,
+                                            **options)
 
     mpi.Barrier()
     ring_ms = timed(lambda: train_step(ring))
@@ -120,11 +133,12 @@ def scaling(mpi, ring, rank, world, total, window):
     one_ms = None
     if rank == 0:
         try:
-            whole = [full((batch, total, heads, d), dtype, s) for s in range(4)]
+            whole = [full(shape, dtype, s) for s in range(4)]
+            one_options = dict(cu_seqlens_q=cupy.asarray(cu), cu_seqlens_k=cupy.asarray(cu)) if packed else {}
 
             def one():
-                o, lse = cupy_flash.flash_forward(*whole[:3], causal=True, window_size=window)
-                cupy_flash.flash_backward(whole[3], *whole[:3], o, lse, causal=True, window_size=window)
+                o, lse = cupy_flash.flash_forward(*whole[:3], causal=True, window_size=window, **one_options)
+                cupy_flash.flash_backward(whole[3], *whole[:3], o, lse, causal=True, window_size=window, **one_options)
             one_ms = timed(one)
             del whole
         except cupy.cuda.memory.OutOfMemoryError:
@@ -135,7 +149,8 @@ def scaling(mpi, ring, rank, world, total, window):
     if rank != 0:
         return None
     ring_time = max(rings)
-    return {"total": total, "local": local, "window": window, "ring_ms": ring_time, "compute_ms": max(computes),
+    return {"total": total, "local": local, "window": window, "packed": cu.tolist() if packed else None,
+            "ring_ms": ring_time, "compute_ms": max(computes),
             "overlap": ring_time / max(computes), "one_gpu_ms": one_ms,
             "speedup": one_ms / ring_time if one_ms else None,
             "imbalance": max(computes) / min(computes) - 1, "peak_bytes_per_rank": peaks,
@@ -147,8 +162,11 @@ def main():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqlens", nargs="+", type=int, default=[131072, 524288])
     parser.add_argument("--window", type=int, default=None, help="a sliding window of this many keys back")
+    parser.add_argument("--packed", action="store_true", help="each length a packed batch of four mixed lengths")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
+    if args.packed and args.window is not None:
+        parser.error("--packed and --window: the ring takes no window on packed shards")
     from mpi4py import MPI
 
     mpi = MPI.COMM_WORLD
@@ -159,12 +177,12 @@ def main():
     exact = [exactness(mpi, ring, rank, world, dtype, causal) for dtype in DTYPES for causal in (False, True)]
     exact.append(exactness(mpi, ring, rank, world, "bf16", True, (300, 0)))
     window = None if args.window is None else (args.window, 0)
-    scale = [scaling(mpi, ring, rank, world, total, window) for total in args.seqlens]
+    scale = [scaling(mpi, ring, rank, world, total, window, args.packed) for total in args.seqlens]
     if rank != 0:
         return
     result = {"world": world, "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
               "exactness": exact, "scaling": scale, "seconds": time.time() - started}
-    path = os.path.join(args.out, f"ring_nccl_{world}gpu.json")
+    path = os.path.join(args.out, f"ring_nccl_{world}gpu{'_packed' if args.packed else ''}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print("exactness (err / reference err; the rule: o <= 2, gradients <= 3)")
@@ -178,7 +196,8 @@ def main():
         one = f"{row['one_gpu_ms']:.1f}" if row["one_gpu_ms"] else "n/a"
         speed = f"{row['speedup']:.2f}" if row["speedup"] else "n/a"
         efficiency = f"{row['speedup'] / world:.3f}" if row["speedup"] else "n/a"
-        print(f"| {row['total']} | {world} | {row['ring_ms']:.1f} | {row['compute_ms']:.1f} | {row['overlap']:.3f} | "
+        tokens = f"{row['total']} (packed)" if row.get("packed") else row["total"]
+        print(f"| {tokens} | {world} | {row['ring_ms']:.1f} | {row['compute_ms']:.1f} | {row['overlap']:.3f} | "
               f"{one} | {speed} | {efficiency} | {100 * row['imbalance']:.1f}% | "
               f"{max(row['peak_bytes_per_rank']) / 1e9:.2f} |")
     print(f"JSON: {path}")

@@ -24,6 +24,7 @@ stream of their own so the next K/V travels while this one is attended.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import numbers
@@ -775,8 +776,9 @@ def _sink_gradient(do, o, lse, sink):
 
 
 def _packed_ring(cu_seqlens, world: int, q_shards, causal: bool, backend, softcap: float, window_size):
-    """(backend, schedule) of a ring over packed shards (``cu_seqlens``: the whole batch's), after
-    the checks: q shards of 2 x local_cu_seqlens[-1] rows, no window."""
+    """(backend, schedule, context) of a ring over packed shards (``cu_seqlens``: the whole batch's),
+    after the checks: q shards of 2 x local_cu_seqlens[-1] rows, no window. The ring runs inside
+    ``context``, where the flash calls check the halves' offsets from their host copy."""
     if check_window(window_size) != (-1, -1):
         raise ValueError("window_size is not supported with cu_seqlens on the ring: a window would crop each "
                          "sequence's chunks differently")
@@ -788,11 +790,16 @@ def _packed_ring(cu_seqlens, world: int, q_shards, causal: bool, backend, softca
         if getattr(q, "ndim", None) != 3 or q.shape[0] != rows:
             raise ValueError(f"q[{r}] has shape {tuple(getattr(q, 'shape', ()))}; with cu_seqlens a rank's shard is "
                              f"(2 x {int(cu_half[-1])} = {rows} rows, heads, head_dim): zigzag_shard_packed")
+    def schedule(rank, step):
+        return packed_ring_blocks(rank, world, step, causal, rows)
+
     if backend is not None:
-        backend = _per_sequence_backend(backend, cu_half)
-    else:
-        backend = _flash_packed_backend(softcap, _xp(q_shards[0]).asarray(cu_half), int(numpy.diff(cu_half).max()))
-    return backend, (lambda rank, step: packed_ring_blocks(rank, world, step, causal, rows))
+        return _per_sequence_backend(backend, cu_half), schedule, contextlib.nullcontext()
+    from ._checks import known_prefix_sums
+
+    on_device = _xp(q_shards[0]).asarray(cu_half)
+    return (_flash_packed_backend(softcap, on_device, int(numpy.diff(cu_half).max())), schedule,
+            known_prefix_sums(on_device, cu_half))
 
 
 def _dense_like(qs, cu_seqlens):
@@ -808,9 +815,10 @@ def _forward(ring, qs, ks, vs, causal, softmax_scale, softcap, sink, window_size
     if cu_seqlens is None:
         return _run_forward(ring, qs, ks, vs, causal, softmax_scale, backend or _flash_backend(softcap), sink,
                             window_size)
-    backend, schedule = _packed_ring(cu_seqlens, ring.world, qs, causal, backend, softcap, window_size)
-    outs = _run_forward(ring, [q[None] for q in qs], [k[None] for k in ks], [v[None] for v in vs], causal,
-                        softmax_scale, backend, sink, None, schedule)
+    backend, schedule, context = _packed_ring(cu_seqlens, ring.world, qs, causal, backend, softcap, window_size)
+    with context:
+        outs = _run_forward(ring, [q[None] for q in qs], [k[None] for k in ks], [v[None] for v in vs], causal,
+                            softmax_scale, backend, sink, None, schedule)
     return [(o[0], lse[0]) for o, lse in outs]
 
 
@@ -822,9 +830,10 @@ def _backward(ring, dos, qs, ks, vs, os_, lses, causal, softmax_scale, softcap, 
     if cu_seqlens is None:
         return _run_backward(ring, dos, qs, ks, vs, os_, lses, causal, softmax_scale, backend or _flash_backend(softcap),
                              sink, window_size)
-    backend, schedule = _packed_ring(cu_seqlens, ring.world, qs, causal, backend, softcap, window_size)
+    backend, schedule, context = _packed_ring(cu_seqlens, ring.world, qs, causal, backend, softcap, window_size)
     views = [[x[None] for x in shards] for shards in (dos, qs, ks, vs, os_, lses)]
-    grads = _run_backward(ring, *views, causal, softmax_scale, backend, sink, None, schedule)
+    with context:
+        grads = _run_backward(ring, *views, causal, softmax_scale, backend, sink, None, schedule)
     return [tuple(g[0] for g in rank[:3]) + tuple(rank[3:]) for rank in grads]
 
 

@@ -149,8 +149,16 @@ def test_loopback_ring_over_packed_shards_holds_the_error_rule(world, causal, le
     def shard(x, axis=0):
         return [distributed.zigzag_shard_packed(x, cu_host, r, world, axis) for r in range(world)]
 
-    with poisoned_allocations():
+    read_back, asnumpy = [], cupy.asnumpy
+
+    def noting_asnumpy(x, *args, **kwargs):
+        read_back.append(x.dtype)
+        return asnumpy(x, *args, **kwargs)
+
+    with poisoned_allocations(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cupy, "asnumpy", noting_asnumpy)
         outs = distributed.simulate_ring_forward(shard(q), shard(k), shard(v), cu_seqlens=cu_host, **options)
+    assert numpy.dtype(numpy.int32) not in read_back   # the calls check the halves' offsets from their host copy
     o = distributed.zigzag_unshard_packed([o for o, _ in outs], cu_host)
     lse = distributed.zigzag_unshard_packed([lse for _, lse in outs], cu_host, axis=1)
     exact = attention_reference(q, k, v, **options, **packed)
