@@ -308,6 +308,32 @@ def known_prefix_sums(device_array, host):
         _known_prefix_sums.pop(key, None)
 
 
+_KNOWN_OFFSETS_KEYWORDS = frozenset(("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"))
+
+
+def known_offsets_key(features: dict) -> tuple | None:
+    """For the plan caches' keys: what a packed call's checks and plan read of its ``features``
+    where they are only cu_seqlens_q / _k (both with host copies in known_prefix_sums) and
+    max_seqlen_q / _k (ints or None): the arrays' ids (a kept plan holds its arrays, so no other
+    array takes the id while the plan is kept), their host copies' bytes and the maxima. None
+    otherwise (the checked route)."""
+    if not features or not _KNOWN_OFFSETS_KEYWORDS.issuperset(features):
+        return None
+    parts = []
+    for name in ("cu_seqlens_q", "cu_seqlens_k"):
+        cu = features.get(name)
+        known = _known_prefix_sums.get(id(cu))
+        if known is None or known[0] is not cu:
+            return None
+        parts += (id(cu), known[1].tobytes())
+    for name in ("max_seqlen_q", "max_seqlen_k"):
+        value = features.get(name)
+        if value is not None and type(value) is not int:
+            return None
+        parts.append(value)
+    return tuple(parts)
+
+
 def _check_cu_seqlens(name: str, cu, total: int | None, total_name: str):
     """The host copy of an int32 prefix-sum array (one small device-to-host copy: a sync, unless
     known_prefix_sums holds it); ``total``: where it must end (None: anywhere)."""

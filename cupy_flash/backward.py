@@ -62,8 +62,8 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
     # flash_forward); a repeated FP8 one with host descales, its FP8 plan (backward_fp8).
     if stream is None and return_dbias is False:
         result = None
-        if not features:
-            plan = _plans.get(_plan_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic))
+        if not features or _checks.known_offsets_key(features) is not None:
+            plan = _plans.get(_plan_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic, features))
             result = plan.call(do, q, k, v, o, lse) if plan is not None else None
         elif is_fp8_call(q, features):
             result = backward_fp8.repeated_call(do, q, k, v, o, lse, softmax_scale, causal, deterministic, features)
@@ -93,8 +93,8 @@ def backward_into(out, do, q, k, v, o, lse, *, softmax_scale=None, causal=False,
     elif _padding.needs_padding(q, v):   # a head_dim that is not a multiple of 8: padded copies
         return _padding.backward(backward_into, out, do, q, k, v, o, lse, softmax_scale, causal, deterministic,
                                  return_dbias, features)
-    key = _plan_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic) \
-        if not features and return_dbias is False else None
+    key = _plan_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic, features) \
+        if return_dbias is False else None
     if key is not None:
         plan = _plans.get(key)
         if plan is not None and plan.device == plan.cuda.get_device():
@@ -159,8 +159,8 @@ def backward_into(out, do, q, k, v, o, lse, *, softmax_scale=None, causal=False,
 _plans: dict = {}
 
 
-def _plan_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic):
-    key = forward_plan_key(q, k, v, softmax_scale, causal)
+def _plan_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic, features=None):
+    key = forward_plan_key(q, k, v, softmax_scale, causal, features)
     extras = _checks.backward_extras_key(type(q), do, o, lse, deterministic) if key is not None else None
     return None if extras is None else key + extras
 

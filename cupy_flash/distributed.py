@@ -294,15 +294,17 @@ def _flash_packed_backend(softcap: float, cu_half, max_half: int):
     from .backward import flash_backward
     from .forward import flash_forward
 
-    packed = dict(cu_seqlens_q=cu_half, cu_seqlens_k=cu_half, max_seqlen_q=max_half, max_seqlen_k=max_half)
+    # softcap only where it is on: a call whose keywords are the offsets alone keeps its plan
+    # (known_prefix_sums; ~20 us of host time a call against ~0.5-1 ms checked)
+    packed = dict(cu_seqlens_q=cu_half, cu_seqlens_k=cu_half, max_seqlen_q=max_half, max_seqlen_k=max_half,
+                  **({"softcap": softcap} if softcap else {}))
 
     def forward(q, k, v, causal, scale, window):
-        o, lse = flash_forward(q[0], k[0], v[0], causal=causal, softmax_scale=scale, softcap=softcap, **packed)
+        o, lse = flash_forward(q[0], k[0], v[0], causal=causal, softmax_scale=scale, **packed)
         return o[None], lse[None]
 
     def backward(do, q, k, v, o, lse, causal, scale, window):
-        grads = flash_backward(do[0], q[0], k[0], v[0], o[0], lse[0], causal=causal, softmax_scale=scale,
-                               softcap=softcap, **packed)
+        grads = flash_backward(do[0], q[0], k[0], v[0], o[0], lse[0], causal=causal, softmax_scale=scale, **packed)
         return tuple(g[None] for g in grads)
     return forward, backward
 
@@ -411,9 +413,12 @@ class _BackwardRank:
         xp = _xp(self.q)
         pieces = []
         for b in self.schedule(step):
+            # lse's rows as a contiguous copy: a strided view would be copied inside the call, which
+            # then takes the checked route every time instead of its kept plan
             dq, dk, dv = self.backend[1](_rows(self.do, b.q_start, b.q_stop), _rows(self.q, b.q_start, b.q_stop),
                                          _rows(k, b.k_start, b.k_stop), _rows(v, b.k_start, b.k_stop),
-                                         _rows(self.o, b.q_start, b.q_stop), self.lse[:, :, b.q_start:b.q_stop],
+                                         _rows(self.o, b.q_start, b.q_stop),
+                                         xp.ascontiguousarray(self.lse[:, :, b.q_start:b.q_stop]),
                                          b.causal, self.scale, b.window)
             if self.dq is None and (b.q_start, b.q_stop) == (0, self.q.shape[1]):
                 self.dq = xp.ascontiguousarray(dq, dtype=xp.float32)
@@ -797,9 +802,23 @@ def _packed_ring(cu_seqlens, world: int, q_shards, causal: bool, backend, softca
         return _per_sequence_backend(backend, cu_half), schedule, contextlib.nullcontext()
     from ._checks import known_prefix_sums
 
-    on_device = _xp(q_shards[0]).asarray(cu_half)
+    on_device = _device_offsets(cu_half)
     return (_flash_packed_backend(softcap, on_device, int(numpy.diff(cu_half).max())), schedule,
             known_prefix_sums(on_device, cu_half))
+
+
+_offsets_on_devices: dict = {}   # (device, offsets' bytes) -> the int32 array on that device
+
+
+def _device_offsets(cu_half: numpy.ndarray):
+    """``cu_half`` on the current device, one array per (device, offsets) and never written: the
+    packed calls' kept plans (keyed by its id) serve every ring call with the same lengths."""
+    import cupy
+
+    from ._launch import cached
+
+    key = (cupy.cuda.runtime.getDevice(), cu_half.tobytes())
+    return cached(_offsets_on_devices, key, lambda: cupy.asarray(cu_half), limit=64)
 
 
 def _dense_like(qs, cu_seqlens):

@@ -173,8 +173,8 @@ def flash_forward(q, k, v, *, softmax_scale=None, causal=False, num_splits=None,
     """
     # A repeated plain call on CuPy arrays takes its checked plan (_plans) and launches: no checks,
     # no stream wrapper (the host time before the launch is what a short call's GPU waits for).
-    if stream is None and num_splits is None and not features:
-        plan = _plans.get(_plan_key(q, k, v, softmax_scale, causal))
+    if stream is None and num_splits is None:
+        plan = _plans.get(_plan_key(q, k, v, softmax_scale, causal, features))
         if plan is not None:
             result = plan.call(q, k, v)
             if result is not None:
@@ -197,7 +197,7 @@ def forward_into(out, q, k, v, *, softmax_scale=None, causal=False, num_splits=N
         return forward_fp8(out, q, k, v, softmax_scale, causal, features)
     if _padding.needs_padding(q, v):   # a head_dim that is not a multiple of 8: padded copies
         return _padding.forward(forward_into, out, q, k, v, softmax_scale, causal, num_splits, features)
-    key = _plan_key(q, k, v, softmax_scale, causal) if not features and num_splits is None else None
+    key = _plan_key(q, k, v, softmax_scale, causal, features) if num_splits is None else None
     if key is not None:
         plan = _plans.get(key)
         if plan is not None and plan.device == plan.cuda.get_device():
@@ -261,8 +261,14 @@ def plain_causal_tiles_from(keys: int):
         _plans.clear()
 
 
-def _plan_key(q, k, v, softmax_scale, causal):
-    return _checks.qkv_key(q, k, v, softmax_scale, causal, families.kernels_setting())
+def _plan_key(q, k, v, softmax_scale, causal, features=None):
+    """The plan cache's key of a plain call, or of a packed one whose offsets' host copies are
+    known (_checks.known_offsets_key); None for any other call."""
+    if not features:
+        return _checks.qkv_key(q, k, v, softmax_scale, causal, families.kernels_setting())
+    packed = _checks.known_offsets_key(features)
+    key = None if packed is None else _checks.qkv_key(q, k, v, softmax_scale, causal, families.kernels_setting())
+    return None if key is None else key + packed
 
 
 @on_stream

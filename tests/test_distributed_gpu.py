@@ -183,6 +183,49 @@ def test_loopback_ring_over_packed_shards_holds_the_error_rule(world, causal, le
                          float(abs(exact_grads[3]).max()) * max(lengths) * 2 * world, factor=3.0)
 
 
+def test_packed_ring_calls_keep_their_plans(monkeypatch):
+    """The packed ring's calls (offsets alone as keywords, their host copies known) find their kept
+    plans: a second forward + backward over the same lengths, on new arrays, builds no plan and
+    equals the same calls made with every plan built afresh, bit for bit."""
+    import cupy
+
+    from cupy_flash import backward, forward
+
+    world = 2
+    cu_host = numpy.array([0, 308, 308, 328, 1528], dtype=numpy.int32)   # chunks of 77, 0, 5 and 300 rows
+    total = int(cu_host[-1])
+
+    def step(seed):
+        rng = numpy.random.default_rng(seed)
+        q, k, v, do = (random_array(rng, (total, 4, 64), "bfloat16") for _ in range(4))
+        shard = lambda x, axis=0: [distributed.zigzag_shard_packed(x, cu_host, r, world, axis)   # noqa: E731
+                                   for r in range(world)]
+        outs = distributed.simulate_ring_forward(shard(q), shard(k), shard(v), causal=True, cu_seqlens=cu_host)
+        grads = distributed.simulate_ring_backward(shard(do), shard(q), shard(k), shard(v), [o for o, _ in outs],
+                                                   [lse for _, lse in outs], causal=True, cu_seqlens=cu_host)
+        return [x for o, lse in outs for x in (o, lse)] + [g for rank in grads for g in rank]
+
+    built = []
+    for module, name in ((forward, "forward_plan"), (backward, "backward_plan")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, original=original, **kw: built.append(1) or original(*a, **kw))
+    step(1)
+    assert built
+    built.clear()
+    kept = step(2)
+    assert not built, f"{len(built)} plans built on the second step"
+    forward._plans.clear()
+    backward._plans.clear()
+    fresh = step(2)
+    assert built
+    for i, (a, b) in enumerate(zip(kept, fresh)):
+        if i < 2 * world:
+            assert bool((a.view(cupy.uint8) == b.view(cupy.uint8)).all()), i
+        else:
+            a, b = (x.astype(cupy.float32) for x in (a, b))
+            assert float(abs(a - b).max()) <= 1e-2 * float(abs(b).max()), i
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_ring_merge_and_accumulate_kernels_match_the_array_operations(dtype):
     """ring_merge_kernel and ring_accumulate_kernel (preprocess.cu) against the NumPy path of the
