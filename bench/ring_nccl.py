@@ -1,6 +1,7 @@
 """The NCCL ring on several GPUs of one host: exactness, overlap and scaling in one run.
 
-    NCCL_NVLS_ENABLE=0 mpirun -n 2 python bench/ring_nccl.py [--seqlens 131072 524288] [--window 4096 | --packed] [--out DIR]
+    NCCL_NVLS_ENABLE=0 mpirun -n 2 python bench/ring_nccl.py [--seqlens 131072 524288] [--window 4096 | --packed]
+        [--mode ring | ulysses] [--out DIR]
 
 One process per GPU (rank r on GPU r). Every rank draws the same full sequence (one seed), keeps
 its zigzag shard and runs ``ring_attention_forward`` / ``ring_attention_backward``:
@@ -14,7 +15,9 @@ its zigzag shard and runs ``ring_attention_forward`` / ``ring_attention_backward
     compute only), the speed-up over one GPU and its efficiency (speed-up / GPUs), each rank's compute
     time (imbalance) and its peak pool memory (O(local tokens)). With --packed the total length is a
     packed batch of four sequences of mixed lengths (1/2, 1/4, 1/8, 1/8 of it; cu_seqlens), the ring
-    against one GPU running the same packed call.
+    against one GPU running the same packed call. With --mode ulysses the same runs take the
+    all-to-all over heads (``ulysses_attention_forward`` / ``_backward``, contiguous shards; K/V
+    heads 4 in the exactness runs).
 Rank 0 prints the table last and writes JSON to --out.
 """
 
@@ -48,6 +51,9 @@ class _SelfRing(distributed.NcclRing):
     def finish_shift(self, handle):
         return handle
 
+    def all_to_all(self, payloads):   # each chunk "arrives" from its destination: the shapes of the real one
+        return payloads
+
 
 def full(shape, dtype, seed):
     return cupy.random.default_rng(seed).standard_normal(shape, dtype=cupy.float32).astype(dtype)
@@ -59,18 +65,34 @@ def gather(mpi, x):
     return parts
 
 
-def exactness(mpi, ring, rank, world, dtype_name, causal, window=None):
+def contiguous_shard(x, rank, world):
+    rows = x.shape[1] // world
+    return x[:, rank * rows:(rank + 1) * rows]
+
+
+def mode_calls(mode):
+    """(shard, unshard, forward, backward) of a mode: the ring's zigzag shards and calls, or the
+    all-to-all's contiguous ones."""
+    if mode == "ulysses":
+        return (contiguous_shard, lambda parts: cupy.concatenate(parts, axis=1), distributed.ulysses_attention_forward,
+                distributed.ulysses_attention_backward)
+    return (distributed.zigzag_shard, distributed.zigzag_unshard, distributed.ring_attention_forward,
+            distributed.ring_attention_backward)
+
+
+def exactness(mpi, ring, rank, world, dtype_name, causal, window=None, mode="ring"):
     dtype = DTYPES[dtype_name]
-    batch, seqlen, heads, heads_kv, d = 1, 2048, 8, 2, 128
+    shard, unshard, forward, backward = mode_calls(mode)
+    batch, seqlen, heads, heads_kv, d = 1, 2048, 8, (2 if mode == "ring" else 4), 128
     q, do = full((batch, seqlen, heads, d), dtype, 1), full((batch, seqlen, heads, d), dtype, 4)
     k, v = full((batch, seqlen, heads_kv, d), dtype, 2), full((batch, seqlen, heads_kv, d), dtype, 3)
-    mine = [distributed.zigzag_shard(x, rank, world) for x in (q, k, v, do)]
-    o, lse = distributed.ring_attention_forward(*mine[:3], ring=ring, causal=causal, window_size=window)
-    grads = distributed.ring_attention_backward(mine[3], *mine[:3], o, lse, ring=ring, causal=causal, window_size=window)
+    mine = [shard(x, rank, world) for x in (q, k, v, do)]
+    o, lse = forward(*mine[:3], ring=ring, causal=causal, window_size=window)
+    grads = backward(mine[3], *mine[:3], o, lse, ring=ring, causal=causal, window_size=window)
     gathered = [gather(mpi, x) for x in (o, *grads)]
     if rank != 0:
         return None
-    ours = [distributed.zigzag_unshard([cupy.asarray(p) for p in parts]) for parts in gathered]
+    ours = [unshard([cupy.asarray(p) for p in parts]) for parts in gathered]
     exact_o, _ = cupy_flash.attention_reference(q, k, v, causal=causal, window_size=window)
     low_o, _ = cupy_flash.attention_reference(q, k, v, causal=causal, window_size=window, upcast=False)
     one_o, one_lse = cupy_flash.flash_forward(q, k, v, causal=causal, window_size=window)
@@ -110,21 +132,21 @@ def mixed_lengths(total: int) -> numpy.ndarray:
     return numpy.concatenate([[0], numpy.cumsum([total // 2, total // 4, total // 8, total // 8])]).astype(numpy.int32)
 
 
-def scaling(mpi, ring, rank, world, total, window, packed=False):
+def scaling(mpi, ring, rank, world, total, window, packed=False, mode="ring"):
     batch, heads, d, dtype = 1, 16, 128, ml_dtypes.bfloat16
     local = total // world
     cu = mixed_lengths(total) if packed else None
     shape, options = ((total, heads, d), dict(cu_seqlens=cu)) if packed else ((batch, total, heads, d), {})
+    shard, _, forward, backward = mode_calls(mode)
     if packed:
         mine = [distributed.zigzag_shard_packed(full(shape, dtype, s), cu, rank, world) for s in range(4)]
     else:
-        mine = [distributed.zigzag_shard(full(shape, dtype, s), rank, world) for s in range(4)]
+        mine = [shard(full(shape, dtype, s), rank, world) for s in range(4)]
     cupy.get_default_memory_pool().free_all_blocks()
 
     def train_step(r):
-        o, lse = distributed.ring_attention_forward(*mine[:3], ring=r, causal=True, window_size=window, **options)
-        distributed.ring_attention_backward(mine[3], *mine[:3], o, lse, ring=r, causal=True, window_size=window,
-                                            **options)
+        o, lse = forward(*mine[:3], ring=r, causal=True, window_size=window, **options)
+        backward(mine[3], *mine[:3], o, lse, ring=r, causal=True, window_size=window, **options)
 
     mpi.Barrier()
     ring_ms = timed(lambda: train_step(ring))
@@ -149,7 +171,7 @@ def scaling(mpi, ring, rank, world, total, window, packed=False):
     if rank != 0:
         return None
     ring_time = max(rings)
-    return {"total": total, "local": local, "window": window, "packed": cu.tolist() if packed else None,
+    return {"total": total, "local": local, "window": window, "packed": cu.tolist() if packed else None, "mode": mode,
             "ring_ms": ring_time, "compute_ms": max(computes),
             "overlap": ring_time / max(computes), "one_gpu_ms": one_ms,
             "speedup": one_ms / ring_time if one_ms else None,
@@ -163,10 +185,13 @@ def main():
     parser.add_argument("--seqlens", nargs="+", type=int, default=[131072, 524288])
     parser.add_argument("--window", type=int, default=None, help="a sliding window of this many keys back")
     parser.add_argument("--packed", action="store_true", help="each length a packed batch of four mixed lengths")
+    parser.add_argument("--mode", default="ring", choices=["ring", "ulysses"], help="the ring, or all-to-all over heads")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     if args.packed and args.window is not None:
         parser.error("--packed and --window: the ring takes no window on packed shards")
+    if args.packed and args.mode != "ring":
+        parser.error("--packed takes the ring")
     from mpi4py import MPI
 
     mpi = MPI.COMM_WORLD
@@ -174,15 +199,16 @@ def main():
     cupy.cuda.Device(rank % cupy.cuda.runtime.getDeviceCount()).use()
     ring = distributed.NcclRing.create(rank, world, broadcast=lambda x: mpi.bcast(x, root=0))
     started = time.time()
-    exact = [exactness(mpi, ring, rank, world, dtype, causal) for dtype in DTYPES for causal in (False, True)]
-    exact.append(exactness(mpi, ring, rank, world, "bf16", True, (300, 0)))
+    exact = [exactness(mpi, ring, rank, world, dtype, causal, mode=args.mode) for dtype in DTYPES for causal in (False, True)]
+    exact.append(exactness(mpi, ring, rank, world, "bf16", True, (300, 0), mode=args.mode))
     window = None if args.window is None else (args.window, 0)
-    scale = [scaling(mpi, ring, rank, world, total, window, args.packed) for total in args.seqlens]
+    scale = [scaling(mpi, ring, rank, world, total, window, args.packed, args.mode) for total in args.seqlens]
     if rank != 0:
         return
     result = {"world": world, "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
               "exactness": exact, "scaling": scale, "seconds": time.time() - started}
-    path = os.path.join(args.out, f"ring_nccl_{world}gpu{'_packed' if args.packed else ''}.json")
+    suffix = ("_packed" if args.packed else "") + ("_ulysses" if args.mode == "ulysses" else "")
+    path = os.path.join(args.out, f"ring_nccl_{world}gpu{suffix}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print("exactness (err / reference err; the rule: o <= 2, gradients <= 3)")

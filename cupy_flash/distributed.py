@@ -39,7 +39,8 @@ from .reference import _xp
 __all__ = ["zigzag_shard", "zigzag_indices", "zigzag_unshard", "zigzag_shard_packed", "zigzag_unshard_packed",
            "zigzag_packed_indices", "local_cu_seqlens", "ring_blocks", "packed_ring_blocks", "RingBlock",
            "LoopbackRing", "NcclRing", "launch_environment", "ring_attention_forward", "ring_attention_backward",
-           "simulate_ring_forward", "simulate_ring_backward"]
+           "simulate_ring_forward", "simulate_ring_backward", "ulysses_attention_forward",
+           "ulysses_attention_backward", "simulate_ulysses_forward", "simulate_ulysses_backward"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,6 +479,10 @@ class LoopbackRing:
     def finish_shift(self, handle):
         return handle
 
+    def all_to_all(self, payloads):
+        """payloads[r][j]: what rank r sends rank j; returns received[r][j], what rank r got from j."""
+        return [[payloads[j][r] for j in range(self.world)] for r in range(self.world)]
+
 
 class NcclRing:
     """This process's rank of a ring of ``world`` GPUs over NCCL (``cupy.cuda.nccl``; one process per
@@ -565,6 +570,23 @@ class NcclRing:
 
         received, _sent, done = handle
         cupy.cuda.get_current_stream().wait_event(done)
+        return [received]
+
+    def all_to_all(self, payloads):
+        """``payloads`` = [chunks]: chunks[j] (C-contiguous) goes to rank j, and what rank j sends
+        this rank arrives in a new array of chunks[j]'s shape (every rank sends equal chunks); on the
+        current stream, in one NCCL group. Returns [received]."""
+        import cupy
+        from cupy.cuda import nccl
+
+        (chunks,) = payloads
+        stream = cupy.cuda.get_current_stream().ptr
+        received = [cupy.empty_like(x) for x in chunks]
+        nccl.groupStart()
+        for peer, (sent, into) in enumerate(zip(chunks, received)):
+            self.communicator.send(sent.data.ptr, sent.nbytes, nccl.NCCL_UINT8, peer, stream)
+            self.communicator.recv(into.data.ptr, into.nbytes, nccl.NCCL_UINT8, peer, stream)
+        nccl.groupEnd()
         return [received]
 
 
@@ -897,4 +919,155 @@ def ring_attention_backward(do, q, k, v, o, lse, *, ring, causal=False, softmax_
     with ``sink`` also this rank's part of dsink (all-reduce the ranks' parts for the gradient)."""
     ((*grads,),) = _backward(ring, [do], [q], [k], [v], [o], [lse], causal, softmax_scale, softcap, sink, window_size,
                              cu_seqlens, None)
+    return tuple(grads)
+
+
+# ---------------------------------------------------------------------------------------------
+# All-to-all over heads (DeepSpeed-Ulysses): each rank holds a contiguous shard of the sequence;
+# one all-to-all regathers the whole sequence for heads / P of the heads, where one flash call
+# (every variant) runs, and another returns the result to the sequence split.
+
+ULYSSES_OPTIONS = frozenset(("window_size", "softcap", "sink", "alibi_slopes"))
+
+
+def _head_groups(name: str, heads: int, world: int) -> int:
+    if heads % world:
+        raise ValueError(f"{name} has {heads} heads, not a multiple of the {world} ranks: all-to-all gives each "
+                         f"rank heads / {world} of them (repeat the K/V heads, or use the ring)")
+    return heads // world
+
+
+def _check_ulysses(name, shards, world, like=None):
+    _check_shards(name, shards, world, like)
+    return _head_groups(name, shards[0].shape[2], world)
+
+
+def _to_heads(ring, shards, heads_axis: int = 2, seq_axis: int = 1):
+    """Each rank's shard (rows along ``seq_axis``) -> its head group over the whole sequence: rank r
+    sends rank j its rows of head group j; the pieces arrive in rank order, the sequence's."""
+    xp = _xp(shards[0])
+    world = ring.world
+    size = shards[0].shape[heads_axis] // world
+    sent = [[xp.ascontiguousarray(_take(x, heads_axis, j * size, (j + 1) * size)) for j in range(world)] for x in shards]
+    return [xp.concatenate(pieces, axis=seq_axis) for pieces in ring.all_to_all(sent)]
+
+
+def _to_sequence(ring, wholes, heads_axis: int = 2, seq_axis: int = 1):
+    """The inverse of _to_heads: rank r's head group over the whole sequence -> every head over its
+    own rows."""
+    xp = _xp(wholes[0])
+    world = ring.world
+    rows = wholes[0].shape[seq_axis] // world
+    sent = [[xp.ascontiguousarray(_take(x, seq_axis, j * rows, (j + 1) * rows)) for j in range(world)] for x in wholes]
+    return [xp.concatenate(pieces, axis=heads_axis) for pieces in ring.all_to_all(sent)]
+
+
+def _take(x, axis: int, start: int, stop: int):
+    return x[(slice(None),) * axis + (slice(start, stop),)]
+
+
+def _ulysses_options(options: dict, rank: int, world: int, heads: int) -> dict:
+    """The flash call's options on rank ``rank``'s head group: per-head arrays (sink, alibi_slopes)
+    sliced to it; anything the mode does not take is a TypeError naming it."""
+    unknown = sorted(set(options) - ULYSSES_OPTIONS)
+    if unknown:
+        raise TypeError(f"all-to-all attention does not take {', '.join(unknown)} (it takes {', '.join(sorted(ULYSSES_OPTIONS))}"
+                        ", causal, softmax_scale)")
+    size = heads // world
+    out = dict(options)
+    for name in ("sink", "alibi_slopes"):
+        x = out.get(name)
+        if x is not None:
+            if getattr(x, "ndim", None) not in (1, 2) or x.shape[-1] != heads:
+                raise ValueError(f"{name} has shape {tuple(getattr(x, 'shape', ()))}; expected (heads_q,) = ({heads},)"
+                                 + (" or (batch, heads_q)" if name == "alibi_slopes" else ""))
+            out[name] = _take(x, x.ndim - 1, rank * size, (rank + 1) * size)
+    return out
+
+
+def _ulysses_forward(ring, qs, ks, vs, causal, softmax_scale, options, backend):
+    world = ring.world
+    _check_ulysses("q", qs, len(ring.ranks))
+    for name, shards in (("k", ks), ("v", vs)):
+        _check_ulysses(name, shards, len(ring.ranks), like=qs)
+    heads = qs[0].shape[2]
+    q_whole, k_whole, v_whole = (_to_heads(ring, x) for x in (qs, ks, vs))
+    outs = [backend[0](q, k, v, causal, softmax_scale, _ulysses_options(options, r, world, heads))
+            for q, k, v, r in zip(q_whole, k_whole, v_whole, ring.ranks)]
+    o = _to_sequence(ring, [o for o, _ in outs])
+    lse = _to_sequence(ring, [lse for _, lse in outs], heads_axis=1, seq_axis=2)
+    return list(zip(o, lse))
+
+
+def _ulysses_backward(ring, dos, qs, ks, vs, os_, lses, causal, softmax_scale, options, backend):
+    world = ring.world
+    for name, shards in (("do", dos), ("q", qs), ("k", ks), ("v", vs), ("o", os_)):
+        _check_ulysses(name, shards, len(ring.ranks), like=qs)
+    heads = qs[0].shape[2]
+    for r, (q, lse) in enumerate(zip(qs, lses)):
+        want = (q.shape[0], q.shape[2], q.shape[1])
+        if tuple(lse.shape) != want:
+            raise ValueError(f"lse[{r}] has shape {tuple(lse.shape)}; expected (batch, heads, local_seqlen) = {want}")
+    wholes = [_to_heads(ring, x) for x in (dos, qs, ks, vs, os_)]
+    lse_whole = _to_heads(ring, lses, heads_axis=1, seq_axis=2)
+    grads = [backend[1](do, q, k, v, o, lse, causal, softmax_scale, _ulysses_options(options, r, world, heads))
+             for do, q, k, v, o, lse, r in zip(*wholes, lse_whole, ring.ranks)]
+    back = [_to_sequence(ring, [g[i] for g in grads]) for i in range(3)]
+    out = [tuple(b[r] for b in back) for r in range(len(ring.ranks))]
+    if options.get("sink") is None:
+        return out
+    # each rank's dsink covers its head group: placed in a (heads,) array of zeros, so the ranks'
+    # parts add up to the gradient (as the ring's do)
+    size = heads // world
+    parts = []
+    for g, r in zip(grads, ring.ranks):
+        xp = _xp(g[3])
+        full = xp.zeros((heads,), dtype=g[3].dtype)
+        full[r * size:(r + 1) * size] = g[3]
+        parts.append(full)
+    return [o + (d,) for o, d in zip(out, parts)]
+
+
+def _flash_ulysses_backend():
+    """(forward, backward) of one rank's head group over the whole sequence, on the flash kernels
+    with every option it was given."""
+    from .backward import flash_backward
+    from .forward import flash_forward
+
+    def forward(q, k, v, causal, scale, options):
+        return flash_forward(q, k, v, causal=causal, softmax_scale=scale, **options)
+
+    def backward(do, q, k, v, o, lse, causal, scale, options):
+        return flash_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, **options)
+    return forward, backward
+
+
+def simulate_ulysses_forward(qs, ks, vs, *, causal=False, softmax_scale=None, _backend=None, **options):
+    """All-to-all attention over ``len(qs)`` virtual ranks in this process: qs[r], ks[r], vs[r] are
+    rank r's contiguous shards of the sequence (batch, local_seqlen, heads, head_dim; heads and
+    K/V heads multiples of the ranks); returns [(o_r, lse_r)] in the same split. ``options``:
+    window_size, softcap, sink, alibi_slopes, as flash_forward's over the whole sequence."""
+    return _ulysses_forward(LoopbackRing(len(qs)), list(qs), list(ks), list(vs), causal, softmax_scale, options,
+                            _backend or _flash_ulysses_backend())
+
+
+def simulate_ulysses_backward(dos, qs, ks, vs, os_, lses, *, causal=False, softmax_scale=None, _backend=None,
+                              **options):
+    """The all-to-all backward over virtual ranks: [(dq_r, dk_r, dv_r)], with a sink also dsink_r
+    (heads,): rank r's head group's part, zeros elsewhere (the ranks' parts add up)."""
+    return _ulysses_backward(LoopbackRing(len(qs)), list(dos), list(qs), list(ks), list(vs), list(os_), list(lses),
+                             causal, softmax_scale, options, _backend or _flash_ulysses_backend())
+
+
+def ulysses_attention_forward(q, k, v, *, ring, causal=False, softmax_scale=None, **options):
+    """This rank's (o, lse) of attention over the whole sequence by all-to-all over heads: q, k, v are
+    its contiguous shard, ``ring`` its ``NcclRing`` (the ranks). Every rank calls it at once."""
+    ((o, lse),) = _ulysses_forward(ring, [q], [k], [v], causal, softmax_scale, options, _flash_ulysses_backend())
+    return o, lse
+
+
+def ulysses_attention_backward(do, q, k, v, o, lse, *, ring, causal=False, softmax_scale=None, **options):
+    """This rank's (dq, dk, dv) shards (with a sink also its part of dsink) by all-to-all over heads."""
+    ((*grads,),) = _ulysses_backward(ring, [do], [q], [k], [v], [o], [lse], causal, softmax_scale, options,
+                                     _flash_ulysses_backend())
     return tuple(grads)

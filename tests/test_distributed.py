@@ -5,7 +5,7 @@ float64 dense backend against attention over the unsplit sequence."""
 import numpy
 import pytest
 
-from cupy_flash import attention_reference, distributed
+from cupy_flash import attention_reference, attention_reference_backward, distributed
 
 
 def test_zigzag_shards_hold_chunks_r_and_2p_minus_1_minus_r_and_unshard_back():
@@ -327,3 +327,71 @@ def test_packed_ring_arguments_are_checked():
         distributed.simulate_ring_forward(q, q, q, cu_seqlens=numpy.array([0, 0]), _backend=backend)
     with pytest.raises(ValueError, match="start at 0"):
         distributed.simulate_ring_forward(q, q, q, cu_seqlens=numpy.array([4, 20]), _backend=backend)
+
+
+class ReferenceBackend:
+    """float64 attention_reference with every option, as the all-to-all mode's backend."""
+
+    @staticmethod
+    def forward(q, k, v, causal, scale, options):
+        return attention_reference(q, k, v, causal=causal, softmax_scale=scale, **options)
+
+    @staticmethod
+    def backward(do, q, k, v, o, lse, causal, scale, options):
+        return attention_reference_backward(do, q, k, v, causal=causal, softmax_scale=scale, **options)
+
+    @classmethod
+    def pair(cls):
+        return cls.forward, cls.backward
+
+
+ULYSSES_VARIANTS = {
+    "plain": {}, "causal": dict(causal=True), "window": dict(causal=True, window_size=(5, -1)),
+    "softcap, sink": dict(softcap=3.0, sink=numpy.array([0.5, -1.0, 2.0, 0.0])),
+    "alibi": dict(alibi_slopes=numpy.array([0.1, 0.2, 0.4, 0.8])),
+}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("heads_kv", [4, 2])
+@pytest.mark.parametrize("variant", list(ULYSSES_VARIANTS))
+def test_simulated_all_to_all_equals_attention_over_the_whole_sequence(world, heads_kv, variant):
+    """All-to-all over heads (contiguous shards; each rank attends heads / P over the whole sequence)
+    against the whole sequence's attention: o, lse and the gradients (dsink: the ranks' parts add
+    up)."""
+    if heads_kv % world:
+        pytest.skip("K/V heads must be a multiple of the ranks")
+    options = dict(ULYSSES_VARIANTS[variant])
+    rng = numpy.random.default_rng(world * 3 + heads_kv + len(variant))
+    batch, seqlen, heads, d = 2, 6 * world, 4, 8
+    q, do = (rng.standard_normal((batch, seqlen, heads, d)) for _ in range(2))
+    k, v = (rng.standard_normal((batch, seqlen, heads_kv, d)) for _ in range(2))
+
+    def shard(x, axis=1):
+        return numpy.split(x, world, axis=axis)
+
+    outs = distributed.simulate_ulysses_forward(shard(q), shard(k), shard(v), softmax_scale=0.3,
+                                                _backend=ReferenceBackend.pair(), **options)
+    o, lse = numpy.concatenate([o for o, _ in outs], axis=1), numpy.concatenate([lse for _, lse in outs], axis=2)
+    o_ref, lse_ref = attention_reference(q, k, v, softmax_scale=0.3, **options)
+    assert numpy.abs(o - o_ref).max() < 1e-12 and numpy.abs(lse - lse_ref).max() < 1e-12
+    grads = distributed.simulate_ulysses_backward(shard(do), shard(q), shard(k), shard(v), shard(o_ref),
+                                                  shard(lse_ref, 2), softmax_scale=0.3,
+                                                  _backend=ReferenceBackend.pair(), **options)
+    refs = attention_reference_backward(do, q, k, v, softmax_scale=0.3, **options)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        ours = numpy.concatenate([g[i] for g in grads], axis=1)
+        assert numpy.abs(ours - refs[i]).max() <= 1e-12 * numpy.abs(refs[i]).max(), name
+    if "sink" in options:
+        assert numpy.abs(sum(g[3] for g in grads) - refs[3]).max() <= 1e-12 * numpy.abs(refs[3]).max()
+
+
+def test_all_to_all_arguments_are_checked():
+    backend = ReferenceBackend.pair()
+    q = numpy.split(numpy.zeros((1, 8, 4, 8)), 2, axis=1)
+    with pytest.raises(ValueError, match="k has 3 heads, not a multiple of the 2 ranks"):
+        distributed.simulate_ulysses_forward(q, numpy.split(numpy.zeros((1, 8, 3, 8)), 2, axis=1), q, _backend=backend)
+    with pytest.raises(TypeError, match="does not take bias"):
+        distributed.simulate_ulysses_forward(q, q, q, bias=numpy.zeros((1, 4, 8, 8)), _backend=backend)
+    with pytest.raises(ValueError, match=r"sink has shape \(3,\)"):
+        distributed.simulate_ulysses_forward(q, q, q, sink=numpy.zeros(3), _backend=backend)

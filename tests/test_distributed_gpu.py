@@ -183,6 +183,52 @@ def test_loopback_ring_over_packed_shards_holds_the_error_rule(world, causal, le
                          float(abs(exact_grads[3]).max()) * max(lengths) * 2 * world, factor=3.0)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("variant", ["plain", "causal, GQA", "causal window 100, softcap, sink", "alibi"])
+def test_loopback_all_to_all_holds_the_error_rule(world, variant):
+    """All-to-all over heads on virtual ranks (contiguous shards; each rank one flash call over the
+    whole sequence for heads / P): o, lse and dq, dk, dv (dsink: the ranks' parts summed) against
+    the float64 reference of the whole sequence, with the 2x / 3x rule."""
+    import cupy
+
+    heads, heads_kv = 8, 4 if "GQA" in variant else 8
+    options = {"plain": {}, "causal, GQA": dict(causal=True),
+               "causal window 100, softcap, sink": dict(causal=True, window_size=(100, -1), softcap=5.0,
+                                                        sink=cupy.linspace(-1, 3, heads, dtype=cupy.float32)),
+               "alibi": dict(alibi_slopes=cupy.linspace(0.01, 0.2, heads, dtype=cupy.float32))}[variant]
+    rng = numpy.random.default_rng(world * 10 + len(variant))
+    batch, d, seqlen = 2, 64, 300 * world
+    q, do = (random_array(rng, (batch, seqlen, heads, d), "bfloat16", 2.0) for _ in range(2))
+    k, v = (random_array(rng, (batch, seqlen, heads_kv, d), "bfloat16", 2.0) for _ in range(2))
+
+    def shard(x, axis=1):
+        return [x[(slice(None),) * axis + (slice(r * (x.shape[axis] // world), (r + 1) * (x.shape[axis] // world)),)]
+                for r in range(world)]
+
+    with poisoned_allocations():
+        outs = distributed.simulate_ulysses_forward(shard(q), shard(k), shard(v), **options)
+    o = cupy.concatenate([o for o, _ in outs], axis=1)
+    lse = cupy.concatenate([lse for _, lse in outs], axis=2)
+    exact = attention_reference(q, k, v, **options)
+    low = attention_reference(q, k, v, upcast=False, **options)
+    context = f"all-to-all world={world} {variant}"
+    check_error_rule("o", o, exact[0], low[0], context, max_finite_abs(exact[1]))
+    check_error_rule("lse", lse, exact[1], low[1], context, max_finite_abs(exact[1]))
+    with poisoned_allocations():
+        grads = distributed.simulate_ulysses_backward(shard(do), shard(q), shard(k), shard(v), shard(o), shard(lse, 2),
+                                                      **options)
+    exact_grads = attention_reference_backward(do, q, k, v, **options)
+    low_grads = low_precision_gradients(do, q, k, v, **options)
+    scales = gradient_term_scales(do, q, k, v, **options)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        ours = cupy.concatenate([g[i] for g in grads], axis=1)
+        check_error_rule(name, ours, exact_grads[i], low_grads[i], context, max_finite_abs(exact[1]), scales[name],
+                         scales.get("delta:" + name, 0.0), factor=3.0)
+    if "sink" in options:
+        check_error_rule("dsink", sum(g[3] for g in grads), exact_grads[3], low_grads[3], context,
+                         max_finite_abs(exact[1]), float(abs(exact_grads[3]).max()) * seqlen, factor=3.0)
+
+
 def test_packed_ring_calls_keep_their_plans(monkeypatch):
     """The packed ring's calls (offsets alone as keywords, their host copies known) find their kept
     plans: a second forward + backward over the same lengths, on new arrays, builds no plan and
