@@ -70,20 +70,33 @@ def contiguous_shard(x, rank, world):
     return x[:, rank * rows:(rank + 1) * rows]
 
 
-def mode_calls(mode):
-    """(shard, unshard, forward, backward) of a mode: the ring's zigzag shards and calls, or the
-    all-to-all's contiguous ones."""
+def mode_calls(mode, group_size=None):
+    """(shard, unshard, forward, backward, self_ring) of a mode: the ring's zigzag shards and calls,
+    the all-to-all's contiguous ones, or the hybrid's (``ring``: the (within, across) pair);
+    self_ring(rank, world): its transport removed."""
     if mode == "ulysses":
         return (contiguous_shard, lambda parts: cupy.concatenate(parts, axis=1), distributed.ulysses_attention_forward,
-                distributed.ulysses_attention_backward)
+                distributed.ulysses_attention_backward, _SelfRing)
+    if mode == "hybrid":
+        def forward(*arrays, ring, **options):
+            return distributed.hybrid_attention_forward(*arrays, within=ring[0], across=ring[1], **options)
+
+        def backward(*arrays, ring, **options):
+            return distributed.hybrid_attention_backward(*arrays, within=ring[0], across=ring[1], **options)
+
+        def self_ring(rank, world):
+            g, u = divmod(rank, group_size)
+            return _SelfRing(u, group_size), _SelfRing(g, world // group_size)
+        return (lambda x, rank, world: distributed.hybrid_shard(x, rank, world, group_size),
+                lambda parts: distributed.hybrid_unshard(parts, group_size), forward, backward, self_ring)
     return (distributed.zigzag_shard, distributed.zigzag_unshard, distributed.ring_attention_forward,
-            distributed.ring_attention_backward)
+            distributed.ring_attention_backward, _SelfRing)
 
 
-def exactness(mpi, ring, rank, world, dtype_name, causal, window=None, mode="ring"):
+def exactness(mpi, ring, rank, world, dtype_name, causal, window=None, mode="ring", group_size=None):
     dtype = DTYPES[dtype_name]
-    shard, unshard, forward, backward = mode_calls(mode)
-    batch, seqlen, heads, heads_kv, d = 1, 2048, 8, (2 if mode == "ring" else 4), 128
+    shard, unshard, forward, backward, _ = mode_calls(mode, group_size)
+    batch, seqlen, heads, heads_kv, d = 1, 2048, 8, (2 if mode == "ring" else 4), 128   # K/V heads: multiples of U
     q, do = full((batch, seqlen, heads, d), dtype, 1), full((batch, seqlen, heads, d), dtype, 4)
     k, v = full((batch, seqlen, heads_kv, d), dtype, 2), full((batch, seqlen, heads_kv, d), dtype, 3)
     mine = [shard(x, rank, world) for x in (q, k, v, do)]
@@ -132,12 +145,12 @@ def mixed_lengths(total: int) -> numpy.ndarray:
     return numpy.concatenate([[0], numpy.cumsum([total // 2, total // 4, total // 8, total // 8])]).astype(numpy.int32)
 
 
-def scaling(mpi, ring, rank, world, total, window, packed=False, mode="ring"):
+def scaling(mpi, ring, rank, world, total, window, packed=False, mode="ring", group_size=None):
     batch, heads, d, dtype = 1, 16, 128, ml_dtypes.bfloat16
     local = total // world
     cu = mixed_lengths(total) if packed else None
     shape, options = ((total, heads, d), dict(cu_seqlens=cu)) if packed else ((batch, total, heads, d), {})
-    shard, _, forward, backward = mode_calls(mode)
+    shard, _, forward, backward, self_ring = mode_calls(mode, group_size)
     if packed:
         mine = [distributed.zigzag_shard_packed(full(shape, dtype, s), cu, rank, world) for s in range(4)]
     else:
@@ -151,7 +164,7 @@ def scaling(mpi, ring, rank, world, total, window, packed=False, mode="ring"):
     mpi.Barrier()
     ring_ms = timed(lambda: train_step(ring))
     peak = cupy.get_default_memory_pool().total_bytes()
-    compute_ms = timed(lambda: train_step(_SelfRing(rank, world)))
+    compute_ms = timed(lambda: train_step(self_ring(rank, world)))
     one_ms = None
     if rank == 0:
         try:
@@ -185,7 +198,9 @@ def main():
     parser.add_argument("--seqlens", nargs="+", type=int, default=[131072, 524288])
     parser.add_argument("--window", type=int, default=None, help="a sliding window of this many keys back")
     parser.add_argument("--packed", action="store_true", help="each length a packed batch of four mixed lengths")
-    parser.add_argument("--mode", default="ring", choices=["ring", "ulysses"], help="the ring, or all-to-all over heads")
+    parser.add_argument("--mode", default="ring", choices=["ring", "ulysses", "hybrid"],
+                        help="the ring, all-to-all over heads, or all-to-all inside groups and the ring across them")
+    parser.add_argument("--group-size", type=int, default=2, help="--mode hybrid: ranks per all-to-all group")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     if args.packed and args.window is not None:
@@ -197,17 +212,21 @@ def main():
     mpi = MPI.COMM_WORLD
     rank, world = mpi.Get_rank(), mpi.Get_size()
     cupy.cuda.Device(rank % cupy.cuda.runtime.getDeviceCount()).use()
-    ring = distributed.NcclRing.create(rank, world, broadcast=lambda x: mpi.bcast(x, root=0))
+    if args.mode == "hybrid":   # (within, across): ids shared by mpi4py under mpirun
+        ring = distributed.NcclRing.from_environment(group_size=args.group_size)
+    else:
+        ring = distributed.NcclRing.create(rank, world, broadcast=lambda x: mpi.bcast(x, root=0))
     started = time.time()
-    exact = [exactness(mpi, ring, rank, world, dtype, causal, mode=args.mode) for dtype in DTYPES for causal in (False, True)]
-    exact.append(exactness(mpi, ring, rank, world, "bf16", True, (300, 0), mode=args.mode))
+    modes = dict(mode=args.mode, group_size=args.group_size)
+    exact = [exactness(mpi, ring, rank, world, dtype, causal, **modes) for dtype in DTYPES for causal in (False, True)]
+    exact.append(exactness(mpi, ring, rank, world, "bf16", True, (300, 0), **modes))
     window = None if args.window is None else (args.window, 0)
-    scale = [scaling(mpi, ring, rank, world, total, window, args.packed, args.mode) for total in args.seqlens]
+    scale = [scaling(mpi, ring, rank, world, total, window, args.packed, **modes) for total in args.seqlens]
     if rank != 0:
         return
     result = {"world": world, "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
               "exactness": exact, "scaling": scale, "seconds": time.time() - started}
-    suffix = ("_packed" if args.packed else "") + ("_ulysses" if args.mode == "ulysses" else "")
+    suffix = ("_packed" if args.packed else "") + (f"_{args.mode}" if args.mode != "ring" else "")
     path = os.path.join(args.out, f"ring_nccl_{world}gpu{suffix}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)

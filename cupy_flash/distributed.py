@@ -40,7 +40,9 @@ __all__ = ["zigzag_shard", "zigzag_indices", "zigzag_unshard", "zigzag_shard_pac
            "zigzag_packed_indices", "local_cu_seqlens", "ring_blocks", "packed_ring_blocks", "RingBlock",
            "LoopbackRing", "NcclRing", "launch_environment", "ring_attention_forward", "ring_attention_backward",
            "simulate_ring_forward", "simulate_ring_backward", "ulysses_attention_forward",
-           "ulysses_attention_backward", "simulate_ulysses_forward", "simulate_ulysses_backward"]
+           "ulysses_attention_backward", "simulate_ulysses_forward", "simulate_ulysses_backward", "hybrid_shard",
+           "hybrid_unshard", "hybrid_attention_forward", "hybrid_attention_backward", "simulate_hybrid_forward",
+           "simulate_hybrid_backward"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -514,35 +516,30 @@ class NcclRing:
         return cls(nccl.NcclCommunicator(world, unique_id, rank), rank, world)
 
     @classmethod
-    def from_environment(cls, timeout: float = 300.0):
+    def from_environment(cls, timeout: float = 300.0, group_size: int | None = None):
         """A ring over every rank of the job that started this process, from its launcher's
         environment (torchrun, ``python -m cupy_flash launch``, mpirun, srun: see
         ``_rendezvous``): the current device becomes the local rank's GPU (modulo the GPUs
         visible), and rank 0's NCCL id reaches the other ranks over TCP (MASTER_ADDR, port
         CUPY_FLASH_PORT or MASTER_PORT + 1), without MPI or PyTorch; under mpirun with no
         MASTER_ADDR set, through mpi4py's broadcast where it imports (hosts need not share an
-        address then). A process started alone is a ring of one."""
-        import os
+        address then). A process started alone is a ring of one.
 
+        ``group_size`` U (dividing the world): instead (within, across) for the hybrid mode:
+        ``within`` over the U ranks of this rank's group (ranks g U ... g U + U - 1), ``across``
+        over the world / U ranks that share this rank's place u in their groups."""
         import cupy
-        from cupy.cuda import nccl
-
-        from . import _rendezvous
 
         place = launch_environment()
         cupy.cuda.Device(place.local_rank % cupy.cuda.runtime.getDeviceCount()).use()
-        broadcast = _mpi_broadcast(place.world) if place.source in ("OMPI_COMM_WORLD_RANK", "PMI_RANK") \
-            and "MASTER_ADDR" not in os.environ else None
-        if broadcast is not None:
-            return cls.create(place.rank, place.world, broadcast=broadcast)
-        def made():   # the id as JSON: CuPy 14's is bytes, older ones' a tuple of ints
-            unique_id = nccl.get_unique_id()
-            return {"bytes": isinstance(unique_id, bytes), "values": list(unique_id)}
-
-        shared = _rendezvous.share_from_rank0(place, made, _rendezvous.rendezvous_address(), _rendezvous.job_id(),
-                                              timeout)
-        unique_id = bytes(shared["values"]) if shared["bytes"] else tuple(shared["values"])
-        return cls.create(place.rank, place.world, unique_id=unique_id)
+        if group_size is None:
+            (unique_id,) = _shared_nccl_ids(place, 1, timeout)
+            return cls.create(place.rank, place.world, unique_id=unique_id)
+        groups = _check_group_size(group_size, place.world)
+        g, u = divmod(place.rank, group_size)
+        ids = _shared_nccl_ids(place, groups + group_size, timeout)
+        within = cls.create(u, group_size, unique_id=ids[g])
+        return within, cls.create(g, groups, unique_id=ids[groups + u])
 
     def start_shift(self, payloads, reverse=False):
         import cupy
@@ -588,6 +585,37 @@ class NcclRing:
             self.communicator.recv(into.data.ptr, into.nbytes, nccl.NCCL_UINT8, peer, stream)
         nccl.groupEnd()
         return [received]
+
+
+def _check_group_size(group_size, world: int) -> int:
+    """The number of groups, or ValueError: ``group_size`` must be a positive int dividing world."""
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size < 1 \
+            or world % group_size:
+        raise ValueError(f"group_size is {group_size!r}; expected a positive integer dividing the {world} ranks")
+    return world // int(group_size)
+
+
+def _shared_nccl_ids(place, count: int, timeout: float) -> list:
+    """``count`` NCCL ids made by rank 0, on every rank: by mpi4py's broadcast under mpirun without
+    MASTER_ADDR (where it imports), else over TCP (_rendezvous.share_from_rank0)."""
+    import os
+
+    from cupy.cuda import nccl
+
+    from . import _rendezvous
+
+    def made():   # the ids as JSON: CuPy 14's are bytes, older ones' tuples of ints
+        ids = [nccl.get_unique_id() for _ in range(count)]
+        return [{"bytes": isinstance(x, bytes), "values": list(x)} for x in ids]
+
+    broadcast = _mpi_broadcast(place.world) if place.source in ("OMPI_COMM_WORLD_RANK", "PMI_RANK") \
+        and "MASTER_ADDR" not in os.environ else None
+    if broadcast is not None:
+        shared = broadcast(made() if place.rank == 0 else None)
+    else:
+        shared = _rendezvous.share_from_rank0(place, made, _rendezvous.rendezvous_address(), _rendezvous.job_id(),
+                                              timeout)
+    return [bytes(x["values"]) if x["bytes"] else tuple(x["values"]) for x in shared]
 
 
 def _mpi_broadcast(world: int):
@@ -1070,4 +1098,153 @@ def ulysses_attention_backward(do, q, k, v, o, lse, *, ring, causal=False, softm
     """This rank's (dq, dk, dv) shards (with a sink also its part of dsink) by all-to-all over heads."""
     ((*grads,),) = _ulysses_backward(ring, [do], [q], [k], [v], [o], [lse], causal, softmax_scale, options,
                                      _flash_ulysses_backend())
+    return tuple(grads)
+
+
+# ---------------------------------------------------------------------------------------------
+# The hybrid: all-to-all over heads inside groups of U ranks, the ring across the G = P / U groups.
+# The sequence is zigzag-sharded over the groups (group g holds chunks g and 2G - 1 - g), and each
+# group's shard is split contiguously over its U ranks. The all-to-all inside a group gives each of
+# its ranks the group's whole shard for heads / U of the heads; the ranks that share a place u in
+# their groups then run the ring over those shards; a second all-to-all returns the results.
+
+def hybrid_shard(x, rank: int, world: int, group_size: int, axis: int = 1):
+    """Rank ``rank``'s shard for the hybrid mode: piece u of U (contiguous) of group g's zigzag
+    shard over the G groups (rank = g U + u)."""
+    groups = _check_group_size(group_size, world)
+    g, u = divmod(rank, group_size)
+    group = zigzag_shard(x, g, groups, axis=axis)
+    rows = group.shape[axis] // group_size
+    return _take(group, axis, u * rows, (u + 1) * rows)
+
+
+def hybrid_unshard(shards, group_size: int, axis: int = 1):
+    """The whole sequence from every rank's hybrid shard (rank order)."""
+    xp = _xp(shards[0])
+    groups = _check_group_size(group_size, len(shards))
+    return zigzag_unshard([xp.concatenate(shards[g * group_size:(g + 1) * group_size], axis=axis)
+                           for g in range(groups)], axis=axis)
+
+
+def _heads_part(x, part: int, parts: int):
+    """The ``part``-th of ``parts`` equal slices of a per-head array's last axis (None stays None)."""
+    if x is None:
+        return None
+    size = x.shape[-1] // parts
+    return _take(x, x.ndim - 1, part * size, (part + 1) * size)
+
+
+def _hybrid(within_rings, across_rings, shards: dict, run):
+    """The hybrid's data movement around ``run`` (a ring call per place u over its groups' shards).
+    ``shards``: {name: [[rank (g, u)'s array for u held] for g held]} with lse's rows on axis 2
+    (name 'lse'); within_rings[gi] moves group gi's arrays, across_rings[ui] links place ui's.
+    Returns run's per-(g, u) results moved back: [[result for u] for g]."""
+    names = list(shards)
+    gathered = {}
+    for name in names:
+        heads_axis, seq_axis = (1, 2) if name == "lse" else (2, 1)
+        gathered[name] = [_to_heads(ring, shards[name][gi], heads_axis, seq_axis) for gi, ring in enumerate(within_rings)]
+    results = [run(ui, ring, {name: [gathered[name][gi][ui] for gi in range(len(within_rings))] for name in names})
+               for ui, ring in enumerate(across_rings)]   # results[ui][gi]: a tuple of arrays
+    width = len(results[0][0])
+    out = [[None] * len(across_rings) for _ in within_rings]
+    for gi, ring in enumerate(within_rings):
+        moved = []
+        for i in range(width):
+            wholes = [results[ui][gi][i] for ui in range(len(across_rings))]
+            if wholes[0].ndim == 1:   # dsink (heads / U,): stays with its rank
+                moved.append(wholes)
+                continue
+            heads_axis, seq_axis = (1, 2) if wholes[0].ndim == 3 else (2, 1)
+            moved.append(_to_sequence(ring, wholes, heads_axis, seq_axis))
+        for ui in range(len(across_rings)):
+            out[gi][ui] = tuple(m[ui] for m in moved)
+    return out
+
+
+def _hybrid_forward(within_rings, across_rings, qs, ks, vs, causal, softmax_scale, softcap, sink, window_size,
+                    backend=None):
+    group_size = within_rings[0].world
+    for name, grid in (("q", qs), ("k", ks), ("v", vs)):
+        _head_groups(name, grid[0][0].shape[2], group_size)
+
+    def run(ui, ring, arrays):
+        part = _heads_part(sink, within_rings[0].ranks[ui], group_size)   # place u's heads
+        return _forward(ring, arrays["q"], arrays["k"], arrays["v"], causal, softmax_scale, softcap, part, window_size,
+                        None, backend)
+
+    return _hybrid(within_rings, across_rings, dict(q=qs, k=ks, v=vs), run)
+
+
+def _hybrid_backward(within_rings, across_rings, dos, qs, ks, vs, os_, lses, causal, softmax_scale, softcap, sink,
+                     window_size, backend=None):
+    group_size = within_rings[0].world
+    heads = qs[0][0].shape[2]
+    for name, grid in (("q", qs), ("k", ks), ("v", vs)):
+        _head_groups(name, grid[0][0].shape[2], group_size)
+
+    def run(ui, ring, arrays):
+        part = _heads_part(sink, within_rings[0].ranks[ui], group_size)   # place u's heads
+        return _backward(ring, arrays["do"], arrays["q"], arrays["k"], arrays["v"], arrays["o"], arrays["lse"], causal,
+                         softmax_scale, softcap, part, window_size, None, backend)
+
+    out = _hybrid(within_rings, across_rings, dict(do=dos, q=qs, k=ks, v=vs, o=os_, lse=lses), run)
+    if sink is None:
+        return out
+    size = heads // group_size
+    for gi, row in enumerate(out):
+        for ui, grads in enumerate(row):
+            u = within_rings[gi].ranks[ui]
+            xp = _xp(grads[3])
+            full = xp.zeros((heads,), dtype=grads[3].dtype)   # its heads' part, zeros elsewhere
+            full[u * size:(u + 1) * size] = grads[3]
+            row[ui] = grads[:3] + (full,)
+    return out
+
+
+def simulate_hybrid_forward(qs, ks, vs, *, group_size, causal=False, softmax_scale=None, softcap=0.0, sink=None,
+                            window_size=None, _backend=None):
+    """The hybrid mode over ``len(qs)`` virtual ranks (groups of ``group_size`` by all-to-all over
+    heads, the ring across the groups): qs[r], ks[r], vs[r] are rank r's ``hybrid_shard``s; returns
+    [(o_r, lse_r)]. Options as the ring's (sink over all heads)."""
+    world = len(qs)
+    groups = _check_group_size(group_size, world)
+
+    def grid(xs):
+        return [list(xs[g * group_size:(g + 1) * group_size]) for g in range(groups)]
+
+    out = _hybrid_forward([LoopbackRing(group_size)] * groups, [LoopbackRing(groups)] * group_size, grid(qs), grid(ks),
+                          grid(vs), causal, softmax_scale, softcap, sink, window_size, _backend)
+    return [x for row in out for x in row]
+
+
+def simulate_hybrid_backward(dos, qs, ks, vs, os_, lses, *, group_size, causal=False, softmax_scale=None, softcap=0.0,
+                             sink=None, window_size=None, _backend=None):
+    """The hybrid backward over virtual ranks: [(dq_r, dk_r, dv_r[, dsink_r])] (dsink_r: its part)."""
+    world = len(qs)
+    groups = _check_group_size(group_size, world)
+
+    def grid(xs):
+        return [list(xs[g * group_size:(g + 1) * group_size]) for g in range(groups)]
+
+    out = _hybrid_backward([LoopbackRing(group_size)] * groups, [LoopbackRing(groups)] * group_size, grid(dos), grid(qs),
+                           grid(ks), grid(vs), grid(os_), grid(lses), causal, softmax_scale, softcap, sink, window_size,
+                           _backend)
+    return [x for row in out for x in row]
+
+
+def hybrid_attention_forward(q, k, v, *, within, across, causal=False, softmax_scale=None, softcap=0.0, sink=None,
+                             window_size=None):
+    """This rank's (o, lse) by the hybrid mode: q, k, v its ``hybrid_shard``s, ``within`` and
+    ``across`` from ``NcclRing.from_environment(group_size=U)``. Every rank calls it at once."""
+    (((o, lse),),) = _hybrid_forward([within], [across], [[q]], [[k]], [[v]], causal, softmax_scale, softcap, sink,
+                                     window_size)
+    return o, lse
+
+
+def hybrid_attention_backward(do, q, k, v, o, lse, *, within, across, causal=False, softmax_scale=None, softcap=0.0,
+                              sink=None, window_size=None):
+    """This rank's (dq, dk, dv) (with a sink also its part of dsink) by the hybrid mode."""
+    ((grads,),) = _hybrid_backward([within], [across], [[do]], [[q]], [[k]], [[v]], [[o]], [[lse]], causal, softmax_scale,
+                                   softcap, sink, window_size)
     return tuple(grads)

@@ -395,3 +395,47 @@ def test_all_to_all_arguments_are_checked():
         distributed.simulate_ulysses_forward(q, q, q, bias=numpy.zeros((1, 4, 8, 8)), _backend=backend)
     with pytest.raises(ValueError, match=r"sink has shape \(3,\)"):
         distributed.simulate_ulysses_forward(q, q, q, sink=numpy.zeros(3), _backend=backend)
+
+
+@pytest.mark.parametrize("world,group_size", [(4, 2), (4, 4), (4, 1), (6, 2), (6, 3)])
+@pytest.mark.parametrize("causal,window,sink", [(True, None, False), (False, None, True), (True, (5, -1), False),
+                                                (True, (20, -1), True)])
+def test_simulated_hybrid_equals_attention_over_the_whole_sequence(world, group_size, causal, window, sink):
+    """All-to-all over heads inside groups, the ring across them (group_size 1: the ring alone;
+    group_size = world: all-to-all alone), against the whole sequence's attention."""
+    groups = world // group_size
+    rng = numpy.random.default_rng(world * 7 + group_size + causal)
+    batch, seqlen, heads, heads_kv, d = 2, 4 * world * groups, 6 if world == 6 else 4, 6 if world == 6 else 4, 8
+    heads = heads * (group_size if heads % group_size else 1)
+    heads_kv = heads
+    q, do = (rng.standard_normal((batch, seqlen, heads, d)) for _ in range(2))
+    k, v = (rng.standard_normal((batch, seqlen, heads_kv, d)) for _ in range(2))
+    sinks = rng.standard_normal(heads) if sink else None
+    options = dict(group_size=group_size, causal=causal, softmax_scale=0.3, window_size=window, sink=sinks,
+                   _backend=DenseBackend(seqlen).pair())
+
+    def shard(x, axis=1):
+        return [distributed.hybrid_shard(x, r, world, group_size, axis=axis) for r in range(world)]
+
+    outs = distributed.simulate_hybrid_forward(shard(q), shard(k), shard(v), **options)
+    o = distributed.hybrid_unshard([o for o, _ in outs], group_size)
+    lse = distributed.hybrid_unshard([lse for _, lse in outs], group_size, axis=2)
+    o_ref, lse_ref = attention_reference(q, k, v, causal=causal, softmax_scale=0.3, window_size=window, sink=sinks)
+    assert numpy.abs(o - o_ref).max() < 1e-6 and numpy.abs(lse - lse_ref).max() < 1e-5
+    grads = distributed.simulate_hybrid_backward(shard(do), shard(q), shard(k), shard(v), shard(o_ref), shard(lse_ref, 2),
+                                                 **options)
+    refs = attention_reference_backward(do, q, k, v, causal=causal, softmax_scale=0.3, window_size=window, sink=sinks)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        ours = distributed.hybrid_unshard([g[i] for g in grads], group_size)
+        assert numpy.abs(ours - refs[i]).max() <= 1e-6 * numpy.abs(refs[i]).max(), name
+    if sink:
+        assert numpy.abs(sum(g[3] for g in grads) - refs[3]).max() <= 1e-6 * numpy.abs(refs[3]).max()
+
+
+def test_hybrid_group_size_is_checked():
+    q = [numpy.zeros((1, 8, 4, 8))] * 4
+    with pytest.raises(ValueError, match="group_size is 3; expected a positive integer dividing the 4 ranks"):
+        distributed.simulate_hybrid_forward(q, q, q, group_size=3)
+    with pytest.raises(ValueError, match="q has 4 heads, not a multiple of the 8 ranks"):
+        distributed.simulate_hybrid_forward([numpy.zeros((1, 8, 4, 8))] * 8, [numpy.zeros((1, 8, 4, 8))] * 8,
+                                            [numpy.zeros((1, 8, 4, 8))] * 8, group_size=8)

@@ -229,6 +229,50 @@ def test_loopback_all_to_all_holds_the_error_rule(world, variant):
                          max_finite_abs(exact[1]), float(abs(exact_grads[3]).max()) * seqlen, factor=3.0)
 
 
+@pytest.mark.parametrize("world,group_size", [(4, 2), (6, 3)])
+@pytest.mark.parametrize("variant", ["causal, GQA", "causal window 100, sink"])
+def test_loopback_hybrid_holds_the_error_rule(world, group_size, variant):
+    """The hybrid on virtual ranks (all-to-all over heads inside groups, the ring across them), with
+    the flash kernels, against the float64 reference of the whole sequence (2x / 3x rule)."""
+    import cupy
+
+    heads = 4 if group_size == 2 else 6
+    heads_kv = 2 if group_size == 2 else 3
+    options = dict(causal=True)
+    if "window" in variant:
+        options.update(window_size=(100, -1), sink=cupy.linspace(-1, 3, heads, dtype=cupy.float32))
+    rng = numpy.random.default_rng(world * 10 + group_size + len(variant))
+    batch, d, seqlen = 2, 64, 2 * (world // group_size) * 77 * group_size
+    q, do = (random_array(rng, (batch, seqlen, heads, d), "bfloat16", 2.0) for _ in range(2))
+    k, v = (random_array(rng, (batch, seqlen, heads_kv, d), "bfloat16", 2.0) for _ in range(2))
+
+    def shard(x, axis=1):
+        return [distributed.hybrid_shard(x, r, world, group_size, axis=axis) for r in range(world)]
+
+    with poisoned_allocations():
+        outs = distributed.simulate_hybrid_forward(shard(q), shard(k), shard(v), group_size=group_size, **options)
+    o = distributed.hybrid_unshard([o for o, _ in outs], group_size)
+    lse = distributed.hybrid_unshard([lse for _, lse in outs], group_size, axis=2)
+    exact = attention_reference(q, k, v, **options)
+    low = attention_reference(q, k, v, upcast=False, **options)
+    context = f"hybrid world={world} group_size={group_size} {variant}"
+    check_error_rule("o", o, exact[0], low[0], context, max_finite_abs(exact[1]))
+    check_error_rule("lse", lse, exact[1], low[1], context, max_finite_abs(exact[1]))
+    with poisoned_allocations():
+        grads = distributed.simulate_hybrid_backward(shard(do), shard(q), shard(k), shard(v), shard(o), shard(lse, 2),
+                                                     group_size=group_size, **options)
+    exact_grads = attention_reference_backward(do, q, k, v, **options)
+    low_grads = low_precision_gradients(do, q, k, v, **options)
+    scales = gradient_term_scales(do, q, k, v, **options)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        ours = distributed.hybrid_unshard([g[i] for g in grads], group_size)
+        check_error_rule(name, ours, exact_grads[i], low_grads[i], context, max_finite_abs(exact[1]), scales[name],
+                         scales.get("delta:" + name, 0.0), factor=3.0)
+    if "sink" in options:
+        check_error_rule("dsink", sum(g[3] for g in grads), exact_grads[3], low_grads[3], context,
+                         max_finite_abs(exact[1]), float(abs(exact_grads[3]).max()) * seqlen, factor=3.0)
+
+
 def test_packed_ring_calls_keep_their_plans(monkeypatch):
     """The packed ring's calls (offsets alone as keywords, their host copies known) find their kept
     plans: a second forward + backward over the same lengths, on new arrays, builds no plan and
