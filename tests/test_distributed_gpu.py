@@ -2,6 +2,9 @@
 float64 reference of the whole sequence (the 2x / 3x error rule) and against one flash call over
 it. The two-GPU NCCL ring: bench/ring_nccl.py (mpirun -n 2)."""
 
+import contextlib
+import functools
+
 import numpy
 import pytest
 from helpers import (
@@ -81,6 +84,42 @@ RING_VARIANTS = {
 }
 
 
+def _check_against_the_whole_sequence(context, forward, backward, shard, unshard, inputs, options, *, lse_axis=2,
+                                      reference=None, scales=None, dsink_rows=None, watch_forward=None):
+    """Runs a mode over virtual ranks (``forward(qs, ks, vs)`` and ``backward(dos, qs, ks, vs, os, lses)``,
+    its options bound) on ``shard(x, axis)``'s per-rank lists of inputs = (q, k, v, do), NaN-poisoned,
+    and holds o, lse, dq, dk, dv (and dsink, the ranks' parts summed) to the float64 reference of the
+    whole sequence with the 2x / 3x rule. ``unshard(shards, axis)`` joins the ranks' results;
+    ``reference``: the reference's options (default ``options``); ``scales(o)``: the gradients' term
+    scales (default gradient_term_scales); ``dsink_rows``: the rows dsink sums over (default q's
+    seqlen); ``watch_forward``: a context manager around the forward alone."""
+    q, k, v, do = inputs
+    reference = options if reference is None else reference
+    with poisoned_allocations(), (watch_forward or contextlib.nullcontext)():
+        outs = forward(shard(q), shard(k), shard(v))
+    o = unshard([o for o, _ in outs], 1 if lse_axis == 2 else 0)
+    lse = unshard([lse for _, lse in outs], lse_axis)
+    exact = attention_reference(q, k, v, **reference)
+    low = attention_reference(q, k, v, upcast=False, **reference)
+    lse_magnitude = max_finite_abs(exact[1])
+    check_error_rule("o", o, exact[0], low[0], context, lse_magnitude)
+    check_error_rule("lse", lse, exact[1], low[1], context, lse_magnitude)
+    with poisoned_allocations():
+        grads = backward(shard(do), shard(q), shard(k), shard(v), shard(o), shard(lse, lse_axis))
+    exact_grads = attention_reference_backward(do, q, k, v, **reference)
+    low_grads = low_precision_gradients(do, q, k, v, **reference)
+    term_scales = gradient_term_scales(do, q, k, v, **reference) if scales is None else scales(o)
+    for i, (name, x) in enumerate((("dq", q), ("dk", k), ("dv", v))):
+        ours = unshard([g[i] for g in grads], 1 if lse_axis == 2 else 0)
+        assert ours.shape == x.shape and ours.dtype == x.dtype
+        check_error_rule(name, ours, exact_grads[i], low_grads[i], context, lse_magnitude, term_scales[name],
+                         term_scales.get("delta:" + name, 0.0), factor=3.0)
+    if "sink" in options:
+        rows = q.shape[1] if dsink_rows is None else dsink_rows
+        check_error_rule("dsink", sum(g[3] for g in grads), exact_grads[3], low_grads[3], context, lse_magnitude,
+                         float(abs(exact_grads[3]).max()) * rows, factor=3.0)
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("variant", list(RING_VARIANTS))
 def test_loopback_ring_takes_its_variants(world, variant):
@@ -100,29 +139,10 @@ def test_loopback_ring_takes_its_variants(world, variant):
     def shard(x, axis=1):
         return [distributed.zigzag_shard(x, r, world, axis=axis) for r in range(world)]
 
-    with poisoned_allocations():
-        outs = distributed.simulate_ring_forward(shard(q), shard(k), shard(v), **options)
-    o = distributed.zigzag_unshard([o for o, _ in outs])
-    lse = distributed.zigzag_unshard([lse for _, lse in outs], axis=2)
-    exact = attention_reference(q, k, v, **options)
-    low = attention_reference(q, k, v, upcast=False, **options)
-    context = f"ring world={world} {variant}"
-    check_error_rule("o", o, exact[0], low[0], context, max_finite_abs(exact[1]))
-    check_error_rule("lse", lse, exact[1], low[1], context, max_finite_abs(exact[1]))
-    with poisoned_allocations():
-        grads = distributed.simulate_ring_backward(shard(do), shard(q), shard(k), shard(v), shard(o), shard(lse, 2),
-                                                   **options)
-    exact_grads = attention_reference_backward(do, q, k, v, **options)
-    low_grads = low_precision_gradients(do, q, k, v, **options)
-    scales = gradient_term_scales(do, q, k, v, **options)
-    for i, name in enumerate(("dq", "dk", "dv")):
-        ours = distributed.zigzag_unshard([g[i] for g in grads])
-        check_error_rule(name, ours, exact_grads[i], low_grads[i], context, max_finite_abs(exact[1]), scales[name],
-                         scales.get("delta:" + name, 0.0), factor=3.0)
-    if "sink" in options:
-        dsink = sum(g[3] for g in grads)
-        check_error_rule("dsink", dsink, exact_grads[3], low_grads[3], context, max_finite_abs(exact[1]),
-                         float(abs(exact_grads[3]).max()) * seqlen, factor=3.0)
+    _check_against_the_whole_sequence(
+        f"ring world={world} {variant}", functools.partial(distributed.simulate_ring_forward, **options),
+        functools.partial(distributed.simulate_ring_backward, **options), shard, distributed.zigzag_unshard,
+        (q, k, v, do), options)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -132,7 +152,7 @@ def test_loopback_ring_over_packed_shards_holds_the_error_rule(world, causal, le
     """A packed batch of mixed lengths (each a multiple of 2 x ranks: chunks of 77, 0, 5 and 300
     rows, or 1, 128 and 33) on the ring, the shards chunk-major (zigzag_shard_packed), each step a
     packed flash call per pair of halves: o, lse and dq, dk, dv (dsink) against the float64 reference
-    of each whole sequence, with the 2x / 3x rule."""
+    of each whole sequence, with the 2x / 3x rule; the forward reads no offsets back."""
     import cupy
 
     rng = numpy.random.default_rng(world * 10 + causal + heads_kv)
@@ -144,7 +164,7 @@ def test_loopback_ring_over_packed_shards_holds_the_error_rule(world, causal, le
     options = dict(causal=causal)
     if sink:
         options["sink"] = cupy.asarray([-1.0, 0.5, 2.0, 4.0], dtype=cupy.float32)
-    packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu)
+    reference = dict(options, cu_seqlens_q=cu, cu_seqlens_k=cu)
 
     def shard(x, axis=0):
         return [distributed.zigzag_shard_packed(x, cu_host, r, world, axis) for r in range(world)]
@@ -155,32 +175,21 @@ def test_loopback_ring_over_packed_shards_holds_the_error_rule(world, causal, le
         read_back.append(x.dtype)
         return asnumpy(x, *args, **kwargs)
 
-    with poisoned_allocations(), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cupy, "asnumpy", noting_asnumpy)
-        outs = distributed.simulate_ring_forward(shard(q), shard(k), shard(v), cu_seqlens=cu_host, **options)
+    @contextlib.contextmanager
+    def watch_forward():
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cupy, "asnumpy", noting_asnumpy)
+            yield
+
+    _check_against_the_whole_sequence(
+        f"packed ring world={world} causal={causal} lengths={lengths} heads_kv={heads_kv} sink={sink}",
+        functools.partial(distributed.simulate_ring_forward, cu_seqlens=cu_host, **options),
+        functools.partial(distributed.simulate_ring_backward, cu_seqlens=cu_host, **options), shard,
+        lambda shards, axis: distributed.zigzag_unshard_packed(shards, cu_host, axis), (q, k, v, do), options,
+        lse_axis=1, reference=reference,
+        scales=lambda o: packed_gradient_term_scales(len(lengths), do, q, k, v, o, reference),
+        dsink_rows=max(lengths) * 2 * world, watch_forward=watch_forward)
     assert numpy.dtype(numpy.int32) not in read_back   # the calls check the halves' offsets from their host copy
-    o = distributed.zigzag_unshard_packed([o for o, _ in outs], cu_host)
-    lse = distributed.zigzag_unshard_packed([lse for _, lse in outs], cu_host, axis=1)
-    exact = attention_reference(q, k, v, **options, **packed)
-    low = attention_reference(q, k, v, upcast=False, **options, **packed)
-    context = f"packed ring world={world} causal={causal} lengths={lengths} heads_kv={heads_kv} sink={sink}"
-    check_error_rule("o", o, exact[0], low[0], context, max_finite_abs(exact[1]))
-    check_error_rule("lse", lse, exact[1], low[1], context, max_finite_abs(exact[1]))
-    with poisoned_allocations():
-        grads = distributed.simulate_ring_backward(shard(do), shard(q), shard(k), shard(v), shard(o), shard(lse, 1),
-                                                   cu_seqlens=cu_host, **options)
-    exact_grads = attention_reference_backward(do, q, k, v, **options, **packed)
-    low_grads = low_precision_gradients(do, q, k, v, **options, **packed)
-    scales = packed_gradient_term_scales(len(lengths), do, q, k, v, o, dict(options, **packed))
-    for i, (name, x) in enumerate((("dq", q), ("dk", k), ("dv", v))):
-        ours = distributed.zigzag_unshard_packed([g[i] for g in grads], cu_host)
-        assert ours.shape == x.shape and ours.dtype == x.dtype
-        check_error_rule(name, ours, exact_grads[i], low_grads[i], context, max_finite_abs(exact[1]), scales[name],
-                         scales.get("delta:" + name, 0.0), factor=3.0)
-    if sink:
-        dsink = sum(g[3] for g in grads)
-        check_error_rule("dsink", dsink, exact_grads[3], low_grads[3], context, max_finite_abs(exact[1]),
-                         float(abs(exact_grads[3]).max()) * max(lengths) * 2 * world, factor=3.0)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -205,28 +214,10 @@ def test_loopback_all_to_all_holds_the_error_rule(world, variant):
         return [x[(slice(None),) * axis + (slice(r * (x.shape[axis] // world), (r + 1) * (x.shape[axis] // world)),)]
                 for r in range(world)]
 
-    with poisoned_allocations():
-        outs = distributed.simulate_ulysses_forward(shard(q), shard(k), shard(v), **options)
-    o = cupy.concatenate([o for o, _ in outs], axis=1)
-    lse = cupy.concatenate([lse for _, lse in outs], axis=2)
-    exact = attention_reference(q, k, v, **options)
-    low = attention_reference(q, k, v, upcast=False, **options)
-    context = f"all-to-all world={world} {variant}"
-    check_error_rule("o", o, exact[0], low[0], context, max_finite_abs(exact[1]))
-    check_error_rule("lse", lse, exact[1], low[1], context, max_finite_abs(exact[1]))
-    with poisoned_allocations():
-        grads = distributed.simulate_ulysses_backward(shard(do), shard(q), shard(k), shard(v), shard(o), shard(lse, 2),
-                                                      **options)
-    exact_grads = attention_reference_backward(do, q, k, v, **options)
-    low_grads = low_precision_gradients(do, q, k, v, **options)
-    scales = gradient_term_scales(do, q, k, v, **options)
-    for i, name in enumerate(("dq", "dk", "dv")):
-        ours = cupy.concatenate([g[i] for g in grads], axis=1)
-        check_error_rule(name, ours, exact_grads[i], low_grads[i], context, max_finite_abs(exact[1]), scales[name],
-                         scales.get("delta:" + name, 0.0), factor=3.0)
-    if "sink" in options:
-        check_error_rule("dsink", sum(g[3] for g in grads), exact_grads[3], low_grads[3], context,
-                         max_finite_abs(exact[1]), float(abs(exact_grads[3]).max()) * seqlen, factor=3.0)
+    _check_against_the_whole_sequence(
+        f"all-to-all world={world} {variant}", functools.partial(distributed.simulate_ulysses_forward, **options),
+        functools.partial(distributed.simulate_ulysses_backward, **options), shard,
+        lambda shards, axis: cupy.concatenate(shards, axis=axis), (q, k, v, do), options)
 
 
 @pytest.mark.parametrize("world,group_size", [(4, 2), (6, 3)])
@@ -249,28 +240,11 @@ def test_loopback_hybrid_holds_the_error_rule(world, group_size, variant):
     def shard(x, axis=1):
         return [distributed.hybrid_shard(x, r, world, group_size, axis=axis) for r in range(world)]
 
-    with poisoned_allocations():
-        outs = distributed.simulate_hybrid_forward(shard(q), shard(k), shard(v), group_size=group_size, **options)
-    o = distributed.hybrid_unshard([o for o, _ in outs], group_size)
-    lse = distributed.hybrid_unshard([lse for _, lse in outs], group_size, axis=2)
-    exact = attention_reference(q, k, v, **options)
-    low = attention_reference(q, k, v, upcast=False, **options)
-    context = f"hybrid world={world} group_size={group_size} {variant}"
-    check_error_rule("o", o, exact[0], low[0], context, max_finite_abs(exact[1]))
-    check_error_rule("lse", lse, exact[1], low[1], context, max_finite_abs(exact[1]))
-    with poisoned_allocations():
-        grads = distributed.simulate_hybrid_backward(shard(do), shard(q), shard(k), shard(v), shard(o), shard(lse, 2),
-                                                     group_size=group_size, **options)
-    exact_grads = attention_reference_backward(do, q, k, v, **options)
-    low_grads = low_precision_gradients(do, q, k, v, **options)
-    scales = gradient_term_scales(do, q, k, v, **options)
-    for i, name in enumerate(("dq", "dk", "dv")):
-        ours = distributed.hybrid_unshard([g[i] for g in grads], group_size)
-        check_error_rule(name, ours, exact_grads[i], low_grads[i], context, max_finite_abs(exact[1]), scales[name],
-                         scales.get("delta:" + name, 0.0), factor=3.0)
-    if "sink" in options:
-        check_error_rule("dsink", sum(g[3] for g in grads), exact_grads[3], low_grads[3], context,
-                         max_finite_abs(exact[1]), float(abs(exact_grads[3]).max()) * seqlen, factor=3.0)
+    _check_against_the_whole_sequence(
+        f"hybrid world={world} group_size={group_size} {variant}",
+        functools.partial(distributed.simulate_hybrid_forward, group_size=group_size, **options),
+        functools.partial(distributed.simulate_hybrid_backward, group_size=group_size, **options), shard,
+        lambda shards, axis: distributed.hybrid_unshard(shards, group_size, axis), (q, k, v, do), options)
 
 
 def test_packed_ring_calls_keep_their_plans(monkeypatch):
