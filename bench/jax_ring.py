@@ -26,21 +26,9 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from cupy_flash.distributed import zigzag_indices  # noqa: E402
-from cupy_flash.jax_adapter import flash_attention, ring_attention, ulysses_attention  # noqa: E402
+from cupy_flash.jax_adapter import flash_attention, ring_attention, shard_map, ulysses_attention  # noqa: E402
 
 HEADS, D = 16, 128
-
-
-def shard_map(function, mesh, in_specs, out_specs):
-    make = getattr(jax, "shard_map", None)
-    if make is None:
-        from jax.experimental.shard_map import shard_map as make
-    for check in ({"check_vma": False}, {"check_rep": False}):
-        try:
-            return make(function, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **check)
-        except TypeError:
-            continue
-    raise RuntimeError("no shard_map signature fits")
 
 
 def seconds(step, args, rounds: int = 5) -> float:

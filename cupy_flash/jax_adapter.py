@@ -468,6 +468,21 @@ def _decode_callback(static, context, outputs, q, k_cache, v_cache, cache_seqlen
 # -------------------------------------------------------------------------------------------------
 # Ring attention over a mesh axis: context parallelism under jax.jit, without MPI.
 
+def shard_map(function, mesh, in_specs, out_specs):
+    """``jax.shard_map`` (``jax.experimental.shard_map`` on older JAX) of ``function`` without the
+    replication check (``check_vma``, formerly ``check_rep``), which the kernels' callbacks cannot
+    satisfy: what ring_attention and ulysses_attention are called inside."""
+    make = getattr(jax, "shard_map", None)
+    if make is None:
+        from jax.experimental.shard_map import shard_map as make
+    for check in ({"check_vma": False}, {"check_rep": False}):
+        try:
+            return make(function, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **check)
+        except TypeError:
+            continue
+    raise RuntimeError("no shard_map signature fits this JAX")
+
+
 def ring_attention(q, k, v, axis_name, *, causal=False, softmax_scale=None, deterministic=False):
     """Exact attention over a sequence sharded along the mesh axis ``axis_name``, called inside
     ``jax.shard_map`` with q, k, v the rank's shard (batch, local_seqlen, heads, head_dim) and the

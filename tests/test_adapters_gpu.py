@@ -337,19 +337,6 @@ def _mesh_of_gpus(jax, axis: str):
     return Mesh(numpy.array(devices[:world]), (axis,)), world
 
 
-def _shard_map(jax, function, mesh, specs, out_specs):
-    """jax.shard_map (or jax.experimental's) without the replication check (the kernels are callbacks)."""
-    shard_map = getattr(jax, "shard_map", None)
-    if shard_map is None:
-        from jax.experimental.shard_map import shard_map
-    for check in ({"check_vma": False}, {"check_rep": False}):
-        try:
-            return shard_map(function, mesh=mesh, in_specs=specs, out_specs=out_specs, **check)
-        except TypeError:
-            continue
-    raise RuntimeError("no shard_map signature fits")
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_jax_ring_attention_matches_the_reference(causal):
     """jax_adapter.ring_attention under jax.jit over a mesh of every GPU (2 or 4; zigzag shards, GQA):
@@ -362,7 +349,7 @@ def test_jax_ring_attention_matches_the_reference(causal):
     from jax.sharding import PartitionSpec as P
 
     from cupy_flash.distributed import zigzag_indices
-    from cupy_flash.jax_adapter import ring_attention
+    from cupy_flash.jax_adapter import ring_attention, shard_map
 
     mesh, world = _mesh_of_gpus(jax, "ring")
     batch, seqlen, heads, heads_kv, d = 2, 512 * world, 4, 2, 64
@@ -374,7 +361,7 @@ def test_jax_ring_attention_matches_the_reference(causal):
     sharding = NamedSharding(mesh, P(None, "ring"))
     qz, kz, vz, wz = (jax.device_put(jnp.asarray(x[:, index]), sharding) for x in (q, k, v, w))
     spec = P(None, "ring")
-    ring = _shard_map(jax, lambda q, k, v: ring_attention(q, k, v, "ring", causal=causal), mesh, (spec,) * 3, spec)
+    ring = shard_map(lambda q, k, v: ring_attention(q, k, v, "ring", causal=causal), mesh, (spec,) * 3, spec)
     o = numpy.asarray(jax.jit(ring)(qz, kz, vz))[:, back]
 
     def loss(q, k, v):
@@ -402,7 +389,7 @@ def test_jax_ulysses_attention_matches_the_reference(options):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from cupy_flash.jax_adapter import ulysses_attention
+    from cupy_flash.jax_adapter import shard_map, ulysses_attention
 
     mesh, world = _mesh_of_gpus(jax, "sp")
     batch, seqlen, heads, heads_kv, d = 2, 512 * world, 8, 4, 64
@@ -412,7 +399,7 @@ def test_jax_ulysses_attention_matches_the_reference(options):
     spec = P(None, "sp")
     sharding = NamedSharding(mesh, spec)
     qs, ks, vs, ws = (jax.device_put(jnp.asarray(x), sharding) for x in (q, k, v, w))
-    attention = _shard_map(jax, lambda q, k, v: ulysses_attention(q, k, v, "sp", **options), mesh, (spec,) * 3, spec)
+    attention = shard_map(lambda q, k, v: ulysses_attention(q, k, v, "sp", **options), mesh, (spec,) * 3, spec)
     o = numpy.asarray(jax.jit(attention)(qs, ks, vs))
 
     def loss(q, k, v):
@@ -426,7 +413,7 @@ def test_jax_ulysses_attention_matches_the_reference(options):
     for name, ours, e, lo in zip(("dq", "dk", "dv"), grads, attention_reference_backward(w, q, k, v, **options),
                                  attention_reference_backward(w, q, k, v, upcast=False, **options)):
         check_error_rule(f"ulysses {name}", ours, e, lo, context, factor=3.0)
-    one_kv = _shard_map(jax, lambda q, k, v: ulysses_attention(q, k[:, :, :1], v[:, :, :1], "sp"), mesh, (spec,) * 3, spec)
+    one_kv = shard_map(lambda q, k, v: ulysses_attention(q, k[:, :, :1], v[:, :, :1], "sp"), mesh, (spec,) * 3, spec)
     with pytest.raises(ValueError, match="k has 1 heads, not a multiple of the"):
         jax.jit(one_kv)(qs, ks, vs)
 
