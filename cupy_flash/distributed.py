@@ -1044,16 +1044,16 @@ def _ulysses_backward(ring, dos, qs, ks, vs, os_, lses, causal, softmax_scale, o
     out = [tuple(b[r] for b in back) for r in range(len(ring.ranks))]
     if options.get("sink") is None:
         return out
-    # each rank's dsink covers its head group: placed in a (heads,) array of zeros, so the ranks'
-    # parts add up to the gradient (as the ring's do)
-    size = heads // world
-    parts = []
-    for g, r in zip(grads, ring.ranks):
-        xp = _xp(g[3])
-        full = xp.zeros((heads,), dtype=g[3].dtype)
-        full[r * size:(r + 1) * size] = g[3]
-        parts.append(full)
-    return [o + (d,) for o, d in zip(out, parts)]
+    return [o + (_heads_gradient(g[3], r, world, heads),) for o, g, r in zip(out, grads, ring.ranks)]
+
+
+def _heads_gradient(part, index: int, parts: int, heads: int):
+    """A per-head gradient of head group ``index`` of ``parts`` (dsink of a rank's heads) placed in a
+    (heads,) array of zeros, so that the ranks' parts add up to the gradient (as the ring's do)."""
+    full = _xp(part).zeros((heads,), dtype=part.dtype)
+    size = heads // parts
+    full[index * size:(index + 1) * size] = part
+    return full
 
 
 def _flash_ulysses_backend():
@@ -1191,14 +1191,9 @@ def _hybrid_backward(within_rings, across_rings, dos, qs, ks, vs, os_, lses, cau
     out = _hybrid(within_rings, across_rings, dict(do=dos, q=qs, k=ks, v=vs, o=os_, lse=lses), run)
     if sink is None:
         return out
-    size = heads // group_size
     for gi, row in enumerate(out):
         for ui, grads in enumerate(row):
-            u = within_rings[gi].ranks[ui]
-            xp = _xp(grads[3])
-            full = xp.zeros((heads,), dtype=grads[3].dtype)   # its heads' part, zeros elsewhere
-            full[u * size:(u + 1) * size] = grads[3]
-            row[ui] = grads[:3] + (full,)
+            row[ui] = grads[:3] + (_heads_gradient(grads[3], within_rings[gi].ranks[ui], group_size, heads),)
     return out
 
 
