@@ -76,20 +76,24 @@ def test_every_rank_gets_rank_0s_value():
 
 
 def test_a_rank_of_another_job_is_refused_and_the_job_still_meets():
+    """Rank 0 up first, a process of another job connects and is refused while rank 0 waits, then
+    the job's ranks meet. (The stray connects before ranks 1 and 2 start: had it come after rank 0
+    had served them and closed, the connection would just be reset, with no refusal to read.)"""
     address = ("127.0.0.1", _rendezvous.free_port_pair() + 1)
-    stray = {}
+    results = {}
 
-    def other_job():   # connects first, with another job's id
-        try:
-            stray["result"] = _rendezvous._fetch(1, address, "another job", 10.0)
-        except Exception as error:   # noqa: BLE001 - the test reads it
-            stray["result"] = error
+    def rank(r):
+        results[r] = share_from_rank0(Place(r, 3, r, "RANK"), lambda: [1, 2, -3], address, "job", 10.0)
 
-    thread = threading.Thread(target=other_job)
-    thread.start()
-    results = _ranks(3, address, timeout=10.0)
-    thread.join(15)
-    assert isinstance(stray["result"], ValueError) and "another job" in str(stray["result"])
+    first = threading.Thread(target=rank, args=(0,))
+    first.start()
+    with pytest.raises(ValueError, match="another job"):
+        _rendezvous._fetch(1, address, "another job", 10.0)   # retries until rank 0 listens
+    others = [threading.Thread(target=rank, args=(r,)) for r in (1, 2)]
+    for thread in others:
+        thread.start()
+    for thread in [first, *others]:
+        thread.join(15)
     assert results == {r: [1, 2, -3] for r in range(3)}
 
 
