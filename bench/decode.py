@@ -2,6 +2,7 @@
 
     python -m bench.decode [--out DIR] [--lengths 4096 16384 ...] [--batches 1 8 64]
     python -m bench.decode --sweep auto 8 16 32 64 128 --batches 1 [--lengths ...]
+    python -m bench.decode --mla [--batches 1 16 64 128] [--lengths 4096 16384 65536]
 
 Decoding is memory-bound, so the figure is bandwidth: bytes of K and V read per second, against
 the device's copy rate measured in the same run (a 1 GiB device-to-device copy: bytes read plus
@@ -10,6 +11,13 @@ contiguous cache, flash_decode on a paged cache (pages of 256 keys, shuffled), f
 FP8 cache of the same shape (e4m3, half the bytes; its speed-up over the bf16 cache is the time
 ratio), and PyTorch SDPA's flash backend on the same tensors (seqlen_q = 1) where it runs. Caches rotate among enough copies
 to exceed the L2 cache (so no call reads a cache its predecessor left in L2).
+
+With --mla, DeepSeek's MLA decoding instead: 128 query heads over one latent K/V head of 576
+columns in pages of 64 (shuffled), v the view of each row's first 512 (as FlashMLA reads it), one
+new token (two, causal, from batch 64: speculative decoding, the compute-bound shapes), from a
+bf16 and from an e4m3 cache, and with v a separate bf16 array (the general decode kernel, where
+the MLA kernel does not apply); GB/s counts the latent cache's bytes once, TFLOP/s FlashAttention's
+count (2 x rows x keys x (576 + 512)).
 
 A small decode call reads a few MB in microseconds, far less than one call's Python time, so calls
 launched one by one measure the host. Both sides are therefore timed as a generation loop runs
@@ -168,6 +176,71 @@ def split_sweep(batch, length, heads_kv, splits, copies=4):
     return row
 
 
+MLA_HEADS, MLA_D, MLA_D_V, MLA_PAGE = 128, 576, 512, 64
+
+
+def mla_shape(batch, length, seqlen_q, copies):
+    """A row of MLA decoding (--mla): GB/s and TFLOP/s from a bf16 and from an e4m3 latent cache."""
+    import numpy
+
+    q = random_bf16((batch, seqlen_q, MLA_HEADS, MLA_D), 0)
+    pages_per = -(-length // MLA_PAGE)
+    order = numpy.random.default_rng(0).permutation(batch * pages_per).astype(numpy.int32)
+    table = cupy.asarray(order.reshape(batch, pages_per))
+    lengths = cupy.full((batch,), length, dtype=cupy.int32)
+    caches = [random_bf16((batch * pages_per, MLA_PAGE, 1, MLA_D), i + 1) for i in range(copies)]
+    rng = cupy.random.default_rng(7)
+    fp8 = [rng.integers(0, 0x7e, k.shape, dtype=cupy.int32).astype(cupy.uint8) for k in caches]
+    descale = cupy.full((batch, 1), 0.01, dtype=cupy.float32)
+    options = dict(cache_seqlens=lengths, block_table=table, causal=seqlen_q > 1)
+    separate = [(k, cupy.ascontiguousarray(k[..., :MLA_D_V])) for k in caches[:max(1, copies // 2)]]
+    replays = {
+        "mla": cupy_graph(lambda k: cupy_flash.flash_decode(q, k, k[..., :MLA_D_V], **options), caches),
+        "mla_fp8": cupy_graph(lambda k: cupy_flash.flash_decode(q, k, k[..., :MLA_D_V], k_descale=descale,
+                                                                v_descale=descale, **options), fp8),
+        # v a separate array: flash_decode_kernel (the MLA kernel reads v from k's tiles)
+        "separate_v": cupy_graph(lambda c: cupy_flash.flash_decode(q, c[0], c[1], **options), separate)}
+    times = interleaved_ms(replays)
+    flops = 2 * batch * seqlen_q * MLA_HEADS * length * (MLA_D + MLA_D_V)
+    row = dict(batch=batch, cache_len=length, seqlen_q=seqlen_q, heads=MLA_HEADS)
+    for name, ms in times.items():   # (bytes: the latent cache's, once)
+        cache_bytes = batch * length * MLA_D * (1 if name == "mla_fp8" else 2)
+        row[f"{name}_us"] = 1e3 * ms
+        row[f"{name}_gbs"] = cache_bytes / ms / 1e6
+        row[f"{name}_tflops"] = flops / ms / 1e9
+    row["fp8_speedup"] = times["mla"] / times["mla_fp8"]
+    row["over_separate_v"] = times["separate_v"] / times["mla"]
+    return row
+
+
+def mla_table(batches, lengths, out):
+    copy = copy_rate_gbs()
+    result = dict(device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), copy_gbs=copy, rows=[])
+    print(f"copy rate {copy:.0f} GB/s (read + write); MLA: {MLA_HEADS} heads, d {MLA_D} / v {MLA_D_V}, pages of {MLA_PAGE}",
+          flush=True)
+    print(f"{'batch':>5} {'cache':>7} {'s_q':>3} {'bf16 us':>8} {'GB/s':>6} {'of copy':>7} {'TFLOP/s':>7} "
+          f"{'fp8 us':>7} {'GB/s':>6} {'TFLOP/s':>7} {'fp8 x':>5} {'sep. v us':>9} {'x sep.':>6}")
+    for batch in batches:
+        for length in lengths:
+            seqlen_q = 2 if batch >= 64 else 1
+            size = batch * length * MLA_D * 2
+            copies = max(1, min(8, -(-ROTATE_BYTES // size)))
+            if size * copies > MEMORY_LIMIT:
+                continue
+            row = mla_shape(batch, length, seqlen_q, copies)
+            row["mla_of_copy"] = row["mla_gbs"] / copy
+            result["rows"].append(row)
+            print(f"{batch:5d} {length:7d} {seqlen_q:3d} {row['mla_us']:8.1f} {row['mla_gbs']:6.0f} {row['mla_of_copy']:7.2f} "
+                  f"{row['mla_tflops']:7.1f} {row['mla_fp8_us']:7.1f} {row['mla_fp8_gbs']:6.0f} {row['mla_fp8_tflops']:7.1f} "
+                  f"{row['fp8_speedup']:5.2f} {row['separate_v_us']:9.1f} {row['over_separate_v']:6.2f}", flush=True)
+            cupy.get_default_memory_pool().free_all_blocks()
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "decode-mla.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"results: {path}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", nargs="+", type=int, default=[4096, 16384, 32768, 65536, 131072])
@@ -176,7 +249,11 @@ def main():
     parser.add_argument("--sweep", nargs="+", default=None, metavar="N",
                         help="instead of the table: GB/s at each num_splits N ('auto': the automatic choice) "
                              "for every batch, length and GQA 8:1 / 1:1")
+    parser.add_argument("--mla", action="store_true", help="MLA decoding (576 / 512, 128 heads) instead of the table")
     args = parser.parse_args()
+    if args.mla:
+        mla_table(args.batches, args.lengths, args.out)
+        return
     if args.sweep:
         splits = [None if n == "auto" else int(n) for n in args.sweep]
         print(f"{'batch':>5} {'cache':>7} {'gqa':>4} " + " ".join(f"{n or 'auto':>7}" for n in splits) + "   (GB/s)")

@@ -20,6 +20,11 @@ from __future__ import annotations
 THREADS = 128   # every portable attention kernel: 4 warps laid out as 16 rows x 8 columns
 HEAD_DIM_TILES = (32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 MAX_HEAD_DIM = HEAD_DIM_TILES[-1]
+# Decoding alone also takes q / k head dims to 576: DeepSeek's MLA (a 512-column latent, which is
+# also v, and 64 rotary columns). v's own head dim stays within MAX_HEAD_DIM (v_tile: two blocks of
+# 256 columns, as at 512).
+DECODE_ONLY_TILES = (576,)
+DECODE_MAX_HEAD_DIM = DECODE_ONLY_TILES[-1]
 WIDE_TILE = 256   # the widest tile whose O a warp holds whole; wider ones split v's columns
 V_SPLIT = 2       # blocks over v's columns above WIDE_TILE (tensor-core forward, decode)
 
@@ -27,6 +32,12 @@ V_SPLIT = 2       # blocks over v's columns above WIDE_TILE (tensor-core forward
 def v_split(tile: int) -> int:
     """Blocks that share one query block's O columns (tensor-core forward and decode)."""
     return 1 if tile <= WIDE_TILE else V_SPLIT
+
+
+def v_tile(tile: int) -> int:
+    """v (and O) columns of one of those blocks: v's head dim is at most MAX_HEAD_DIM, also under
+    decoding's wider tiles (decode.cu's DV_TILE)."""
+    return min(tile, MAX_HEAD_DIM) // v_split(tile)
 SMEM_LIMIT_BYTES = 99 * 1024
 
 # The CUDA-core family's tiles (families/cuda_core.py), here because _checks bounds every call's
@@ -81,6 +92,15 @@ DECODE_STAGES = 2
 DECODE_WIDE_STAGES = 1
 # Blocks an SM holds (the kernel's __launch_bounds__ minimum, registers): up to head_dim 128, above.
 DECODE_BLOCKS_PER_SM = {128: 3, 256: 2}
+# MLA decoding (decode.cu's flash_mla_decode_kernel, v a view of k at the DECODE_ONLY_TILES): warps
+# as ROW_TILES tiles of 16 rows times V_HALVES shares of v's columns (8 warps, 64 rows a block),
+# sharing double-buffered tiles of MLA_DECODE_KEYS keys.
+MLA_DECODE_ROW_TILES = 4
+MLA_DECODE_V_HALVES = 2
+MLA_DECODE_ROWS = 16 * MLA_DECODE_ROW_TILES
+MLA_DECODE_THREADS = 32 * MLA_DECODE_ROW_TILES * MLA_DECODE_V_HALVES
+MLA_DECODE_KEYS = 32
+MLA_DECODE_STAGES = 2
 # The combine kernel: one block per row, each warp loading COMBINE_BATCH splits at a time, at most
 # COMBINE_MAX_WARPS warps.
 COMBINE_BATCH = 4
@@ -98,15 +118,22 @@ def decode_smem_bytes(tile: int, fp8_cache: bool = False) -> int:
     # Q, then each warp's stages of a K and a V tile of 16 keys (V: the block's v columns); the
     # epilogue's float32 O per warp reuses the stages. Rows padded by 8 elements. An FP8 cache: the
     # stages hold the raw e4m3 tiles (unpadded bytes), and each warp one converted stage.
-    ld, ld_v = tile + 8, tile // v_split(tile) + 8
+    ld, ld_v = tile + 8, v_tile(tile) + 8
     stages = decode_stages(tile)
     if fp8_cache:
-        raw = DECODE_WARPS * stages * 16 * (tile + tile // v_split(tile))
+        raw = DECODE_WARPS * stages * 16 * (tile + v_tile(tile))
         loop = 2 * (DECODE_ROWS * ld + DECODE_WARPS * 16 * (ld + ld_v)) + raw
     else:
         loop = 2 * (DECODE_ROWS * ld + DECODE_WARPS * stages * 16 * (ld + ld_v))
     merge = 2 * DECODE_ROWS * ld + 4 * DECODE_WARPS * DECODE_ROWS * ld_v
     return max(loop, merge)
+
+
+def mla_decode_smem_bytes(tile: int) -> int:
+    """Q's rows and the stages of shared key tiles (16-bit, rows padded by 8), then the warp pairs'
+    exchange (per warp: 16 tile maxima, 16 row sums, 4 x 32 words of P fragments)."""
+    exchange = 4 * MLA_DECODE_ROW_TILES * MLA_DECODE_V_HALVES * (2 * 16 + 4 * 32)
+    return 2 * (MLA_DECODE_ROWS + MLA_DECODE_STAGES * MLA_DECODE_KEYS) * (tile + 8) + exchange
 
 
 def decode_blocks_per_sm(tile: int, fp8_cache: bool = False) -> int:
@@ -136,10 +163,12 @@ def cuda_defines() -> str:
     flash_interface.cuh, which every kernel file includes, so each is stated here only."""
     values = dict(FLASH_THREADS=THREADS, SM90_BLOCK_SMEM_BYTES=SM90_BLOCK_SMEM_BYTES,
                   BACKWARD_SM90_CONSUMERS=BACKWARD_SM90_CONSUMERS, ROW_KERNEL_THREADS=ROW_KERNEL_THREADS,
-                  FLASH_WIDE_TILE=WIDE_TILE, FLASH_V_SPLIT=V_SPLIT,
+                  FLASH_WIDE_TILE=WIDE_TILE, FLASH_V_SPLIT=V_SPLIT, FLASH_MAX_HEAD_DIM_V=MAX_HEAD_DIM,
                   DECODE_ROWS=DECODE_ROWS, DECODE_STAGES=DECODE_STAGES, DECODE_WIDE_STAGES=DECODE_WIDE_STAGES,
                   DECODE_BLOCKS_PER_SM_TO_128=DECODE_BLOCKS_PER_SM[128],
                   DECODE_BLOCKS_PER_SM_ABOVE_128=DECODE_BLOCKS_PER_SM[256],
+                  MLA_DECODE_ROW_TILES=MLA_DECODE_ROW_TILES, MLA_DECODE_V_HALVES=MLA_DECODE_V_HALVES,
+                  MLA_DECODE_KEYS=MLA_DECODE_KEYS, MLA_DECODE_STAGES=MLA_DECODE_STAGES,
                   COMBINE_BATCH=COMBINE_BATCH, COMBINE_MAX_WARPS=COMBINE_MAX_WARPS,
                   FP8_TRANSPOSE_THREADS=FP8_TRANSPOSE_THREADS, FP8_TRANSPOSE_KEYS=FP8_TRANSPOSE_KEYS,
                   FP8_KEY_GROUP=FP8_KEY_GROUP, FP8_AMAX_ROWS=FP8_AMAX_ROWS)
@@ -147,7 +176,8 @@ def cuda_defines() -> str:
 
 
 def head_dim_tile(head_dim: int) -> int:
-    for tile in HEAD_DIM_TILES:
+    """The tile of a head dim (above MAX_HEAD_DIM, decoding's: callers check which they take)."""
+    for tile in HEAD_DIM_TILES + DECODE_ONLY_TILES:
         if head_dim <= tile:
             return tile
-    raise ValueError(f"head_dim {head_dim} exceeds {MAX_HEAD_DIM}")
+    raise ValueError(f"head_dim {head_dim} exceeds {DECODE_MAX_HEAD_DIM}")

@@ -23,6 +23,9 @@ from .families import device_info
 # head per K/V head at 32k keys ran at 892 GB/s with 64 splits (a block on 128 SMs) against 757
 # with 32 and 734 with 128; two K/V heads of 16: 1451 with 64, 1506 with 32, 1260 with 128.
 MIN_KEYS_PER_SPLIT = 128
+# The MLA kernel's blocks do 64 rows x (576 + 512) columns of products a key: half the keys a split
+# still pay for themselves, and batch 1 at 4k keys then fills the SMs (128 blocks, not 64).
+MLA_MIN_KEYS_PER_SPLIT = 64
 MAX_AUTO_SPLITS = 64
 MAX_SPLITS = 128
 
@@ -31,11 +34,12 @@ MAX_SPLITS = 128
 DECODE_MAX_ROWS = 32
 
 
-def choose_splits(work_units: int, keys: int, tile: int, device: int, fp8_cache: bool = False) -> int:
+def choose_splits(work_units: int, keys: int, tile: int, device: int, fp8_cache: bool = False,
+                  min_keys: int = MIN_KEYS_PER_SPLIT) -> int:
     """Splits of the keys over ``work_units`` blocks (batch x K/V heads x row blocks): while the
     work fits on the SMs, as many as keep one block per SM; past that, about one wave of the
     blocks each SM holds (_traits.decode_blocks_per_sm). Each split keeps MIN_KEYS_PER_SPLIT keys
-    or more, at most MAX_AUTO_SPLITS.
+    or more (``min_keys``), at most MAX_AUTO_SPLITS.
 
     One block per SM, measured on the H100 (bf16, graphs of decode calls at 32k keys, one token,
     32 query heads, early launches): 1:1 at batch 1 (32 units) 2796 GB/s with 4 splits against
@@ -53,7 +57,7 @@ def choose_splits(work_units: int, keys: int, tile: int, device: int, fp8_cache:
     combine_pass = _traits.COMBINE_BATCH * _traits.COMBINE_MAX_WARPS
     if wanted > combine_pass:
         wanted -= wanted % combine_pass
-    return max(1, min(wanted, keys // MIN_KEYS_PER_SPLIT, MAX_AUTO_SPLITS))
+    return max(1, min(wanted, keys // min_keys, MAX_AUTO_SPLITS))
 
 
 def _split_layout(num_splits: int, keys: int) -> tuple[int, int]:
@@ -151,11 +155,17 @@ def decode_plan(q, k, v, shape, scale, variant, num_splits=None, *, cache=None) 
     import cupy
 
     device = q.device.id
-    row_blocks = -(-shape.group * shape.seqlen_q // _traits.DECODE_ROWS)
-    # Blocks before the split (v's columns over v_split blocks above the wide tile: decode.cu).
-    work_units = shape.batch * shape.heads_kv * row_blocks * _traits.v_split(shape.tile)
+    # MLA's latent cache (v a view of k's first columns): its own kernel where it takes the call.
+    v_in_k = cache is not None and v.data.ptr == k.data.ptr and tuple(v.strides) == tuple(k.strides)
+    mla = family.uses_mla_kernel(device_info(device), shape, variant, v_in_k)
+    rows = shape.group * shape.seqlen_q
+    if mla:
+        work_units = shape.batch * shape.heads_kv * -(-rows // _traits.MLA_DECODE_ROWS)
+    else:   # blocks before the split (v's columns over v_split blocks above the wide tile: decode.cu)
+        work_units = shape.batch * shape.heads_kv * -(-rows // _traits.DECODE_ROWS) * _traits.v_split(shape.tile)
     if num_splits is None:
-        num_splits = choose_splits(work_units, shape.seqlen_k, shape.tile, device, variant.fp8_cache)
+        num_splits = choose_splits(work_units, shape.seqlen_k, shape.tile, device, variant.fp8_cache,
+                                   MLA_MIN_KEYS_PER_SPLIT if mla else MIN_KEYS_PER_SPLIT)
     num_splits, keys_per_split = _split_layout(num_splits, shape.seqlen_k)
     grid = num_splits * work_units
     if grid > _checks.MAX_GRID_BLOCKS:
@@ -188,7 +198,7 @@ def decode_plan(q, k, v, shape, scale, variant, num_splits=None, *, cache=None) 
             params["page_shift"] = cache["page_shift"]
         params["cache_batch"] = k.shape[0]
     new_rows = 0 if cache is None or cache.get("k_new") is None else int(cache["k_new"].shape[1])
-    launches = family.decode_launches(device_info(device), shape, variant, grid, num_splits, new_rows)
+    launches = family.decode_launches(device_info(device), shape, variant, grid, num_splits, new_rows, mla)
     record = PointerRecord(params, {name: name for name in _NAMES if name in arrays and arrays[name] is not None})
     held = tuple(x for x in variant.device_arrays() if x is not None)
     return DecodePlan(record, tuple(launches), arrays["o"], lse_shape, partials, held)
@@ -228,9 +238,10 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, blo
                          "they must match but in the head_dim (v's may differ: o takes it)")
     batch, seqlen_q, heads, head_dim = (int(n) for n in q.shape)
     head_dim_v = int(v_cache.shape[3])
-    for name, d in (("q", head_dim), ("v_cache", head_dim_v)):
-        if d % 8 or not 8 <= d <= _traits.MAX_HEAD_DIM:
-            raise ValueError(f"{name} has head_dim {d}; expected a multiple of 8 from 8 to {_traits.MAX_HEAD_DIM}")
+    # q and k to DECODE_MAX_HEAD_DIM (MLA's 576), v (and o) to MAX_HEAD_DIM.
+    for name, d, most in (("q", head_dim, _traits.DECODE_MAX_HEAD_DIM), ("v_cache", head_dim_v, _traits.MAX_HEAD_DIM)):
+        if d % 8 or not 8 <= d <= most:
+            raise ValueError(f"{name} has head_dim {d}; expected a multiple of 8 from 8 to {most}")
     if int(k_cache.shape[3]) != head_dim:
         raise ValueError(f"k_cache has head_dim {k_cache.shape[3]} but q has head_dim {head_dim}")
     if fp8_cache:
@@ -388,7 +399,10 @@ def flash_decode(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, 
     on the device only (never copied to the host), so the call can be captured in a CUDA graph and
     replayed as the lengths change; it is not modified (advance it yourself, e.g.
     ``cache_seqlens += seqlen_new``).
-    v_cache's (and v_new's) head_dim may differ from q's and k_cache's (o takes it).
+    v_cache's (and v_new's) head_dim may differ from q's and k_cache's (o takes it): q's and k's
+    head_dim any multiple of 8 to 576, v's to 512. MLA (DeepSeek's latent cache): k_cache
+    (pages, page_size, 1, 576) and v_cache = k_cache[..., :512], a view of the same rows (append
+    with v_new = k_new[..., :512]; no rotary, which would turn k's first columns but not v's).
     k_new, v_new: (batch, seqlen_new, heads_kv, head_dim), written into the cache in place at rows
     cache_seqlens[b] .. + seqlen_new - 1 before the attention, which then sees
     cache_seqlens[b] + seqlen_new keys. The caller leaves room: rows past the capacity are dropped.
@@ -539,8 +553,9 @@ def _plan_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, sof
     return (q.shape, q.strides, q.dtype, q.data.device_id, k_cache.shape, k_cache.strides, k_cache.dtype,
             k_cache.data.device_id, v_cache.shape, v_cache.strides, v_cache.dtype, v_cache.data.device_id,
             cache_seqlens.shape, cache_seqlens.strides, cache_seqlens.dtype, cache_seqlens.data.device_id,
-            *optional, aligned & 15, type(softmax_scale), softmax_scale, type(causal), causal, window_size,
-            type(softcap), softcap, type(num_splits), num_splits)
+            *optional, aligned & 15, v_cache.data.ptr == k_cache.data.ptr,   # v a view of k: the MLA kernel
+            type(softmax_scale), softmax_scale, type(causal), causal, window_size, type(softcap), softcap,
+            type(num_splits), num_splits)
 
 
 def _cache_descale(x, shape):

@@ -5,6 +5,8 @@
 //   flash_decode_kernel      one block per (split, row block, batch, K/V head): a partial softmax
 //                            over the split's keys, written normalised with its lse (or, with one
 //                            split, as the final O and lse)
+//   flash_mla_decode_kernel  the same for MLA's latent cache (v a view of k): 64 rows a block
+//                            sharing each tile of keys
 //   flash_combine_kernel     O = sum_s exp(lse_s - lse) O_s, lse = logsumexp_s lse_s (the sink
 //                            joined here); also merge_attention_states' kernel
 //
@@ -17,7 +19,7 @@
 // its own two shared-memory stages (cp.async, warp-local waits: no block barrier in the loop), and
 // merge their partial softmaxes once at the end. Tiles start at multiples of 16 keys, so with pages
 // of 16 or more keys (powers of two) a tile never crosses a page: one block_table read per tile.
-// Above FLASH_WIDE_TILE (head dims 264-512) a warp's O over every v column would not fit its
+// Above FLASH_WIDE_TILE (head dims 264-576) a warp's O over every v column would not fit its
 // registers: V_SPLIT blocks share each (split, row block, batch, K/V head), each scoring every key
 // and keeping O over its own share of v's columns (the index fastest in the grid); the first writes
 // lse. They run DECODE_WIDE_STAGES stages, which fit sm_80's shared memory.
@@ -284,7 +286,9 @@ struct DecodeTileLoader {
         constexpr int KEYS = 16, LD = WIDTH + 8, CHUNKS = WIDTH / 8;
         constexpr int ROWS_PER_PASS = CHUNKS >= 32 ? 1 : 32 / CHUNKS;
         if (CHUNKS < 32 && lane >= ROWS_PER_PASS * CHUNKS) return;   // (see operator())
-#pragma unroll
+        // Rows wider than v's (MLA's 576) one pass at a time: unrolled, their addresses took the
+        // registers the 576 tile lacks (spills at 255).
+#pragma unroll (WIDTH > FLASH_MAX_HEAD_DIM_V ? 1 : KEYS / ROWS_PER_PASS)
         for (int pass = 0; pass < KEYS / ROWS_PER_PASS; ++pass) {
 #pragma unroll
             for (int part = 0; part < (CHUNKS > 32 ? (CHUNKS + 31) / 32 : 1); ++part) {
@@ -351,7 +355,8 @@ struct DecodeFp8TileLoader {
     __device__ __forceinline__ void load_rows(unsigned char* dst, const unsigned char* src, long long row, long long row_stride,
                                               int tile_start, int valid) const {
         constexpr int KEYS = 16, CHUNKS = WIDTH / 16;
-#pragma unroll
+        // Rows wider than v's (MLA's 576) a step at a time, as DecodeTileLoader's (registers).
+#pragma unroll (WIDTH > FLASH_MAX_HEAD_DIM_V ? 1 : (KEYS * CHUNKS + 31) / 32)
         for (int step = 0; step < (KEYS * CHUNKS + 31) / 32; ++step) {
             const int i = lane + 32 * step;
             if ((KEYS * CHUNKS) % 32 != 0 && i >= KEYS * CHUNKS) continue;   // past the tile: issue nothing
@@ -496,16 +501,27 @@ __device__ __forceinline__ void online_softmax_tile(float (&s)[2][4], float (&o_
 
 // O += P V: the two key n-tiles of S are one A fragment of P; v_lane is the lane's ldmatrix
 // address in the V tile.
+template <typename T>
+__device__ __forceinline__ void pack_p(unsigned int (&a)[4], const float (&s)[2][4]) {
+    a[0] = Mma<T>::pack(s[0][0], s[0][1]);
+    a[1] = Mma<T>::pack(s[0][2], s[0][3]);
+    a[2] = Mma<T>::pack(s[1][0], s[1][1]);
+    a[3] = Mma<T>::pack(s[1][2], s[1][3]);
+}
 template <typename T, int O_TILES>
-__device__ __forceinline__ void accumulate_pv(float (&o_acc)[O_TILES][4], const float (&s)[2][4], unsigned int v_lane) {
-    unsigned int a[4] = {Mma<T>::pack(s[0][0], s[0][1]), Mma<T>::pack(s[0][2], s[0][3]),
-                         Mma<T>::pack(s[1][0], s[1][1]), Mma<T>::pack(s[1][2], s[1][3])};
+__device__ __forceinline__ void accumulate_pv_packed(float (&o_acc)[O_TILES][4], const unsigned int (&a)[4], unsigned int v_lane) {
 #pragma unroll
     for (int j = 0; j < O_TILES; j += 2) {
         unsigned int bfrag[4];
         ldmatrix_x4_trans(bfrag, v_lane + 2u * j * 8);
         mma_two_tiles<T>(o_acc[j], o_acc[j + 1], a, bfrag);
     }
+}
+template <typename T, int O_TILES>
+__device__ __forceinline__ void accumulate_pv(float (&o_acc)[O_TILES][4], const float (&s)[2][4], unsigned int v_lane) {
+    unsigned int a[4];
+    pack_p<T>(a, s);
+    accumulate_pv_packed<T, O_TILES>(o_acc, a, v_lane);
 }
 
 // A warp's running max (score units and as used in exponents) and total of rows g and g + 8 into
@@ -617,7 +633,9 @@ flash_decode_kernel(const FlashParams p) {
     constexpr int KEYS = 16;                 // keys per warp tile: one k16 step of P V
     constexpr bool WIDE = D_TILE > FLASH_WIDE_TILE;
     constexpr int V_SPLIT = WIDE ? FLASH_V_SPLIT : 1;    // blocks over v's columns (the header)
-    constexpr int DV_TILE = D_TILE / V_SPLIT;            // v (and O) columns of this block
+    // v (and O) columns of this block: v's head dim stays within FLASH_MAX_HEAD_DIM_V where q's and
+    // k's go past it (MLA's 576 tile: two blocks of 256 v columns).
+    constexpr int DV_TILE = (D_TILE < FLASH_MAX_HEAD_DIM_V ? D_TILE : FLASH_MAX_HEAD_DIM_V) / V_SPLIT;
     // Tiles in flight per warp (_traits.DECODE_STAGES: why 2; DECODE_WIDE_STAGES: why 1).
     constexpr int STAGES = WIDE ? DECODE_WIDE_STAGES : DECODE_STAGES;
     constexpr int LD = D_TILE + 8;           // padded pitch (see forward_tc.cu)
@@ -807,6 +825,212 @@ flash_decode_kernel(const FlashParams p) {
     __syncthreads();
     store_block_o<T, DV_TILE, NUM_WARPS, MERGE_LD>(p, merge_o, row0, row_count, group, kv_head, split, b, head_dim_v,
                                                    v_col, V_SPLIT > 1 ? (int)p.head_dim_v : head_dim_v, split_output);
+}
+
+// MLA decoding (DeepSeek's latent cache: flash_decode where v is a view of k's first head_dim_v
+// columns, no score modifier, no FP8): a block takes MLA_DECODE_ROW_TILES x 16 (token, query head)
+// rows of one K/V head and a split's keys. Its warps share each tile of MLA_DECODE_KEYS keys in
+// shared memory, read from L2 once for all the block's rows, and V is the same tile's first
+// columns. (flash_decode_kernel reads the cache once per 16 rows and per half of v: 16 times for
+// 128 query heads, which left it bound by L2 at 0.05 of the DRAM rate, docs/decisions.md.)
+// Warp w takes rows 16 (w % ROW_TILES) .. + 15 and v's columns DV_TILE (w / ROW_TILES) .. + DV_TILE - 1
+// (a warp's O over all of v would not fit its registers). The two warps of a row tile (a pair)
+// share the scores: each scores its half of the tile's keys, the pair exchanges the rows' tile
+// maxima and then the P fragments in shared memory (a named barrier per pair), and each multiplies
+// the whole tile's P by its own v columns; each keeps the row sums of its own keys, added at the end.
+template <typename T, int D_TILE, bool IS_CAUSAL>
+__global__ void __launch_bounds__(32 * MLA_DECODE_ROW_TILES * MLA_DECODE_V_HALVES, 1)
+flash_mla_decode_kernel(const FlashParams p) {
+    constexpr int ROW_TILES = MLA_DECODE_ROW_TILES, V_HALVES = MLA_DECODE_V_HALVES;
+    constexpr int THREADS = 32 * ROW_TILES * V_HALVES;
+    constexpr int ROWS = 16 * ROW_TILES;                       // (token, head) rows of a block
+    constexpr int KEYS = MLA_DECODE_KEYS;                      // keys of a shared tile
+    static_assert(MLA_DECODE_STAGES == 2, "the loop below double-buffers");
+    constexpr int DV_TILE = FLASH_MAX_HEAD_DIM_V / V_HALVES;   // v (and O) columns of a warp
+    constexpr int O_TILES = DV_TILE / 8;
+    constexpr int LD = D_TILE + 8;                             // padded pitch (see forward_tc.cu)
+    constexpr int CHUNKS = D_TILE / 8;                         // 16-byte chunks of a row
+    static_assert(KEYS == 16 * V_HALVES && V_HALVES == 2, "a pair's warps score 16 keys each");
+    static_assert(D_TILE % 16 == 0 && DV_TILE % 16 == 0, "whole k16 steps");
+    // Q, two stages of keys, then the pairs' exchange: tile maxima and row sums (float [ROW_TILES]
+    // [V_HALVES][16] each), P fragments (uint [ROW_TILES][V_HALVES][4][32]: a lane's four in turn).
+    constexpr unsigned int TILE_BYTES = (ROWS + 2 * KEYS) * LD * sizeof(T);
+    constexpr unsigned int SMEM_BYTES = TILE_BYTES + 4 * ROW_TILES * V_HALVES * (2 * 16 + 4 * 32);
+    require_dynamic_smem(SMEM_BYTES);
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* q_tile = reinterpret_cast<T*>(smem_raw);   // [ROWS][LD]
+    T* k_tiles = q_tile + ROWS * LD;               // [2][KEYS][LD]
+    float* pair_max = reinterpret_cast<float*>(smem_raw + TILE_BYTES);
+    float* pair_sum = pair_max + ROW_TILES * V_HALVES * 16;
+    unsigned int* pair_p = reinterpret_cast<unsigned int*>(pair_sum + ROW_TILES * V_HALVES * 16);
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int row_tile = warp % ROW_TILES, v_half = warp / ROW_TILES;
+    // This warp's and its partner's slots in the exchange, and the pair's barrier (ids from 1: 0 is
+    // __syncthreads').
+    const int mine = row_tile * V_HALVES + v_half, partner = row_tile * V_HALVES + (1 - v_half);
+    const auto pair_sync = [&]() { asm volatile("bar.sync %0, %1;" :: "r"(1 + row_tile), "r"(64) : "memory"); };
+    const long long group = p.group, heads_kv = p.heads / p.group;
+    const int rows_per_kv_head = (int)(group * p.seqlen_q);
+    const int row_blocks = (rows_per_kv_head + ROWS - 1) / ROWS;
+    const int split = (int)(blockIdx.x % p.num_splits);
+    const long long rest = blockIdx.x / p.num_splits;
+    const int row0 = (int)(rest % row_blocks) * ROWS;
+    const long long b = rest / row_blocks / heads_kv, kv_head = rest / row_blocks % heads_kv;
+    const int row_count = min(ROWS, rows_per_kv_head - row0);
+    const int head_dim = (int)p.head_dim, head_dim_v = (int)p.head_dim_v;
+    // Launched early (_launch.py): nothing is read before the kernel ahead has finished.
+    wait_for_predecessor();
+    allow_dependents();
+
+    // Q rows (rows past row_count and columns past head_dim as zeros): row r is token r / group,
+    // head kv_head * group + r % group, as flash_decode_kernel's.
+    for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
+        const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8, row = row0 + r;
+        const bool valid = r < row_count && c < head_dim;
+        const T* src = static_cast<const T*>(p.q) +
+                       (valid ? tensor_offset(p.q_strides, b, row / group, kv_head * group + row % group) + c : 0);
+        cp_async_16(smem_addr(q_tile + r * LD + c), src, valid);
+    }
+    cp_async_commit();
+
+    const int seqlen_k = decode_seqlen_k(p, b);
+    Sequence seq = {(int)p.seqlen_q, seqlen_k, 0, 0};
+    const Band band = band_of(p, seq);
+    int key_begin, key_end;
+    block_key_range<IS_CAUSAL, 0>(p, band, seqlen_k, split, row0, row_count, group, b, key_begin, key_end);
+    int row_token[2];
+    long long row_head[2];
+    float row_slope[2];
+    thread_rows<0>(p, b, kv_head, group, row0 + 16 * row_tile, g, rows_per_kv_head, row_token, row_head, row_slope);
+
+    // A tile of keys into a stage, every thread a share of its 16-byte chunks (keys past key_end and
+    // columns past head_dim as zeros); a key's row found on its own (a tile may cross pages of 16).
+    const T* k = static_cast<const T*>(p.k);
+    const unsigned long long read_once = l2_evict_first_policy();
+    auto load_tile = [&](int tile_start, int stage) {
+        T* dst = k_tiles + stage * KEYS * LD;
+        for (int idx = threadIdx.x; idx < KEYS * CHUNKS; idx += THREADS) {
+            const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8, key = tile_start + r;
+            const bool ok = key < key_end && c < head_dim;
+            const T* src = k + (ok ? cache_offset(p, p.k_strides, b, key, kv_head) + c : 0);
+            cp_async_16_once(smem_addr(dst + r * LD + c), src, ok, read_once);
+        }
+    };
+
+    float o_acc[O_TILES][4];
+#pragma unroll
+    for (int j = 0; j < O_TILES; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o_acc[j][e] = 0.f;
+    float row_max[2] = {FLASH_NEG_INF, FLASH_NEG_INF}, row_max_scaled[2] = {0.f, 0.f}, row_sum[2] = {0.f, 0.f};
+    const float score_log2 = score_to_log2<0>(p);
+    const unsigned int q_lane = smem_addr(q_tile + 16 * row_tile * LD) + a_frag_lane<LD>(lane);
+    const int first_tile = key_begin & ~(KEYS - 1);
+    if (first_tile < key_end) load_tile(first_tile, 0);
+    cp_async_commit();
+    int stage = 0;
+    for (int tile_start = first_tile; tile_start < key_end; tile_start += KEYS, stage ^= 1) {
+        if (tile_start + KEYS < key_end) load_tile(tile_start + KEYS, stage ^ 1);   // (the other stage is free)
+        cp_async_commit();
+        cp_async_wait<1>();   // Q and this tile landed for this thread ...
+        __syncthreads();      // ... and for the block
+        const T* tile = k_tiles + stage * KEYS * LD;
+        // This warp's 16 keys of the tile (its v half's), scored and masked.
+        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        tile_scores<T, D_TILE>(s, q_lane, smem_addr(tile + 16 * v_half * LD) + b_frags_lane<LD>(lane));
+        modify_and_mask<IS_CAUSAL, 0>(p, s, tile_start + 16 * v_half, t, key_begin, key_end, band, row_token, row_slope);
+        // The rows' max over the whole tile: this warp's (over its quad), then its partner's.
+        float tile_max[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float m = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+            tile_max[r] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        }
+        if (t == 0) {
+            pair_max[mine * 16 + g] = tile_max[0];
+            pair_max[mine * 16 + g + 8] = tile_max[1];
+        }
+        pair_sync();
+        // Both warps raise the same running max from the same values; P of this warp's keys, its
+        // part of the row sums, and O rescaled (as online_softmax_tile).
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float rescale = raise_row_max(row_max[r], row_max_scaled[r],
+                                                fmaxf(tile_max[r], pair_max[partner * 16 + g + 8 * r]), score_log2);
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                    s[j][e] = exp2f(fmaf(s[j][e], score_log2, -row_max_scaled[r]));
+                    sum += s[j][e];
+                }
+            row_sum[r] = row_sum[r] * rescale + sum;
+#pragma unroll
+            for (int j = 0; j < O_TILES; ++j) {
+                o_acc[j][2 * r] *= rescale;
+                o_acc[j][2 * r + 1] *= rescale;
+            }
+        }
+        // P fragments exchanged: keys 0-15 are the first half's, 16-31 the second's.
+        unsigned int own[4], other[4], first[4], second[4];
+        pack_p<T>(own, s);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pair_p[(mine * 4 + i) * 32 + lane] = own[i];
+        pair_sync();
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            other[i] = pair_p[(partner * 4 + i) * 32 + lane];
+            first[i] = v_half == 0 ? own[i] : other[i];
+            second[i] = v_half == 0 ? other[i] : own[i];
+        }
+        const unsigned int v_lane = smem_addr(tile + v_half * DV_TILE) + b_frags_trans_lane<LD>(lane);
+        accumulate_pv_packed<T, O_TILES>(o_acc, first, v_lane);
+        accumulate_pv_packed<T, O_TILES>(o_acc, second, v_lane + 2u * 16 * LD);
+        __syncthreads();      // every warp is done with this stage (and the exchange) before they are refilled
+    }
+    cp_async_wait<0>();
+
+    // Each warp's rows g and g + 8: the row's total over its quad, lse and 1 / total, and the warp's
+    // O columns stored (float32 partials with several splits, else T); the first v half writes lse.
+    const bool split_output = p.num_splits > 1;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {   // each warp's part of the row sums, over its quad
+        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+        if (t == 0) pair_sum[mine * 16 + g + 8 * r] = row_sum[r];
+    }
+    pair_sync();
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float total = row_sum[r] + pair_sum[partner * 16 + g + 8 * r];
+        const float2 lse_inv = finish_row<0>(p, row_head[r], row_max[r], row_max_scaled[r], total);
+        if (16 * row_tile + g + 8 * r >= row_count) continue;
+        const long long token = row_token[r], head = row_head[r];
+        if (v_half == 0 && t == 0) {
+            if (split_output)
+                p.lse_partial[(((long long)split * p.batch + b) * p.heads + head) * p.seqlen_q + token] = lse_inv.x;
+            else
+                p.lse[b * p.lse_batch_stride + head * p.lse_head_stride + token] = lse_inv.x;
+        }
+#pragma unroll
+        for (int j = 0; j < O_TILES; ++j) {
+            const int c = v_half * DV_TILE + 8 * j + 2 * t;
+            if (c >= head_dim_v) continue;
+            const float x = o_acc[j][2 * r] * lse_inv.y, y = o_acc[j][2 * r + 1] * lse_inv.y;
+            if (split_output) {
+                float* dst = static_cast<float*>(p.o_partial) +
+                             ((((long long)split * p.batch + b) * p.seqlen_q + token) * p.heads + head) * head_dim_v + c;
+                *reinterpret_cast<float2*>(dst) = make_float2(x, y);
+            } else {
+                T* dst = static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, token, head) + c;
+                *reinterpret_cast<unsigned int*>(dst) = Mma<T>::pack(x, y);
+            }
+        }
+    }
 }
 
 // Four consecutive columns as float32: a 16-byte load of floats, an 8-byte load of 16-bit values.

@@ -191,8 +191,10 @@ def test_every_head_dim_maps_to_a_compiled_tile():
         tile = _traits.head_dim_tile(head_dim)
         padding = 32 if head_dim <= _traits.WIDE_TILE else 64   # FlashAttention-2's tiles, then steps of 64
         assert tile in _traits.HEAD_DIM_TILES and head_dim <= tile < head_dim + padding
-    with pytest.raises(ValueError, match="exceeds 512"):
-        _traits.head_dim_tile(_traits.MAX_HEAD_DIM + 1)
+    # Decoding's own tiles (MLA's 576) beyond: the widest is refused past.
+    assert [_traits.head_dim_tile(d) for d in (_traits.MAX_HEAD_DIM + 8, _traits.DECODE_MAX_HEAD_DIM)] == [576, 576]
+    with pytest.raises(ValueError, match="exceeds 576"):
+        _traits.head_dim_tile(_traits.DECODE_MAX_HEAD_DIM + 1)
 
 
 @pytest.mark.parametrize("tile", _traits.HEAD_DIM_TILES)
@@ -217,6 +219,15 @@ def test_shared_memory_fits_every_sm80_plus_part(tile):
     assert (tile in tensor_core.BACKWARD_TC_TARGETS["sm80"]) == (tile <= 448)
     assert tile in tensor_core.BACKWARD_TC_TARGETS["sm90"]
     assert _traits.decode_smem_bytes(tile) <= _traits.TARGET_SMEM_BYTES["sm80"]
+
+
+@pytest.mark.parametrize("tile", _traits.DECODE_ONLY_TILES)
+def test_decode_only_tiles_fit_sm80(tile):
+    """MLA's 576 (decoding only): its v columns split over blocks, within sm_80's shared memory;
+    from an FP8 cache (raw and converted stages) within sm_90's (check_smem refuses it elsewhere)."""
+    assert _traits.v_split(tile) == _traits.V_SPLIT and _traits.v_tile(tile) * _traits.V_SPLIT == _traits.MAX_HEAD_DIM
+    assert _traits.decode_smem_bytes(tile) <= _traits.TARGET_SMEM_BYTES["sm80"]
+    assert _traits.decode_smem_bytes(tile, fp8_cache=True) <= _traits.TARGET_SMEM_BYTES["sm90"]
 
 
 def test_every_hopper_instantiation_is_built_by_ci():

@@ -49,6 +49,11 @@ BAD_DECODE = [
     ("k_new alone", dict(v_new=None), ValueError, "k_new and v_new"),
     ("v_cache head_dim", dict(v_cache=numpy.zeros((2, 32, 2, 12), numpy.float16)), ValueError,
      "v_cache has head_dim 12; expected a multiple of 8"),
+    # q and k take MLA's 576 (decoding only), v at most 512.
+    ("q head_dim past 576", dict(q=numpy.zeros((2, 1, 4, 584), numpy.float16)), ValueError,
+     "q has head_dim 584; expected a multiple of 8 from 8 to 576"),
+    ("v_cache head_dim past 512", dict(v_cache=numpy.zeros((2, 32, 2, 576), numpy.float16)), ValueError,
+     "v_cache has head_dim 576; expected a multiple of 8 from 8 to 512"),
     ("v_new head_dim", dict(v_cache=numpy.zeros((2, 32, 2, 8), numpy.float16)), ValueError,
      r"v_new has shape \(2, 1, 2, 16\); expected \(batch, seqlen_new, heads_kv, head_dim\) = \(2, \*, 2, 8\)"),
     ("k_new heads", dict(k_new=numpy.zeros((2, 1, 4, 16), numpy.float16), v_new=numpy.zeros((2, 1, 4, 16), numpy.float16)),
@@ -203,6 +208,21 @@ def decode_problems(draw):
         kvcache["rotary_interleaved"] = draw(st.booleans())
         kvcache["seqlen_ro"] = capacity + draw(st.integers(0, 5))
     head_dim_v = draw(st.one_of(st.just(head_dim), eights, st.just(512)))
+    # MLA one time in six (DeepSeek's latent cache): one K/V head of 576 columns, v its first 512
+    # (a view of k_cache half the time, as FlashMLA reads it), 16-128 query heads, one or two tokens.
+    v_in_k = False
+    if draw(st.integers(0, 5)) == 0:
+        heads_kv, group, head_dim, head_dim_v = 1, draw(st.sampled_from([16, 32, 64, 128])), 576, 512
+        seqlen_q = draw(st.integers(1, 2))
+        new = min(new, seqlen_q)
+        v_in_k = draw(st.booleans())
+        if "alibi_slopes" in features:
+            features["alibi_slopes"] = draw_alibi_slopes(draw, group)
+        if "sink" in features:
+            features["sink"] = draw(st.lists(st.floats(-4.0, 4.0), min_size=group, max_size=group))
+        if v_in_k:   # rotary would turn k's first columns but not v's: a view cannot take both
+            for name in ("rotary_dim", "rotary_interleaved", "seqlen_ro"):
+                kvcache.pop(name, None)
     # An FP8 cache a third of the time (head dims rounded up to multiples of 16): descales per K/V
     # head from the cache's largest magnitude times `fit` (0.5: the largest values saturate), given
     # as (heads_kv,) or (batch, heads_kv).
@@ -212,7 +232,7 @@ def decode_problems(draw):
         fp8 = dict(fit=draw(st.sampled_from([0.5, 1.0, 3.0])), per_batch=draw(st.booleans()))
     return dict(dtype=draw(st.sampled_from(["float16", "bfloat16"])), batch=batch, heads_kv=heads_kv, heads=heads_kv * group,
                 seqlen_q=seqlen_q, new=new, capacity=capacity, page_size=page_size, lengths=lengths,
-                head_dim=head_dim, head_dim_v=head_dim_v, fp8=fp8,
+                head_dim=head_dim, head_dim_v=head_dim_v, fp8=fp8, v_in_k=v_in_k,
                 causal=draw(st.booleans()), features=features,
                 num_splits=draw(st.one_of(st.none(), st.integers(1, 9), st.just(128))),
                 logit_std=draw(st.sampled_from([0.3, 1.0, 3.0, 30.0])), seed=draw(st.integers(0, 2**32 - 1)),
@@ -229,11 +249,14 @@ def make_decode_inputs(p):
     q = random_array(rng, (p["batch"], p["seqlen_q"], p["heads"], d), p["dtype"], magnitude)
     shape = (p["batch"], p["capacity"], p["heads_kv"], d)
     k_dense = random_array(rng, shape, p["dtype"], magnitude)
-    v_dense = random_array(rng, shape[:-1] + (d_v,), p["dtype"])
+    # v_in_k (MLA): v is k's first d_v columns, a view of the same memory throughout.
+    v_in_k = p.get("v_in_k", False)
+    v_dense = k_dense[..., :d_v] if v_in_k else random_array(rng, shape[:-1] + (d_v,), p["dtype"])
     new = None
     if p["new"]:
         new_shape = (p["batch"], p["new"], p["heads_kv"], d)
-        new = (random_array(rng, new_shape, p["dtype"], magnitude), random_array(rng, new_shape[:-1] + (d_v,), p["dtype"]))
+        k_new = random_array(rng, new_shape, p["dtype"], magnitude)
+        new = (k_new, k_new[..., :d_v] if v_in_k else random_array(rng, new_shape[:-1] + (d_v,), p["dtype"]))
     cache = dict(cache_seqlens=cupy.asarray(p["lengths"], dtype=cupy.int32))
     if p["page_size"]:
         pages_per = p["capacity"] // p["page_size"]
@@ -242,6 +265,8 @@ def make_decode_inputs(p):
         table = order.reshape(p["batch"], pages_per).astype(numpy.int32)
         pool_shape = (p["batch"] * pages_per + 3, p["page_size"], p["heads_kv"], d)
         k_pages, v_pages = (random_array(rng, pool_shape[:-1] + (n,), p["dtype"]) for n in (d, d_v))
+        if v_in_k:
+            v_pages = k_pages[..., :d_v]
         flat = cupy.asarray(table.reshape(-1))
         k_bits, v_bits = k_pages.view(cupy.uint16), v_pages.view(cupy.uint16)
         k_bits[flat] = k_dense.view(cupy.uint16).reshape(-1, p["page_size"], p["heads_kv"], d)
@@ -252,12 +277,15 @@ def make_decode_inputs(p):
         index = p["kvcache"]["cache_batch_idx"]
         pool = (max(index) + 1, p["capacity"], p["heads_kv"])
         k_cache, v_cache = random_array(rng, pool + (d,), p["dtype"]), random_array(rng, pool + (d_v,), p["dtype"])
+        if v_in_k:
+            v_cache = k_cache[..., :d_v]
         for b, row in enumerate(index):
             copy_bits(k_cache[row], k_dense[b])
             copy_bits(v_cache[row], v_dense[b])
         cache["cache_batch_idx"] = cupy.asarray(index, dtype=cupy.int32)
     else:
-        k_cache, v_cache = k_dense.copy(), v_dense.copy()
+        k_cache = k_dense.copy()
+        v_cache = k_cache[..., :d_v] if v_in_k else v_dense.copy()
     kvcache = p.get("kvcache", {})
     if "cache_leftpad" in kvcache:
         cache["cache_leftpad"] = cupy.asarray(kvcache["cache_leftpad"], dtype=cupy.int32)
@@ -270,7 +298,10 @@ def make_decode_inputs(p):
         cache["rotary_interleaved"] = kvcache["rotary_interleaved"]
     if new is not None:
         cache["k_new"], cache["v_new"] = new
-    if p.get("fp8"):
+    if p.get("fp8") and v_in_k:   # one e4m3 cache, one descale, v its first columns
+        k_cache = fp8_cache(k_cache, "k", p, cache)
+        v_cache, cache["v_descale"] = k_cache[..., :d_v], cache["k_descale"]
+    elif p.get("fp8"):
         k_cache, v_cache = (fp8_cache(x, n, p, cache) for x, n, in ((k_cache, "k"), (v_cache, "v")))
     return q, k_cache, v_cache, cache, (k_dense, v_dense)
 
@@ -330,6 +361,15 @@ def decode_options(p):
 @example(dict(dtype="bfloat16", batch=2, heads_kv=2, heads=8, seqlen_q=2, new=2, capacity=512, page_size=32,
               lengths=[300, 5], head_dim=128, head_dim_v=128, causal=True, features={}, num_splits=3, logit_std=1.0,
               seed=8, fp8=dict(fit=0.5, per_batch=True)))
+# MLA: 128 query heads over one latent K/V head of 576 columns in pages of 64, v the view of its
+# first 512, two tokens appended (speculative decoding), causal.
+@example(dict(dtype="bfloat16", batch=2, heads_kv=1, heads=128, seqlen_q=2, new=2, capacity=1024, page_size=64,
+              lengths=[900, 13], head_dim=576, head_dim_v=512, v_in_k=True, causal=True, features={}, num_splits=None,
+              logit_std=3.0, seed=576))
+# MLA from an e4m3 cache (one descale for the latent and its view), 16 heads, one token, three splits.
+@example(dict(dtype="float16", batch=1, heads_kv=1, heads=16, seqlen_q=1, new=1, capacity=700, page_size=None,
+              lengths=[650], head_dim=576, head_dim_v=512, v_in_k=True, causal=False, features={}, num_splits=3,
+              logit_std=1.0, seed=577, fp8=dict(fit=1.0, per_batch=False)))
 def test_decode_matches_reference(p):
 
     from cupy_flash.reference import rotate
@@ -458,6 +498,44 @@ def test_fp8_cache_descales_per_sequence(layout):
         for name, stored, scales in (("k_new", k_cache, descales[0]), ("v_new", v_cache, descales[1])):
             expect = encode_fp8(as_float64(cache[name][b, 0]) / cupy.asarray(scales[b], dtype=cupy.float64)[:, None])
             assert bool((stored[at] == expect).all()), f"{name} of sequence {b} ({layout})"
+
+
+# MLA's own kernel (v a view of k, 64 rows a block sharing each key tile): 128 heads in one or two
+# row blocks, a last block part empty (48 and 80 rows), pages of 16 (a 32-key tile crosses pages),
+# head dims off the tile (520 / 136), splits, appends, causal speculative rows.
+MLA_CASES = [
+    # dtype, heads, seqlen_q, new, page_size, num_splits, causal, head_dim, head_dim_v
+    ("bfloat16", 128, 1, 1, 64, None, False, 576, 512),
+    ("float16", 128, 2, 2, None, 3, True, 576, 512),
+    ("bfloat16", 64, 2, 0, 16, 1, True, 576, 512),
+    ("float16", 48, 1, 0, 32, None, False, 576, 512),
+    ("bfloat16", 40, 2, 1, None, 5, True, 576, 512),
+    ("float16", 64, 1, 1, 16, 2, False, 520, 136),
+]
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype, heads, seqlen_q, new, page_size, num_splits, causal, head_dim, head_dim_v", MLA_CASES)
+def test_mla_kernel_matches_reference(dtype, heads, seqlen_q, new, page_size, num_splits, causal, head_dim, head_dim_v):
+    from cupy_flash import decode
+
+    capacity = 704
+    p = dict(dtype=dtype, batch=3, heads_kv=1, heads=heads, seqlen_q=seqlen_q, new=new, capacity=capacity,
+             page_size=page_size, lengths=[capacity - new, 0, 77], head_dim=head_dim, head_dim_v=head_dim_v, v_in_k=True,
+             causal=causal, features={}, num_splits=num_splits, logit_std=3.0, seed=heads + seqlen_q, kvcache={})
+    q, k_cache, v_cache, cache, _ = make_decode_inputs(p)
+    k_before, v_before = k_cache.copy(), v_cache.copy()
+    decode._plans.clear()
+    with poisoned_allocations():
+        o, lse = cupy_flash.flash_decode(q, k_cache, v_cache, num_splits=num_splits, causal=causal, **cache)
+    names = [launch.name for plan in decode._plans.values() for launch in plan.launches]
+    assert any(name.startswith("flash_mla_decode_kernel") for name in names), names
+    exact = decode_reference(q, k_before, v_before, causal=causal, **cache)
+    low = decode_reference(q, k_before, v_before, causal=causal, upcast=False, **cache)
+    context = f"{dtype} heads={heads} seqlen_q={seqlen_q} new={new} page={page_size} splits={num_splits} d={head_dim}/{head_dim_v}"
+    magnitude = max_finite_abs(exact[1])
+    check_error_rule("mla o", o, exact[0], low[0], context, magnitude)
+    check_error_rule("mla lse", lse, exact[1], low[1], context, magnitude)
 
 
 @requires_gpu

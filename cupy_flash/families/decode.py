@@ -16,7 +16,10 @@ def module_spec(dtype: str, tile: int | None = None, features: int = 0) -> Modul
     """The decode kernels of a head-dim tile, or (``tile`` None) the dtype's append and combines."""
     if tile is not None:
         spec = ModuleSpec("decode", dtype, tile, features=features & _features.DECODE_FEATURES)
-        return spec_with(spec, (decode_kernel(spec, causal) for causal in (False, True)))
+        kernels = [decode_kernel(spec, causal) for causal in (False, True)]
+        if takes_mla(tile, spec.features):
+            kernels += [mla_kernel(spec, causal) for causal in (False, True)]
+        return spec_with(spec, kernels)
     spec = ModuleSpec("decode", dtype)
     # The combine of split partials (float32) and of merge_attention_states' inputs (the dtype
     # itself); the append for the tensor-core dtypes flash_decode takes.
@@ -29,6 +32,25 @@ def module_spec(dtype: str, tile: int | None = None, features: int = 0) -> Modul
 
 def decode_kernel(spec: ModuleSpec, causal: bool) -> str:
     return template("flash_decode_kernel", spec.ctype, spec.tile, _traits.DECODE_WARPS, causal, spec.features)
+
+
+def takes_mla(tile: int, features: int) -> bool:
+    """Whether a decode module of this tile and feature set has the MLA kernel: decoding's own tiles
+    (MLA's 576) without a score modifier, cache index or FP8 cache (v's own head dim only)."""
+    return tile in _traits.DECODE_ONLY_TILES and not features & ~_features.FEATURE_HEAD_DIM_V
+
+
+def mla_kernel(spec: ModuleSpec, causal: bool) -> str:
+    return template("flash_mla_decode_kernel", spec.ctype, spec.tile, causal)
+
+
+def uses_mla_kernel(device, shape, variant, v_in_k: bool) -> bool:
+    """Whether a decode call takes the MLA kernel: v a view of k's first columns, a module that has
+    it (takes_mla), more query rows per K/V head than two of flash_decode_kernel's blocks hold (below,
+    64-row blocks would be mostly padding), and its shared memory on this device."""
+    return (v_in_k and takes_mla(shape.tile, variant.flags & _features.DECODE_FEATURES)
+            and shape.group * shape.seqlen_q > 2 * _traits.DECODE_ROWS
+            and _traits.mla_decode_smem_bytes(shape.tile) <= device.smem_per_block)
 
 
 def append_kernel(spec: ModuleSpec, cache_index: bool = False, fp8_cache: bool = False) -> str:
@@ -69,9 +91,10 @@ def combine(dtype: str, partial_dtype: str, head_dim_v: int) -> tuple:
     return name, get_kernel(spec, name)
 
 
-def decode_launches(device, shape, variant, grid: int, num_splits: int, new_rows: int) -> list:
+def decode_launches(device, shape, variant, grid: int, num_splits: int, new_rows: int, mla: bool = False) -> list:
     """The launches of a decode call of ``grid`` blocks: the append where ``new_rows`` new K/V rows
-    come, the decode kernel, and the combine where the keys are split in ``num_splits``."""
+    come, the decode kernel (with ``mla``, the MLA kernel: uses_mla_kernel), and the combine where
+    the keys are split in ``num_splits``."""
     rows_spec = module_spec(shape.dtype)
     sms = device.multiprocessors
     launches = []
@@ -86,10 +109,14 @@ def decode_launches(device, shape, variant, grid: int, num_splits: int, new_rows
         launches.append(Launch(name, get_kernel(rows_spec, name), append_grid, _traits.ROW_KERNEL_THREADS,
                                early=append_grid <= sms))
     spec = module_spec(shape.dtype, shape.tile, variant.flags)
-    smem = _traits.decode_smem_bytes(shape.tile, variant.fp8_cache)
+    if mla:
+        smem, threads, name = _traits.mla_decode_smem_bytes(shape.tile), _traits.MLA_DECODE_THREADS, \
+            mla_kernel(spec, variant.causal)
+    else:
+        smem, threads, name = _traits.decode_smem_bytes(shape.tile, variant.fp8_cache), 32 * _traits.DECODE_WARPS, \
+            decode_kernel(spec, variant.causal)
     check_smem(device, smem, shape, "decoding")
-    name = decode_kernel(spec, variant.causal)
-    launches.append(Launch(name, get_kernel(spec, name, smem), grid, 32 * _traits.DECODE_WARPS, smem, early=grid <= sms))
+    launches.append(Launch(name, get_kernel(spec, name, smem), grid, threads, smem, early=grid <= sms))
     if num_splits > 1:
         (combine_grid,), (combine_threads,) = combine_launch(shape.batch * shape.seqlen_q * shape.heads, num_splits)
         name, kernel = combine(shape.dtype, "float32", shape.head_dim_v)
@@ -104,5 +131,6 @@ def module_specs(dtype: str, features) -> list:
     specs = [module_spec(dtype)]
     if dtype in TENSOR_CORE_DTYPES:
         specs += [module_spec(dtype, tile, flags | (_features.FEATURE_CACHE_INDEX if flags else 0) | fp8)
-                  for tile in _traits.HEAD_DIM_TILES for flags in features for fp8 in (0, _features.FEATURE_FP8_CACHE)]
+                  for tile in _traits.HEAD_DIM_TILES + _traits.DECODE_ONLY_TILES for flags in features
+                  for fp8 in (0, _features.FEATURE_FP8_CACHE)]
     return list(dict.fromkeys(specs))
