@@ -129,11 +129,16 @@ def decode_smem_bytes(tile: int, fp8_cache: bool = False) -> int:
     return max(loop, merge)
 
 
-def mla_decode_smem_bytes(tile: int) -> int:
-    """Q's rows and the stages of shared key tiles (16-bit, rows padded by 8), then the warp pairs'
-    exchange (per warp: 16 tile maxima, 16 row sums, 4 x 32 words of P fragments)."""
-    exchange = 4 * MLA_DECODE_ROW_TILES * MLA_DECODE_V_HALVES * (2 * 16 + 4 * 32)
-    return 2 * (MLA_DECODE_ROWS + MLA_DECODE_STAGES * MLA_DECODE_KEYS) * (tile + 8) + exchange
+def mla_decode_smem_bytes(tile: int, fp8_cache: bool = False) -> int:
+    """Q's rows and the stages of shared key tiles (16-bit, rows padded by 8; an FP8 cache: one
+    converted tile and the stages' raw rows), then the warp pairs' exchange (per warp: 16 tile
+    maxima, 16 row sums, 4 x 32 words of P fragments) and Q's row factors."""
+    exchange = 4 * MLA_DECODE_ROW_TILES * MLA_DECODE_V_HALVES * (2 * 16 + 4 * 32) + 4 * MLA_DECODE_ROWS
+    if fp8_cache:
+        tiles = 2 * (MLA_DECODE_ROWS + MLA_DECODE_KEYS) * (tile + 8) + MLA_DECODE_STAGES * MLA_DECODE_KEYS * tile
+    else:
+        tiles = 2 * (MLA_DECODE_ROWS + MLA_DECODE_STAGES * MLA_DECODE_KEYS) * (tile + 8)
+    return tiles + exchange
 
 
 def decode_blocks_per_sm(tile: int, fp8_cache: bool = False) -> int:

@@ -828,7 +828,7 @@ flash_decode_kernel(const FlashParams p) {
 }
 
 // MLA decoding (DeepSeek's latent cache: flash_decode where v is a view of k's first head_dim_v
-// columns, no score modifier, no FP8): a block takes MLA_DECODE_ROW_TILES x 16 (token, query head)
+// columns, no score modifier): a block takes MLA_DECODE_ROW_TILES x 16 (token, query head)
 // rows of one K/V head and a split's keys. Its warps share each tile of MLA_DECODE_KEYS keys in
 // shared memory, read from L2 once for all the block's rows, and V is the same tile's first
 // columns. (flash_decode_kernel reads the cache once per 16 rows and per half of v: 16 times for
@@ -838,7 +838,10 @@ flash_decode_kernel(const FlashParams p) {
 // share the scores: each scores its half of the tile's keys, the pair exchanges the rows' tile
 // maxima and then the P fragments in shared memory (a named barrier per pair), and each multiplies
 // the whole tile's P by its own v columns; each keeps the row sums of its own keys, added at the end.
-template <typename T, int D_TILE, bool IS_CAUSAL>
+// FP8_CACHE (e4m3 latent rows, a descale per (sequence, K/V head)): the stages hold raw tiles, and
+// the block converts each once into one fp16 tile before its products (as flash_decode_kernel's
+// warps do theirs; bf16 calls' Q rows scaled into fp16's range, DecodeProducts).
+template <typename T, int D_TILE, bool IS_CAUSAL, bool FP8_CACHE>
 __global__ void __launch_bounds__(32 * MLA_DECODE_ROW_TILES * MLA_DECODE_V_HALVES, 1)
 flash_mla_decode_kernel(const FlashParams p) {
     constexpr int ROW_TILES = MLA_DECODE_ROW_TILES, V_HALVES = MLA_DECODE_V_HALVES;
@@ -852,17 +855,24 @@ flash_mla_decode_kernel(const FlashParams p) {
     constexpr int CHUNKS = D_TILE / 8;                         // 16-byte chunks of a row
     static_assert(KEYS == 16 * V_HALVES && V_HALVES == 2, "a pair's warps score 16 keys each");
     static_assert(D_TILE % 16 == 0 && DV_TILE % 16 == 0, "whole k16 steps");
-    // Q, two stages of keys, then the pairs' exchange: tile maxima and row sums (float [ROW_TILES]
-    // [V_HALVES][16] each), P fragments (uint [ROW_TILES][V_HALVES][4][32]: a lane's four in turn).
-    constexpr unsigned int TILE_BYTES = (ROWS + 2 * KEYS) * LD * sizeof(T);
-    constexpr unsigned int SMEM_BYTES = TILE_BYTES + 4 * ROW_TILES * V_HALVES * (2 * 16 + 4 * 32);
+    // The products' type: T, or fp16 on an FP8 cache (DecodeProducts).
+    using CT = typename DecodeProducts<T, FP8_CACHE>::type;
+    constexpr bool Q_TO_F16 = DecodeProducts<T, FP8_CACHE>::q_to_f16;
+    // Q, the key tiles (16-bit: two stages; FP8: one converted tile, then two stages of raw rows),
+    // then the pairs' exchange: tile maxima and row sums (float [ROW_TILES][V_HALVES][16] each), P
+    // fragments (uint [ROW_TILES][V_HALVES][4][32]: a lane's four in turn), and Q's row factors
+    // (float [ROWS], Q_TO_F16). _traits.mla_decode_smem_bytes says the same.
+    constexpr unsigned int TILE_BYTES = (ROWS + (FP8_CACHE ? 1 : 2) * KEYS) * LD * 2 + (FP8_CACHE ? 2 * KEYS * D_TILE : 0);
+    constexpr unsigned int SMEM_BYTES = TILE_BYTES + 4 * ROW_TILES * V_HALVES * (2 * 16 + 4 * 32) + 4 * ROWS;
     require_dynamic_smem(SMEM_BYTES);
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* q_tile = reinterpret_cast<T*>(smem_raw);   // [ROWS][LD]
-    T* k_tiles = q_tile + ROWS * LD;               // [2][KEYS][LD]
+    T* k_tiles = q_tile + ROWS * LD;               // [2][KEYS][LD]; FP8_CACHE: the converted tile [KEYS][LD]
+    unsigned char* raw_tiles = reinterpret_cast<unsigned char*>(k_tiles + KEYS * LD);   // FP8_CACHE: [2][KEYS][D_TILE]
     float* pair_max = reinterpret_cast<float*>(smem_raw + TILE_BYTES);
     float* pair_sum = pair_max + ROW_TILES * V_HALVES * 16;
     unsigned int* pair_p = reinterpret_cast<unsigned int*>(pair_sum + ROW_TILES * V_HALVES * 16);
+    float* row_unscale = reinterpret_cast<float*>(pair_p + ROW_TILES * V_HALVES * 4 * 32);
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -907,17 +917,34 @@ flash_mla_decode_kernel(const FlashParams p) {
 
     // A tile of keys into a stage, every thread a share of its 16-byte chunks (keys past key_end and
     // columns past head_dim as zeros); a key's row found on its own (a tile may cross pages of 16).
+    // FP8_CACHE: raw e4m3 rows of D_TILE bytes, without the L2 policy (DecodeFp8TileLoader: why).
     const T* k = static_cast<const T*>(p.k);
+    const unsigned char* k8 = static_cast<const unsigned char*>(p.k);
     const unsigned long long read_once = l2_evict_first_policy();
     auto load_tile = [&](int tile_start, int stage) {
-        T* dst = k_tiles + stage * KEYS * LD;
-        for (int idx = threadIdx.x; idx < KEYS * CHUNKS; idx += THREADS) {
-            const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8, key = tile_start + r;
-            const bool ok = key < key_end && c < head_dim;
-            const T* src = k + (ok ? cache_offset(p, p.k_strides, b, key, kv_head) + c : 0);
-            cp_async_16_once(smem_addr(dst + r * LD + c), src, ok, read_once);
+        if constexpr (FP8_CACHE) {
+            constexpr int RAW_CHUNKS = D_TILE / 16;
+            unsigned char* dst = raw_tiles + stage * KEYS * D_TILE;
+            for (int idx = threadIdx.x; idx < KEYS * RAW_CHUNKS; idx += THREADS) {
+                const int r = idx / RAW_CHUNKS, c = (idx % RAW_CHUNKS) * 16, key = tile_start + r;
+                const bool ok = key < key_end && c < head_dim;
+                cp_async_16(smem_addr(dst + r * D_TILE + c), k8 + (ok ? cache_offset(p, p.k_strides, b, key, kv_head) + c : 0), ok);
+            }
+        } else {
+            T* dst = k_tiles + stage * KEYS * LD;
+            for (int idx = threadIdx.x; idx < KEYS * CHUNKS; idx += THREADS) {
+                const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8, key = tile_start + r;
+                const bool ok = key < key_end && c < head_dim;
+                const T* src = k + (ok ? cache_offset(p, p.k_strides, b, key, kv_head) + c : 0);
+                cp_async_16_once(smem_addr(dst + r * LD + c), src, ok, read_once);
+            }
         }
     };
+    float k_scale = 1.f, v_scale = 1.f;
+    if constexpr (FP8_CACHE) {
+        k_scale = p.k_descale[b * heads_kv + kv_head];
+        v_scale = p.v_descale[b * heads_kv + kv_head];
+    }
 
     float o_acc[O_TILES][4];
 #pragma unroll
@@ -930,16 +957,59 @@ flash_mla_decode_kernel(const FlashParams p) {
     const int first_tile = key_begin & ~(KEYS - 1);
     if (first_tile < key_end) load_tile(first_tile, 0);
     cp_async_commit();
+    // FP8_CACHE: the scores' factors of this thread's rows (k's descale; Q_TO_F16: with the row's).
+    float score_factor[2] = {k_scale, k_scale};
+    if constexpr (Q_TO_F16) {   // Q's rows into fp16 in place, as scale_q_rows_to_f16 (ROWS / 8 a warp)
+        cp_async_wait<1>();
+        __syncthreads();
+        constexpr int ROWS_PER_WARP = ROWS / (ROW_TILES * V_HALVES);
+        for (int i = 0; i < ROWS_PER_WARP; ++i) {
+            const int row = ROWS_PER_WARP * warp + i;
+            fa_bf16* q_row = reinterpret_cast<fa_bf16*>(q_tile) + row * LD;
+            float largest = 0.f;
+            for (int c = lane; c < D_TILE; c += 32) largest = fmaxf(largest, fabsf(to_float(q_row[c])));
+            for (int offset = 16; offset > 0; offset >>= 1) largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, offset));
+            const int exponent = largest > 0.f ? (int)((__float_as_uint(largest) >> 23) & 0xffu) - 127 : 14;
+            const int shift = 14 - exponent, first = shift / 2, second = shift - first;
+            const float scale_first = power_of_two(first), scale_second = power_of_two(second);
+            for (int c = lane; c < D_TILE; c += 32)
+                reinterpret_cast<fa_f16*>(q_row)[c] = from_float<fa_f16>(to_float(q_row[c]) * scale_first * scale_second);
+            if (lane == 0) row_unscale[row] = power_of_two(-first) * power_of_two(-second);
+        }
+        __syncthreads();
+        score_factor[0] = k_scale * row_unscale[16 * row_tile + g];
+        score_factor[1] = k_scale * row_unscale[16 * row_tile + g + 8];
+    }
     int stage = 0;
     for (int tile_start = first_tile; tile_start < key_end; tile_start += KEYS, stage ^= 1) {
         if (tile_start + KEYS < key_end) load_tile(tile_start + KEYS, stage ^ 1);   // (the other stage is free)
         cp_async_commit();
         cp_async_wait<1>();   // Q and this tile landed for this thread ...
         __syncthreads();      // ... and for the block
-        const T* tile = k_tiles + stage * KEYS * LD;
+        const CT* tile = reinterpret_cast<const CT*>(k_tiles) + (FP8_CACHE ? 0 : stage * KEYS * LD);
+        if constexpr (FP8_CACHE) {   // the raw tile into the converted one, exactly, 16 elements a step
+            constexpr int RAW_CHUNKS = D_TILE / 16;
+            const unsigned char* raw = raw_tiles + stage * KEYS * D_TILE;
+            for (int idx = threadIdx.x; idx < KEYS * RAW_CHUNKS; idx += THREADS) {
+                const int r = idx / RAW_CHUNKS, c = (idx % RAW_CHUNKS) * 16;
+                const uint4 bytes = *reinterpret_cast<const uint4*>(raw + r * D_TILE + c);
+                fa_f16* dst = reinterpret_cast<fa_f16*>(k_tiles) + r * LD + c;
+                *reinterpret_cast<uint4*>(dst) = make_uint4(e4m3x2_to_f16x2(bytes.x), e4m3x2_to_f16x2(bytes.x >> 16),
+                                                            e4m3x2_to_f16x2(bytes.y), e4m3x2_to_f16x2(bytes.y >> 16));
+                *reinterpret_cast<uint4*>(dst + 8) = make_uint4(e4m3x2_to_f16x2(bytes.z), e4m3x2_to_f16x2(bytes.z >> 16),
+                                                                e4m3x2_to_f16x2(bytes.w), e4m3x2_to_f16x2(bytes.w >> 16));
+            }
+            __syncthreads();
+        }
         // This warp's 16 keys of the tile (its v half's), scored and masked.
         float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        tile_scores<T, D_TILE>(s, q_lane, smem_addr(tile + 16 * v_half * LD) + b_frags_lane<LD>(lane));
+        tile_scores<CT, D_TILE>(s, q_lane, smem_addr(tile + 16 * v_half * LD) + b_frags_lane<LD>(lane));
+        if constexpr (FP8_CACHE) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[j][e] *= score_factor[e >> 1];
+        }
         modify_and_mask<IS_CAUSAL, 0>(p, s, tile_start + 16 * v_half, t, key_begin, key_end, band, row_token, row_slope);
         // The rows' max over the whole tile: this warp's (over its quad), then its partner's.
         float tile_max[2];
@@ -977,7 +1047,7 @@ flash_mla_decode_kernel(const FlashParams p) {
         }
         // P fragments exchanged: keys 0-15 are the first half's, 16-31 the second's.
         unsigned int own[4], other[4], first[4], second[4];
-        pack_p<T>(own, s);
+        pack_p<CT>(own, s);
 #pragma unroll
         for (int i = 0; i < 4; ++i) pair_p[(mine * 4 + i) * 32 + lane] = own[i];
         pair_sync();
@@ -988,11 +1058,17 @@ flash_mla_decode_kernel(const FlashParams p) {
             second[i] = v_half == 0 ? other[i] : own[i];
         }
         const unsigned int v_lane = smem_addr(tile + v_half * DV_TILE) + b_frags_trans_lane<LD>(lane);
-        accumulate_pv_packed<T, O_TILES>(o_acc, first, v_lane);
-        accumulate_pv_packed<T, O_TILES>(o_acc, second, v_lane + 2u * 16 * LD);
+        accumulate_pv_packed<CT, O_TILES>(o_acc, first, v_lane);
+        accumulate_pv_packed<CT, O_TILES>(o_acc, second, v_lane + 2u * 16 * LD);
         __syncthreads();      // every warp is done with this stage (and the exchange) before they are refilled
     }
     cp_async_wait<0>();
+    if constexpr (FP8_CACHE) {
+#pragma unroll
+        for (int j = 0; j < O_TILES; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o_acc[j][e] *= v_scale;
+    }
 
     // Each warp's rows g and g + 8: the row's total over its quad, lse and 1 / total, and the warp's
     // O columns stored (float32 partials with several splits, else T); the first v half writes lse.

@@ -503,36 +503,52 @@ def test_fp8_cache_descales_per_sequence(layout):
 # MLA's own kernel (v a view of k, 64 rows a block sharing each key tile): 128 heads in one or two
 # row blocks, a last block part empty (48 and 80 rows), pages of 16 (a 32-key tile crosses pages),
 # head dims off the tile (520 / 136), splits, appends, causal speculative rows.
+# An e4m3 latent cache (saturating descales, per sequence or per head) in both dtypes.
 MLA_CASES = [
-    # dtype, heads, seqlen_q, new, page_size, num_splits, causal, head_dim, head_dim_v
-    ("bfloat16", 128, 1, 1, 64, None, False, 576, 512),
-    ("float16", 128, 2, 2, None, 3, True, 576, 512),
-    ("bfloat16", 64, 2, 0, 16, 1, True, 576, 512),
-    ("float16", 48, 1, 0, 32, None, False, 576, 512),
-    ("bfloat16", 40, 2, 1, None, 5, True, 576, 512),
-    ("float16", 64, 1, 1, 16, 2, False, 520, 136),
+    # dtype, heads, seqlen_q, new, page_size, num_splits, causal, head_dim, head_dim_v, fp8
+    ("bfloat16", 128, 1, 1, 64, None, False, 576, 512, None),
+    ("float16", 128, 2, 2, None, 3, True, 576, 512, None),
+    ("bfloat16", 64, 2, 0, 16, 1, True, 576, 512, None),
+    ("float16", 48, 1, 0, 32, None, False, 576, 512, None),
+    ("bfloat16", 40, 2, 1, None, 5, True, 576, 512, None),
+    ("float16", 64, 1, 1, 16, 2, False, 520, 136, None),
+    ("bfloat16", 128, 2, 2, 64, None, True, 576, 512, dict(fit=0.5, per_batch=True)),
+    ("float16", 64, 1, 1, None, 3, False, 576, 512, dict(fit=1.0, per_batch=False)),
+    ("bfloat16", 40, 2, 0, 16, 1, True, 528, 512, dict(fit=3.0, per_batch=False)),
 ]
 
 
 @requires_gpu
-@pytest.mark.parametrize("dtype, heads, seqlen_q, new, page_size, num_splits, causal, head_dim, head_dim_v", MLA_CASES)
-def test_mla_kernel_matches_reference(dtype, heads, seqlen_q, new, page_size, num_splits, causal, head_dim, head_dim_v):
+@pytest.mark.parametrize("dtype, heads, seqlen_q, new, page_size, num_splits, causal, head_dim, head_dim_v, fp8", MLA_CASES)
+def test_mla_kernel_matches_reference(dtype, heads, seqlen_q, new, page_size, num_splits, causal, head_dim, head_dim_v, fp8,
+                                      monkeypatch):
     from cupy_flash import decode
+    from cupy_flash.families import decode as family
+
+    launched = []   # the names of the kernels each new plan launches
+
+    def recording(*args, **kwargs):
+        launches = real_launches(*args, **kwargs)
+        launched.extend(launch.name for launch in launches)
+        return launches
+
+    real_launches = family.decode_launches
+    monkeypatch.setattr(family, "decode_launches", recording)
 
     capacity = 704
     p = dict(dtype=dtype, batch=3, heads_kv=1, heads=heads, seqlen_q=seqlen_q, new=new, capacity=capacity,
              page_size=page_size, lengths=[capacity - new, 0, 77], head_dim=head_dim, head_dim_v=head_dim_v, v_in_k=True,
-             causal=causal, features={}, num_splits=num_splits, logit_std=3.0, seed=heads + seqlen_q, kvcache={})
+             causal=causal, features={}, num_splits=num_splits, logit_std=3.0, seed=heads + seqlen_q, kvcache={}, fp8=fp8)
     q, k_cache, v_cache, cache, _ = make_decode_inputs(p)
     k_before, v_before = k_cache.copy(), v_cache.copy()
     decode._plans.clear()
     with poisoned_allocations():
         o, lse = cupy_flash.flash_decode(q, k_cache, v_cache, num_splits=num_splits, causal=causal, **cache)
-    names = [launch.name for plan in decode._plans.values() for launch in plan.launches]
-    assert any(name.startswith("flash_mla_decode_kernel") for name in names), names
+    assert any(name.startswith("flash_mla_decode_kernel") for name in launched), launched
     exact = decode_reference(q, k_before, v_before, causal=causal, **cache)
     low = decode_reference(q, k_before, v_before, causal=causal, upcast=False, **cache)
-    context = f"{dtype} heads={heads} seqlen_q={seqlen_q} new={new} page={page_size} splits={num_splits} d={head_dim}/{head_dim_v}"
+    context = (f"{dtype} heads={heads} seqlen_q={seqlen_q} new={new} page={page_size} splits={num_splits} "
+               f"d={head_dim}/{head_dim_v} fp8={fp8}")
     magnitude = max_finite_abs(exact[1])
     check_error_rule("mla o", o, exact[0], low[0], context, magnitude)
     check_error_rule("mla lse", lse, exact[1], low[1], context, magnitude)

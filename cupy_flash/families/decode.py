@@ -36,12 +36,14 @@ def decode_kernel(spec: ModuleSpec, causal: bool) -> str:
 
 def takes_mla(tile: int, features: int) -> bool:
     """Whether a decode module of this tile and feature set has the MLA kernel: decoding's own tiles
-    (MLA's 576) without a score modifier, cache index or FP8 cache (v's own head dim only)."""
-    return tile in _traits.DECODE_ONLY_TILES and not features & ~_features.FEATURE_HEAD_DIM_V
+    (MLA's 576) without a score modifier or cache index (v's own head dim, an FP8 cache)."""
+    return tile in _traits.DECODE_ONLY_TILES and not features & ~(_features.FEATURE_HEAD_DIM_V
+                                                                   | _features.FEATURE_FP8_CACHE)
 
 
 def mla_kernel(spec: ModuleSpec, causal: bool) -> str:
-    return template("flash_mla_decode_kernel", spec.ctype, spec.tile, causal)
+    return template("flash_mla_decode_kernel", spec.ctype, spec.tile, causal,
+                    bool(spec.features & _features.FEATURE_FP8_CACHE))
 
 
 def uses_mla_kernel(device, shape, variant, v_in_k: bool) -> bool:
@@ -50,7 +52,7 @@ def uses_mla_kernel(device, shape, variant, v_in_k: bool) -> bool:
     64-row blocks would be mostly padding), and its shared memory on this device."""
     return (v_in_k and takes_mla(shape.tile, variant.flags & _features.DECODE_FEATURES)
             and shape.group * shape.seqlen_q > 2 * _traits.DECODE_ROWS
-            and _traits.mla_decode_smem_bytes(shape.tile) <= device.smem_per_block)
+            and _traits.mla_decode_smem_bytes(shape.tile, variant.fp8_cache) <= device.smem_per_block)
 
 
 def append_kernel(spec: ModuleSpec, cache_index: bool = False, fp8_cache: bool = False) -> str:
@@ -110,7 +112,7 @@ def decode_launches(device, shape, variant, grid: int, num_splits: int, new_rows
                                early=append_grid <= sms))
     spec = module_spec(shape.dtype, shape.tile, variant.flags)
     if mla:
-        smem, threads, name = _traits.mla_decode_smem_bytes(shape.tile), _traits.MLA_DECODE_THREADS, \
+        smem, threads, name = _traits.mla_decode_smem_bytes(shape.tile, variant.fp8_cache), _traits.MLA_DECODE_THREADS, \
             mla_kernel(spec, variant.causal)
     else:
         smem, threads, name = _traits.decode_smem_bytes(shape.tile, variant.fp8_cache), 32 * _traits.DECODE_WARPS, \
