@@ -168,10 +168,17 @@ def _fetch(rank: int, address: tuple[str, int], job: str, timeout: float):
                                    " (MASTER_ADDR, CUPY_FLASH_PORT / MASTER_PORT + 1)") from None
             time.sleep(pause)
             pause = min(pause * 2, 1.0)
+    where = f"rank 0 at {address[0]}:{address[1]}"
     with connection:
         connection.settimeout(max(deadline - time.monotonic(), 0.001))
-        _send(connection, {"job": job, "rank": rank})
-        reply = _receive(connection)
+        try:
+            _send(connection, {"job": job, "rank": rank})
+            reply = _receive(connection)
+        except TimeoutError:
+            raise TimeoutError(f"rank {rank}: {where} sent nothing in {timeout:.0f} s") from None
+        except OSError as error:   # reset or closed mid-message: rank 0 stopped (failed, or timed out)
+            raise ConnectionError(f"rank {rank}: {where} closed the connection before sending its value "
+                                  f"({error}); see rank 0's own error") from None
     if "error" in reply:
         raise ValueError(reply["error"])
     return reply["value"]

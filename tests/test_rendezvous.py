@@ -150,3 +150,30 @@ def test_launch_without_a_command_says_so():
     done = subprocess.run([sys.executable, "-m", "cupy_flash", "launch", "-n", "2"], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2 and "missing" in done.stderr
+
+
+def test_a_rank_whose_rank_0_closes_mid_handshake_says_so():
+    """Rank 0 accepts and closes (it failed, or gave up): the rank names rank 0 and the connection,
+    not a bare reset from the socket."""
+    import socket
+    import threading
+
+    from cupy_flash import _rendezvous
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+
+    def close_at_once():
+        connection, _ = server.accept()
+        connection.close()
+
+    thread = threading.Thread(target=close_at_once)
+    thread.start()
+    try:
+        with pytest.raises(ConnectionError, match=f"rank 1: rank 0 at 127.0.0.1:{port} closed the connection"):
+            _rendezvous._fetch(1, ("127.0.0.1", port), "job", timeout=5.0)
+    finally:
+        thread.join()
+        server.close()
