@@ -795,6 +795,53 @@ def test_decode_graph_replay_matches_eager(num_splits):
 
 
 @requires_gpu
+@pytest.mark.parametrize("fp8", [None, dict(fit=1.0, per_batch=True)])
+def test_mla_graph_replay_matches_eager_and_views_keep_their_own_plans(fp8):
+    """The MLA kernel (v a view of k) captured in a CUDA graph and replayed while the lengths, q and
+    the new rows change gives what eager calls give, bitwise (bf16 and e4m3 caches); and a call whose
+    v has the same shape and strides but is a view of another array does not take the MLA plan."""
+    import cupy
+
+    p = dict(dtype="bfloat16", batch=2, heads_kv=1, heads=64, seqlen_q=1, new=1, capacity=512, page_size=64,
+             lengths=[100, 300], head_dim=576, head_dim_v=512, v_in_k=True, causal=False, features={}, num_splits=None,
+             logit_std=1.0, seed=6, kvcache={}, fp8=fp8)
+    q, k_cache, v_cache, cache, _ = make_decode_inputs(p)
+    k_eager = k_cache.copy()
+    v_eager = k_eager[..., :512]
+    rng = numpy.random.default_rng(1)
+    stream = cupy.cuda.Stream()
+    with stream:
+        warm = k_cache.copy()
+        cupy_flash.flash_decode(q, warm, warm[..., :512], **cache)   # compile, warm the pool
+        stream.synchronize()
+        stream.begin_capture()
+        o_graph, lse_graph = cupy_flash.flash_decode(q, k_cache, v_cache, **cache)
+        graph = stream.end_capture()
+        for step in range(3):
+            copy_bits(cache["k_new"], random_array(rng, cache["k_new"].shape, "bfloat16"))   # v_new: its view
+            copy_bits(q, random_array(rng, q.shape, "bfloat16"))
+            graph.launch()
+            o_eager, lse_eager = cupy_flash.flash_decode(q, k_eager, v_eager, **cache)
+            stream.synchronize()
+            assert bool((bitwise(o_graph) == bitwise(o_eager)).all()), f"step {step}: o"
+            assert bool((bitwise(lse_graph) == bitwise(lse_eager)).all()), f"step {step}: lse"
+            assert bool((bitwise(k_cache) == bitwise(k_eager)).all()), f"step {step}: k_cache"
+            cache["cache_seqlens"] += 1
+    # v of the same shape and strides, a view of another array: the general kernel, against the reference.
+    other = random_array(rng, k_cache.shape, "bfloat16") if fp8 is None else k_cache.copy()[..., ::-1].copy()
+    v_other = other[..., :512]
+    assert v_other.strides == v_cache.strides and v_other.shape == v_cache.shape
+    del cache["k_new"], cache["v_new"]
+    k_before, v_before = k_cache.copy(), v_other.copy()
+    o, lse = cupy_flash.flash_decode(q, k_cache, v_other, **cache)
+    exact = decode_reference(q, k_before, v_before, **cache)
+    low = decode_reference(q, k_before, v_before, upcast=False, **cache)
+    magnitude = max_finite_abs(exact[1])
+    check_error_rule("mla view of another array o", o, exact[0], low[0], str(fp8), magnitude)
+    check_error_rule("mla view of another array lse", lse, exact[1], low[1], str(fp8), magnitude)
+
+
+@requires_gpu
 def test_cache_batch_idx_outside_the_cache_sees_no_key():
     """A cache_batch_idx row outside the cache: that sequence sees no key (o = 0, lse = -inf) and its
     new rows are written nowhere; the other sequence is as the reference has it."""
