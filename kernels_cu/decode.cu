@@ -471,32 +471,44 @@ __device__ __forceinline__ void modify_and_mask(const FlashParams& p, float (&s)
         }
 }
 
-// Online softmax over the tile (the 4 threads of a quad share a row): the rows' running max and
-// sum take in the tile, O is rescaled, and s becomes P = exp2(s * score_log2 - max_scaled).
+// The largest score of the tile's row r (of the thread's rows g and g + 8) over the quad sharing it.
+__device__ __forceinline__ float quad_row_max(const float (&s)[2][4], int r) {
+    float tile_max = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+    return fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+}
+
+// One row's step of the online softmax, given the tile's max for that row: its running max and sum
+// take in the tile, its O is rescaled, and its scores become P = exp2(s * score_log2 - max_scaled).
+template <int O_TILES>
+__device__ __forceinline__ void softmax_row_step(float (&s)[2][4], float (&o_acc)[O_TILES][4], float& row_max,
+                                                 float& row_max_scaled, float& row_sum, float tile_max, float score_log2,
+                                                 int r) {
+    const float rescale = raise_row_max(row_max, row_max_scaled, tile_max, score_log2);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+            s[j][e] = exp2f(fmaf(s[j][e], score_log2, -row_max_scaled));
+            sum += s[j][e];
+        }
+    row_sum = row_sum * rescale + sum;
+#pragma unroll
+    for (int j = 0; j < O_TILES; ++j) {
+        o_acc[j][2 * r] *= rescale;
+        o_acc[j][2 * r + 1] *= rescale;
+    }
+}
+
+// Online softmax over the tile (the 4 threads of a quad share a row): each row's step with the
+// tile's max of that row.
 template <int O_TILES>
 __device__ __forceinline__ void online_softmax_tile(float (&s)[2][4], float (&o_acc)[O_TILES][4], float (&row_max)[2],
                                                     float (&row_max_scaled)[2], float (&row_sum)[2], float score_log2) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float tile_max = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-        const float rescale = raise_row_max(row_max[r], row_max_scaled[r], tile_max, score_log2);
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                s[j][e] = exp2f(fmaf(s[j][e], score_log2, -row_max_scaled[r]));
-                sum += s[j][e];
-            }
-        row_sum[r] = row_sum[r] * rescale + sum;
-#pragma unroll
-        for (int j = 0; j < O_TILES; ++j) {
-            o_acc[j][2 * r] *= rescale;
-            o_acc[j][2 * r + 1] *= rescale;
-        }
-    }
+    for (int r = 0; r < 2; ++r)
+        softmax_row_step<O_TILES>(s, o_acc, row_max[r], row_max_scaled[r], row_sum[r], quad_row_max(s, r), score_log2, r);
 }
 
 // O += P V: the two key n-tiles of S are one A fragment of P; v_lane is the lane's ldmatrix
@@ -1012,39 +1024,18 @@ flash_mla_decode_kernel(const FlashParams p) {
         }
         modify_and_mask<IS_CAUSAL, 0>(p, s, tile_start + 16 * v_half, t, key_begin, key_end, band, row_token, row_slope);
         // The rows' max over the whole tile: this warp's (over its quad), then its partner's.
-        float tile_max[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float m = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-            tile_max[r] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        }
+        const float tile_max[2] = {quad_row_max(s, 0), quad_row_max(s, 1)};
         if (t == 0) {
             pair_max[mine * 16 + g] = tile_max[0];
             pair_max[mine * 16 + g + 8] = tile_max[1];
         }
         pair_sync();
         // Both warps raise the same running max from the same values; P of this warp's keys, its
-        // part of the row sums, and O rescaled (as online_softmax_tile).
+        // part of the row sums, and O rescaled.
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const float rescale = raise_row_max(row_max[r], row_max_scaled[r],
-                                                fmaxf(tile_max[r], pair_max[partner * 16 + g + 8 * r]), score_log2);
-            float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                    s[j][e] = exp2f(fmaf(s[j][e], score_log2, -row_max_scaled[r]));
-                    sum += s[j][e];
-                }
-            row_sum[r] = row_sum[r] * rescale + sum;
-#pragma unroll
-            for (int j = 0; j < O_TILES; ++j) {
-                o_acc[j][2 * r] *= rescale;
-                o_acc[j][2 * r + 1] *= rescale;
-            }
-        }
+        for (int r = 0; r < 2; ++r)
+            softmax_row_step<O_TILES>(s, o_acc, row_max[r], row_max_scaled[r], row_sum[r],
+                                      fmaxf(tile_max[r], pair_max[partner * 16 + g + 8 * r]), score_log2, r);
         // P fragments exchanged: keys 0-15 are the first half's, 16-31 the second's.
         unsigned int own[4], other[4], first[4], second[4];
         pack_p<CT>(own, s);
