@@ -55,6 +55,21 @@ def copy_rate_gbs(rounds: int = 3) -> float:
     return 2 * src.nbytes / ms / 1e6
 
 
+def rotating_copies(size: int) -> int | None:
+    """Copies of a shape's caches (``size`` bytes each) to rotate through, enough to exceed
+    ROTATE_BYTES (at most 8); None where they would exceed MEMORY_LIMIT (the shape is skipped)."""
+    copies = max(1, min(8, -(-ROTATE_BYTES // size)))
+    return None if size * copies > MEMORY_LIMIT else copies
+
+
+def write_result(result: dict, out: str, name: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, name)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"results: {path}")
+
+
 CALLS_PER_GRAPH = 24
 # Each shape's graphs are timed in turn, ROUNDS times, and each keeps its median round: a drift of
 # clocks or temperature during a shape then touches every side alike. (Timed one after the other,
@@ -223,9 +238,8 @@ def mla_table(batches, lengths, out):
     for batch in batches:
         for length in lengths:
             seqlen_q = 2 if batch >= 64 else 1
-            size = batch * length * MLA_D * 2
-            copies = max(1, min(8, -(-ROTATE_BYTES // size)))
-            if size * copies > MEMORY_LIMIT:
+            copies = rotating_copies(batch * length * MLA_D * 2)
+            if copies is None:
                 continue
             row = mla_shape(batch, length, seqlen_q, copies)
             row["mla_of_copy"] = row["mla_gbs"] / copy
@@ -234,11 +248,7 @@ def mla_table(batches, lengths, out):
                   f"{row['mla_tflops']:7.1f} {row['mla_fp8_us']:7.1f} {row['mla_fp8_gbs']:6.0f} {row['mla_fp8_tflops']:7.1f} "
                   f"{row['fp8_speedup']:5.2f} {row['separate_v_us']:9.1f} {row['over_separate_v']:6.2f}", flush=True)
             cupy.get_default_memory_pool().free_all_blocks()
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, "decode-mla.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"results: {path}")
+    write_result(result, out, "decode-mla.json")
 
 
 def main():
@@ -273,9 +283,8 @@ def main():
     for heads_kv in (HEADS // 8, HEADS):
         for batch in args.batches:
             for length in args.lengths:
-                size = 2 * batch * length * heads_kv * D * 2
-                copies = max(1, min(8, -(-ROTATE_BYTES // size)))
-                if size * copies > MEMORY_LIMIT:
+                copies = rotating_copies(2 * batch * length * heads_kv * D * 2)
+                if copies is None:
                     continue
                 row = one_shape(batch, length, heads_kv, copies)
                 row["ours_of_copy"] = row["ours_gbs"] / copy
@@ -286,11 +295,7 @@ def main():
                       + (f"{flash:7.0f} {row['ours_over_flash']:10.2f}" if flash else
                                                           f"{'n/a':>7} {'':>10} {row['flash_error'][:60]}"), flush=True)
                 cupy.get_default_memory_pool().free_all_blocks()
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "decode-bf16.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"results: {path}")
+    write_result(result, args.out, "decode-bf16.json")
 
 
 if __name__ == "__main__":
