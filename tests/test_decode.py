@@ -765,32 +765,40 @@ def test_decode_graph_replay_matches_eager(num_splits):
     """flash_decode captured once in a CUDA graph (fixed shapes, device-side cache_seqlens) and
     replayed while cache_seqlens and k_new/v_new change, as a generation loop does, gives what eager
     calls give (split automatically, in 5, and unsplit)."""
-    import cupy
 
     p = dict(dtype="bfloat16", batch=2, heads_kv=2, heads=8, seqlen_q=1, new=1, capacity=1024, page_size=64,
              lengths=[100, 500], head_dim=128, causal=True, features={}, num_splits=num_splits, logit_std=1.0, seed=5)
     q, k_cache, v_cache, cache, _ = make_decode_inputs(p)
     cache["num_splits"] = num_splits
-    k_eager, v_eager = k_cache.copy(), v_cache.copy()
-    rng = numpy.random.default_rng(0)
+    check_graph_replay_equals_eager(q, (k_cache, v_cache), (k_cache.copy(), v_cache.copy()),
+                                    (k_cache.copy(), v_cache.copy()), cache, [cache["k_new"], cache["v_new"], q],
+                                    numpy.random.default_rng(0))
+
+
+def check_graph_replay_equals_eager(q, caches, eager_caches, warm_caches, cache, refreshed, rng):
+    """flash_decode(q, *caches, **cache) captured once in a CUDA graph (after a call on warm_caches:
+    compile, warm the pool) and replayed three times while the arrays of ``refreshed`` take new
+    bf16 values and cache_seqlens advances on the device, as a generation loop does: each step's o,
+    lse and caches bitwise equal to an eager call's on eager_caches (copies of caches as they were)."""
+    import cupy
+
     stream = cupy.cuda.Stream()
     with stream:   # everything on one stream: its order is the only synchronisation needed
-        cupy_flash.flash_decode(q, k_cache.copy(), v_cache.copy(), **cache)   # compile, warm the pool
+        cupy_flash.flash_decode(q, *warm_caches, **cache)
         stream.synchronize()
         stream.begin_capture()
-        o_graph, lse_graph = cupy_flash.flash_decode(q, k_cache, v_cache, **cache)
+        o_graph, lse_graph = cupy_flash.flash_decode(q, *caches, **cache)
         graph = stream.end_capture()
         for step in range(3):
-            copy_bits(cache["k_new"], random_array(rng, cache["k_new"].shape, "bfloat16"))
-            copy_bits(cache["v_new"], random_array(rng, cache["v_new"].shape, "bfloat16"))
-            copy_bits(q, random_array(rng, q.shape, "bfloat16"))
+            for x in refreshed:
+                copy_bits(x, random_array(rng, x.shape, "bfloat16"))
             graph.launch()
-            o_eager, lse_eager = cupy_flash.flash_decode(q, k_eager, v_eager, **cache)
+            o_eager, lse_eager = cupy_flash.flash_decode(q, *eager_caches, **cache)
             stream.synchronize()
             assert bool((bitwise(o_graph) == bitwise(o_eager)).all()), f"step {step}: o"
             assert bool((bitwise(lse_graph) == bitwise(lse_eager)).all()), f"step {step}: lse"
-            assert bool((bitwise(k_cache) == bitwise(k_eager)).all()), f"step {step}: k_cache"
-            assert bool((bitwise(v_cache) == bitwise(v_eager)).all()), f"step {step}: v_cache"
+            for name, x, y in zip(("k_cache", "v_cache"), caches, eager_caches):
+                assert bool((bitwise(x) == bitwise(y)).all()), f"step {step}: {name}"
             cache["cache_seqlens"] += 1   # the loop advances the lengths on the device
 
 
@@ -800,33 +808,15 @@ def test_mla_graph_replay_matches_eager_and_views_keep_their_own_plans(fp8):
     """The MLA kernel (v a view of k) captured in a CUDA graph and replayed while the lengths, q and
     the new rows change gives what eager calls give, bitwise (bf16 and e4m3 caches); and a call whose
     v has the same shape and strides but is a view of another array does not take the MLA plan."""
-    import cupy
 
     p = dict(dtype="bfloat16", batch=2, heads_kv=1, heads=64, seqlen_q=1, new=1, capacity=512, page_size=64,
              lengths=[100, 300], head_dim=576, head_dim_v=512, v_in_k=True, causal=False, features={}, num_splits=None,
              logit_std=1.0, seed=6, kvcache={}, fp8=fp8)
     q, k_cache, v_cache, cache, _ = make_decode_inputs(p)
-    k_eager = k_cache.copy()
-    v_eager = k_eager[..., :512]
+    k_eager, warm = k_cache.copy(), k_cache.copy()   # with v their views, as the MLA kernel takes them
     rng = numpy.random.default_rng(1)
-    stream = cupy.cuda.Stream()
-    with stream:
-        warm = k_cache.copy()
-        cupy_flash.flash_decode(q, warm, warm[..., :512], **cache)   # compile, warm the pool
-        stream.synchronize()
-        stream.begin_capture()
-        o_graph, lse_graph = cupy_flash.flash_decode(q, k_cache, v_cache, **cache)
-        graph = stream.end_capture()
-        for step in range(3):
-            copy_bits(cache["k_new"], random_array(rng, cache["k_new"].shape, "bfloat16"))   # v_new: its view
-            copy_bits(q, random_array(rng, q.shape, "bfloat16"))
-            graph.launch()
-            o_eager, lse_eager = cupy_flash.flash_decode(q, k_eager, v_eager, **cache)
-            stream.synchronize()
-            assert bool((bitwise(o_graph) == bitwise(o_eager)).all()), f"step {step}: o"
-            assert bool((bitwise(lse_graph) == bitwise(lse_eager)).all()), f"step {step}: lse"
-            assert bool((bitwise(k_cache) == bitwise(k_eager)).all()), f"step {step}: k_cache"
-            cache["cache_seqlens"] += 1
+    check_graph_replay_equals_eager(q, (k_cache, v_cache), (k_eager, k_eager[..., :512]), (warm, warm[..., :512]), cache,
+                                    [cache["k_new"], q], rng)   # (v_new: k_new's view)
     # v of the same shape and strides, a view of another array: the general kernel, against the reference.
     other = random_array(rng, k_cache.shape, "bfloat16") if fp8 is None else k_cache.copy()[..., ::-1].copy()
     v_other = other[..., :512]
