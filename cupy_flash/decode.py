@@ -386,7 +386,7 @@ def _in_place_ready(name, x):
 def flash_decode(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, block_table=None,
                  cache_batch_idx=None, cache_leftpad=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
                  k_descale=None, v_descale=None, softmax_scale=None, causal=False, window_size=None, softcap=0.0,
-                 alibi_slopes=None, sink=None, num_splits=None, stream=None):
+                 alibi_slopes=None, sink=None, num_splits=None, head_dim_v=None, stream=None):
     """Attention of new queries against a K/V cache, appending k_new/v_new into it first.
 
     q: (batch, seqlen_q, heads_q, head_dim) float16/bfloat16, the new tokens' queries.
@@ -402,7 +402,10 @@ def flash_decode(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, 
     v_cache's (and v_new's) head_dim may differ from q's and k_cache's (o takes it): q's and k's
     head_dim any multiple of 8 to 576, v's to 512. MLA (DeepSeek's latent cache): k_cache
     (pages, page_size, 1, 576) and v_cache = k_cache[..., :512], a view of the same rows (append
-    with v_new = k_new[..., :512]; no rotary, which would turn k's first columns but not v's).
+    with v_new = k_new[..., :512]; no rotary, which would turn k's first columns but not v's); or,
+    where views cannot be passed (JAX), v_cache=None with head_dim_v=512, which means the same (v_new
+    then None: its rows are k_new's first columns; v_descale, if None, k_descale).
+    head_dim_v: v's head_dim where v_cache is None (else None, or v_cache's).
     k_new, v_new: (batch, seqlen_new, heads_kv, head_dim), written into the cache in place at rows
     cache_seqlens[b] .. + seqlen_new - 1 before the attention, which then sees
     cache_seqlens[b] + seqlen_new keys. The caller leaves room: rows past the capacity are dropped.
@@ -433,6 +436,8 @@ def flash_decode(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, 
 
     Returns (o, lse): o like q with v's head_dim; lse float32 (batch, heads_q, seqlen_q).
     """
+    if v_cache is None or head_dim_v is not None:
+        v_cache, v_new, v_descale = latent_v(k_cache, v_cache, k_new, v_new, k_descale, v_descale, head_dim_v)
     # A repeated call on CuPy arrays without ALiBi, a sink or the kvcache options takes its checked
     # plan (_plans) and launches.
     if (stream is None and alibi_slopes is None and sink is None and cache_batch_idx is None and cache_leftpad is None
@@ -451,6 +456,41 @@ def flash_decode(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, 
 
 
 flash_decode.__doc__ = flash_decode.__doc__.rstrip() + "\n" + STREAM_DOC
+
+
+def check_latent_v(k_cache, v_cache, v_new, head_dim_v) -> int | None:
+    """head_dim_v of a call whose v_cache is None (MLA's latent cache: v the first head_dim_v
+    columns of each k_cache row; None where v_cache is given), checked against k_cache (its shape
+    only) and v_new, which must then be None."""
+    if v_cache is not None:
+        if head_dim_v is not None and head_dim_v != getattr(v_cache, "shape", (None,))[-1]:
+            raise ValueError(f"head_dim_v is {head_dim_v} but v_cache has head_dim {v_cache.shape[-1]}; pass one or "
+                             "the other (head_dim_v is for v_cache=None)")
+        return None
+    if head_dim_v is None:
+        raise ValueError("v_cache is None: pass head_dim_v, and v's rows are the first head_dim_v columns of each "
+                         "k_cache row (MLA's latent cache)")
+    if isinstance(head_dim_v, (bool, numpy.bool_)) or not isinstance(head_dim_v, numbers.Integral):
+        raise TypeError(f"head_dim_v must be an int, got {type(head_dim_v).__name__}")
+    if getattr(k_cache, "ndim", None) != 4:
+        raise ValueError(f"k_cache must have 4 dimensions, got shape {tuple(getattr(k_cache, 'shape', ()))}")
+    head_dim = int(k_cache.shape[3])
+    if head_dim_v % 8 or not 8 <= head_dim_v <= min(head_dim, _traits.MAX_HEAD_DIM):
+        raise ValueError(f"head_dim_v is {int(head_dim_v)}; with v_cache=None expected a multiple of 8 from 8 to "
+                         f"{min(head_dim, _traits.MAX_HEAD_DIM)} (k_cache's head_dim, at most {_traits.MAX_HEAD_DIM})")
+    if v_new is not None:
+        raise ValueError("v_new must be None where v_cache is None: v's new rows are k_new's first head_dim_v columns")
+    return int(head_dim_v)
+
+
+def latent_v(k_cache, v_cache, k_new, v_new, k_descale, v_descale, head_dim_v) -> tuple:
+    """(v_cache, v_new, v_descale) of a call (check_latent_v): with v_cache None, views of k_cache's
+    and k_new's first head_dim_v columns, and k_descale where v_descale is None."""
+    head_dim_v = check_latent_v(k_cache, v_cache, v_new, head_dim_v)
+    if head_dim_v is None:
+        return v_cache, v_new, v_descale
+    v_new = None if k_new is None else k_new[..., :head_dim_v]
+    return k_cache[..., :head_dim_v], v_new, k_descale if v_descale is None else v_descale
 
 
 @on_stream

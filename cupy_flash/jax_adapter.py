@@ -408,7 +408,9 @@ DECODE_ARRAYS = ("block_table", "cache_batch_idx", "cache_leftpad", "rotary_cos"
 def flash_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, **options):
     """cupy_flash.flash_decode on JAX arrays: k_new and v_new (if given) are written into the caches
     at rows cache_seqlens[b].., then q attends to cache_seqlens[b] + seqlen_new keys. Returns
-    ``(o, k_cache, v_cache)``, the caches with the new rows in. The caches are the call's outputs
+    ``(o, k_cache, v_cache)``, the caches with the new rows in. MLA's latent cache (JAX has no views):
+    v_cache=None with ``head_dim_v``, v the first head_dim_v columns of each k_cache row, v_new None;
+    then ``(o, k_cache, None)``, and flash_decode's MLA kernel runs. The caches are the call's outputs
     aliased to its inputs: donate them (``jax.jit(step, donate_argnums=...)``) and XLA hands the
     same memory through, so only the new rows are written; without donation XLA first copies each
     cache to keep the input intact. Options as flash_decode's: softmax_scale, causal, window_size,
@@ -416,31 +418,41 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, **o
     rotary_cos / rotary_sin (with rotary_interleaved), k_descale / v_descale (an FP8 cache of
     ``jnp.float8_e4m3fn`` or uint8 bits). Not differentiable. o and lse are copied once from the
     kernels' outputs (a decode step's few query rows)."""
-    unknown = sorted(set(options) - set(DECODE_OPTIONS) - set(DECODE_ARRAYS))
+    unknown = sorted(set(options) - set(DECODE_OPTIONS) - set(DECODE_ARRAYS) - {"head_dim_v"})
     if unknown:
         raise TypeError(f"flash_decode (JAX) got unsupported option(s) {unknown}; it takes "
-                        f"{list(DECODE_OPTIONS + DECODE_ARRAYS)}")
-    from .decode import check_decode, check_rotary
+                        f"{list(DECODE_OPTIONS + DECODE_ARRAYS + ('head_dim_v',))}")
+    from .decode import check_decode, check_latent_v, check_rotary
 
+    options = dict(options)
+    head_dim_v = check_latent_v(k_cache, v_cache, v_new, options.pop("head_dim_v", None))
     arrays = {name: options.pop(name) for name in DECODE_ARRAYS if options.get(name) is not None}
     described = {name: _described(x) for name, x in dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                                                          k_new=k_new, v_new=v_new, **arrays).items() if x is not None}
+    if head_dim_v is not None:   # v: the first head_dim_v columns of k's rows (and of k_new's)
+        options["head_dim_v"] = head_dim_v
+        described["v_cache"] = _checks._Described.of(k_cache.shape[:3] + (head_dim_v,), described["k_cache"].dtype)
+        if k_new is not None:
+            described["v_new"] = _checks._Described.of(k_new.shape[:3] + (head_dim_v,), k_new.dtype)
+        if "k_descale" in arrays and "v_descale" not in arrays:
+            described["v_descale"] = described["k_descale"]
     shape, _ = check_decode(*(described.get(name) for name in ("q", "k_cache", "v_cache", "cache_seqlens", "k_new", "v_new",
                                                                "block_table", "cache_batch_idx", "cache_leftpad",
                                                                "k_descale", "v_descale")))
     check_rotary(described.get("rotary_cos"), described.get("rotary_sin"), options.get("rotary_interleaved", False),
                  described["q"], shape)
-    options = dict(options)
     if options.get("window_size") is not None:
         options["window_size"] = tuple(int(n) for n in options["window_size"])
-    results = (jax.ShapeDtypeStruct(q.shape[:-1] + v_cache.shape[-1:], q.dtype),
+    caches = (k_cache,) if head_dim_v is not None else (k_cache, v_cache)
+    results = (jax.ShapeDtypeStruct(q.shape[:-1] + (shape.head_dim_v,), q.dtype),
                jax.ShapeDtypeStruct((shape.batch, shape.heads, shape.seqlen_q), numpy.float32),
-               jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
-    new = () if k_new is None else (k_new, v_new)
-    static = (tuple(sorted(options.items())), bool(new), tuple(arrays))
-    call = buffer_callback(functools.partial(_decode_callback, static), results, input_output_aliases={1: 2, 2: 3})
-    o, _, k_cache, v_cache = call(q, k_cache, v_cache, cache_seqlens, *new, *arrays.values())
-    return o, k_cache, v_cache
+               *(jax.ShapeDtypeStruct(cache.shape, cache.dtype) for cache in caches))
+    new = () if k_new is None else (k_new,) if head_dim_v is not None else (k_new, v_new)
+    static = (tuple(sorted(options.items())), len(caches), len(new), tuple(arrays))
+    call = buffer_callback(functools.partial(_decode_callback, static), results,
+                           input_output_aliases={1 + i: 2 + i for i in range(len(caches))})
+    o, _, *caches = call(q, *caches, cache_seqlens, *new, *arrays.values())
+    return o, caches[0], caches[1] if len(caches) > 1 else None
 
 
 def _described(x):
@@ -451,15 +463,17 @@ def _described(x):
     return described
 
 
-def _decode_callback(static, context, outputs, q, k_cache, v_cache, cache_seqlens, *rest):
+def _decode_callback(static, context, outputs, q, *rest):
     from .decode import flash_decode as decode
 
-    options, has_new, names = static
-    o, lse, k_out, v_out = outputs   # k_out, v_out: the caches' memory (aliased to the inputs)
+    options, caches, news, names = static   # caches: 1 (v the first columns of k) or 2, news: 0 to 2
+    o, lse, *cache_out = outputs   # the caches' memory (aliased to the inputs)
     with _on_xla_stream(context, q):
-        k_new, v_new = (_as_cupy(x) for x in rest[:2]) if has_new else (None, None)
-        arrays = {name: _as_cupy(x) for name, x in zip(names, rest[2 if has_new else 0:])}
-        result = decode(_as_cupy(q), _as_cupy(k_out), _as_cupy(v_out), cache_seqlens=_as_cupy(cache_seqlens),
+        k_out, v_out = _as_cupy(cache_out[0]), _as_cupy(cache_out[1]) if caches == 2 else None
+        cache_seqlens, rest = rest[caches], rest[caches + 1:]
+        k_new, v_new = (tuple(_as_cupy(x) for x in rest[:news]) + (None, None))[:2]
+        arrays = {name: _as_cupy(x) for name, x in zip(names, rest[news:])}
+        result = decode(_as_cupy(q), k_out, v_out, cache_seqlens=_as_cupy(cache_seqlens),
                         k_new=k_new, v_new=v_new, **arrays, **dict(options))
         _as_cupy(o)[...] = result[0]
         _as_cupy(lse)[...] = result[1]

@@ -135,6 +135,41 @@ def test_jax_decode_updates_a_donated_cache_in_place():
     assert bool((bitwise(_as_cupy(k_cache)) == bitwise(ck)).all()) and bool((bitwise(_as_cupy(v_cache)) == bitwise(cv)).all())
 
 
+def test_jax_mla_decode_reads_v_from_a_donated_latent_cache():
+    """MLA decoding from JAX, which has no views: v_cache=None with head_dim_v=512 under jax.jit, the
+    paged latent cache (576 columns) donated and appended to in place, bitwise the CuPy call with v a
+    view of k (the MLA kernel); also from an FP8 cache whose v_descale defaults to k_descale."""
+    jax = jax_on_gpu()
+    import jax.numpy as jnp
+
+    from cupy_flash.jax_adapter import flash_decode
+
+    keys = jax.random.split(jax.random.PRNGKey(7), 3)
+    pages, page = 12, 64
+    q = jax.random.normal(keys[0], (2, 1, 64, 576), jnp.bfloat16)
+    k_new = jax.random.normal(keys[2], (2, 1, 1, 576), jnp.bfloat16)
+    block_table = jnp.asarray([[3, 1, 7, 0, 9, 2], [11, 8, 4, 6, 5, 10]], jnp.int32)
+    lengths = jnp.asarray([300, 37], jnp.int32)
+    for fp8 in (False, True):
+        k_cache = jax.random.normal(keys[1], (pages, page, 1, 576), jnp.float32)
+        k_cache = k_cache.astype(jnp.float8_e4m3fn) if fp8 else k_cache.astype(jnp.bfloat16)
+        scales = dict(k_descale=jnp.asarray([[0.5], [2.0]], jnp.float32)) if fp8 else {}
+        as_bits = (lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)) if fp8 else (lambda x: x)
+        ck = _as_cupy(jnp.copy(as_bits(k_cache))).copy()
+        expected = cupy_flash.flash_decode(
+            _as_cupy(q), ck, ck[..., :512], cache_seqlens=_as_cupy(lengths), k_new=_as_cupy(k_new),
+            v_new=_as_cupy(k_new)[..., :512], block_table=_as_cupy(block_table),
+            **{name: _as_cupy(x) for name, x in dict(scales, v_descale=scales.get("k_descale")).items() if x is not None})[0]
+        pointer = k_cache.unsafe_buffer_pointer()
+        step = jax.jit(lambda q, kc, n, kn: flash_decode(q, kc, None, n, kn, head_dim_v=512, block_table=block_table,
+                                                         **scales), donate_argnums=(1,))
+        o, k_cache, v_cache = step(q, k_cache, lengths, k_new)
+        assert v_cache is None and o.shape == (2, 1, 64, 512)
+        assert k_cache.unsafe_buffer_pointer() == pointer, "the donated cache was copied"
+        assert bool((bitwise(_as_cupy(o)) == bitwise(expected)).all())
+        assert bool((bitwise(_as_cupy(as_bits(k_cache))) == bitwise(ck)).all())
+
+
 def test_jax_decode_takes_the_kvcache_options():
     """The JAX flash_decode with a paged FP8 cache (jnp.float8_e4m3fn), padding before each
     sequence's keys and rotary embedding of q and k_new, under jax.jit: bitwise the CuPy call."""

@@ -97,6 +97,16 @@ BAD_DECODE = [
      "v_descale has dtype float64; expected float32"),
     ("rotary_interleaved", dict(rotary_cos=numpy.zeros((32, 4), numpy.float16), rotary_sin=numpy.zeros((32, 4), numpy.float16),
                                 rotary_interleaved="yes"), TypeError, "rotary_interleaved"),
+    # v_cache=None: v the first head_dim_v columns of k's rows (MLA's latent cache, where views cannot be passed).
+    ("v_cache None alone", dict(v_cache=None, v_new=None), ValueError, "v_cache is None: pass head_dim_v"),
+    ("head_dim_v type", dict(v_cache=None, v_new=None, head_dim_v=8.0), TypeError, "head_dim_v must be an int, got float"),
+    ("head_dim_v past k's", dict(v_cache=None, v_new=None, head_dim_v=24), ValueError,
+     "head_dim_v is 24; with v_cache=None expected a multiple of 8 from 8 to 16"),
+    ("head_dim_v with v_new", dict(v_cache=None, head_dim_v=8), ValueError, "v_new must be None where v_cache is None"),
+    ("head_dim_v beside v_cache", dict(head_dim_v=8), ValueError, "head_dim_v is 8 but v_cache has head_dim 16"),
+    ("head_dim_v reaches the checks", dict(v_cache=None, v_new=None, head_dim_v=8,
+                                           cache_seqlens=numpy.array([3, 3], numpy.int64)), TypeError,
+     "cache_seqlens has dtype"),
 ]
 
 
@@ -545,6 +555,15 @@ def test_mla_kernel_matches_reference(dtype, heads, seqlen_q, new, page_size, nu
     with poisoned_allocations():
         o, lse = cupy_flash.flash_decode(q, k_cache, v_cache, num_splits=num_splits, causal=causal, **cache)
     assert any(name.startswith("flash_mla_decode_kernel") for name in launched), launched
+    # v_cache=None with head_dim_v (what JAX passes) is the same call, bit for bit, cache included.
+    k_after = k_cache.copy()
+    copy_bits(k_cache, k_before)
+    latent = dict(cache, v_new=None)
+    with poisoned_allocations():
+        o_latent, lse_latent = cupy_flash.flash_decode(q, k_cache, None, head_dim_v=head_dim_v, num_splits=num_splits,
+                                                       causal=causal, **latent)
+    for ours, theirs in ((o_latent, o), (lse_latent, lse), (k_cache, k_after)):
+        assert bool((bitwise(ours) == bitwise(theirs)).all()), "v_cache=None differs from the view"
     exact = decode_reference(q, k_before, v_before, causal=causal, **cache)
     low = decode_reference(q, k_before, v_before, causal=causal, upcast=False, **cache)
     context = (f"{dtype} heads={heads} seqlen_q={seqlen_q} new={new} page={page_size} splits={num_splits} "
