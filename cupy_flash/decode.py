@@ -92,30 +92,59 @@ class DecodePlan(_launch.OutputAndLse):
     are split (its partials in one workspace); the params record with each array's field written
     per call. flash_decode keeps the plans of its calls without ALiBi or a sink (_plans)."""
 
-    def __init__(self, record, launches: tuple, o, lse_shape: tuple, partials: tuple, held: tuple):
+    def __init__(self, record, launches: tuple, o, lse_shape: tuple, partials: tuple, held: tuple, plain: bool):
         self.cuda = _launch.cuda_calls()
         self.record = record              # a PointerRecord over _NAMES
         self.device = self.cuda.get_device()
         early = _launch.supports_early(self.device)
         self.launches = tuple(launch._replace(early=launch.early and early) for launch in launches)   # _launch.Launch
         self.plan_outputs(o, lse_shape)
-        # o_partial and lse_partial in one workspace (empty when the keys are not split)
-        self.partial_offsets = (0, -(-partials[0] // 256) * 256) if partials else ()
+        # o_partial and lse_partial in one workspace (empty when the keys are not split): lse_partial
+        # at this offset
+        self.lse_partial_offset = -(-partials[0] // 256) * 256 if partials else 0
         self.workspace_bytes = sum(-(-n // 256) * 256 for n in partials)
         self.held = held                  # the variant's device arrays the record points at
+        # Only q, the caches and cache_seqlens (no block table, new rows or descales): the short
+        # path's addresses without a look at the rest.
+        self.plain = plain
         self._launched: dict = {}         # Packed by the arrays' addresses, stream and thread
 
-    def call(self, arrays: tuple):
-        """The repeated call (flash_decode's plan cache found this plan): (o, lse), or None where the
-        plan cannot launch as it is (another current device, a capturing stream). ``arrays``: q,
-        k, v, cache_seqlens, block_table, k_new, v_new, cache_batch_idx, cache_leftpad, k_descale,
-        v_descale (None where absent)."""
+    def call(self, q, k, v, cache_seqlens, block_table, k_new, v_new, k_descale, v_descale):
+        """The repeated call (flash_decode's plan cache found this plan: the arrays are as the plan's,
+        and the kvcache index options absent): (o, lse), or None where the plan cannot launch as it
+        is (another current device, a capturing stream). Its addresses are run's, in _NAMES' order."""
         stream = _launch.ready_stream(self)
-        return None if stream is None else self._run(arrays, None, stream, False)
+        if stream is None:
+            return None
+        o, lse = self.outputs()
+        if self.plain:
+            addresses = (q.data.ptr, k.data.ptr, v.data.ptr, cache_seqlens.data.ptr, 0, 0, 0, 0, 0, 0, 0, o.data.ptr,
+                         lse.data.ptr)
+        else:
+            addresses = (q.data.ptr, k.data.ptr, v.data.ptr, cache_seqlens.data.ptr, _address(block_table),
+                         _address(k_new), _address(v_new), 0, 0, _address(k_descale), _address(v_descale), o.data.ptr,
+                         lse.data.ptr)
+        workspace = None
+        if self.workspace_bytes:
+            workspace, base = self._workspace(stream, False)
+            addresses += (base, base + self.lse_partial_offset)
+        _launch.packed_once(self._launched, addresses, stream, False, lambda: self._packed(addresses, stream)).run()
+        return o, lse
+
+    def _workspace(self, stream: int, capturing: bool) -> tuple:
+        """(what holds the partials' workspace until the launches are out, its address): the stream's
+        kept one (the kernels wait for the previous call's), or under capture or past
+        KEPT_WORKSPACE_BYTES a new allocation."""
+        if capturing or self.workspace_bytes > _launch.KEPT_WORKSPACE_BYTES:
+            workspace = self.cuda.alloc(self.workspace_bytes)
+            return workspace, workspace.ptr
+        workspace = _launch.kept_workspace(self.workspace_bytes, self.device, stream)
+        return workspace, workspace.data.ptr
 
     def run(self, arrays: tuple, out=None):
-        """Launch on the current stream (``arrays`` as call's; ``out``: (o, lse) to write, else
-        allocated); returns (o, lse)."""
+        """Launch on the current stream (``arrays``: q, k, v, cache_seqlens, block_table, k_new, v_new,
+        cache_batch_idx, cache_leftpad, k_descale, v_descale, None where absent; ``out``: (o, lse) to
+        write, else allocated); returns (o, lse)."""
         stream, capturing = _launch.current_stream()
         return self._run(arrays, out, stream, capturing)
 
@@ -124,13 +153,8 @@ class DecodePlan(_launch.OutputAndLse):
         addresses = tuple([0 if x is None else x.data.ptr for x in arrays] + [o.data.ptr, lse.data.ptr])
         workspace = None
         if self.workspace_bytes:
-            if capturing or self.workspace_bytes > _launch.KEPT_WORKSPACE_BYTES:
-                workspace = self.cuda.alloc(self.workspace_bytes)
-                base = workspace.ptr
-            else:   # the stream's kept one (the kernels wait for the previous call's)
-                workspace = _launch.kept_workspace(self.workspace_bytes, self.device, stream)
-                base = workspace.data.ptr
-            addresses += tuple(base + offset for offset in self.partial_offsets)
+            workspace, base = self._workspace(stream, capturing)
+            addresses += (base, base + self.lse_partial_offset)
         if capturing:
             record_kernel_arrays(arrays + (o, lse, workspace) + self.held)
         _launch.packed_once(self._launched, addresses, stream, capturing, lambda: self._packed(addresses, stream)).run()
@@ -141,6 +165,10 @@ class DecodePlan(_launch.OutputAndLse):
         return _launch.Packed(tuple((launch.kernel, launch.grid, launch.threads, launch.smem, (record,), launch.early)
                                     for launch in self.launches), stream,
                               ("decode", tuple(launch.name for launch in self.launches)))
+
+
+def _address(x) -> int:
+    return 0 if x is None else x.data.ptr
 
 
 # A decode launch's arrays, in the order of its addresses (k and v: the caches).
@@ -201,7 +229,8 @@ def decode_plan(q, k, v, shape, scale, variant, num_splits=None, *, cache=None) 
     launches = family.decode_launches(device_info(device), shape, variant, grid, num_splits, new_rows, mla)
     record = PointerRecord(params, {name: name for name in _NAMES if name in arrays and arrays[name] is not None})
     held = tuple(x for x in variant.device_arrays() if x is not None)
-    return DecodePlan(record, tuple(launches), arrays["o"], lse_shape, partials, held)
+    plain = all(arrays.get(name) is None for name in ("block_table", "k_new", "v_new", "k_descale", "v_descale"))
+    return DecodePlan(record, tuple(launches), arrays["o"], lse_shape, partials, held, plain)
 
 
 def launch_decode(q, k, v, shape, scale, variant, num_splits=None, *, cache=None, out=None):
@@ -445,8 +474,7 @@ def flash_decode(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, 
         plan = _plans.get(_plan_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, softmax_scale,
                                     causal, window_size, softcap, num_splits, k_descale, v_descale))
         if plan is not None:
-            result = plan.call((q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, None, None, k_descale,
-                                v_descale))
+            result = plan.call(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, k_descale, v_descale)
             if result is not None:
                 return result
     return _decode_checked(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, softmax_scale, causal,
@@ -570,22 +598,28 @@ def _decode_checked(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_tabl
 _plans: dict = {}
 
 
+_NONE_OPTIONAL = (None,) * 5   # _plan_key's k_new, v_new, block_table, k_descale, v_descale: all absent
+
+
 def _plan_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, softmax_scale, causal, window_size,
               softcap, num_splits, k_descale=None, v_descale=None):
     ndarray = _checks.cupy_ndarray()
     if type(q) is not ndarray or type(k_cache) is not ndarray or type(v_cache) is not ndarray \
             or type(cache_seqlens) is not ndarray:
         return None
-    optional = []
     aligned = q.data.ptr | k_cache.data.ptr | v_cache.data.ptr   # as read in place (block_table need not be)
-    for x in (k_new, v_new, block_table, k_descale, v_descale):
-        if x is None:
-            optional.append(None)
-        elif type(x) is not ndarray:
-            return None
-        else:
-            optional.append((x.shape, x.strides, x.dtype, x.data.device_id))
-            aligned |= x.data.ptr if x is k_new or x is v_new else 0
+    if k_new is None and v_new is None and block_table is None and k_descale is None and v_descale is None:
+        optional = _NONE_OPTIONAL
+    else:
+        optional = []
+        for x in (k_new, v_new, block_table, k_descale, v_descale):
+            if x is None:
+                optional.append(None)
+            elif type(x) is not ndarray:
+                return None
+            else:
+                optional.append((x.shape, x.strides, x.dtype, x.data.device_id))
+                aligned |= x.data.ptr if x is k_new or x is v_new else 0
     if window_size is not None:
         if type(window_size) is not tuple:
             return None
