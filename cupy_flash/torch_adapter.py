@@ -533,6 +533,28 @@ def _torch_memory(device):
 # -------------------------------------------------------------------------------------------------
 # Decoding against a K/V cache: FlashAttention-2's flash_attn_with_kvcache.
 
+def get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, *args, **kwargs):
+    """FlashMLA's scheduling call, for code written against FlashMLA: flash_mla_with_kvcache needs no
+    metadata (its plan chooses the splits), so this returns (None, None)."""
+    return None, None
+
+
+def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata=None,
+                           num_splits=None, softmax_scale=None, causal=False):
+    """FlashMLA's ``flash_mla_with_kvcache`` on flash_decode's MLA kernel: q (batch, seqlen_q, heads,
+    576), k_cache the paged latent cache (pages, page_size, 1, 576) with block_table (batch, pages per
+    sequence) int32 and cache_seqlens (batch,) int32, v the first ``head_dim_v`` columns of each row.
+    tile_scheduler_metadata and num_splits (get_mla_metadata's) are taken and not needed. Returns
+    (out, lse) as FlashMLA: out (batch, seqlen_q, heads, head_dim_v) in q's dtype, lse float32
+    (batch, heads, seqlen_q). Inference: no gradient; on PyTorch's current stream."""
+    from .decode import check_latent_v
+
+    head_dim_v = check_latent_v(k_cache, None, None, head_dim_v)
+    return flash_attn_with_kvcache(q, k_cache, k_cache[..., :head_dim_v], cache_seqlens=cache_seqlens,
+                                   block_table=block_table, softmax_scale=softmax_scale, causal=causal,
+                                   return_softmax_lse=True)
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,

@@ -491,6 +491,31 @@ def test_torch_flash_attn_with_kvcache_is_flash_decode():
     assert bool((bitwise(_as_cupy_torch(o)) == bitwise(expected)).all())
 
 
+def test_torch_flash_mla_with_kvcache_is_the_mla_kernel():
+    """torch_adapter.flash_mla_with_kvcache (FlashMLA's signature, get_mla_metadata's placeholders):
+    bitwise flash_decode with v a view of the paged latent cache (the MLA kernel), out and lse in
+    FlashMLA's shapes; a head_dim_v past k's head dim is refused by name."""
+    torch = torch_on_gpu()
+    from cupy_flash.torch_adapter import flash_mla_with_kvcache, get_mla_metadata
+
+    torch.manual_seed(1)
+    dev = "cuda"
+    q = torch.randn(2, 2, 64, 576, device=dev, dtype=torch.bfloat16)
+    k_cache = torch.randn(12, 64, 1, 576, device=dev, dtype=torch.bfloat16)
+    table = torch.tensor([[3, 1, 7, 0, 9, 2], [11, 8, 4, 6, 5, 10]], dtype=torch.int32, device=dev)
+    lengths = torch.tensor([300, 37], dtype=torch.int32, device=dev)
+    metadata, splits = get_mla_metadata(lengths, 2 * 64, 1)
+    ck = _as_cupy_torch(k_cache)
+    expected, expected_lse = cupy_flash.flash_decode(_as_cupy_torch(q), ck, ck[..., :512], cache_seqlens=_as_cupy_torch(lengths),
+                                                     block_table=_as_cupy_torch(table), causal=True, softmax_scale=0.07)
+    o, lse = flash_mla_with_kvcache(q, k_cache, table, lengths, 512, metadata, splits, softmax_scale=0.07, causal=True)
+    assert o.shape == (2, 2, 64, 512) and lse.shape == (2, 64, 2)
+    assert bool((bitwise(_as_cupy_torch(o)) == bitwise(expected)).all())
+    assert bool((_as_cupy_torch(lse) == expected_lse).all())
+    with pytest.raises(ValueError, match="head_dim_v is 600"):
+        flash_mla_with_kvcache(q, k_cache, table, lengths, 600)
+
+
 def _as_cupy_torch(x):
     """A CuPy view of a CUDA tensor (bfloat16 through its bits)."""
     import cupy
