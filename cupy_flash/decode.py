@@ -466,7 +466,8 @@ def flash_decode(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, 
     Returns (o, lse): o like q with v's head_dim; lse float32 (batch, heads_q, seqlen_q).
     """
     if v_cache is None or head_dim_v is not None:
-        v_cache, v_new, v_descale = latent_v(k_cache, v_cache, k_new, v_new, k_descale, v_descale, head_dim_v)
+        v_cache, v_new, v_descale = latent_v(k_cache, v_cache, k_new, v_new, k_descale, v_descale, head_dim_v,
+                                             rotary_cos is not None or rotary_sin is not None)
     # A repeated call on CuPy arrays without ALiBi, a sink or the kvcache options takes its checked
     # plan (_plans) and launches.
     if (stream is None and alibi_slopes is None and sink is None and cache_batch_idx is None and cache_leftpad is None
@@ -486,10 +487,11 @@ def flash_decode(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, 
 flash_decode.__doc__ = flash_decode.__doc__.rstrip() + "\n" + STREAM_DOC
 
 
-def check_latent_v(k_cache, v_cache, v_new, head_dim_v) -> int | None:
+def check_latent_v(k_cache, v_cache, v_new, head_dim_v, rotary: bool = False) -> int | None:
     """head_dim_v of a call whose v_cache is None (MLA's latent cache: v the first head_dim_v
     columns of each k_cache row; None where v_cache is given), checked against k_cache (its shape
-    only) and v_new, which must then be None."""
+    only), v_new, which must then be None, and ``rotary`` (rotary_cos or rotary_sin given), which
+    must then be False."""
     if v_cache is not None:
         if head_dim_v is not None and head_dim_v != getattr(v_cache, "shape", (None,))[-1]:
             raise ValueError(f"head_dim_v is {head_dim_v} but v_cache has head_dim {v_cache.shape[-1]}; pass one or "
@@ -508,13 +510,16 @@ def check_latent_v(k_cache, v_cache, v_new, head_dim_v) -> int | None:
                          f"{min(head_dim, _traits.MAX_HEAD_DIM)} (k_cache's head_dim, at most {_traits.MAX_HEAD_DIM})")
     if v_new is not None:
         raise ValueError("v_new must be None where v_cache is None: v's new rows are k_new's first head_dim_v columns")
+    if rotary:
+        raise ValueError("rotary_cos / rotary_sin are not supported where v_cache is None: the rotation would turn "
+                         "k_new's first columns, which are v's too; rotate the new rows' rope part before the call")
     return int(head_dim_v)
 
 
-def latent_v(k_cache, v_cache, k_new, v_new, k_descale, v_descale, head_dim_v) -> tuple:
+def latent_v(k_cache, v_cache, k_new, v_new, k_descale, v_descale, head_dim_v, rotary: bool) -> tuple:
     """(v_cache, v_new, v_descale) of a call (check_latent_v): with v_cache None, views of k_cache's
     and k_new's first head_dim_v columns, and k_descale where v_descale is None."""
-    head_dim_v = check_latent_v(k_cache, v_cache, v_new, head_dim_v)
+    head_dim_v = check_latent_v(k_cache, v_cache, v_new, head_dim_v, rotary)
     if head_dim_v is None:
         return v_cache, v_new, v_descale
     v_new = None if k_new is None else k_new[..., :head_dim_v]

@@ -425,7 +425,8 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, **o
     from .decode import check_decode, check_latent_v, check_rotary
 
     options = dict(options)
-    head_dim_v = check_latent_v(k_cache, v_cache, v_new, options.pop("head_dim_v", None))
+    head_dim_v = check_latent_v(k_cache, v_cache, v_new, options.pop("head_dim_v", None),
+                                options.get("rotary_cos") is not None or options.get("rotary_sin") is not None)
     arrays = {name: options.pop(name) for name in DECODE_ARRAYS if options.get(name) is not None}
     described = {name: _described(x) for name, x in dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                                                          k_new=k_new, v_new=v_new, **arrays).items() if x is not None}
