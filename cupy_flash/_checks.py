@@ -308,6 +308,12 @@ def known_prefix_sums(device_array, host):
         _known_prefix_sums.pop(key, None)
 
 
+def _known_host(cu):
+    """The host copy known_prefix_sums holds for the device array ``cu`` itself, or None."""
+    known = _known_prefix_sums.get(id(cu))
+    return known[1] if known is not None and known[0] is cu else None
+
+
 _KNOWN_OFFSETS_KEYWORDS = frozenset(("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"))
 
 
@@ -322,10 +328,10 @@ def known_offsets_key(features: dict) -> tuple | None:
     parts = []
     for name in ("cu_seqlens_q", "cu_seqlens_k"):
         cu = features.get(name)
-        known = _known_prefix_sums.get(id(cu))
-        if known is None or known[0] is not cu:
+        host = _known_host(cu)
+        if host is None:
             return None
-        parts += (id(cu), known[1].tobytes())
+        parts += (id(cu), host.tobytes())
     for name in ("max_seqlen_q", "max_seqlen_k"):
         value = features.get(name)
         if value is not None and type(value) is not int:
@@ -341,10 +347,8 @@ def _check_cu_seqlens(name: str, cu, total: int | None, total_name: str):
         raise ValueError(f"{name} must be a 1-D array of batch + 1 >= 2 offsets, got shape {tuple(getattr(cu, 'shape', ()))}")
     if cu.dtype != numpy.int32:
         raise TypeError(f"{name} has dtype {cu.dtype}; expected int32")
-    known = _known_prefix_sums.get(id(cu))
-    if known is not None and known[0] is cu:
-        host = known[1]
-    else:
+    host = _known_host(cu)
+    if host is None:
         import cupy
 
         host = cupy.asnumpy(cu).astype(numpy.int64)

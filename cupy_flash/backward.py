@@ -62,8 +62,9 @@ def flash_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, det
     # flash_forward); a repeated FP8 one with host descales, its FP8 plan (backward_fp8).
     if stream is None and return_dbias is False:
         result = None
-        if not features or _checks.known_offsets_key(features) is not None:
-            plan = _plans.get(_plan_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic, features))
+        key = _plan_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic, features)
+        if key is not None:
+            plan = _plans.get(key)
             result = plan.call(do, q, k, v, o, lse) if plan is not None else None
         elif is_fp8_call(q, features):
             result = backward_fp8.repeated_call(do, q, k, v, o, lse, softmax_scale, causal, deterministic, features)
