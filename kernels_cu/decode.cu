@@ -434,6 +434,21 @@ __device__ __forceinline__ void scale_q_rows_to_f16(fa_bf16* q_tile, float* row_
 
 // S = Q K^T of one key tile: the block's 16 rows against two n8 tiles of keys, from the lane's
 // ldmatrix addresses in Q and in the K tile.
+// An FP8 cache's descales of one (sequence, K/V head): k's and v's at index `at` of (batch, heads_kv).
+__device__ __forceinline__ void cache_descales(const FlashParams& p, long long at, float& k_scale, float& v_scale) {
+    k_scale = p.k_descale[at];
+    v_scale = p.v_descale[at];
+}
+
+// A warp's O accumulators (mma.m16n8 C fragments) set to zero.
+template <int O_TILES>
+__device__ __forceinline__ void zero_accumulators(float (&o_acc)[O_TILES][4]) {
+#pragma unroll
+    for (int j = 0; j < O_TILES; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o_acc[j][e] = 0.f;
+}
+
 template <typename T, int D_TILE>
 __device__ __forceinline__ void tile_scores(float (&s)[2][4], unsigned int q_lane, unsigned int k_lane) {
 #pragma unroll
@@ -749,16 +764,10 @@ flash_decode_kernel(const FlashParams p) {
     const DecodeFp8TileLoader<D_TILE, DV_TILE> load_fp8_tile = {p, k8, v8, my_raw, cache_b, kv_head, key_end, head_dim,
                                                                  head_dim_v, lane};
     float k_scale = 1.f, v_scale = 1.f;
-    if constexpr (FP8_CACHE) {
-        k_scale = p.k_descale[b * heads_kv + kv_head];
-        v_scale = p.v_descale[b * heads_kv + kv_head];
-    }
+    if constexpr (FP8_CACHE) cache_descales(p, b * heads_kv + kv_head, k_scale, v_scale);
 
     float o_acc[O_TILES][4];
-#pragma unroll
-    for (int j = 0; j < O_TILES; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o_acc[j][e] = 0.f;
+    zero_accumulators(o_acc);
     float row_max[2] = {FLASH_NEG_INF, FLASH_NEG_INF}, row_max_scaled[2] = {0.f, 0.f}, row_sum[2] = {0.f, 0.f};
     const float score_log2 = score_to_log2<FEATURES>(p);
     const unsigned int q_lane = smem_addr(q_tile) + a_frag_lane<LD>(lane);
@@ -953,16 +962,10 @@ flash_mla_decode_kernel(const FlashParams p) {
         }
     };
     float k_scale = 1.f, v_scale = 1.f;
-    if constexpr (FP8_CACHE) {
-        k_scale = p.k_descale[b * heads_kv + kv_head];
-        v_scale = p.v_descale[b * heads_kv + kv_head];
-    }
+    if constexpr (FP8_CACHE) cache_descales(p, b * heads_kv + kv_head, k_scale, v_scale);
 
     float o_acc[O_TILES][4];
-#pragma unroll
-    for (int j = 0; j < O_TILES; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o_acc[j][e] = 0.f;
+    zero_accumulators(o_acc);
     float row_max[2] = {FLASH_NEG_INF, FLASH_NEG_INF}, row_max_scaled[2] = {0.f, 0.f}, row_sum[2] = {0.f, 0.f};
     const float score_log2 = score_to_log2<0>(p);
     const unsigned int q_lane = smem_addr(q_tile + 16 * row_tile * LD) + a_frag_lane<LD>(lane);
