@@ -124,6 +124,25 @@ for dtype in (numpy.float16, ml_dtypes.bfloat16, numpy.float32):
     cupy_flash.merge_attention_states([o_wide, o_wide, o_wide], [lse_wide, lse_wide, lse_wide])
     cupy.cuda.Device().synchronize()
     print("wide decode and merge ok", flush=True)
+    # MLA (v the view of each latent row's first 512 columns): 128 heads x 2 causal tokens in pages
+    # of 16 (a key tile crosses pages) with an append over 3 splits; 80 heads (a part-empty row
+    # block) on a contiguous cache unsplit; on sm_90 the Hopper kernel, then the mma.sync one.
+    from cupy_flash import families
+
+    for setting in ("auto", "portable"):
+        with families.use_kernels(setting):
+            pages = cupy.asarray(rng.standard_normal((20, 16, 1, 576), dtype=numpy.float32).astype(dtype))
+            table = cupy.asarray(rng.permutation(20)[:18].reshape(2, 9).astype(numpy.int32))
+            q = cupy.asarray(rng.standard_normal((2, 2, 128, 576), dtype=numpy.float32).astype(dtype))
+            new = cupy.asarray(rng.standard_normal((2, 2, 1, 576), dtype=numpy.float32).astype(dtype))
+            cupy_flash.flash_decode(q, pages, pages[..., :512], cache_seqlens=cupy.asarray([100, 3], dtype=cupy.int32),
+                                    block_table=table, k_new=new, v_new=new[..., :512], num_splits=3, causal=True)
+            latent = cupy.asarray(rng.standard_normal((2, 200, 1, 576), dtype=numpy.float32).astype(dtype))
+            q = cupy.asarray(rng.standard_normal((2, 1, 80, 576), dtype=numpy.float32).astype(dtype))
+            cupy_flash.flash_decode(q, latent, latent[..., :512], cache_seqlens=cupy.asarray([200, 70], dtype=cupy.int32),
+                                    num_splits=1)
+            cupy.cuda.Device().synchronize()
+    print("mla decode ok", flush=True)
     # Calls back to back without a sync: on sm_90 each call's kernels are launched early
     # (_launch.py), so a decode kernel may be resident, prefetching its keys (contiguous or paged),
     # while the previous call's combine runs.

@@ -50,7 +50,8 @@ def _kernel_dir() -> Path:
 # The kernel families, one kernels_cu/<family>.cu each; a file names the headers it needs with
 # #include "x.cuh" (each header with #pragma once), so each compiles on its own with NVRTC's
 # in-memory headers or an include path.
-FAMILIES = ("forward", "backward", "preprocess", "forward_tc", "backward_tc", "decode", "forward_sm90", "backward_sm90")
+FAMILIES = ("forward", "backward", "preprocess", "forward_tc", "backward_tc", "decode", "forward_sm90", "backward_sm90",
+            "decode_sm90")
 # The header written from Python (its one definition), which common.cuh includes: the feature bits,
 # the configuration values and FlashParams (python -m cupy_flash source --interface prints it).
 INTERFACE_HEADER = "flash_interface.cuh"

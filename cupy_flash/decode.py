@@ -15,7 +15,7 @@ from ._features import DECODE_FEATURES, check_variant
 from ._params import PointerRecord, as_argument, make_params
 from ._streams import STREAM_DOC, on_stream, record_kernel_arrays
 from .families import decode as family
-from .families import device_info
+from .families import device_info, kernels_setting
 
 # A split covers at least this many keys: below it the partials' write and combine cost more than
 # the parallelism gains. num_splits= takes up to MAX_SPLITS; the automatic choice stops at
@@ -632,7 +632,9 @@ def _plan_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, sof
     return (q.shape, q.strides, q.dtype, q.data.device_id, k_cache.shape, k_cache.strides, k_cache.dtype,
             k_cache.data.device_id, v_cache.shape, v_cache.strides, v_cache.dtype, v_cache.data.device_id,
             cache_seqlens.shape, cache_seqlens.strides, cache_seqlens.dtype, cache_seqlens.data.device_id,
-            *optional, aligned & 15, v_cache.data.ptr == k_cache.data.ptr,   # v a view of k: the MLA kernel
+            *optional, aligned & 15,
+            # v a view of k: an MLA kernel, the Hopper one unless the kernels setting says "portable"
+            kernels_setting() if v_cache.data.ptr == k_cache.data.ptr else None,
             type(softmax_scale), softmax_scale, type(causal), causal, window_size, type(softcap), softcap,
             type(num_splits), num_splits)
 

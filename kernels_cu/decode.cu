@@ -28,46 +28,9 @@
 // one T stage just before its products; S takes k's descale, and O v's at the end.
 
 #include "common.cuh"
+#include "decode_common.cuh"
 #include "fp8_values.cuh"
 #include "tensor_core.cuh"
-
-// Row (in elements) of key `key` of batch entry b, K/V head kv_head in a cache with these strides:
-// paged ({page, row, head} strides, the page from block_table) or contiguous ({batch, row, head}).
-__device__ __forceinline__ long long cache_offset(const FlashParams& p, const long long* strides, long long b, int key,
-                                                  long long kv_head) {
-    if (p.block_table != nullptr) {
-        const long long page = p.block_table[b * p.block_table_stride + (key >> p.page_shift)];
-        return page * strides[0] + (long long)(key & ((1 << p.page_shift) - 1)) * strides[1] + kv_head * strides[2];
-    }
-    return b * strides[0] + (long long)key * strides[1] + kv_head * strides[2];
-}
-
-// Keys in sequence b's cache once the new rows are in (never past the cache's capacity: the append
-// drops rows that do not fit, and the caller is told to leave room). Without cache_seqlens (the
-// split-KV path of flash_forward) every sequence has p.seqlen_k keys.
-// A negative length (never valid; it cannot be checked on the host without a sync) reads as 0.
-// Read through L2 (ld.cg): the prefetch reads it before the kernel ahead has finished, and a line
-// it left in L1 must not serve the read after the wait.
-__device__ __forceinline__ int decode_seqlen_k(const FlashParams& p, long long b) {
-    if (p.cache_seqlens == nullptr) return (int)p.seqlen_k;
-    return (int)max(0LL, min((long long)__ldcg(p.cache_seqlens + b) + p.seqlen_new, p.cache_capacity));
-}
-
-// FEATURE_CACHE_INDEX (FlashAttention-2's cache_batch_idx, cache_leftpad): sequence b's cache is
-// row cache_batch_idx[b] of the cache (b without it), and its keys start at row cache_leftpad[b]
-// (0 without it): keys before it are not seen, and positions (the masks' diagonal, ALiBi) stay
-// the cache's rows, as FlashAttention-2 counts them. An index outside the cache's p.cache_batch
-// rows reads as -1: the sequence sees no key and its new rows are not written.
-template <bool CACHE_INDEX>
-__device__ __forceinline__ long long cache_row_of(const FlashParams& p, long long b) {
-    if (!CACHE_INDEX || p.cache_batch_idx == nullptr) return b;
-    const long long row = p.cache_batch_idx[b];
-    return row >= 0 && row < p.cache_batch ? row : -1;
-}
-template <bool CACHE_INDEX>
-__device__ __forceinline__ int cache_first_key(const FlashParams& p, long long b) {
-    return CACHE_INDEX && p.cache_leftpad != nullptr ? max(0, p.cache_leftpad[b]) : 0;
-}
 
 // One warp per (batch, new token, K/V head): 16-byte copies of its K and V rows into the cache
 // (CACHE_INDEX: at the sequence's cache row, cache_row_of).
@@ -231,35 +194,6 @@ __device__ __forceinline__ void load_q_rows(const FlashParams& p, T* q_tile, lon
         const T* src = static_cast<const T*>(p.q) +
                        (valid ? tensor_offset(p.q_strides, b, row / group, kv_head * group + row % group) + c : 0);
         cp_async_16(smem_addr(q_tile + r * LD + c), src, valid);
-    }
-}
-
-// Keys [key_begin, key_end) a decode block may see: its split's range, cut to the band of its first
-// and last tokens (and to sequence b's first key: FEATURE_CACHE_INDEX).
-template <bool IS_CAUSAL, int FEATURES>
-__device__ __forceinline__ void block_key_range(const FlashParams& p, const Band& band, int seqlen_k, int split, int row0,
-                                                int row_count, long long group, long long b, int& key_begin, int& key_end) {
-    const int token_first = (int)(row0 / group), token_last = (int)((row0 + row_count - 1) / group);
-    key_begin = (int)min((long long)split * p.keys_per_split, (long long)seqlen_k);
-    key_end = (int)min((long long)(split + 1) * p.keys_per_split, (long long)seqlen_k);
-    if (IS_CAUSAL)
-        key_end = (int)max((long long)key_begin, min((long long)key_end, (long long)token_last + band.right + 1));
-    if (FEATURES & FEATURE_WINDOW)
-        key_begin = (int)min((long long)key_end, max((long long)key_begin, (long long)token_first + band.left));
-    if (FEATURES & FEATURE_CACHE_INDEX) key_begin = min(key_end, max(key_begin, cache_first_key<true>(p, b)));
-}
-
-// Rows g and g + 8 of this thread: token and head (and the ALiBi slope of that head).
-template <int FEATURES>
-__device__ __forceinline__ void thread_rows(const FlashParams& p, long long b, long long kv_head, long long group, int row0,
-                                            int g, int rows_per_kv_head, int (&row_token)[2], long long (&row_head)[2],
-                                            float (&row_slope)[2]) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = min(row0 + g + 8 * r, rows_per_kv_head - 1);   // padding rows repeat the last
-        row_token[r] = (int)(row / group);
-        row_head[r] = kv_head * group + row % group;
-        row_slope[r] = (FEATURES & FEATURE_ALIBI) ? p.alibi_slopes[b * p.alibi_batch_stride + row_head[r]] : 0.f;
     }
 }
 

@@ -116,7 +116,7 @@ def test_speed_warnings_cover_serialised_wgmma():
         assert bool(report.speed_warnings) == caught, code
 
 
-HOPPER_FAMILIES = ("forward_sm90", "backward_sm90")
+HOPPER_FAMILIES = ("forward_sm90", "backward_sm90", "decode_sm90")
 
 
 def hopper_kernels(reports):
@@ -138,7 +138,8 @@ def test_hopper_launchers_match_their_kernels(reports):
     from cupy_flash._params import PARAMS_DTYPE
 
     launches = {"forward_sm90": (sm90.forward_sm90_threads, (forward._SM90_MAPS_BYTES, PARAMS_DTYPE.itemsize, 8)),
-                "backward_sm90": (sm90.backward_sm90_threads, (backward._SM90_MAPS_BYTES, PARAMS_DTYPE.itemsize, 8))}
+                "backward_sm90": (sm90.backward_sm90_threads, (backward._SM90_MAPS_BYTES, PARAMS_DTYPE.itemsize, 8)),
+                "decode_sm90": (lambda config: _traits.MLA_SM90_THREADS, (PARAMS_DTYPE.itemsize,))}
     checked = 0
     for spec, kernel in hopper_kernels(reports):
         threads, record = launches[spec.family]

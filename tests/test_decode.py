@@ -513,10 +513,12 @@ def test_fp8_cache_descales_per_sequence(layout):
             assert bool((stored[at] == expect).all()), f"{name} of sequence {b} ({layout})"
 
 
-# MLA's own kernel (v a view of k, 64 rows a block sharing each key tile): 128 heads in one or two
-# row blocks, a last block part empty (48 and 80 rows), pages of 16 (a 32-key tile crosses pages),
-# head dims off the tile (520 / 136), splits, appends, causal speculative rows.
-# An e4m3 latent cache (saturating descales, per sequence or per head) in both dtypes.
+# MLA's own kernels (v a view of k, 64 rows a block sharing each key tile): on compute capability
+# 9.0 the Hopper kernel for 16-bit caches (decode_sm90.cu), the mma.sync one for e4m3 caches and
+# under the "portable" setting. 128 heads in one or two row blocks, a last block part empty (48 and
+# 80 rows), pages of 16 (a tile crosses pages), head dims off the tile (520 / 136), splits, appends,
+# causal speculative rows. An e4m3 latent cache (saturating descales, per sequence or per head) in
+# both dtypes.
 MLA_CASES = [
     # dtype, heads, seqlen_q, new, page_size, num_splits, causal, head_dim, head_dim_v, fp8
     ("bfloat16", 128, 1, 1, 64, None, False, 576, 512, None),
@@ -531,11 +533,10 @@ MLA_CASES = [
 ]
 
 
-@requires_gpu
-@pytest.mark.parametrize("dtype, heads, seqlen_q, new, page_size, num_splits, causal, head_dim, head_dim_v, fp8", MLA_CASES)
-def test_mla_kernel_matches_reference(dtype, heads, seqlen_q, new, page_size, num_splits, causal, head_dim, head_dim_v, fp8,
-                                      monkeypatch):
-    from cupy_flash import decode
+def check_mla_call(p, path: str, monkeypatch):
+    """One MLA call (p as make_decode_inputs takes it, v_in_k) under the kernels setting ``path``:
+    the kernel dispatch says, v_cache=None giving the same bits, and the error rule."""
+    from cupy_flash import decode, families
     from cupy_flash.families import decode as family
 
     launched = []   # the names of the kernels each new plan launches
@@ -547,33 +548,80 @@ def test_mla_kernel_matches_reference(dtype, heads, seqlen_q, new, page_size, nu
 
     real_launches = family.decode_launches
     monkeypatch.setattr(family, "decode_launches", recording)
-
-    capacity = 704
-    p = dict(dtype=dtype, batch=3, heads_kv=1, heads=heads, seqlen_q=seqlen_q, new=new, capacity=capacity,
-             page_size=page_size, lengths=[capacity - new, 0, 77], head_dim=head_dim, head_dim_v=head_dim_v, v_in_k=True,
-             causal=causal, features={}, num_splits=num_splits, logit_std=3.0, seed=heads + seqlen_q, kvcache={}, fp8=fp8)
     q, k_cache, v_cache, cache, _ = make_decode_inputs(p)
     k_before, v_before = k_cache.copy(), v_cache.copy()
     decode._plans.clear()
-    with poisoned_allocations():
-        o, lse = cupy_flash.flash_decode(q, k_cache, v_cache, num_splits=num_splits, causal=causal, **cache)
-    assert any(name.startswith("flash_mla_decode_kernel") for name in launched), launched
-    # v_cache=None with head_dim_v (what JAX passes) is the same call, bit for bit, cache included.
-    k_after = k_cache.copy()
-    copy_bits(k_cache, k_before)
-    latent = dict(cache, v_new=None)
-    with poisoned_allocations():
-        o_latent, lse_latent = cupy_flash.flash_decode(q, k_cache, None, head_dim_v=head_dim_v, num_splits=num_splits,
-                                                       causal=causal, **latent)
+    num_splits, causal = p["num_splits"], p["causal"]
+    with families.use_kernels(path):
+        with poisoned_allocations():
+            o, lse = cupy_flash.flash_decode(q, k_cache, v_cache, num_splits=num_splits, causal=causal, **cache)
+        hopper = path != "portable" and not p["fp8"] and families.current_device().compute_capability == 90
+        kernel = "flash_mla_decode_sm90_kernel<" if hopper else "flash_mla_decode_kernel<"
+        assert any(name.startswith(kernel) for name in launched), (kernel, launched)
+        # v_cache=None with head_dim_v (what JAX passes) is the same call, bit for bit, cache included.
+        k_after = k_cache.copy()
+        copy_bits(k_cache, k_before)
+        latent = dict(cache, v_new=None)
+        with poisoned_allocations():
+            o_latent, lse_latent = cupy_flash.flash_decode(q, k_cache, None, head_dim_v=p["head_dim_v"],
+                                                           num_splits=num_splits, causal=causal, **latent)
     for ours, theirs in ((o_latent, o), (lse_latent, lse), (k_cache, k_after)):
         assert bool((bitwise(ours) == bitwise(theirs)).all()), "v_cache=None differs from the view"
     exact = decode_reference(q, k_before, v_before, causal=causal, **cache)
     low = decode_reference(q, k_before, v_before, causal=causal, upcast=False, **cache)
-    context = (f"{dtype} heads={heads} seqlen_q={seqlen_q} new={new} page={page_size} splits={num_splits} "
-               f"d={head_dim}/{head_dim_v} fp8={fp8}")
+    context = f"{path} {p}"
     magnitude = max_finite_abs(exact[1])
     check_error_rule("mla o", o, exact[0], low[0], context, magnitude)
     check_error_rule("mla lse", lse, exact[1], low[1], context, magnitude)
+
+
+@requires_gpu
+@pytest.mark.parametrize("path", ["auto", "portable"])
+@pytest.mark.parametrize("dtype, heads, seqlen_q, new, page_size, num_splits, causal, head_dim, head_dim_v, fp8", MLA_CASES)
+def test_mla_kernel_matches_reference(dtype, heads, seqlen_q, new, page_size, num_splits, causal, head_dim, head_dim_v, fp8,
+                                      path, monkeypatch):
+    capacity = 704
+    p = dict(dtype=dtype, batch=3, heads_kv=1, heads=heads, seqlen_q=seqlen_q, new=new, capacity=capacity,
+             page_size=page_size, lengths=[capacity - new, 0, 77], head_dim=head_dim, head_dim_v=head_dim_v, v_in_k=True,
+             causal=causal, features={}, num_splits=num_splits, logit_std=3.0, seed=heads + seqlen_q, kvcache={}, fp8=fp8)
+    check_mla_call(p, path, monkeypatch)
+
+
+@st.composite
+def mla_problems(draw):
+    """MLA calls the MLA kernels take: one latent K/V head (q / k head dims 520-576, v's any multiple
+    of 8 to 512, a view of k's first columns), 33-128 query rows a token, one or two tokens, lengths
+    off every tile (0, 1, a page's edge), pages of 16-256, the splits drawn, extreme logits."""
+    seqlen_q = draw(st.integers(1, 2))
+    heads = draw(st.one_of(st.just(128), st.integers(33 if seqlen_q == 1 else 17, 128)))
+    new = draw(st.integers(0, seqlen_q))
+    page_size = draw(st.sampled_from([None, 16, 32, 64, 128, 256]))
+    capacity = draw(st.one_of(st.integers(new + 1, 200), st.integers(200, 1500)))
+    if page_size:
+        capacity = -(-capacity // page_size) * page_size
+    batch = draw(st.integers(1, 3))
+    lengths = draw(st.lists(st.one_of(st.integers(0, capacity - new), st.sampled_from([0, 1, capacity - new])),
+                            min_size=batch, max_size=batch))
+    head_dim = draw(st.one_of(st.just(576), st.integers(65, 72).map(lambda n: 8 * n)))
+    head_dim_v = draw(st.one_of(st.just(512), st.integers(1, 64).map(lambda n: 8 * n)))
+    fp8 = None
+    if draw(st.integers(0, 3)) == 0:
+        head_dim, head_dim_v = (-(-d // 16) * 16 for d in (head_dim, head_dim_v))
+        fp8 = dict(fit=draw(st.sampled_from([0.5, 1.0, 3.0])), per_batch=draw(st.booleans()))
+    return dict(dtype=draw(st.sampled_from(["float16", "bfloat16"])), batch=batch, heads_kv=1, heads=heads,
+                seqlen_q=seqlen_q, new=new, capacity=capacity, page_size=page_size, lengths=lengths, head_dim=head_dim,
+                head_dim_v=head_dim_v, v_in_k=True, causal=draw(st.booleans()), features={},
+                num_splits=draw(st.one_of(st.none(), st.integers(1, 9), st.just(64))),
+                logit_std=draw(st.sampled_from([0.3, 1.0, 3.0, 30.0])), seed=draw(st.integers(0, 2**32 - 1)),
+                kvcache={}, fp8=fp8)
+
+
+@requires_gpu
+@given(mla_problems(), st.sampled_from(["auto", "portable"]))
+def test_mla_matches_reference(p, path):
+    count_example("mla_matches_reference")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        check_mla_call(p, path, monkeypatch)
 
 
 @requires_gpu

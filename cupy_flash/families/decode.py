@@ -1,14 +1,15 @@
 """The decode family (kernels_cu/decode.cu, float16 / bfloat16, sm_80+): few query rows over many
 keys, split over the keys (flash_decode, and flash_forward's split path). Each head-dim tile's
 module holds the decode kernel; a dtype's row module holds the append of new K/V rows into the
-cache and the combine of split partials (also merge_attention_states', every dtype)."""
+cache and the combine of split partials (also merge_attention_states', every dtype). MLA's latent
+cache has a Hopper kernel of its own (kernels_cu/decode_sm90.cu, sm_90a) on the same grid."""
 
 from __future__ import annotations
 
 from .. import _features, _traits
 from .._compile import CTYPES, TENSOR_CORE_DTYPES, ModuleSpec, get_kernel
 from .._launch import Launch
-from ._base import check_smem, spec_with, template
+from ._base import check_smem, kernels_setting, spec_with, template
 from .rows import row_kernel_grid
 
 
@@ -44,6 +45,23 @@ def takes_mla(tile: int, features: int) -> bool:
 def mla_kernel(spec: ModuleSpec, causal: bool) -> str:
     return template("flash_mla_decode_kernel", spec.ctype, spec.tile, causal,
                     bool(spec.features & _features.FEATURE_FP8_CACHE))
+
+
+MLA_SM90_TARGET = "sm90a"
+
+
+def mla_sm90_module_spec(dtype: str) -> ModuleSpec:
+    """The Hopper MLA kernels (decode_sm90.cu) of a 16-bit dtype, causal and not."""
+    spec = ModuleSpec("decode_sm90", dtype, _traits.MLA_SM90_D_TILE, MLA_SM90_TARGET)
+    return spec_with(spec, [template("flash_mla_decode_sm90_kernel", spec.ctype, causal) for causal in (False, True)])
+
+
+def uses_mla_sm90(device, shape, variant, setting: str | None = None) -> bool:
+    """Whether an MLA call (uses_mla_kernel) runs the Hopper kernel: compute capability 9.0, a 16-bit
+    cache of MLA's tile, the kernels setting not "portable"."""
+    setting = kernels_setting() if setting is None else setting
+    return (setting != "portable" and device.compute_capability == 90 and not variant.fp8_cache
+            and shape.tile == _traits.MLA_SM90_D_TILE and _traits.MLA_SM90_SMEM_BYTES <= device.smem_per_block)
 
 
 def uses_mla_kernel(device, shape, variant, v_in_k: bool) -> bool:
@@ -111,7 +129,10 @@ def decode_launches(device, shape, variant, grid: int, num_splits: int, new_rows
         launches.append(Launch(name, get_kernel(rows_spec, name), append_grid, _traits.ROW_KERNEL_THREADS,
                                early=append_grid <= sms))
     spec = module_spec(shape.dtype, shape.tile, variant.flags)
-    if mla:
+    if mla and uses_mla_sm90(device, shape, variant):
+        spec = mla_sm90_module_spec(shape.dtype)
+        smem, threads, name = _traits.MLA_SM90_SMEM_BYTES, _traits.MLA_SM90_THREADS, spec.kernels[variant.causal]
+    elif mla:
         smem, threads, name = _traits.mla_decode_smem_bytes(shape.tile, variant.fp8_cache), _traits.MLA_DECODE_THREADS, \
             mla_kernel(spec, variant.causal)
     else:
@@ -129,9 +150,10 @@ def decode_launches(device, shape, variant, grid: int, num_splits: int, new_rows
 def module_specs(dtype: str, features) -> list:
     """The row module of ``dtype``, and for the tensor-core dtypes each tile's decode kernels (with
     a feature set, also FEATURE_CACHE_INDEX: flash_decode's alone, outside the shared sets), each
-    also reading an FP8 cache (FEATURE_FP8_CACHE)."""
+    also reading an FP8 cache (FEATURE_FP8_CACHE), and the Hopper MLA kernels."""
     specs = [module_spec(dtype)]
     if dtype in TENSOR_CORE_DTYPES:
+        specs.append(mla_sm90_module_spec(dtype))
         specs += [module_spec(dtype, tile, flags | (_features.FEATURE_CACHE_INDEX if flags else 0) | fp8)
                   for tile in _traits.HEAD_DIM_TILES + _traits.DECODE_ONLY_TILES for flags in features
                   for fp8 in (0, _features.FEATURE_FP8_CACHE)]
