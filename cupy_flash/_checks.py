@@ -491,6 +491,55 @@ def same_device(**arrays) -> int:
     return first
 
 
+def _address_and_strides(x) -> tuple[int, tuple] | None:
+    """An array's address and byte strides (CuPy's, NumPy's, or a __cuda_array_interface__'s), or
+    None where they are unknown (JAX)."""
+    if hasattr(getattr(x, "data", None), "ptr"):
+        return x.data.ptr, tuple(x.strides)
+    if hasattr(x, "__array_interface__"):
+        return x.__array_interface__["data"][0], tuple(x.strides)
+    interface = getattr(x, "__cuda_array_interface__", None)
+    if interface is None:
+        return None
+    strides = interface.get("strides")
+    if strides is None:   # C-contiguous
+        strides, step = [], x.dtype.itemsize
+        for n in reversed(tuple(x.shape)):
+            strides.insert(0, step)
+            step *= int(n)
+    return interface["data"][0], tuple(strides)
+
+
+def may_share_memory(a, b) -> bool:
+    """Whether two arrays may have elements in common: their spans of bytes overlap, except that two
+    views of one nested layout (the same outer strides, a last axis of unit stride) whose rows start
+    closer than the smallest outer stride share memory only where their rows' bytes meet (a fused
+    buffer's k = kv[..., :d] and v = kv[..., d:] do not; MLA's v = k[..., :512] does). False where
+    an address is unknown or an array is empty."""
+    found = [_address_and_strides(x) for x in (a, b)]
+    if any(f is None for f in found) or any(int(n) == 0 for x in (a, b) for n in x.shape):
+        return False
+    (address_a, strides_a), (address_b, strides_b) = found
+    spans = []
+    for x, address, strides in ((a, address_a, strides_a), (b, address_b, strides_b)):
+        shape = tuple(int(n) for n in x.shape)
+        spans.append((address + sum(min(0, (n - 1) * s) for n, s in zip(shape, strides)),
+                      address + sum(max(0, (n - 1) * s) for n, s in zip(shape, strides)) + x.dtype.itemsize))
+    if not (spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]):
+        return False
+    if (a.ndim == b.ndim and a.ndim > 1 and strides_a[:-1] == strides_b[:-1] and tuple(a.shape[:-1]) == tuple(b.shape[:-1])
+            and strides_a[-1] == a.dtype.itemsize and strides_b[-1] == b.dtype.itemsize):
+        # Outer axes nested (each stride past the span of the smaller ones), so rows at different
+        # outer indices lie at least the smallest stride apart, and the two rows together fit in it.
+        outer = sorted((s, int(n)) for s, n in zip(strides_a[:-1], a.shape[:-1]) if int(n) > 1)
+        offset = address_b - address_a
+        row_a, row_b = int(a.shape[-1]) * a.dtype.itemsize, int(b.shape[-1]) * b.dtype.itemsize
+        nested = all(later[0] >= s * n for (s, n), later in zip(outer, outer[1:]))
+        if not outer or (nested and outer[0][0] > 0 and max(row_a, offset + row_b) - min(0, offset) <= outer[0][0]):
+            return offset < row_a and -offset < row_b
+    return True
+
+
 def readable_in_place(x) -> bool:
     """Whether the kernels can read (or write) ``x`` as it is: last axis contiguous and every row
     starting on a 16-byte boundary, since the kernels move 16-byte vectors."""

@@ -455,7 +455,7 @@ def flash_decode(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, 
     or a window, else all of q at cache_seqlens[b] (FlashAttention-2's placement);
     ``rotary_interleaved`` pairs columns (2i, 2i + 1) (GPT-J), else (i, i + rotary_dim / 2)
     (GPT-NeoX). Rotated in float32 and rounded to the dtype once, by a row kernel ahead of the
-    decode kernel.
+    decode kernel. Not with new rows where v_cache shares memory with k_cache (a view of it).
     An FP8 cache: k_cache and v_cache uint8 arrays of e4m3 bits (CuPy; PyTorch's and JAX's
     float8_e4m3fn too) with ``k_descale`` and ``v_descale``, float32 (batch, heads_kv) or (heads_kv,),
     read on the device only: sequence b's key row holds values decode(bits) x k_descale[b, head]
@@ -545,6 +545,10 @@ def _decode_checked(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_tabl
     shape, page_shift = check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_batch_idx,
                                      cache_leftpad, k_descale, v_descale)
     rotary_interleaved = check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, shape)
+    if rotary_cos is not None and k_new is not None and _checks.may_share_memory(k_cache, v_cache):
+        raise ValueError("rotary_cos / rotary_sin are not supported where v_cache shares memory with k_cache (MLA's "
+                         "latent cache, v a view of k): the rotation would turn k_new's columns that are v's too; "
+                         "rotate the new rows' rope part before the call")
     scale = _checks.check_softmax_scale(softmax_scale, shape.head_dim)
     causal = _checks.check_flag("causal", causal)
     num_splits = check_num_splits(num_splits)

@@ -121,6 +121,27 @@ def test_decode_bad_arguments(label, change, error, message):
         cupy_flash.flash_decode(arrays.pop("q"), arrays.pop("k_cache"), arrays.pop("v_cache"), **arrays)
 
 
+def test_decode_rotary_refused_where_v_shares_k_memory():
+    """Rotary with new rows where v_cache is a view of k_cache (MLA's latent cache): the rotated k row
+    and the unrotated v row would be written into the same memory, so the call is refused by name
+    before any launch; without new rows the views are not refused by this check."""
+    arrays = decode_arrays()
+    k_cache = arrays["k_cache"]
+    rotary = dict(rotary_cos=numpy.zeros((32, 4), numpy.float16), rotary_sin=numpy.zeros((32, 4), numpy.float16))
+    with pytest.raises(ValueError, match="rotary_cos / rotary_sin are not supported where v_cache shares memory"):
+        cupy_flash.flash_decode(arrays["q"], k_cache, k_cache[..., :8], cache_seqlens=arrays["cache_seqlens"],
+                                k_new=arrays["k_new"], v_new=arrays["k_new"][..., :8], **rotary)
+    with pytest.raises(Exception) as caught:   # (past the checks, the CPU stand-ins fail elsewhere)
+        cupy_flash.flash_decode(arrays["q"], k_cache, k_cache[..., :8], cache_seqlens=arrays["cache_seqlens"], **rotary)
+    assert "shares memory" not in str(caught.value)
+    from cupy_flash._checks import may_share_memory
+
+    fused = numpy.zeros((2, 32, 2, 32), numpy.float16)   # k and v side by side in one buffer
+    assert not may_share_memory(fused[..., :16], fused[..., 16:]) and may_share_memory(fused[..., :16], fused[..., 8:24])
+    assert may_share_memory(k_cache, k_cache[..., 8:]) and not may_share_memory(k_cache, arrays["v_cache"])
+    assert not may_share_memory(k_cache[:1], k_cache[1:]) and may_share_memory(k_cache, k_cache[:, ::2])
+
+
 def test_choose_splits(monkeypatch):
     """The automatic split count on a 132-SM GPU: while the work fits on the SMs, as many splits as
     keep one block per SM; past that, about one wave of the blocks an SM holds (three at head_dim
