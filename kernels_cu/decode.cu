@@ -836,14 +836,9 @@ flash_mla_decode_kernel(const FlashParams p) {
     // __syncthreads').
     const int mine = row_tile * V_HALVES + v_half, partner = row_tile * V_HALVES + (1 - v_half);
     const auto pair_sync = [&]() { asm volatile("bar.sync %0, %1;" :: "r"(1 + row_tile), "r"(64) : "memory"); };
-    const long long group = p.group, heads_kv = p.heads / p.group;
-    const int rows_per_kv_head = (int)(group * p.seqlen_q);
-    const int row_blocks = (rows_per_kv_head + ROWS - 1) / ROWS;
-    const int split = (int)(blockIdx.x % p.num_splits);
-    const long long rest = blockIdx.x / p.num_splits;
-    const int row0 = (int)(rest % row_blocks) * ROWS;
-    const long long b = rest / row_blocks / heads_kv, kv_head = rest / row_blocks % heads_kv;
-    const int row_count = min(ROWS, rows_per_kv_head - row0);
+    const MlaBlock block = mla_block<ROWS>(p);
+    const long long group = block.group, heads_kv = block.heads_kv, b = block.b, kv_head = block.kv_head;
+    const int rows_per_kv_head = block.rows_per_kv_head, split = block.split, row0 = block.row0, row_count = block.row_count;
     const int head_dim = (int)p.head_dim, head_dim_v = (int)p.head_dim_v;
     // Launched early (_launch.py): nothing is read before the kernel ahead has finished.
     wait_for_predecessor();
@@ -1000,7 +995,6 @@ flash_mla_decode_kernel(const FlashParams p) {
 
     // Each warp's rows g and g + 8: the row's total over its quad, lse and 1 / total, and the warp's
     // O columns stored (float32 partials with several splits, else T); the first v half writes lse.
-    const bool split_output = p.num_splits > 1;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {   // each warp's part of the row sums, over its quad
         row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
@@ -1014,25 +1008,13 @@ flash_mla_decode_kernel(const FlashParams p) {
         const float2 lse_inv = finish_row<0>(p, row_head[r], row_max[r], row_max_scaled[r], total);
         if (16 * row_tile + g + 8 * r >= row_count) continue;
         const long long token = row_token[r], head = row_head[r];
-        if (v_half == 0 && t == 0) {
-            if (split_output)
-                p.lse_partial[(((long long)split * p.batch + b) * p.heads + head) * p.seqlen_q + token] = lse_inv.x;
-            else
-                p.lse[b * p.lse_batch_stride + head * p.lse_head_stride + token] = lse_inv.x;
-        }
+        if (v_half == 0 && t == 0) store_row_lse(p, split, b, head, token, lse_inv.x);
 #pragma unroll
         for (int j = 0; j < O_TILES; ++j) {
             const int c = v_half * DV_TILE + 8 * j + 2 * t;
             if (c >= head_dim_v) continue;
-            const float x = o_acc[j][2 * r] * lse_inv.y, y = o_acc[j][2 * r + 1] * lse_inv.y;
-            if (split_output) {
-                float* dst = static_cast<float*>(p.o_partial) +
-                             ((((long long)split * p.batch + b) * p.seqlen_q + token) * p.heads + head) * head_dim_v + c;
-                *reinterpret_cast<float2*>(dst) = make_float2(x, y);
-            } else {
-                T* dst = static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, token, head) + c;
-                *reinterpret_cast<unsigned int*>(dst) = Mma<T>::pack(x, y);
-            }
+            store_row_pair<T>(p, split, b, token, head, head_dim_v, c, o_acc[j][2 * r] * lse_inv.y,
+                              o_acc[j][2 * r + 1] * lse_inv.y);
         }
     }
 }

@@ -3,6 +3,7 @@
 
 #pragma once
 #include "common.cuh"
+#include "tensor_core.cuh"
 
 // Row (in elements) of key `key` of batch entry b, K/V head kv_head in a cache with these strides:
 // paged ({page, row, head} strides, the page from block_table) or contiguous ({batch, row, head}).
@@ -68,5 +69,51 @@ __device__ __forceinline__ void thread_rows(const FlashParams& p, long long b, l
         row_token[r] = (int)(row / group);
         row_head[r] = kv_head * group + row % group;
         row_slope[r] = (FEATURES & FEATURE_ALIBI) ? p.alibi_slopes[b * p.alibi_batch_stride + row_head[r]] : 0.f;
+    }
+}
+
+// An MLA block's place in the grid (flash_mla_decode_kernel's and flash_mla_decode_sm90_kernel's,
+// ROWS rows a block): blockIdx.x = split + num_splits * (row block + row_blocks * (kv_head +
+// heads_kv * b)); its first row and how many of its rows are real.
+struct MlaBlock {
+    long long group, heads_kv, b, kv_head;
+    int rows_per_kv_head, split, row0, row_count;
+};
+template <int ROWS>
+__device__ __forceinline__ MlaBlock mla_block(const FlashParams& p) {
+    MlaBlock block;
+    block.group = p.group;
+    block.heads_kv = p.heads / p.group;
+    block.rows_per_kv_head = (int)(block.group * p.seqlen_q);
+    const int row_blocks = (block.rows_per_kv_head + ROWS - 1) / ROWS;
+    block.split = (int)(blockIdx.x % p.num_splits);
+    const long long rest = blockIdx.x / p.num_splits;
+    block.row0 = (int)(rest % row_blocks) * ROWS;
+    block.b = rest / row_blocks / block.heads_kv;
+    block.kv_head = rest / row_blocks % block.heads_kv;
+    block.row_count = min(ROWS, block.rows_per_kv_head - block.row0);
+    return block;
+}
+
+// A decode row's outputs (token, head of sequence b): its lse, and O's columns c, c + 1 (x, y
+// already normalised), into the split's float32 partials where the keys are split, else the
+// final lse and o.
+__device__ __forceinline__ void store_row_lse(const FlashParams& p, int split, long long b, long long head, long long token,
+                                              float lse) {
+    if (p.num_splits > 1)
+        p.lse_partial[(((long long)split * p.batch + b) * p.heads + head) * p.seqlen_q + token] = lse;
+    else
+        p.lse[b * p.lse_batch_stride + head * p.lse_head_stride + token] = lse;
+}
+template <typename T>
+__device__ __forceinline__ void store_row_pair(const FlashParams& p, int split, long long b, long long token, long long head,
+                                               int head_dim_v, int c, float x, float y) {
+    if (p.num_splits > 1) {
+        float* dst = static_cast<float*>(p.o_partial) +
+                     ((((long long)split * p.batch + b) * p.seqlen_q + token) * p.heads + head) * head_dim_v + c;
+        *reinterpret_cast<float2*>(dst) = make_float2(x, y);
+    } else {
+        T* dst = static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, token, head) + c;
+        *reinterpret_cast<unsigned int*>(dst) = Mma<T>::pack(x, y);
     }
 }

@@ -70,14 +70,9 @@ __global__ void __launch_bounds__(MLA_SM90_THREADS, 1) flash_mla_decode_sm90_ker
 
     const int lane = threadIdx.x & 31, group_id = threadIdx.x / 128, warp = (threadIdx.x / 32) & 3;
     const int g = lane >> 2, t = lane & 3;
-    const long long group = p.group, heads_kv = p.heads / p.group;
-    const int rows_per_kv_head = (int)(group * p.seqlen_q);
-    const int row_blocks = (rows_per_kv_head + ROWS - 1) / ROWS;
-    const int split = (int)(blockIdx.x % p.num_splits);
-    const long long rest = blockIdx.x / p.num_splits;
-    const int row0 = (int)(rest % row_blocks) * ROWS;
-    const long long b = rest / row_blocks / heads_kv, kv_head = rest / row_blocks % heads_kv;
-    const int row_count = min(ROWS, rows_per_kv_head - row0);
+    const MlaBlock block = mla_block<ROWS>(p);
+    const long long group = block.group, heads_kv = block.heads_kv, b = block.b, kv_head = block.kv_head;
+    const int rows_per_kv_head = block.rows_per_kv_head, split = block.split, row0 = block.row0, row_count = block.row_count;
     const int head_dim = (int)p.head_dim, head_dim_v = (int)p.head_dim_v;
     // Launched early (_launch.py): nothing is read before the kernel ahead has finished.
     wait_for_predecessor();
@@ -218,15 +213,7 @@ __global__ void __launch_bounds__(MLA_SM90_THREADS, 1) flash_mla_decode_sm90_ker
         fence_async_shared();   // the writes, before the products read them
         named_barrier_sync(SCORES_BARRIER, MLA_SM90_THREADS);   // both halves of P are written
 
-        if (moved) {
-#pragma unroll
-            for (int i = 0; i < GROUP_COLUMNS / 8; ++i) {
-                o[4 * i + 0] *= rescale.x;
-                o[4 * i + 1] *= rescale.x;
-                o[4 * i + 2] *= rescale.y;
-                o[4 * i + 3] *= rescale.y;
-            }
-        }
+        if (moved) rescale_rows(o, rescale);
         // O_w += P V_w: A is P (rows x keys, K-major), B this warpgroup's v columns of the tile
         // (keys x columns, N-major: 64-column chunks CHUNK_BYTES apart, a k16 step two 8-key atoms).
         const unsigned long long p_desc = k_major_descriptor(p_tile);
@@ -254,32 +241,19 @@ __global__ void __launch_bounds__(MLA_SM90_THREADS, 1) flash_mla_decode_sm90_ker
         if (t == 0) smem.row_sum[group_id][local_row + 8 * half] = row_sum[half];
     }
     named_barrier_sync(SCORES_BARRIER, MLA_SM90_THREADS);
-    const bool split_output = p.num_splits > 1;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const float total = row_sum[half] + smem.row_sum[1 - group_id][local_row + 8 * half];
         const float2 lse_inv = finish_row<0>(p, row_head[half], row_max[half], row_max_scaled[half], total);
         if (local_row + 8 * half >= row_count) continue;
         const long long token = row_token[half], head = row_head[half];
-        if (group_id == 0 && t == 0) {
-            if (split_output)
-                p.lse_partial[(((long long)split * p.batch + b) * p.heads + head) * p.seqlen_q + token] = lse_inv.x;
-            else
-                p.lse[b * p.lse_batch_stride + head * p.lse_head_stride + token] = lse_inv.x;
-        }
+        if (group_id == 0 && t == 0) store_row_lse(p, split, b, head, token, lse_inv.x);
 #pragma unroll
         for (int i = 0; i < GROUP_COLUMNS / 8; ++i) {
             const int c = GROUP_COLUMNS * group_id + 8 * i + 2 * t;
             if (c >= head_dim_v) continue;
-            const float x = o[4 * i + 2 * half] * lse_inv.y, y = o[4 * i + 2 * half + 1] * lse_inv.y;
-            if (split_output) {
-                float* dst = static_cast<float*>(p.o_partial) +
-                             ((((long long)split * p.batch + b) * p.seqlen_q + token) * p.heads + head) * head_dim_v + c;
-                *reinterpret_cast<float2*>(dst) = make_float2(x, y);
-            } else {
-                T* dst = static_cast<T*>(p.o) + tensor_offset(p.o_strides, b, token, head) + c;
-                *reinterpret_cast<unsigned int*>(dst) = Mma<T>::pack(x, y);
-            }
+            store_row_pair<T>(p, split, b, token, head, head_dim_v, c, o[4 * i + 2 * half] * lse_inv.y,
+                              o[4 * i + 2 * half + 1] * lse_inv.y);
         }
     }
 }

@@ -336,17 +336,6 @@ struct RowSoftmax {
     }
 };
 
-template <int N>
-__device__ __forceinline__ void rescale_rows(float (&o)[N], float2 rescale) {
-#pragma unroll
-    for (int i = 0; i < N / 4; ++i) {
-        o[4 * i + 0] *= rescale.x;
-        o[4 * i + 1] *= rescale.x;
-        o[4 * i + 2] *= rescale.y;
-        o[4 * i + 3] *= rescale.y;
-    }
-}
-
 // The descales of an FP8 tile (1 otherwise): q_descale x k_descale, which joins the score scale,
 // and v_descale, which joins O's final scale.
 struct Descales {

@@ -37,6 +37,19 @@ __device__ __forceinline__ void hold_registers(float (&r)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
 }
 
+// An accumulator's rows scaled: the thread's first row (16w + g) by rescale.x, its second by
+// rescale.y (the online softmax's O when a row's maximum moves).
+template <int N>
+__device__ __forceinline__ void rescale_rows(float (&o)[N], float2 rescale) {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+        o[4 * i + 0] *= rescale.x;
+        o[4 * i + 1] *= rescale.x;
+        o[4 * i + 2] *= rescale.y;
+        o[4 * i + 3] *= rescale.y;
+    }
+}
+
 // ---- 128-byte-swizzled tiles -----------------------------------------------------------------
 // A tile of 16-bit elements with head_dim (or any 64-element-wide dimension) contiguous is kept
 // as CHUNKS blocks of [rows][64 elements]: each row is 128 bytes, and inside every 1024-byte atom
