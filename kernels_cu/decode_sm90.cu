@@ -29,40 +29,46 @@
 #include "sm90_wgmma_ops.cuh"
 #include "sm90_tma.cuh"
 
-namespace mla_sm90 {
-constexpr int ROWS = 64;                               // (token, query head) rows of a block: one wgmma M
-constexpr int KEYS = MLA_SM90_KEYS;                    // keys of a tile
-constexpr int D_TILE = MLA_SM90_D_TILE;                // k's columns (q's)
-constexpr int DV_TILE = FLASH_MAX_HEAD_DIM_V;          // v's columns (o's)
-constexpr int CHUNKS = D_TILE / SWIZZLE_ROW_ELEMENTS;  // 64-column chunks of a row
-constexpr int GROUP_KEYS = KEYS / 2;                   // keys a warpgroup scores
-constexpr int GROUP_COLUMNS = DV_TILE / 2;             // v columns a warpgroup accumulates
-constexpr int CHUNK_BYTES = ROWS * 128;                // one [64 rows][64 columns] 16-bit chunk
-constexpr int SCORES_BARRIER = 1;                      // named barrier of both warpgroups (0 is __syncthreads')
-static_assert(MLA_SM90_THREADS == 256 && KEYS == ROWS, "two warpgroups; Q and key chunks of the same shape");
-static_assert(16 * MLA_DECODE_ROW_TILES == ROWS, "flash_mla_decode_kernel's grid (decode.py counts its blocks)");
-static_assert(D_TILE % SWIZZLE_ROW_ELEMENTS == 0 && GROUP_COLUMNS % SWIZZLE_ROW_ELEMENTS == 0, "whole chunks");
+// The kernel's shape. (Members of a struct, as Sm90Element's: constants in a named namespace
+// reach the PTX under names hashed from the source text, so the file alone and the package's
+// expanded source would compile to different PTX.)
+struct MlaSm90Shape {
+    static constexpr int ROWS = 64;                               // (token, query head) rows of a block: one wgmma M
+    static constexpr int KEYS = MLA_SM90_KEYS;                    // keys of a tile
+    static constexpr int D_TILE = MLA_SM90_D_TILE;                // k's columns (q's)
+    static constexpr int DV_TILE = FLASH_MAX_HEAD_DIM_V;          // v's columns (o's)
+    static constexpr int CHUNKS = D_TILE / SWIZZLE_ROW_ELEMENTS;  // 64-column chunks of a row
+    static constexpr int GROUP_KEYS = KEYS / 2;                   // keys a warpgroup scores
+    static constexpr int GROUP_COLUMNS = DV_TILE / 2;             // v columns a warpgroup accumulates
+    static constexpr int CHUNK_BYTES = ROWS * 128;                // one [64 rows][64 columns] 16-bit chunk
+    static constexpr int SCORES_BARRIER = 1;                      // named barrier of both warpgroups (0 is __syncthreads')
+    static_assert(MLA_SM90_THREADS == 256 && KEYS == ROWS, "two warpgroups; Q and key chunks of the same shape");
+    static_assert(16 * MLA_DECODE_ROW_TILES == ROWS, "flash_mla_decode_kernel's grid (decode.py counts its blocks)");
+    static_assert(D_TILE % SWIZZLE_ROW_ELEMENTS == 0 && GROUP_COLUMNS % SWIZZLE_ROW_ELEMENTS == 0, "whole chunks");
 
-template <typename T>
-struct Storage {
-    alignas(SWIZZLE_ATOM_BYTES) T q[CHUNKS][ROWS][SWIZZLE_ROW_ELEMENTS];
-    alignas(SWIZZLE_ATOM_BYTES) T k[2][CHUNKS][KEYS][SWIZZLE_ROW_ELEMENTS];   // two stages
-    alignas(SWIZZLE_ATOM_BYTES) T p[ROWS][KEYS];                               // P of the tile, swizzled
-    float tile_max[2][ROWS];   // each warpgroup's rows' maxima over its keys of the tile
-    float row_sum[2][ROWS];    // at the end: each warpgroup's row sums
+    template <typename T>
+    struct Storage {
+        alignas(SWIZZLE_ATOM_BYTES) T q[CHUNKS][ROWS][SWIZZLE_ROW_ELEMENTS];
+        alignas(SWIZZLE_ATOM_BYTES) T k[2][CHUNKS][KEYS][SWIZZLE_ROW_ELEMENTS];   // two stages
+        alignas(SWIZZLE_ATOM_BYTES) T p[ROWS][KEYS];                               // P of the tile, swizzled
+        float tile_max[2][ROWS];   // each warpgroup's rows' maxima over its keys of the tile
+        float row_sum[2][ROWS];    // at the end: each warpgroup's row sums
+    };
 };
-}   // namespace mla_sm90
 
 // 16-byte chunk `c` (of CHUNKS x 8) of row r of a swizzled [CHUNKS][64 rows][64] tile, as a shared
 // address.
 __device__ __forceinline__ unsigned int mla_chunk_address(unsigned int tile, int r, int c) {
-    return tile + (unsigned int)(c >> 3) * mla_sm90::CHUNK_BYTES + swizzled_offset(r, (c & 7) * 8);
+    return tile + (unsigned int)(c >> 3) * MlaSm90Shape::CHUNK_BYTES + swizzled_offset(r, (c & 7) * 8);
 }
 
 template <typename T, bool IS_CAUSAL>
 __global__ void __launch_bounds__(MLA_SM90_THREADS, 1) flash_mla_decode_sm90_kernel(const FlashParams p) {
-    using namespace mla_sm90;
-    using Tile = Storage<T>;
+    using Shape = MlaSm90Shape;
+    constexpr int ROWS = Shape::ROWS, KEYS = Shape::KEYS, D_TILE = Shape::D_TILE, CHUNKS = Shape::CHUNKS;
+    constexpr int GROUP_KEYS = Shape::GROUP_KEYS, GROUP_COLUMNS = Shape::GROUP_COLUMNS, CHUNK_BYTES = Shape::CHUNK_BYTES;
+    constexpr int SCORES_BARRIER = Shape::SCORES_BARRIER;
+    using Tile = Shape::Storage<T>;
     static_assert(sizeof(Tile) + SWIZZLE_ATOM_BYTES == MLA_SM90_SMEM_BYTES, "_traits.MLA_SM90_SMEM_BYTES");
     require_dynamic_smem(MLA_SM90_SMEM_BYTES);
     extern __shared__ unsigned char smem_raw[];
