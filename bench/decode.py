@@ -15,9 +15,10 @@ to exceed the L2 cache (so no call reads a cache its predecessor left in L2).
 With --mla, DeepSeek's MLA decoding instead: 128 query heads over one latent K/V head of 576
 columns in pages of 64 (shuffled), v the view of each row's first 512 (as FlashMLA reads it), one
 new token (two, causal, from batch 64: speculative decoding, the compute-bound shapes), from a
-bf16 and from an e4m3 cache, and with v a separate bf16 array (the general decode kernel, where
-the MLA kernel does not apply); GB/s counts the latent cache's bytes once, TFLOP/s FlashAttention's
-count (2 x rows x keys x (576 + 512)).
+bf16 and from an e4m3 cache, with v a separate bf16 array (the general decode kernel, where the
+MLA kernels do not apply), and the bf16 call under CUPY_FLASH_KERNELS=portable (the mma.sync MLA
+kernel, where the Hopper one runs it otherwise); GB/s counts the latent cache's bytes once,
+TFLOP/s FlashAttention's count (2 x rows x keys x (576 + 512)).
 
 A small decode call reads a few MB in microseconds, far less than one call's Python time, so calls
 launched one by one measure the host. Both sides are therefore timed as a generation loop runs
@@ -198,6 +199,8 @@ def mla_shape(batch, length, seqlen_q, copies):
     """A row of MLA decoding (--mla): GB/s and TFLOP/s from a bf16 and from an e4m3 latent cache."""
     import numpy
 
+    from cupy_flash import families
+
     q = random_bf16((batch, seqlen_q, MLA_HEADS, MLA_D), 0)
     pages_per = -(-length // MLA_PAGE)
     order = numpy.random.default_rng(0).permutation(batch * pages_per).astype(numpy.int32)
@@ -215,6 +218,12 @@ def mla_shape(batch, length, seqlen_q, copies):
                                                                 v_descale=descale, **options), fp8),
         # v a separate array: flash_decode_kernel (the MLA kernel reads v from k's tiles)
         "separate_v": cupy_graph(lambda c: cupy_flash.flash_decode(q, c[0], c[1], **options), separate)}
+
+    def portable(k):   # the mma.sync MLA kernel (the setting is part of the plan's key)
+        with families.use_kernels("portable"):
+            return cupy_flash.flash_decode(q, k, k[..., :MLA_D_V], **options)
+
+    replays["mla_portable"] = cupy_graph(portable, caches)
     times = interleaved_ms(replays)
     flops = 2 * batch * seqlen_q * MLA_HEADS * length * (MLA_D + MLA_D_V)
     row = dict(batch=batch, cache_len=length, seqlen_q=seqlen_q, heads=MLA_HEADS)
@@ -225,6 +234,7 @@ def mla_shape(batch, length, seqlen_q, copies):
         row[f"{name}_tflops"] = flops / ms / 1e9
     row["fp8_speedup"] = times["mla"] / times["mla_fp8"]
     row["over_separate_v"] = times["separate_v"] / times["mla"]
+    row["over_portable"] = times["mla_portable"] / times["mla"]
     return row
 
 
@@ -234,7 +244,7 @@ def mla_table(batches, lengths, out):
     print(f"copy rate {copy:.0f} GB/s (read + write); MLA: {MLA_HEADS} heads, d {MLA_D} / v {MLA_D_V}, pages of {MLA_PAGE}",
           flush=True)
     print(f"{'batch':>5} {'cache':>7} {'s_q':>3} {'bf16 us':>8} {'GB/s':>6} {'of copy':>7} {'TFLOP/s':>7} "
-          f"{'fp8 us':>7} {'GB/s':>6} {'TFLOP/s':>7} {'fp8 x':>5} {'sep. v us':>9} {'x sep.':>6}")
+          f"{'fp8 us':>7} {'GB/s':>6} {'TFLOP/s':>7} {'fp8 x':>5} {'sep. v us':>9} {'x sep.':>6} {'mma us':>8} {'x mma':>5}")
     for batch in batches:
         for length in lengths:
             seqlen_q = 2 if batch >= 64 else 1
@@ -246,7 +256,8 @@ def mla_table(batches, lengths, out):
             result["rows"].append(row)
             print(f"{batch:5d} {length:7d} {seqlen_q:3d} {row['mla_us']:8.1f} {row['mla_gbs']:6.0f} {row['mla_of_copy']:7.2f} "
                   f"{row['mla_tflops']:7.1f} {row['mla_fp8_us']:7.1f} {row['mla_fp8_gbs']:6.0f} {row['mla_fp8_tflops']:7.1f} "
-                  f"{row['fp8_speedup']:5.2f} {row['separate_v_us']:9.1f} {row['over_separate_v']:6.2f}", flush=True)
+                  f"{row['fp8_speedup']:5.2f} {row['separate_v_us']:9.1f} {row['over_separate_v']:6.2f} "
+                  f"{row['mla_portable_us']:8.1f} {row['over_portable']:5.2f}", flush=True)
             cupy.get_default_memory_pool().free_all_blocks()
     write_result(result, out, "decode-mla.json")
 
