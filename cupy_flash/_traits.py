@@ -103,14 +103,11 @@ MLA_DECODE_KEYS = 32
 MLA_DECODE_STAGES = 2
 # Its Hopper kernel (decode_sm90.cu, 16-bit caches on compute capability 9.0): the same 64-row
 # blocks as two warpgroups over tiles of MLA_SM90_KEYS keys of MLA_SM90_D_TILE columns (q and k;
-# v's are MAX_HEAD_DIM). Shared memory: Q, two stages of key tiles and the 64 x 64 P tile (16-bit),
-# the two warpgroups' row maxima and sums (float32), and the 1024 bytes that align the storage
-# (the kernel's static_assert checks the sum against its storage struct).
+# v's are MAX_HEAD_DIM). Its shared memory comes from its storage struct (families/decode.py reads
+# mla_decode_sm90_smem_bytes from the module).
 MLA_SM90_KEYS = 64
 MLA_SM90_THREADS = 256
 MLA_SM90_D_TILE = 576
-MLA_SM90_SMEM_BYTES = (2 * (MLA_DECODE_ROWS * MLA_SM90_D_TILE + 2 * MLA_SM90_KEYS * MLA_SM90_D_TILE
-                            + MLA_DECODE_ROWS * MLA_SM90_KEYS) + 4 * 2 * 2 * MLA_DECODE_ROWS + 1024)
 # The combine kernel: one block per row, each warp loading COMBINE_BATCH splits at a time, at most
 # COMBINE_MAX_WARPS warps.
 COMBINE_BATCH = 4
@@ -185,7 +182,6 @@ def cuda_defines() -> str:
                   MLA_DECODE_ROW_TILES=MLA_DECODE_ROW_TILES, MLA_DECODE_V_HALVES=MLA_DECODE_V_HALVES,
                   MLA_DECODE_KEYS=MLA_DECODE_KEYS, MLA_DECODE_STAGES=MLA_DECODE_STAGES,
                   MLA_SM90_KEYS=MLA_SM90_KEYS, MLA_SM90_THREADS=MLA_SM90_THREADS, MLA_SM90_D_TILE=MLA_SM90_D_TILE,
-                  MLA_SM90_SMEM_BYTES=MLA_SM90_SMEM_BYTES,
                   COMBINE_BATCH=COMBINE_BATCH, COMBINE_MAX_WARPS=COMBINE_MAX_WARPS,
                   FP8_TRANSPOSE_THREADS=FP8_TRANSPOSE_THREADS, FP8_TRANSPOSE_KEYS=FP8_TRANSPOSE_KEYS,
                   FP8_KEY_GROUP=FP8_KEY_GROUP, FP8_AMAX_ROWS=FP8_AMAX_ROWS)

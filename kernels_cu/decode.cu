@@ -855,11 +855,9 @@ flash_mla_decode_kernel(const FlashParams p) {
     }
     cp_async_commit();
 
-    const int seqlen_k = decode_seqlen_k(p, b);
-    Sequence seq = {(int)p.seqlen_q, seqlen_k, 0, 0};
-    const Band band = band_of(p, seq);
-    int key_begin, key_end;
-    block_key_range<IS_CAUSAL, 0>(p, band, seqlen_k, split, row0, row_count, group, b, key_begin, key_end);
+    const MlaKeys keys = mla_keys<IS_CAUSAL>(p, block);
+    const Band band = keys.band;
+    const int key_begin = keys.key_begin, key_end = keys.key_end;
     int row_token[2];
     long long row_head[2];
     float row_slope[2];

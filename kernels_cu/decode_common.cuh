@@ -95,6 +95,23 @@ __device__ __forceinline__ MlaBlock mla_block(const FlashParams& p) {
     return block;
 }
 
+// The keys an MLA block sees: its split's, cut to its rows' causal band (block_key_range), and the
+// band itself (for the mask). After wait_for_predecessor: the append ahead writes cache_seqlens.
+struct MlaKeys {
+    Band band;
+    int key_begin, key_end;
+};
+template <bool IS_CAUSAL>
+__device__ __forceinline__ MlaKeys mla_keys(const FlashParams& p, const MlaBlock& block) {
+    const int seqlen_k = decode_seqlen_k(p, block.b);
+    Sequence seq = {(int)p.seqlen_q, seqlen_k, 0, 0};
+    MlaKeys keys;
+    keys.band = band_of(p, seq);
+    block_key_range<IS_CAUSAL, 0>(p, keys.band, seqlen_k, block.split, block.row0, block.row_count, block.group, block.b,
+                                  keys.key_begin, keys.key_end);
+    return keys;
+}
+
 // A decode row's outputs (token, head of sequence b): its lse, and O's columns c, c + 1 (x, y
 // already normalised), into the split's float32 partials where the keys are split, else the
 // final lse and o.

@@ -56,6 +56,11 @@ struct MlaSm90Shape {
     };
 };
 
+// Dynamic shared memory a launch must give (read by the launcher from the compiled module, so the
+// size is stated once, as forward_sm90_smem_bytes): the storage and room to align it.
+template <typename T>
+__device__ const unsigned int mla_decode_sm90_smem_bytes = sizeof(MlaSm90Shape::Storage<T>) + SWIZZLE_ATOM_BYTES;
+
 // 16-byte chunk `c` (of CHUNKS x 8) of row r of a swizzled [CHUNKS][64 rows][64] tile, as a shared
 // address.
 __device__ __forceinline__ unsigned int mla_chunk_address(unsigned int tile, int r, int c) {
@@ -69,8 +74,8 @@ __global__ void __launch_bounds__(MLA_SM90_THREADS, 1) flash_mla_decode_sm90_ker
     constexpr int GROUP_KEYS = Shape::GROUP_KEYS, GROUP_COLUMNS = Shape::GROUP_COLUMNS, CHUNK_BYTES = Shape::CHUNK_BYTES;
     constexpr int SCORES_BARRIER = Shape::SCORES_BARRIER;
     using Tile = Shape::Storage<T>;
-    static_assert(sizeof(Tile) + SWIZZLE_ATOM_BYTES == MLA_SM90_SMEM_BYTES, "_traits.MLA_SM90_SMEM_BYTES");
-    require_dynamic_smem(MLA_SM90_SMEM_BYTES);
+    static_assert(sizeof(Tile) + SWIZZLE_ATOM_BYTES <= SM90_BLOCK_SMEM_BYTES, "shared memory of one sm_90 block");
+    require_dynamic_smem(sizeof(Tile) + SWIZZLE_ATOM_BYTES);
     extern __shared__ unsigned char smem_raw[];
     Tile& smem = aligned_shared_storage<Tile>(smem_raw);
 
@@ -101,11 +106,9 @@ __global__ void __launch_bounds__(MLA_SM90_THREADS, 1) flash_mla_decode_sm90_ker
         }
     }
 
-    const int seqlen_k = decode_seqlen_k(p, b);
-    Sequence seq = {(int)p.seqlen_q, seqlen_k, 0, 0};
-    const Band band = band_of(p, seq);
-    int key_begin, key_end;
-    block_key_range<IS_CAUSAL, 0>(p, band, seqlen_k, split, row0, row_count, group, b, key_begin, key_end);
+    const MlaKeys keys = mla_keys<IS_CAUSAL>(p, block);
+    const Band band = keys.band;
+    const int key_begin = keys.key_begin, key_end = keys.key_end;
     int row_token[2];
     long long row_head[2];
     float row_slope[2];

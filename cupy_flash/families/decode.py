@@ -7,7 +7,7 @@ cache has a Hopper kernel of its own (kernels_cu/decode_sm90.cu, sm_90a) on the 
 from __future__ import annotations
 
 from .. import _features, _traits
-from .._compile import CTYPES, TENSOR_CORE_DTYPES, ModuleSpec, get_kernel
+from .._compile import CTYPES, TENSOR_CORE_DTYPES, ModuleSpec, device_value, get_kernel
 from .._launch import Launch
 from ._base import check_smem, kernels_setting, spec_with, template
 from .rows import row_kernel_grid
@@ -51,17 +51,20 @@ MLA_SM90_TARGET = "sm90a"
 
 
 def mla_sm90_module_spec(dtype: str) -> ModuleSpec:
-    """The Hopper MLA kernels (decode_sm90.cu) of a 16-bit dtype, causal and not."""
+    """The Hopper MLA kernels (decode_sm90.cu) of a 16-bit dtype, causal and not, and the device
+    variable holding their dynamic shared memory (sizeof their storage, stated in CUDA only)."""
     spec = ModuleSpec("decode_sm90", dtype, _traits.MLA_SM90_D_TILE, MLA_SM90_TARGET)
-    return spec_with(spec, [template("flash_mla_decode_sm90_kernel", spec.ctype, causal) for causal in (False, True)])
+    return spec_with(spec, [template("flash_mla_decode_sm90_kernel", spec.ctype, causal) for causal in (False, True)],
+                     [template("&mla_decode_sm90_smem_bytes", spec.ctype)])
 
 
 def uses_mla_sm90(device, shape, variant, setting: str | None = None) -> bool:
-    """Whether an MLA call (uses_mla_kernel) runs the Hopper kernel: compute capability 9.0, a 16-bit
-    cache of MLA's tile, the kernels setting not "portable"."""
+    """Whether an MLA call (uses_mla_kernel) runs the Hopper kernel: compute capability 9.0 (whose
+    blocks take its shared memory: the kernel's static_assert), a 16-bit cache of MLA's tile, the
+    kernels setting not "portable"."""
     setting = kernels_setting() if setting is None else setting
     return (setting != "portable" and device.compute_capability == 90 and not variant.fp8_cache
-            and shape.tile == _traits.MLA_SM90_D_TILE and _traits.MLA_SM90_SMEM_BYTES <= device.smem_per_block)
+            and shape.tile == _traits.MLA_SM90_D_TILE)
 
 
 def uses_mla_kernel(device, shape, variant, v_in_k: bool) -> bool:
@@ -131,7 +134,7 @@ def decode_launches(device, shape, variant, grid: int, num_splits: int, new_rows
     spec = module_spec(shape.dtype, shape.tile, variant.flags)
     if mla and uses_mla_sm90(device, shape, variant):
         spec = mla_sm90_module_spec(shape.dtype)
-        smem, threads, name = _traits.MLA_SM90_SMEM_BYTES, _traits.MLA_SM90_THREADS, spec.kernels[variant.causal]
+        smem, threads, name = device_value(spec, spec.variables[0]), _traits.MLA_SM90_THREADS, spec.kernels[variant.causal]
     elif mla:
         smem, threads, name = _traits.mla_decode_smem_bytes(shape.tile, variant.fp8_cache), _traits.MLA_DECODE_THREADS, \
             mla_kernel(spec, variant.causal)
