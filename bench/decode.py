@@ -195,11 +195,10 @@ def split_sweep(batch, length, heads_kv, splits, copies=4):
 MLA_HEADS, MLA_D, MLA_D_V, MLA_PAGE = 128, 576, 512, 64
 
 
-def mla_shape(batch, length, seqlen_q, copies):
-    """A row of MLA decoding (--mla): GB/s and TFLOP/s from a bf16 and from an e4m3 latent cache."""
+def mla_inputs(batch, length, seqlen_q, copies):
+    """(q, ``copies`` bf16 latent caches in shuffled pages, flash_decode's cache options) of an MLA
+    shape: every sequence ``length`` keys, causal with two tokens."""
     import numpy
-
-    from cupy_flash import families
 
     q = random_bf16((batch, seqlen_q, MLA_HEADS, MLA_D), 0)
     pages_per = -(-length // MLA_PAGE)
@@ -207,10 +206,17 @@ def mla_shape(batch, length, seqlen_q, copies):
     table = cupy.asarray(order.reshape(batch, pages_per))
     lengths = cupy.full((batch,), length, dtype=cupy.int32)
     caches = [random_bf16((batch * pages_per, MLA_PAGE, 1, MLA_D), i + 1) for i in range(copies)]
+    return q, caches, dict(cache_seqlens=lengths, block_table=table, causal=seqlen_q > 1)
+
+
+def mla_shape(batch, length, seqlen_q, copies):
+    """A row of MLA decoding (--mla): GB/s and TFLOP/s from a bf16 and from an e4m3 latent cache."""
+    from cupy_flash import families
+
+    q, caches, options = mla_inputs(batch, length, seqlen_q, copies)
     rng = cupy.random.default_rng(7)
     fp8 = [rng.integers(0, 0x7e, k.shape, dtype=cupy.int32).astype(cupy.uint8) for k in caches]
     descale = cupy.full((batch, 1), 0.01, dtype=cupy.float32)
-    options = dict(cache_seqlens=lengths, block_table=table, causal=seqlen_q > 1)
     separate = [(k, cupy.ascontiguousarray(k[..., :MLA_D_V])) for k in caches[:max(1, copies // 2)]]
     replays = {
         "mla": cupy_graph(lambda k: cupy_flash.flash_decode(q, k, k[..., :MLA_D_V], **options), caches),

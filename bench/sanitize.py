@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy
 
 import cupy_flash
+from cupy_flash import families
 
 rng = numpy.random.default_rng(0)
 for dtype in (numpy.float16, ml_dtypes.bfloat16, numpy.float32):
@@ -127,8 +128,6 @@ for dtype in (numpy.float16, ml_dtypes.bfloat16, numpy.float32):
     # MLA (v the view of each latent row's first 512 columns): 128 heads x 2 causal tokens in pages
     # of 16 (a key tile crosses pages) with an append over 3 splits; 80 heads (a part-empty row
     # block) on a contiguous cache unsplit; on sm_90 the Hopper kernel, then the mma.sync one.
-    from cupy_flash import families
-
     for setting in ("auto", "portable"):
         with families.use_kernels(setting):
             pages = cupy.asarray(rng.standard_normal((20, 16, 1, 576), dtype=numpy.float32).astype(dtype))

@@ -4,26 +4,13 @@ sweep of B at batch 1. Usage: PYTHONPATH=. python docs/wip/mla_ab.py BASE_DIR [O
 import json
 import sys
 
-import cupy
-import numpy
-
 import cupy_flash
-from bench.decode import MLA_D, MLA_D_V, MLA_HEADS, MLA_PAGE, cupy_graph, interleaved_ms, random_bf16
+from bench.decode import MLA_D, MLA_D_V, MLA_HEADS, cupy_graph, interleaved_ms, mla_inputs
 from bench.variants import load_baseline
 
 base = load_baseline(sys.argv[1])
 out = sys.argv[2] if len(sys.argv) > 2 else None
 print("A:", base.__file__, "B:", cupy_flash.__file__, flush=True)
-
-
-def inputs(batch, length, seqlen_q, copies):
-    q = random_bf16((batch, seqlen_q, MLA_HEADS, MLA_D), 0)
-    pages_per = -(-length // MLA_PAGE)
-    order = numpy.random.default_rng(0).permutation(batch * pages_per).astype(numpy.int32)
-    table = cupy.asarray(order.reshape(batch, pages_per))
-    lengths = cupy.full((batch,), length, dtype=cupy.int32)
-    caches = [random_bf16((batch * pages_per, MLA_PAGE, 1, MLA_D), i + 1) for i in range(copies)]
-    return q, caches, dict(cache_seqlens=lengths, block_table=table, causal=seqlen_q > 1)
 
 
 rows = []
@@ -34,7 +21,7 @@ if quick:
 print(f"{'batch':>5} {'cache':>6} {'s_q':>3} {'A us':>8} {'B us':>8} {'B/A':>5} {'A TF':>6} {'B TF':>6}", flush=True)
 for batch, length, seqlen_q in shapes:
     copies = max(1, min(8, -(-(256 * 2**20) // (batch * length * MLA_D * 2))))
-    q, caches, options = inputs(batch, length, seqlen_q, copies)
+    q, caches, options = mla_inputs(batch, length, seqlen_q, copies)
     replays = {"A": cupy_graph(lambda k: base.flash_decode(q, k, k[..., :MLA_D_V], **options), caches),
                "B": cupy_graph(lambda k: cupy_flash.flash_decode(q, k, k[..., :MLA_D_V], **options), caches)}
     times = interleaved_ms(replays)
@@ -51,7 +38,7 @@ if quick:
 print("split sweep (B), us", flush=True)
 splits = [None, 4, 8, 16, 32, 64]
 for batch, length in ((1, 4096), (1, 16384), (1, 65536), (4, 16384)):
-    q, caches, options = inputs(batch, length, 1, 4)
+    q, caches, options = mla_inputs(batch, length, 1, 4)
     replays = {n: cupy_graph(lambda k, n=n: cupy_flash.flash_decode(q, k, k[..., :MLA_D_V], num_splits=n, **options), caches)
                for n in splits}
     times = interleaved_ms(replays)
