@@ -1,16 +1,16 @@
 """Small Hopper forward calls (kernels_cu/forward_sm90.cu) for compute-sanitizer's memcheck, racecheck
 and synccheck: every head-dim tile, both dtypes, causal and not, a persistent grid whose blocks take
 several tiles (more tiles than SMs), tiles that see no key, GQA, a window, softcap, a sink and a
-packed batch with an empty sequence; the FP8 forward's; then the Hopper backward's. Exits with an
-error on a machine without a compute capability 9.0 GPU.
+packed batch with an empty sequence; the FP8 forward's; then the Hopper backward's; the MLA decode
+kernel's. Exits with an error on a machine without a compute capability 9.0 GPU.
 
-    compute-sanitizer --tool racecheck python bench/sanitize_sm90.py [forward | backward | fp8 | head_dim_v | wide]
+    compute-sanitizer --tool racecheck python bench/sanitize_sm90.py [forward | backward | fp8 | head_dim_v | wide | mla]
 
 With `forward`, only the 16-bit forward's calls; with `backward`, only the backward's calls (the
 forward's still run to give them O and lse); with `fp8`, only the FP8 calls' (the forward's, and
 the backward's: the dequantisation, then the bf16 backward); with `head_dim_v`, only calls whose v
 has a head_dim of its own (forward and backward); with `wide`, only the forward's 512 tile (v
-blocks).
+blocks); with `mla`, only MLA decoding (decode_sm90.cu: TMA tiles and the zero-filled last one).
 """
 
 # ruff: noqa: E402 - the imports follow the help guard, which must run first
@@ -162,6 +162,24 @@ if part in ("all", "wide"):
         cu_q, cu_k = (cupy.asarray(numpy.cumsum([0] + n), dtype=cupy.int32) for n in (lens_q, lens_k))
         q, k = array((sum(lens_q), 4, 512), dtype), array((sum(lens_k), 2, 512), dtype)
         cupy_flash.flash_forward(q, k, k, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+if part in ("all", "mla"):
+    # MLA decoding (v the view of each latent row's first 576 - 64 columns): contiguous and paged
+    # (pages of 16 and 128: boxes of a page's keys, and of a tile's), unsplit and split, 128 heads x 2
+    # causal tokens and 80 heads x 1 (a part-empty row block); lengths that give whole tiles (TMA),
+    # a last tile by cp.async past three tiles, a split of one partial tile, and an empty sequence.
+    for dtype in (numpy.float16, ml_dtypes.bfloat16):
+        for page in (None, 16, 128):
+            for heads, seqlen_q, splits in ((128, 2, 1), (80, 1, 3)):
+                lengths = cupy.asarray([300, 64, 0, 5], dtype=cupy.int32)
+                q = array((4, seqlen_q, heads, 576), dtype)
+                if page is None:
+                    cache, table = array((4, 320, 1, 576), dtype), None
+                else:
+                    pages = 4 * -(-320 // page)
+                    cache = array((pages, page, 1, 576), dtype)
+                    table = cupy.asarray(rng.permutation(pages).astype(numpy.int32).reshape(4, -1))
+                cupy_flash.flash_decode(q, cache, cache[..., :512], cache_seqlens=lengths, block_table=table,
+                                        causal=seqlen_q > 1, num_splits=splits)
 with families.use_kernels("experimental"):
     # Repeated plain calls on new arrays: the later ones take the kept plans (launches on new
     # addresses, tensor maps encoded for them, the backward's workspace).

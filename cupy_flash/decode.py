@@ -3,13 +3,14 @@ against a (paged) K/V cache, and ``merge_attention_states``."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
 import numbers
 
 import numpy
 
-from . import _checks, _launch, _traits
+from . import _checks, _launch, _tma, _traits
 from ._compile import TENSOR_CORE_DTYPES
 from ._features import DECODE_FEATURES, check_variant
 from ._params import PointerRecord, as_argument, make_params
@@ -26,6 +27,13 @@ MIN_KEYS_PER_SPLIT = 128
 # The MLA kernel's blocks do 64 rows x (576 + 512) columns of products a key: half the keys a split
 # still pay for themselves, and batch 1 at 4k keys then fills the SMs (128 blocks, not 64).
 MLA_MIN_KEYS_PER_SPLIT = 64
+# The Hopper MLA kernel (decode_sm90.cu) at most MLA_SM90_SPLITS splits, or one per
+# MLA_SM90_KEYS_PER_SPLIT keys where that is more: its blocks finish a tile in about a third of the
+# mma.sync kernel's time, so the combine of the splits' partials (splits x rows x 512 float32
+# columns) and each block's start weigh more (docs/decisions.md, Decoding: "MLA splits on the
+# Hopper kernel").
+MLA_SM90_SPLITS = 32
+MLA_SM90_KEYS_PER_SPLIT = 1024
 MAX_AUTO_SPLITS = 64
 MAX_SPLITS = 128
 
@@ -92,7 +100,8 @@ class DecodePlan(_launch.OutputAndLse):
     are split (its partials in one workspace); the params record with each array's field written
     per call. flash_decode keeps the plans of its calls without ALiBi or a sink (_plans)."""
 
-    def __init__(self, record, launches: tuple, o, lse_shape: tuple, partials: tuple, held: tuple, plain: bool):
+    def __init__(self, record, launches: tuple, o, lse_shape: tuple, partials: tuple, held: tuple, plain: bool,
+                 k_map=None):
         self.cuda = _launch.cuda_calls()
         self.record = record              # a PointerRecord over _NAMES
         self.device = self.cuda.get_device()
@@ -108,6 +117,10 @@ class DecodePlan(_launch.OutputAndLse):
         # path's addresses without a look at the rest.
         self.plain = plain
         self._launched: dict = {}         # Packed by the arrays' addresses, stream and thread
+        # The Hopper MLA kernel's k tensor map: (dtype, keys a box, k's layout), encoded per k address
+        # (families/decode.py, mla_sm90_box_keys); None where no launch takes one.
+        self.k_map = k_map
+        self._k_maps: dict = {}
 
     def call(self, q, k, v, cache_seqlens, block_table, k_new, v_new, k_descale, v_descale):
         """The repeated call (flash_decode's plan cache found this plan: the arrays are as the plan's,
@@ -162,7 +175,14 @@ class DecodePlan(_launch.OutputAndLse):
 
     def _packed(self, addresses: tuple, stream: int) -> _launch.Packed:
         record = self.record.filled(dict(zip(_NAMES, addresses)))
-        return _launch.Packed(tuple((launch.kernel, launch.grid, launch.threads, launch.smem, (record,), launch.early)
+        k_map = None
+        if self.k_map is not None:
+            dtype, box_keys, layout = self.k_map
+            k_at = addresses[1]
+            k_map = ctypes.create_string_buffer(_launch.cached(self._k_maps, k_at, lambda: _tma.attention_map_at(
+                k_at, layout, dtype, box_keys, packed=False)), _tma.MAP_BYTES)
+        return _launch.Packed(tuple((launch.kernel, launch.grid, launch.threads, launch.smem,
+                                     (record,) if launch.maps is None else (k_map, record), launch.early)
                                     for launch in self.launches), stream,
                               ("decode", tuple(launch.name for launch in self.launches)))
 
@@ -186,6 +206,8 @@ def decode_plan(q, k, v, shape, scale, variant, num_splits=None, *, cache=None) 
     # MLA's latent cache (v a view of k's first columns): its own kernel where it takes the call.
     v_in_k = cache is not None and v.data.ptr == k.data.ptr and tuple(v.strides) == tuple(k.strides)
     mla = family.uses_mla_kernel(device_info(device), shape, variant, v_in_k)
+    k_tma = mla and _tma.maps_supported(k)
+    mla_sm90 = mla and family.uses_mla_sm90(device_info(device), shape, variant, k_tma)
     rows = shape.group * shape.seqlen_q
     if mla:
         work_units = shape.batch * shape.heads_kv * -(-rows // _traits.MLA_DECODE_ROWS)
@@ -194,6 +216,8 @@ def decode_plan(q, k, v, shape, scale, variant, num_splits=None, *, cache=None) 
     if num_splits is None:
         num_splits = choose_splits(work_units, shape.seqlen_k, shape.tile, device, variant.fp8_cache,
                                    MLA_MIN_KEYS_PER_SPLIT if mla else MIN_KEYS_PER_SPLIT)
+        if mla_sm90:
+            num_splits = min(num_splits, max(MLA_SM90_SPLITS, shape.seqlen_k // MLA_SM90_KEYS_PER_SPLIT))
     num_splits, keys_per_split = _split_layout(num_splits, shape.seqlen_k)
     grid = num_splits * work_units
     if grid > _checks.MAX_GRID_BLOCKS:
@@ -226,11 +250,15 @@ def decode_plan(q, k, v, shape, scale, variant, num_splits=None, *, cache=None) 
             params["page_shift"] = cache["page_shift"]
         params["cache_batch"] = k.shape[0]
     new_rows = 0 if cache is None or cache.get("k_new") is None else int(cache["k_new"].shape[1])
-    launches = family.decode_launches(device_info(device), shape, variant, grid, num_splits, new_rows, mla)
+    launches = family.decode_launches(device_info(device), shape, variant, grid, num_splits, new_rows, mla, k_tma)
+    k_map = None
+    if any(launch.maps is not None for launch in launches):
+        page_size = None if cache.get("block_table") is None else 1 << cache["page_shift"]
+        k_map = (shape.dtype, family.mla_sm90_box_keys(page_size), _tma.layout_of(k))
     record = PointerRecord(params, {name: name for name in _NAMES if name in arrays and arrays[name] is not None})
     held = tuple(x for x in variant.device_arrays() if x is not None)
     plain = all(arrays.get(name) is None for name in ("block_table", "k_new", "v_new", "k_descale", "v_descale"))
-    return DecodePlan(record, tuple(launches), arrays["o"], lse_shape, partials, held, plain)
+    return DecodePlan(record, tuple(launches), arrays["o"], lse_shape, partials, held, plain, k_map)
 
 
 def launch_decode(q, k, v, shape, scale, variant, num_splits=None, *, cache=None, out=None):

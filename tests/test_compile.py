@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from cupy_flash import _compile, _traits, families
+from cupy_flash import _compile, _tma, _traits, families
 from cupy_flash.families import cuda_core, sm90, tensor_core
 
 ARCHS = _compile.ALL_ARCHS
@@ -139,7 +139,7 @@ def test_hopper_launchers_match_their_kernels(reports):
 
     launches = {"forward_sm90": (sm90.forward_sm90_threads, (forward._SM90_MAPS_BYTES, PARAMS_DTYPE.itemsize, 8)),
                 "backward_sm90": (sm90.backward_sm90_threads, (backward._SM90_MAPS_BYTES, PARAMS_DTYPE.itemsize, 8)),
-                "decode_sm90": (lambda config: _traits.MLA_SM90_THREADS, (PARAMS_DTYPE.itemsize,))}
+                "decode_sm90": (lambda config: _traits.MLA_SM90_THREADS, (_tma.MAP_BYTES, PARAMS_DTYPE.itemsize))}
     checked = 0
     for spec, kernel in hopper_kernels(reports):
         threads, record = launches[spec.family]

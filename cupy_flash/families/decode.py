@@ -58,13 +58,19 @@ def mla_sm90_module_spec(dtype: str) -> ModuleSpec:
                      [template("&mla_decode_sm90_smem_bytes", spec.ctype)])
 
 
-def uses_mla_sm90(device, shape, variant, setting: str | None = None) -> bool:
+def uses_mla_sm90(device, shape, variant, k_tma: bool, setting: str | None = None) -> bool:
     """Whether an MLA call (uses_mla_kernel) runs the Hopper kernel: compute capability 9.0 (whose
-    blocks take its shared memory: the kernel's static_assert), a 16-bit cache of MLA's tile, the
-    kernels setting not "portable"."""
+    blocks take its shared memory: the kernel's static_assert), a 16-bit cache of MLA's tile that
+    TMA can read (``k_tma``: _tma.maps_supported), the kernels setting not "portable"."""
     setting = kernels_setting() if setting is None else setting
-    return (setting != "portable" and device.compute_capability == 90 and not variant.fp8_cache
+    return (setting != "portable" and device.compute_capability == 90 and not variant.fp8_cache and k_tma
             and shape.tile == _traits.MLA_SM90_D_TILE)
+
+
+def mla_sm90_box_keys(page_size: int | None) -> int:
+    """Keys of one box of the Hopper MLA kernel's k tensor map: a tile's, or a page's where pages
+    are shorter (decode_sm90.cu reads the same)."""
+    return _traits.MLA_SM90_KEYS if page_size is None else min(_traits.MLA_SM90_KEYS, page_size)
 
 
 def uses_mla_kernel(device, shape, variant, v_in_k: bool) -> bool:
@@ -114,10 +120,11 @@ def combine(dtype: str, partial_dtype: str, head_dim_v: int) -> tuple:
     return name, get_kernel(spec, name)
 
 
-def decode_launches(device, shape, variant, grid: int, num_splits: int, new_rows: int, mla: bool = False) -> list:
+def decode_launches(device, shape, variant, grid: int, num_splits: int, new_rows: int, mla: bool = False,
+                    k_tma: bool = False) -> list:
     """The launches of a decode call of ``grid`` blocks: the append where ``new_rows`` new K/V rows
-    come, the decode kernel (with ``mla``, the MLA kernel: uses_mla_kernel), and the combine where
-    the keys are split in ``num_splits``."""
+    come, the decode kernel (with ``mla``, an MLA kernel: uses_mla_kernel, the Hopper one taking the
+    plan's k tensor map), and the combine where the keys are split in ``num_splits``."""
     rows_spec = module_spec(shape.dtype)
     sms = device.multiprocessors
     launches = []
@@ -132,9 +139,11 @@ def decode_launches(device, shape, variant, grid: int, num_splits: int, new_rows
         launches.append(Launch(name, get_kernel(rows_spec, name), append_grid, _traits.ROW_KERNEL_THREADS,
                                early=append_grid <= sms))
     spec = module_spec(shape.dtype, shape.tile, variant.flags)
-    if mla and uses_mla_sm90(device, shape, variant):
+    maps = None
+    if mla and uses_mla_sm90(device, shape, variant, k_tma):
         spec = mla_sm90_module_spec(shape.dtype)
         smem, threads, name = device_value(spec, spec.variables[0]), _traits.MLA_SM90_THREADS, spec.kernels[variant.causal]
+        maps = 0
     elif mla:
         smem, threads, name = _traits.mla_decode_smem_bytes(shape.tile, variant.fp8_cache), _traits.MLA_DECODE_THREADS, \
             mla_kernel(spec, variant.causal)
@@ -142,7 +151,7 @@ def decode_launches(device, shape, variant, grid: int, num_splits: int, new_rows
         smem, threads, name = _traits.decode_smem_bytes(shape.tile, variant.fp8_cache), 32 * _traits.DECODE_WARPS, \
             decode_kernel(spec, variant.causal)
     check_smem(device, smem, shape, "decoding")
-    launches.append(Launch(name, get_kernel(spec, name, smem), grid, threads, smem, early=grid <= sms))
+    launches.append(Launch(name, get_kernel(spec, name, smem), grid, threads, smem, maps=maps, early=grid <= sms))
     if num_splits > 1:
         (combine_grid,), (combine_threads,) = combine_launch(shape.batch * shape.seqlen_q * shape.heads, num_splits)
         name, kernel = combine(shape.dtype, "float32", shape.head_dim_v)
