@@ -27,6 +27,7 @@ require grad (bias gets its gradient reduced to its own shape).
 """
 
 import contextlib
+import math
 
 import torch
 
@@ -55,6 +56,13 @@ def flash_attn_func(q, k, v, *, sink=None, bias=None, deterministic=False, **opt
     """Exact attention with gradients through PyTorch's autograd; options as flash_forward's.
     FP8: torch.float8_e4m3fn q, k, v with ``q_descale``, ``k_descale``, ``v_descale`` (FlashAttention-3's
     keywords; docs/fp8.md), eager or under torch.compile, without gradients; O bfloat16."""
+    # A repeated plain call that records no autograd node: its kept plan, before any option parsing
+    # (the checks below cost ~3.5 us of host time; docs/performance.md, host time).
+    if (sink is None and bias is None and _SHORT_OPTIONS.issuperset(options) and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+        o = _forward_short(q, k, v, options.get("softmax_scale"), bool(options.get("causal", False)), want_lse=False)
+        if o is not None:
+            return o
     if q.dtype == torch.float8_e4m3fn or any(options.get(name) is not None for name in _FP8_DESCALES):
         return _forward_fp8(q, k, v, sink, bias, deterministic, options)
     options = {name: value for name, value in options.items() if name not in _FP8_DESCALES or value is not None}
@@ -72,14 +80,11 @@ def flash_attn_func(q, k, v, *, sink=None, bias=None, deterministic=False, **opt
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or any(x is not None and x.requires_grad for x in tensors[:2])):
         return _Attention.apply(q, k, v, *tensors, static)
-    if _plain(*tensors, *static[:2], *static[4:6]):   # no grad: a repeated plain call's short path
-        outputs = _forward_short(q, k, v, static[2], static[3])
-        if outputs is not None:
-            return outputs[0]
     return _forward(q, k, v, *tensors, *static[:-1])[0]
 
 
 _FP8_DESCALES = ("q_descale", "k_descale", "v_descale")
+_SHORT_OPTIONS = frozenset(("softmax_scale", "causal"))   # the options a kept forward plan's key holds
 
 
 def flash_attn_fp8_func(q, k, v, *, softmax_scale=None, causal=False, window_size=None, sink=None,
@@ -173,9 +178,12 @@ def _forward(q, k, v, sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_
     return o, lse
 
 
-def _forward_short(q, k, v, softmax_scale, causal):
-    """(o, lse) of a repeated plain call through its kept plan, or None (not kept, or the plan
-    cannot launch as it is: another current device, a capturing stream)."""
+def _forward_short(q, k, v, softmax_scale, causal, want_lse: bool = True):
+    """(o, lse) of a repeated plain call through its kept plan (without ``want_lse``, o alone: lse
+    goes to the stream's kept workspace, as no one reads it), or None (not kept, or the plan cannot
+    launch as it is: another current device, a capturing stream)."""
+    if type(q) is not torch.Tensor:   # a traced or subclassed tensor: the op
+        return None
     kept = _forward_plans.get(_forward_key(q, k, v, softmax_scale, causal))
     if kept is None:
         return None
@@ -183,9 +191,15 @@ def _forward_short(q, k, v, softmax_scale, causal):
     stream = _launch.ready_stream(plan, _raw_stream(plan.device))
     if stream is None:
         return None
-    o, lse = kept.new_o(q), q.new_empty(plan.lse_shape, dtype=torch.float32)
-    plan.launch((q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr()), stream, False)
-    return o, lse
+    o = kept.new_o(q)
+    if want_lse or kept.lse_bytes > _launch.KEPT_WORKSPACE_BYTES:
+        lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
+        lse_at = lse.data_ptr()
+    else:   # (a torch.empty costs ~2.7 us; the kernels on this stream run in turn, so the space is free)
+        lse = None
+        lse_at = _launch.kept_workspace(kept.lse_bytes, plan.device, stream).data.ptr
+    plan.launch((q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse_at), stream, False)
+    return (o, lse) if want_lse else o
 
 
 def _backward(do, q, k, v, o, lse, sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -236,7 +250,7 @@ class _Kept:
     shape and dtype, C-contiguous: ``torch.empty_like`` where the planned q, k, v are contiguous
     (1.9 us against ``new_empty``'s 2.75 on the H100's host, interleaved)."""
 
-    __slots__ = ("plan", "new", "new_o")
+    __slots__ = ("plan", "new", "new_o", "lse_bytes")
 
     def __init__(self, plan, inputs: tuple):
         self.plan = plan
@@ -245,6 +259,8 @@ class _Kept:
         o_shape = getattr(plan, "o_shape", None)
         self.new_o = self.new if o_shape is None or o_shape == tuple(inputs[0].shape) else (
             lambda q: q.new_empty(o_shape))
+        lse_shape = getattr(plan, "lse_shape", None)   # a forward plan's lse (float32)
+        self.lse_bytes = 0 if lse_shape is None else 4 * math.prod(lse_shape)
 
 
 def _new_contiguous(x):
