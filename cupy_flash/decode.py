@@ -759,5 +759,5 @@ def merge_attention_states(outputs, lses):
         _, kernel = family.combine(kind, kind, head_dim)
         rows = batch * seqlen_q * heads
         if rows:
-            kernel(*family.combine_launch(rows, count), (as_argument(params),))
+            kernel(*family.combine_launch(rows, count, head_dim), (as_argument(params),))
         return o, lse

@@ -1050,16 +1050,21 @@ __device__ __forceinline__ float4 load_four(const T_IN* row, int c, int head_dim
 // splits, 8 query heads per K/V head at 32k keys, against 34 us for the decode kernel).
 // Partials are T_IN, contiguous (splits, batch, seqlen_q, heads, head_dim_v); lse_partial (splits,
 // batch, heads, seqlen_q). With p.sink the sink's logit joins the merged row (FEATURE_SINK).
-// PASSES: 128 columns each (2 to head_dim_v 256, 4 above: a template flag, so that the common case
-// keeps its registers).
+// PASSES: 128 columns each (2 to head_dim_v 256: a template flag, so that the common case keeps its
+// registers). PASSES 1 (head_dim_v above 256) slices the row: each block one 128-column slice of
+// it, blockIdx.x = row x slices + slice, so MLA's 512 columns at batch 1 (128 rows, 32-64 splits)
+// are read by 512 blocks rather than 128 (docs/decisions.md, Decoding: "the wide combine sliced").
 template <typename T_IN, typename T_OUT, int PASSES>
 __global__ void __launch_bounds__(32 * COMBINE_MAX_WARPS) flash_combine_kernel(const FlashParams p) {
     constexpr int MAX_WARPS = COMBINE_MAX_WARPS;   // COMBINE_BATCH splits a warp at a time (_traits)
     __shared__ float4 warp_sums[MAX_WARPS][PASSES][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const int head_dim = (int)p.head_dim_v;   // o's
-    const int passes = PASSES == 2 ? (head_dim > 128 ? 2 : 1) : (head_dim + 127) / 128;
-    const bool vectors = (head_dim & 3) == 0;
+    const int slices = PASSES == 1 ? ((int)p.head_dim_v + 127) / 128 : 1;
+    const int slice = PASSES == 1 ? (int)(blockIdx.x % slices) : 0;
+    const int column0 = 128 * slice;   // the block's first column of o
+    const int head_dim = (int)p.head_dim_v - column0;   // o's columns from column0 on
+    const int passes = PASSES == 2 && head_dim > 128 ? 2 : 1;
+    const bool vectors = (p.head_dim_v & 3) == 0;
     const long long rows = p.batch * p.seqlen_q * p.heads;
     const long long row_elems = rows * p.head_dim_v;
     const long long lse_split_stride = p.batch * p.heads * p.seqlen_q;
@@ -1077,17 +1082,18 @@ __global__ void __launch_bounds__(32 * COMBINE_MAX_WARPS) flash_combine_kernel(c
             at = row_index(p, r);
         }
         lse_row = p.lse_partial + (at.b * p.heads + at.h) * p.seqlen_q + at.row;
-        o_row = static_cast<const T_IN*>(p.o_partial) + r * p.head_dim_v;
+        o_row = static_cast<const T_IN*>(p.o_partial) + r * p.head_dim_v + column0;
     };
     // The first row's are worked out while the decode kernel still runs (the empty asm keeps them
     // before the wait): after it they took 0.45 us (globaltimer stamps, H100). With the decode
     // kernel's Q loads issued first: 9.30 -> 9.09 us a call (GQA 8:1 batch 1, 4k keys).
-    find_row(blockIdx.x);
+    const long long first_row = blockIdx.x / slices;   // (the launch makes gridDim.x a multiple of slices)
+    find_row(first_row);
     asm volatile("" :: "l"(lse_row), "l"(o_row), "l"(at.b), "l"(at.h), "l"(at.row));
     wait_for_predecessor();   // launched early behind the decode kernel (_launch.py)
     allow_dependents();
-    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {   // uniform over the block
-        if (r != blockIdx.x) find_row(r);
+    for (long long r = first_row; r < rows; r += gridDim.x / slices) {   // uniform over the block
+        if (r != first_row) find_row(r);
         float lse_s[COMBINE_BATCH];
         float4 part[COMBINE_BATCH][PASSES];
         auto load_batch = [&](int s0) {   // this warp's splits s0, s0 + warps, ...: lse and O
@@ -1160,7 +1166,7 @@ __global__ void __launch_bounds__(32 * COMBINE_MAX_WARPS) flash_combine_kernel(c
                 shrink = joined.y;
             }
             const float scale = row_max == FLASH_NEG_INF ? 0.f : shrink / total;
-            T_OUT* out = static_cast<T_OUT*>(p.o) + tensor_offset(p.o_strides, at.b, at.row, at.h);
+            T_OUT* out = static_cast<T_OUT*>(p.o) + tensor_offset(p.o_strides, at.b, at.row, at.h) + column0;
 #pragma unroll
             for (int pass = 0; pass < PASSES; ++pass) {
                 if (pass >= passes) break;
@@ -1177,7 +1183,7 @@ __global__ void __launch_bounds__(32 * COMBINE_MAX_WARPS) flash_combine_kernel(c
                 for (int e = 0; e < 4; ++e)
                     if (c + e < head_dim) out[c + e] = from_float<T_OUT>(f[e]);
             }
-            if (lane == 0) p.lse[at.b * p.lse_batch_stride + at.h * p.lse_head_stride + at.row] = lse;
+            if (lane == 0 && slice == 0) p.lse[at.b * p.lse_batch_stride + at.h * p.lse_head_stride + at.row] = lse;
         }
         __syncthreads();   // warp_sums is rewritten by the next row
     }

@@ -732,8 +732,9 @@ def test_merge_equals_attention_over_the_union(dtype):
                                                      ("bfloat16", 510, 5)])
 def test_merge_many_partials(dtype, head_dim, count):
     """Many partials (more than one round of the combine's warps, past 128), head dims off the
-    vector path (7), past one pass of columns (200) and in the wide combine's fourth (510); an
-    empty set's O is NaN and must weigh 0."""
+    vector path (7), past one pass of columns (200) and in the wide combine's fourth 128-column
+    slice (510: a block per slice of a row, the last one short); an empty set's O is NaN and must
+    weigh 0."""
     import cupy
 
     from cupy_flash.reference import round_to_dtype

@@ -101,15 +101,18 @@ def rotary(dtype: str, interleaved: bool) -> tuple:
 
 
 def combine_kernel(spec: ModuleSpec, partial_dtype: str, wide: bool) -> str:
-    """``wide``: for head_dim_v above _traits.WIDE_TILE (4 passes of 128 columns a lane, not 2)."""
-    return template("flash_combine_kernel", CTYPES[partial_dtype], spec.ctype, 4 if wide else 2)
+    """``wide``: for head_dim_v above _traits.WIDE_TILE (a block per 128-column slice of a row, not
+    2 passes of 128 columns a lane over the whole row)."""
+    return template("flash_combine_kernel", CTYPES[partial_dtype], spec.ctype, 1 if wide else 2)
 
 
-def combine_launch(rows: int, splits: int) -> tuple[tuple[int], tuple[int]]:
-    """(grid, block) of flash_combine_kernel: one block per row (the kernel loops past the grid),
-    as many warps as keep each one COMBINE_BATCH splits deep, up to COMBINE_MAX_WARPS."""
+def combine_launch(rows: int, splits: int, head_dim_v: int) -> tuple[tuple[int], tuple[int]]:
+    """(grid, block) of flash_combine_kernel: one block per row, or above _traits.WIDE_TILE per
+    128-column slice of a row (the kernel loops past the grid, a multiple of the slices), as many
+    warps as keep each one COMBINE_BATCH splits deep, up to COMBINE_MAX_WARPS."""
     warps = min(_traits.COMBINE_MAX_WARPS, max(1, -(-splits // _traits.COMBINE_BATCH)))
-    return (min(rows, 2**31 - 1),), (32 * warps,)
+    slices = -(-head_dim_v // 128) if head_dim_v > _traits.WIDE_TILE else 1
+    return (min(rows, (2**31 - 1) // slices) * slices,), (32 * warps,)
 
 
 def combine(dtype: str, partial_dtype: str, head_dim_v: int) -> tuple:
@@ -153,7 +156,8 @@ def decode_launches(device, shape, variant, grid: int, num_splits: int, new_rows
     check_smem(device, smem, shape, "decoding")
     launches.append(Launch(name, get_kernel(spec, name, smem), grid, threads, smem, maps=maps, early=grid <= sms))
     if num_splits > 1:
-        (combine_grid,), (combine_threads,) = combine_launch(shape.batch * shape.seqlen_q * shape.heads, num_splits)
+        (combine_grid,), (combine_threads,) = combine_launch(shape.batch * shape.seqlen_q * shape.heads, num_splits,
+                                                             shape.head_dim_v)
         name, kernel = combine(shape.dtype, "float32", shape.head_dim_v)
         launches.append(Launch(name, kernel, combine_grid, combine_threads, early=True))
     return launches
