@@ -108,8 +108,8 @@ MLA_DECODE_STAGES = 2
 MLA_SM90_KEYS = 64
 MLA_SM90_THREADS = 256
 MLA_SM90_D_TILE = 576
-# The combine kernel: one block per row, each warp loading COMBINE_BATCH splits at a time, at most
-# COMBINE_MAX_WARPS warps.
+# The combine kernel: one block per row (above WIDE_TILE per 128-column slice of a row), each warp
+# loading COMBINE_BATCH splits at a time, at most COMBINE_MAX_WARPS warps.
 COMBINE_BATCH = 4
 COMBINE_MAX_WARPS = 8
 
