@@ -63,12 +63,13 @@ def rotating_copies(size: int) -> int | None:
     return None if size * copies > MEMORY_LIMIT else copies
 
 
-def write_result(result: dict, out: str, name: str) -> None:
+def write_result(result: dict, out: str, name: str, quiet: bool = False) -> None:
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, name)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"results: {path}")
+    if not quiet:
+        print(f"results: {path}")
 
 
 CALLS_PER_GRAPH = 24
@@ -264,6 +265,7 @@ def mla_table(batches, lengths, out):
                   f"{row['mla_tflops']:7.1f} {row['mla_fp8_us']:7.1f} {row['mla_fp8_gbs']:6.0f} {row['mla_fp8_tflops']:7.1f} "
                   f"{row['fp8_speedup']:5.2f} {row['separate_v_us']:9.1f} {row['over_separate_v']:6.2f} "
                   f"{row['mla_portable_us']:8.1f} {row['over_portable']:5.2f}", flush=True)
+            write_result(result, out, "decode-mla.json", quiet=True)   # the rows so far, should a time limit stop the run
             cupy.get_default_memory_pool().free_all_blocks()
     write_result(result, out, "decode-mla.json")
 
