@@ -165,6 +165,43 @@ def test_choose_splits(monkeypatch):
     assert decode.choose_splits(4, 100, 128, 0) == 1
 
 
+def test_combine_launch_slices_wide_rows():
+    """The combine's grid: a block per row up to WIDE_TILE columns, a block per 128-column slice of a
+    row above (MLA's 512: four), always a whole number of slices (the kernel reads a block's slice
+    as blockIdx.x % slices and strides rows by gridDim.x / slices) and within CUDA's grid limit;
+    warps by the splits (COMBINE_BATCH each, at most COMBINE_MAX_WARPS)."""
+    from cupy_flash import _traits
+    from cupy_flash.families import decode as family
+
+    assert family.combine_launch(128, 64, 512) == ((512,), (32 * _traits.COMBINE_MAX_WARPS,))
+    assert family.combine_launch(128, 3, 256) == ((128,), (32,))
+    assert family.combine_launch(7, 5, 264) == ((21,), (64,))    # 264 columns: three slices, the last short
+    grid = family.combine_launch(2**31, 2, 504)[0][0]
+    assert grid % 4 == 0 and grid <= 2**31 - 1
+    assert family.combine_launch(2**31, 2, 128)[0][0] == 2**31 - 1
+
+
+def test_mla_sm90_dispatch():
+    """The Hopper MLA kernel takes 16-bit caches of MLA's tile on compute capability 9.0 whose k a
+    tensor map can read, unless the kernels setting is "portable"; its TMA boxes hold a tile's keys
+    or a page's where pages are shorter."""
+    from types import SimpleNamespace
+
+    from cupy_flash import _traits, families
+    from cupy_flash.families import decode as family
+
+    h100, a100 = families.DeviceInfo(90, 227 * 1024, 132), families.DeviceInfo(80, 163 * 1024, 108)
+    shape = SimpleNamespace(tile=_traits.MLA_SM90_D_TILE)
+    bf16, fp8 = SimpleNamespace(fp8_cache=False), SimpleNamespace(fp8_cache=True)
+    assert family.uses_mla_sm90(h100, shape, bf16, True, "auto")
+    assert not family.uses_mla_sm90(h100, shape, bf16, False, "auto")         # k not TMA-readable
+    assert not family.uses_mla_sm90(h100, shape, bf16, True, "portable")
+    assert not family.uses_mla_sm90(h100, shape, fp8, True, "auto")           # FP8: the mma.sync kernel
+    assert not family.uses_mla_sm90(a100, shape, bf16, True, "auto")
+    assert not family.uses_mla_sm90(h100, SimpleNamespace(tile=512), bf16, True, "auto")
+    assert [family.mla_sm90_box_keys(page) for page in (None, 16, 32, 64, 256)] == [64, 16, 32, 64, 64]
+
+
 def test_early_launch_structs_match_cuda_h():
     """_launch's ctypes mirrors of CUlaunchAttribute and CUlaunchConfig have cuda.h's layout (a
     wrong offset would hand the driver a garbage stream or attribute)."""
