@@ -32,6 +32,25 @@
 #include "fp8_values.cuh"
 #include "tensor_core.cuh"
 
+// New row r of an append (batch, new token, K/V head, in that order) and where it lands: cache
+// row `position` of the sequence's cache row cache_b (CACHE_INDEX: cache_row_of); ``lands`` false
+// past the cache's capacity or for a sequence outside the cache (its row is dropped).
+struct AppendRow {
+    long long b, t, kv_head, position, cache_b;
+    bool lands;
+};
+template <bool CACHE_INDEX>
+__device__ __forceinline__ AppendRow append_row(const FlashParams& p, long long r, long long heads_kv) {
+    AppendRow row;
+    row.b = r / (p.seqlen_new * heads_kv);
+    row.t = (r / heads_kv) % p.seqlen_new;
+    row.kv_head = r % heads_kv;
+    row.position = (long long)p.cache_seqlens[row.b] + row.t;
+    row.cache_b = cache_row_of<CACHE_INDEX>(p, row.b);
+    row.lands = !(row.position < 0 || row.position >= p.cache_capacity || (CACHE_INDEX && row.cache_b < 0));
+    return row;
+}
+
 // One warp per (batch, new token, K/V head): 16-byte copies of its K and V rows into the cache
 // (CACHE_INDEX: at the sequence's cache row, cache_row_of).
 template <typename T, bool CACHE_INDEX = false>
@@ -45,12 +64,9 @@ __global__ void flash_append_kernel(const FlashParams p) {
     const long long heads_kv = p.heads / p.group;
     const long long rows = p.batch * p.seqlen_new * heads_kv;
     for (long long r = first_row_of_warp(); r < rows; r += rows_per_grid()) {
-        const long long b = r / (p.seqlen_new * heads_kv);
-        const long long t = (r / heads_kv) % p.seqlen_new;
-        const long long kv_head = r % heads_kv;
-        const long long position = (long long)p.cache_seqlens[b] + t;
-        const long long cache_b = cache_row_of<CACHE_INDEX>(p, b);
-        if (position < 0 || position >= p.cache_capacity || (CACHE_INDEX && cache_b < 0)) continue;
+        const AppendRow row = append_row<CACHE_INDEX>(p, r, heads_kv);
+        if (!row.lands) continue;
+        const long long b = row.b, t = row.t, kv_head = row.kv_head, position = row.position, cache_b = row.cache_b;
         T* k_dst = static_cast<T*>(const_cast<void*>(p.k)) + cache_offset(p, p.k_strides, cache_b, (int)position, kv_head);
         T* v_dst = static_cast<T*>(const_cast<void*>(p.v)) + cache_offset(p, p.v_strides, cache_b, (int)position, kv_head);
         const T* k_src = static_cast<const T*>(p.k_new) + tensor_offset(p.k_new_strides, b, t, kv_head);
@@ -83,12 +99,9 @@ __global__ void flash_append_fp8_kernel(const FlashParams p) {
     const long long heads_kv = p.heads / p.group;
     const long long rows = p.batch * p.seqlen_new * heads_kv;
     for (long long r = first_row_of_warp(); r < rows; r += rows_per_grid()) {
-        const long long b = r / (p.seqlen_new * heads_kv);
-        const long long t = (r / heads_kv) % p.seqlen_new;
-        const long long kv_head = r % heads_kv;
-        const long long position = (long long)p.cache_seqlens[b] + t;
-        const long long cache_b = cache_row_of<CACHE_INDEX>(p, b);
-        if (position < 0 || position >= p.cache_capacity || (CACHE_INDEX && cache_b < 0)) continue;
+        const AppendRow row = append_row<CACHE_INDEX>(p, r, heads_kv);
+        if (!row.lands) continue;
+        const long long b = row.b, t = row.t, kv_head = row.kv_head, position = row.position, cache_b = row.cache_b;
         unsigned char* k_dst = static_cast<unsigned char*>(const_cast<void*>(p.k)) + cache_offset(p, p.k_strides, cache_b, (int)position, kv_head);
         unsigned char* v_dst = static_cast<unsigned char*>(const_cast<void*>(p.v)) + cache_offset(p, p.v_strides, cache_b, (int)position, kv_head);
         const T* k_src = static_cast<const T*>(p.k_new) + tensor_offset(p.k_new_strides, b, t, kv_head);
