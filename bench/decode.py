@@ -16,9 +16,10 @@ With --mla, DeepSeek's MLA decoding instead: 128 query heads over one latent K/V
 columns in pages of 64 (shuffled), v the view of each row's first 512 (as FlashMLA reads it), one
 new token (two, causal, from batch 64: speculative decoding, the compute-bound shapes), from a
 bf16 and from an e4m3 cache, with v a separate bf16 array (the general decode kernel, where the
-MLA kernels do not apply), and the bf16 call under CUPY_FLASH_KERNELS=portable (the mma.sync MLA
-kernel, where the Hopper one runs it otherwise); GB/s counts the latent cache's bytes once,
-TFLOP/s FlashAttention's count (2 x rows x keys x (576 + 512)).
+MLA kernels do not apply; up to MLA_SEPARATE_V_KEYS cached keys in all), and the bf16 call under
+CUPY_FLASH_KERNELS=portable (the mma.sync MLA kernel, where the Hopper one runs it otherwise);
+GB/s counts the latent cache's bytes once, TFLOP/s FlashAttention's count (2 x rows x keys x
+(576 + 512)).
 
 A small decode call reads a few MB in microseconds, far less than one call's Python time, so calls
 launched one by one measure the host. Both sides are therefore timed as a generation loop runs
@@ -210,6 +211,11 @@ def mla_inputs(batch, length, seqlen_q, copies):
     return q, caches, dict(cache_seqlens=lengths, block_table=table, causal=seqlen_q > 1)
 
 
+# The "separate v" column (the general kernel, 3-12x the MLA kernel's time) only up to this many
+# cached keys in all (batch x length): past it a table's run is mostly that column.
+MLA_SEPARATE_V_KEYS = 1 << 20
+
+
 def mla_shape(batch, length, seqlen_q, copies):
     """A row of MLA decoding (--mla): GB/s and TFLOP/s from a bf16 and from an e4m3 latent cache."""
     from cupy_flash import families
@@ -218,13 +224,14 @@ def mla_shape(batch, length, seqlen_q, copies):
     rng = cupy.random.default_rng(7)
     fp8 = [rng.integers(0, 0x7e, k.shape, dtype=cupy.int32).astype(cupy.uint8) for k in caches]
     descale = cupy.full((batch, 1), 0.01, dtype=cupy.float32)
-    separate = [(k, cupy.ascontiguousarray(k[..., :MLA_D_V])) for k in caches[:max(1, copies // 2)]]
     replays = {
         "mla": cupy_graph(lambda k: cupy_flash.flash_decode(q, k, k[..., :MLA_D_V], **options), caches),
         "mla_fp8": cupy_graph(lambda k: cupy_flash.flash_decode(q, k, k[..., :MLA_D_V], k_descale=descale,
-                                                                v_descale=descale, **options), fp8),
+                                                                v_descale=descale, **options), fp8)}
+    if batch * length <= MLA_SEPARATE_V_KEYS:
         # v a separate array: flash_decode_kernel (the MLA kernel reads v from k's tiles)
-        "separate_v": cupy_graph(lambda c: cupy_flash.flash_decode(q, c[0], c[1], **options), separate)}
+        separate = [(k, cupy.ascontiguousarray(k[..., :MLA_D_V])) for k in caches[:max(1, copies // 2)]]
+        replays["separate_v"] = cupy_graph(lambda c: cupy_flash.flash_decode(q, c[0], c[1], **options), separate)
 
     def portable(k):   # the mma.sync MLA kernel (the setting is part of the plan's key)
         with families.use_kernels("portable"):
@@ -240,7 +247,7 @@ def mla_shape(batch, length, seqlen_q, copies):
         row[f"{name}_gbs"] = cache_bytes / ms / 1e6
         row[f"{name}_tflops"] = flops / ms / 1e9
     row["fp8_speedup"] = times["mla"] / times["mla_fp8"]
-    row["over_separate_v"] = times["separate_v"] / times["mla"]
+    row["over_separate_v"] = times["separate_v"] / times["mla"] if "separate_v" in times else None
     row["over_portable"] = times["mla_portable"] / times["mla"]
     return row
 
@@ -261,10 +268,11 @@ def mla_table(batches, lengths, out):
             row = mla_shape(batch, length, seqlen_q, copies)
             row["mla_of_copy"] = row["mla_gbs"] / copy
             result["rows"].append(row)
+            separate = (f"{row['separate_v_us']:9.1f} {row['over_separate_v']:6.2f}" if row["over_separate_v"]
+                        else f"{'-':>9} {'-':>6}")
             print(f"{batch:5d} {length:7d} {seqlen_q:3d} {row['mla_us']:8.1f} {row['mla_gbs']:6.0f} {row['mla_of_copy']:7.2f} "
                   f"{row['mla_tflops']:7.1f} {row['mla_fp8_us']:7.1f} {row['mla_fp8_gbs']:6.0f} {row['mla_fp8_tflops']:7.1f} "
-                  f"{row['fp8_speedup']:5.2f} {row['separate_v_us']:9.1f} {row['over_separate_v']:6.2f} "
-                  f"{row['mla_portable_us']:8.1f} {row['over_portable']:5.2f}", flush=True)
+                  f"{row['fp8_speedup']:5.2f} {separate} {row['mla_portable_us']:8.1f} {row['over_portable']:5.2f}", flush=True)
             write_result(result, out, "decode-mla.json", quiet=True)   # the rows so far, should a time limit stop the run
             cupy.get_default_memory_pool().free_all_blocks()
     write_result(result, out, "decode-mla.json")
