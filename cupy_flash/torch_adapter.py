@@ -192,12 +192,12 @@ def _forward_short(q, k, v, softmax_scale, causal, want_lse: bool = True):
     if stream is None:
         return None
     o = kept.new_o(q)
-    if want_lse or kept.lse_bytes > _launch.KEPT_WORKSPACE_BYTES:
+    if want_lse:
         lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
         lse_at = lse.data_ptr()
-    else:   # (a torch.empty costs ~2.7 us; the kernels on this stream run in turn, so the space is free)
-        lse = None
-        lse_at = _launch.kept_workspace(kept.lse_bytes, plan.device, stream).data.ptr
+    else:   # the stream's kept workspace (a torch.empty costs ~2.7 us), or past its bound a tensor
+        lse_at, _held = _launch.short_call_workspace(kept.lse_bytes, plan.device, stream,
+                                                     lambda nbytes: q.new_empty(nbytes, dtype=torch.uint8))
     plan.launch((q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse_at), stream, False)
     return (o, lse) if want_lse else o
 
