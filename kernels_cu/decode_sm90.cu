@@ -273,23 +273,18 @@ flash_mla_decode_sm90_kernel(const __grid_constant__ TensorMap k_map, const Flas
         // Keys of one TMA box: 64, or a page's where pages are shorter (cupy_flash/decode.py encodes
         // k_map's box so).
         const int box_keys = p.block_table != nullptr ? min(KEYS, 1 << p.page_shift) : KEYS;
-        // A box's coordinates in k_map (row, kv_head, outer): the one whose first key is `key`.
-        auto box_at = [&](int key, int& row, int& outer) {
-            row = key;
-            outer = (int)b;   // a contiguous cache: (key, batch)
-            if (p.block_table != nullptr) {   // a paged one: (row in page, page)
-                outer = (int)p.block_table[b * p.block_table_stride + (key >> p.page_shift)];
-                row = key & ((1 << p.page_shift) - 1);
-            }
-        };
         // One thread's TMA copies of whole tile i into its stage.
         auto issue_tma = [&](int i) {
             const int stage = i & 1;
             const unsigned int dst = stage_tile(stage), bar = smem_addr(&smem.tile_full[stage]);
             barrier_arrive_expect(bar, KEYS * D_TILE * (unsigned int)sizeof(T));
-            int row, outer;
             for (int box = 0; box < KEYS; box += box_keys) {
-                box_at(first_tile + i * KEYS + box, row, outer);
+                const int key = first_tile + i * KEYS + box;
+                int row = key, outer = (int)b;   // a contiguous cache: (key, batch)
+                if (p.block_table != nullptr) {   // a paged one: (row in page, page)
+                    outer = (int)p.block_table[b * p.block_table_stride + (key >> p.page_shift)];
+                    row = key & ((1 << p.page_shift) - 1);
+                }
 #pragma unroll
                 for (int c = 0; c < CHUNKS; ++c)
                     tma_load_4d(dst + c * CHUNK_BYTES + box * 128, &k_map, bar, c * SWIZZLE_ROW_ELEMENTS, row, (int)kv_head,
