@@ -124,10 +124,11 @@ def combine(dtype: str, partial_dtype: str, head_dim_v: int) -> tuple:
 
 
 def decode_launches(device, shape, variant, grid: int, num_splits: int, new_rows: int, mla: bool = False,
-                    k_tma: bool = False) -> list:
+                    mla_sm90: bool = False) -> list:
     """The launches of a decode call of ``grid`` blocks: the append where ``new_rows`` new K/V rows
-    come, the decode kernel (with ``mla``, an MLA kernel: uses_mla_kernel, the Hopper one taking the
-    plan's k tensor map), and the combine where the keys are split in ``num_splits``."""
+    come, the decode kernel (with ``mla``, an MLA kernel: uses_mla_kernel; with ``mla_sm90`` the
+    Hopper one, uses_mla_sm90, taking the plan's k tensor map), and the combine where the keys are
+    split in ``num_splits``."""
     rows_spec = module_spec(shape.dtype)
     sms = device.multiprocessors
     launches = []
@@ -143,7 +144,7 @@ def decode_launches(device, shape, variant, grid: int, num_splits: int, new_rows
                                early=append_grid <= sms))
     spec = module_spec(shape.dtype, shape.tile, variant.flags)
     maps = None
-    if mla and uses_mla_sm90(device, shape, variant, k_tma):
+    if mla_sm90:
         spec = mla_sm90_module_spec(shape.dtype)
         smem, threads, name = device_value(spec, spec.variables[0]), _traits.MLA_SM90_THREADS, spec.kernels[variant.causal]
         maps = 0
