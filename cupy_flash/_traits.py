@@ -112,6 +112,7 @@ MLA_SM90_D_TILE = 576
 # loading COMBINE_BATCH splits at a time, at most COMBINE_MAX_WARPS warps.
 COMBINE_BATCH = 4
 COMBINE_MAX_WARPS = 8
+COMBINE_PASS_COLUMNS = 128   # o's columns of one pass of a warp (4 a lane), and of a wide row's slice
 
 
 SM_SHARED_BYTES = 227 * 1024               # per SM for blocks on sm_90 (sm_80: 163 KB)
@@ -183,6 +184,7 @@ def cuda_defines() -> str:
                   MLA_DECODE_KEYS=MLA_DECODE_KEYS, MLA_DECODE_STAGES=MLA_DECODE_STAGES,
                   MLA_SM90_KEYS=MLA_SM90_KEYS, MLA_SM90_THREADS=MLA_SM90_THREADS, MLA_SM90_D_TILE=MLA_SM90_D_TILE,
                   COMBINE_BATCH=COMBINE_BATCH, COMBINE_MAX_WARPS=COMBINE_MAX_WARPS,
+                  COMBINE_PASS_COLUMNS=COMBINE_PASS_COLUMNS,
                   FP8_TRANSPOSE_THREADS=FP8_TRANSPOSE_THREADS, FP8_TRANSPOSE_KEYS=FP8_TRANSPOSE_KEYS,
                   FP8_KEY_GROUP=FP8_KEY_GROUP, FP8_AMAX_ROWS=FP8_AMAX_ROWS)
     return "".join(f"#define {name} {value}\n" for name, value in values.items())

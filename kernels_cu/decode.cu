@@ -1072,11 +1072,13 @@ __global__ void __launch_bounds__(32 * COMBINE_MAX_WARPS) flash_combine_kernel(c
     constexpr int MAX_WARPS = COMBINE_MAX_WARPS;   // COMBINE_BATCH splits a warp at a time (_traits)
     __shared__ float4 warp_sums[MAX_WARPS][PASSES][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const int slices = PASSES == 1 ? ((int)p.head_dim_v + 127) / 128 : 1;
+    constexpr int COLUMNS = COMBINE_PASS_COLUMNS;   // a pass's (and a slice's) columns: 4 a lane
+    static_assert(COLUMNS == 4 * 32, "four columns a lane");
+    const int slices = PASSES == 1 ? ((int)p.head_dim_v + COLUMNS - 1) / COLUMNS : 1;
     const int slice = PASSES == 1 ? (int)(blockIdx.x % slices) : 0;
-    const int column0 = 128 * slice;   // the block's first column of o
+    const int column0 = COLUMNS * slice;   // the block's first column of o
     const int head_dim = (int)p.head_dim_v - column0;   // o's columns from column0 on
-    const int passes = PASSES == 2 && head_dim > 128 ? 2 : 1;
+    const int passes = PASSES == 2 && head_dim > COLUMNS ? 2 : 1;
     const bool vectors = (p.head_dim_v & 3) == 0;
     const long long rows = p.batch * p.seqlen_q * p.heads;
     const long long row_elems = rows * p.head_dim_v;
@@ -1116,7 +1118,7 @@ __global__ void __launch_bounds__(32 * COMBINE_MAX_WARPS) flash_combine_kernel(c
                 lse_s[i] = s < splits ? lse_row[s * lse_split_stride] : FLASH_NEG_INF;
 #pragma unroll
                 for (int pass = 0; pass < PASSES; ++pass)
-                    part[i][pass] = pass < passes ? load_four(o_row + (s < splits ? s : 0) * row_elems, 128 * pass + 4 * lane,
+                    part[i][pass] = pass < passes ? load_four(o_row + (s < splits ? s : 0) * row_elems, COLUMNS * pass + 4 * lane,
                                                               head_dim, vectors)
                                                   : make_float4(0.f, 0.f, 0.f, 0.f);
             }
@@ -1191,7 +1193,7 @@ __global__ void __launch_bounds__(32 * COMBINE_MAX_WARPS) flash_combine_kernel(c
                     sum.x += more.x; sum.y += more.y; sum.z += more.z; sum.w += more.w;
                 }
                 const float f[4] = {sum.x * scale, sum.y * scale, sum.z * scale, sum.w * scale};
-                const int c = 128 * pass + 4 * lane;
+                const int c = COLUMNS * pass + 4 * lane;
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
                     if (c + e < head_dim) out[c + e] = from_float<T_OUT>(f[e]);

@@ -111,7 +111,7 @@ def combine_launch(rows: int, splits: int, head_dim_v: int) -> tuple[tuple[int],
     128-column slice of a row (the kernel loops past the grid, a multiple of the slices), as many
     warps as keep each one COMBINE_BATCH splits deep, up to COMBINE_MAX_WARPS."""
     warps = min(_traits.COMBINE_MAX_WARPS, max(1, -(-splits // _traits.COMBINE_BATCH)))
-    slices = -(-head_dim_v // 128) if head_dim_v > _traits.WIDE_TILE else 1
+    slices = -(-head_dim_v // _traits.COMBINE_PASS_COLUMNS) if head_dim_v > _traits.WIDE_TILE else 1
     return (min(rows, (2**31 - 1) // slices) * slices,), (32 * warps,)
 
 
