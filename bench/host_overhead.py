@@ -15,8 +15,10 @@ group interleaved run by run). Rows:
 - ``torch_adapter.flash_attn_func``: a forward without grad, a forward that records its autograd
   node, and forward + ``backward()``, beside SDPA's cuDNN backend doing the same and a trivial
   ``torch.autograd.Function`` (what any autograd node costs);
-- ``jax_adapter.flash_attention`` under ``jax.jit`` beside ``jax.nn.dot_product_attention`` (cuDNN)
-  and a jitted buffer_callback that does nothing (what any such callback costs).
+- ``jax_adapter.flash_attention`` under ``jax.jit`` (forward, and forward + backward through
+  ``jax.vjp``) beside ``jax.nn.dot_product_attention`` (cuDNN), a jitted custom call that does
+  nothing (what the adapter's handler costs before any launch; and buffer_callback's, where jaxlib
+  has it), and ``jit(q + 1)`` (XLA's own floor for a jitted call).
 """
 
 from __future__ import annotations
@@ -170,32 +172,65 @@ def torch_rows(dtype_name):
         }).items())
 
 
-def jax_rows(dtype_name):
+def jax_rows(dtype_name, baseline=None):
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.3")
     try:
         import jax
         import jax.numpy as jnp
-        from jax.experimental.buffer_callback import buffer_callback
 
+        from cupy_flash import _xla_ffi
         from cupy_flash.jax_adapter import flash_attention
     except Exception as error:   # noqa: BLE001 - timing ours alone
         print(f"JAX rows skipped ({type(error).__name__}: {error})", file=sys.stderr)
         return []
     dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}[dtype_name]
-    q, k, v = (jax.random.normal(jax.random.PRNGKey(i), SHAPE, dtype=dtype) for i in range(3))
-    ours = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True))
-    cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
-    lse = jax.ShapeDtypeStruct((SHAPE[0], SHAPE[2], SHAPE[1]), jnp.float32)
-    nothing = buffer_callback(lambda context, out, q, k, v: None, (jax.ShapeDtypeStruct(SHAPE, dtype), lse))
+    q, k, v, do = (jax.random.normal(jax.random.PRNGKey(i), SHAPE, dtype=dtype) for i in range(4))
+
+    def attention_fns(attention):
+        forward = jax.jit(lambda q, k, v: attention(q, k, v))
+
+        @jax.jit
+        def forward_backward(q, k, v, do):
+            o, vjp = jax.vjp(attention, q, k, v)
+            return o, vjp(do)
+        return forward, forward_backward
+
+    ours = attention_fns(lambda q, k, v: flash_attention(q, k, v, causal=True))
+    cudnn = attention_fns(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
+    results = (jax.ShapeDtypeStruct(SHAPE, dtype), jax.ShapeDtypeStruct((SHAPE[0], SHAPE[2], SHAPE[1]), jnp.float32))
+    nothing = _xla_ffi.python_call(lambda call: None, results)
     empty = jax.jit(lambda q, k, v: nothing(q, k, v)[0])   # the adapter's outputs (o, lse), o returned
-    calls = {"jax adapter: jit(flash_attention)": lambda: ours(q, k, v),
-             "jax: jit(an empty buffer_callback)": lambda: empty(q, k, v),
-             "jax cuDNN: jit(dot_product_attention)": lambda: cudnn(q, k, v)}
+    plus_one = jax.jit(lambda q: q + 1)
+    calls = {"jax adapter: jit(flash_attention)": lambda: ours[0](q, k, v),
+             "jax: jit of an empty custom call (_xla_ffi)": lambda: empty(q, k, v),
+             "jax: jit(q + 1)": lambda: plus_one(q),
+             "jax cuDNN: jit(dot_product_attention)": lambda: cudnn[0](q, k, v),
+             "jax adapter: jit(vjp) forward + backward": lambda: ours[1](q, k, v, do),
+             "jax cuDNN: jit(vjp) forward + backward": lambda: cudnn[1](q, k, v, do)}
     try:
-        cudnn(q, k, v)
-    except Exception as error:   # noqa: BLE001 - a peer that does not run here
-        print(f"jax cuDNN row skipped ({type(error).__name__}: {str(error)[:100]})", file=sys.stderr)
-        del calls["jax cuDNN: jit(dot_product_attention)"]
+        from jax.experimental.buffer_callback import buffer_callback
+
+        nothing_bc = buffer_callback(lambda context, out, q, k, v: None, results)
+        empty_bc = jax.jit(lambda q, k, v: nothing_bc(q, k, v)[0])
+        calls["jax: jit of an empty buffer_callback"] = lambda: empty_bc(q, k, v)
+    except ImportError:
+        pass
+    if baseline is not None:
+        try:
+            import importlib
+
+            old = importlib.import_module(baseline.__name__ + ".jax_adapter").flash_attention
+            old_fns = attention_fns(lambda q, k, v: old(q, k, v, causal=True))
+            calls["jax adapter (baseline): jit(flash_attention)"] = lambda: old_fns[0](q, k, v)
+            calls["jax adapter (baseline): jit(vjp) forward + backward"] = lambda: old_fns[1](q, k, v, do)
+        except Exception as error:   # noqa: BLE001 - a baseline without this adapter
+            print(f"baseline JAX rows skipped ({type(error).__name__}: {error})", file=sys.stderr)
+    for name in [n for n in calls if "cuDNN" in n]:
+        try:
+            calls[name]()
+        except Exception as error:   # noqa: BLE001 - a peer that does not run here
+            print(f"{name} row skipped ({type(error).__name__}: {str(error)[:100]})", file=sys.stderr)
+            del calls[name]
     return list(host_us(calls).items())
 
 
@@ -229,7 +264,7 @@ def main(argv=None):
         from bench.variants import load_baseline
 
         baseline = load_baseline(args.baseline)
-    rows = direct_rows(dtype, baseline) + fp8_rows() + torch_rows(args.dtype) + jax_rows(args.dtype)
+    rows = direct_rows(dtype, baseline) + fp8_rows() + torch_rows(args.dtype) + jax_rows(args.dtype, baseline)
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     print(f"\nHost microseconds per call ({args.dtype}, q {SHAPE}, causal; median of 7 interleaved runs of 500 calls; "
           f"{device})\n")

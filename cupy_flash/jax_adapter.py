@@ -10,13 +10,13 @@
 
     dq, dk, dv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)   # q (batch, seqlen_q, heads_q, d) on a GPU
 
-The kernels are foreign GPU code inside XLA's program through ``jax.experimental.buffer_callback``:
-at each execution XLA calls back into Python with its own buffers and the CUDA stream it runs on,
-and the kernels launch there, writing o, lse (forward) and dq, dk, dv (backward) straight into the
-buffers XLA allocated for them. No copy, no host synchronisation, no C++ build. (``jax.ffi`` would
-need a compiled handler; buffer_callback is jaxlib's own compiled handler that calls Python.) The
-callback runs on every execution, so the dispatch and launch cost of a call (tens of microseconds
-of Python) is paid each time, as in eager use; XLA's command buffers are not used for it.
+The kernels are foreign GPU code inside XLA's program: an XLA FFI custom call whose handler is a
+Python function (``_xla_ffi``: a ctypes callback, nothing built). At each execution XLA calls it
+with its own buffers and the CUDA stream it runs on, and the kernels launch there, writing o, lse
+(forward) and dq, dk, dv (backward) straight into the buffers XLA allocated for them. No copy, no
+host synchronisation. The handler runs on every execution, so the launch cost of a call (a few
+microseconds of Python once its plan is kept) is paid each time, as in eager use; XLA's command
+buffers are not used for it.
 
 The gradient is a ``jax.custom_vjp``: the forward keeps o and lse, the backward runs
 flash_backward. ``jax.vmap`` folds the mapped axes into the batch (one launch; an operand that is not mapped is
@@ -33,15 +33,14 @@ Argument errors are flash_forward's own, raised when the call is traced, before 
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import jax
 import numpy
-from jax.experimental.buffer_callback import buffer_callback
 
 from . import _checks, _launch, backward, forward
 from ._launch import kept
+from ._xla_ffi import python_call
 from .backward import backward_into
 from .forward import forward_into
 
@@ -74,7 +73,7 @@ _FP8_INFERENCE_OPTIONS = ("softmax_scale", "causal", "window_size")
 
 def _fp8_inference(q, k, v, options: dict) -> tuple:
     """flash_forward's FP8 call on JAX arrays: checked while tracing (shapes, dtypes, options), then
-    a buffer_callback running the FP8 forward on XLA's buffers."""
+    a custom call running the FP8 forward on XLA's buffers."""
     descales = {name: options.pop(name, None) for name in _DESCALES}
     unknown = sorted(set(options) - set(_FP8_INFERENCE_OPTIONS))
     if unknown:
@@ -103,16 +102,16 @@ def _fp8_inference(q, k, v, options: dict) -> tuple:
     results = (jax.ShapeDtypeStruct(q.shape, jax.numpy.bfloat16),
                jax.ShapeDtypeStruct((shape.batch, shape.heads, shape.seqlen_q), numpy.float32))
     scales = tuple(descales[name].astype(jax.numpy.float32) for name in _DESCALES)
-    o, lse = buffer_callback(functools.partial(_fp8_inference_callback, static), results)(*bits, *scales)
+    o, lse = python_call(functools.partial(_fp8_inference_callback, static), results)(*bits, *scales)
     return o, jax.lax.stop_gradient(lse)
 
 
-def _fp8_inference_callback(static, context, outputs, q8, k8, v8, q_descale, k_descale, v_descale):
+def _fp8_inference_callback(static, call):
     from . import fp8
 
     options = {name: value for name, value in static if value is not None}
-    o, lse = outputs
-    with _on_xla_stream(context, q8), fp8.trusted_descales():
+    (o, lse), (q8, k8, v8, q_descale, k_descale, v_descale) = call.outputs_described(), call.inputs_described()
+    with _on_xla_stream(call), fp8.trusted_descales():
         forward_into((_as_cupy(o), _as_cupy(lse)), *(_as_cupy(x) for x in (q8, k8, v8)), **options,
                      **{name: _as_cupy(d) for name, d in zip(_DESCALES, (q_descale, k_descale, v_descale))})
 
@@ -120,7 +119,7 @@ def _fp8_inference_callback(static, context, outputs, q8, k8, v8, q_descale, k_d
 @functools.lru_cache(maxsize=256)
 def _calls(static: tuple) -> tuple:
     """(forward_call, backward_call) for one set of options: q, k, v -> (o, lse) and do, q, k, v, o,
-    lse -> (dq, dk, dv), each a buffer_callback running the kernels."""
+    lse -> (dq, dk, dv), each a custom call running the kernels."""
     options = dict(static)
     deterministic = options.pop("deterministic")
     # Defaults left out: a call with no feature keywords reuses flash_forward's cached launch plan.
@@ -133,12 +132,12 @@ def _calls(static: tuple) -> tuple:
         lead = q.shape[:-4]
         results = (jax.ShapeDtypeStruct(q.shape[:-1] + v.shape[-1:], q.dtype),   # o: q's shape, v's head_dim
                    jax.ShapeDtypeStruct(lead + (batch, heads, seqlen_q), numpy.float32))
-        return buffer_callback(_ForwardCallback(options), results, vmap_method="broadcast_all")(q, k, v)
+        return python_call(_ForwardCallback(options), results, vmap_method="broadcast_all")(q, k, v)
 
     def backward_call(do, q, k, v, o, lse):
         results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-        return buffer_callback(_BackwardCallback(options, deterministic), results,
-                               vmap_method="broadcast_all")(do, q, k, v, o, lse)
+        return python_call(_BackwardCallback(options, deterministic), results,
+                           vmap_method="broadcast_all")(do, q, k, v, o, lse)
 
     return forward_call, backward_call
 
@@ -198,8 +197,8 @@ def _fp8_attention(static: tuple, dtypes: tuple):
                     jax.ShapeDtypeStruct(lead + (batch, heads, seqlen_q), numpy.float32))
                    + tuple(jax.ShapeDtypeStruct(x.shape, numpy.uint8) for x in (q, k, v))
                    + tuple(jax.ShapeDtypeStruct(x.shape[:-4] + (x.shape[-4], x.shape[-2]), numpy.float32) for x in (q, k, v)))
-        return buffer_callback(functools.partial(_fp8_forward_callback, options), results,
-                               vmap_method="broadcast_all")(q, k, v)
+        return python_call(functools.partial(_fp8_forward_callback, options), results,
+                           vmap_method="broadcast_all")(q, k, v)
 
     @jax.custom_vjp
     def attention(q, k, v):
@@ -212,22 +211,22 @@ def _fp8_attention(static: tuple, dtypes: tuple):
     def attention_backward(saved, do):
         o, lse, *quantised = saved
         results = tuple(jax.ShapeDtypeStruct(x.shape, jax.numpy.bfloat16) for x in quantised[:3])
-        grads = buffer_callback(functools.partial(_fp8_backward_callback, options, deterministic), results,
-                                vmap_method="broadcast_all")(do.astype(jax.numpy.bfloat16), o, lse, *quantised)
+        grads = python_call(functools.partial(_fp8_backward_callback, options, deterministic), results,
+                            vmap_method="broadcast_all")(do.astype(jax.numpy.bfloat16), o, lse, *quantised)
         return tuple(g if g.dtype == dtype else g.astype(dtype) for g, dtype in zip(grads, dtypes))
 
     attention.defvjp(attention_forward, attention_backward)
     return attention
 
 
-def _fp8_forward_callback(options, context, outputs, q, k, v):
+def _fp8_forward_callback(options, call):
     """flash_attention_fp8's forward: q, k, v quantised into their outputs, then the FP8 forward."""
     from . import fp8
     from ._checks import kernel_ready
     from .families import rows
 
-    o, lse, *quantised = outputs
-    with _on_xla_stream(context, q), fp8.trusted_descales():
+    (q, k, v), (o, lse, *quantised) = call.inputs_described(), call.outputs_described()
+    with _on_xla_stream(call), fp8.trusted_descales():
         bits, descales = quantised[:3], quantised[3:]
         for x, x8, descale in zip((q, k, v), bits, descales):
             rows.quantize_e4m3(kernel_ready(_folded(x)), out=(_folded(x8), _folded(descale, rank=2)))
@@ -235,12 +234,13 @@ def _fp8_forward_callback(options, context, outputs, q, k, v):
                      **{name: _folded(d, rank=2) for name, d in zip(("q_descale", "k_descale", "v_descale"), descales)})
 
 
-def _fp8_backward_callback(options, deterministic, context, outputs, do, o, lse, q8, k8, v8, q_descale, k_descale,
-                           v_descale):
+def _fp8_backward_callback(options, deterministic, call):
     """flash_attention_fp8's backward: flash_backward's FP8 call into XLA's dq, dk, dv."""
     from . import fp8
 
-    with _on_xla_stream(context, q8), fp8.trusted_descales():
+    outputs = call.outputs_described()
+    do, o, lse, q8, k8, v8, q_descale, k_descale, v_descale = call.inputs_described()
+    with _on_xla_stream(call), fp8.trusted_descales():
         descales = {name: _folded(d, rank=2) for name, d in zip(("q_descale", "k_descale", "v_descale"),
                                                                  (q_descale, k_descale, v_descale))}
         backward_into(tuple(_folded(x) for x in outputs), _folded(do), *(_folded(x) for x in (q8, k8, v8, o)),
@@ -251,57 +251,58 @@ def _fp8_backward_callback(options, deterministic, context, outputs, do, o, lse,
 # The callbacks: XLA's buffers, launched on by address on XLA's stream.
 
 class _ForwardCallback:
-    """The forward's buffer_callback: one per traced call, so its shapes, dtypes and options are
-    fixed. The first execution on a stream takes XLA's buffers as CuPy views through flash_forward's
-    checked route and keeps the plan it made; later ones launch that plan on the buffers' addresses
-    (XLA's buffers are row-major and aligned, as the plan read them), the callback's whole cost
-    being the host time XLA waits for."""
+    """The forward's custom call: one per traced call, so its dtypes and options are fixed (its
+    shapes too, but for jax.vmap of a traced call, which runs the same callback with a batch axis
+    in front). The first execution on a stream with a given q shape takes XLA's buffers as CuPy
+    views through flash_forward's checked route and keeps the plan it made; later ones launch that
+    plan on the buffers' addresses (XLA's buffers are row-major and aligned, as the plan read them),
+    the callback's whole cost being the host time XLA waits for."""
 
     def __init__(self, options: dict):
         self.options = options
-        self.plans: dict = {}   # XLA's stream -> the plan (one stream per device)
+        self.plans: dict = {}   # (XLA's stream, q's shape) -> the plan
 
-    def __call__(self, context, outputs, q, k, v):
-        stream = int(context.stream)
-        plan = self.plans.get(stream)
-        if plan is not None and _launch.ready_stream(plan, stream) is not None:
-            o, lse = outputs
-            plan.launch((_device_pointer(q), _device_pointer(k), _device_pointer(v), _device_pointer(o),
-                         _device_pointer(lse)), stream, False)
+    def __call__(self, call):
+        key = (call.stream, call.shape(0))
+        plan = self.plans.get(key)
+        if plan is not None and _launch.ready_stream(plan, call.stream) is not None:
+            plan.launch(call.inputs + call.outputs, call.stream, False)
             return
-        o, lse = outputs
-        with _on_xla_stream(context, q):
+        (q, k, v), (o, lse) = call.inputs_described(), call.outputs_described()
+        with _on_xla_stream(call):
             views = (_folded(q), _folded(k), _folded(v))
             forward_into((_folded(o), _folded(lse, rank=3)), *views, **self.options)
             if _plain(self.options):   # flash_forward kept its plan (unless it copied)
                 plan = forward._plans.get(forward._plan_key(*views, self.options["softmax_scale"], self.options["causal"]))
                 if plan is not None:
-                    self.plans[stream] = plan
+                    self.plans[key] = plan
 
 
 class _BackwardCallback:
-    """The backward's buffer_callback (as _ForwardCallback)."""
+    """The backward's custom call (as _ForwardCallback; keyed by dO's shape)."""
 
     def __init__(self, options: dict, deterministic: bool):
         self.options, self.deterministic = options, deterministic
         self.plans: dict = {}
 
-    def __call__(self, context, outputs, do, q, k, v, o, lse):
-        stream = int(context.stream)
-        plan = self.plans.get(stream)
+    def __call__(self, call):
+        stream = call.stream
+        key = (stream, call.shape(0))
+        plan = self.plans.get(key)
         if plan is not None and _launch.ready_stream(plan, stream) is not None:
             workspace, _owner = plan.workspace_on(stream, functools.partial(_allocated_on, stream))
-            first = plan.launch_first(tuple(_device_pointer(x) for x in (do, q, k, v, o, lse)), workspace, stream, False)
-            plan.launch_rest(first + tuple(_device_pointer(x) for x in outputs), stream, False)
+            first = plan.launch_first(call.inputs, workspace, stream, False)
+            plan.launch_rest(first + call.outputs, stream, False)
             return
-        with _on_xla_stream(context, q):
-            views = tuple(_folded(x, rank=3 if x is lse else 4) for x in (do, q, k, v, o, lse))
+        outputs, inputs = call.outputs_described(), call.inputs_described()
+        with _on_xla_stream(call):
+            views = tuple(_folded(x, rank=3 if i == 5 else 4) for i, x in enumerate(inputs))
             backward_into(tuple(_folded(x) for x in outputs), *views, deterministic=self.deterministic, **self.options)
             if _plain(self.options):
                 plan = backward._plans.get(backward._plan_key(*views, self.options["softmax_scale"], self.options["causal"],
                                                               self.deterministic))
                 if plan is not None:
-                    self.plans[stream] = plan
+                    self.plans[key] = plan
 
 
 def _plain(options: dict) -> bool:
@@ -311,13 +312,13 @@ def _plain(options: dict) -> bool:
 
 
 class _on_xla_stream:
-    """The buffers' device and XLA's stream, current for the launches inside."""
+    """The call's device and XLA's stream, current for the launches inside."""
 
-    def __init__(self, context, buffer):
+    def __init__(self, call):
         import cupy
 
-        self.device = cupy.cuda.Device(int(buffer.__dlpack_device__()[1]))
-        self.stream = _stream(int(context.stream))
+        self.device = cupy.cuda.Device(call.device)
+        self.stream = _stream(call.stream)
 
     def __enter__(self):
         self.device.__enter__()
@@ -366,8 +367,9 @@ def _folded(buffer, rank: int = 4):
 
 
 def _as_cupy(buffer):
-    """A CuPy array over an XLA buffer's memory (row-major; XLA keeps the memory for the call)."""
-    key = (_device_pointer(buffer), tuple(buffer.shape), buffer.dtype, buffer.__dlpack_device__()[1])
+    """A CuPy array over an XLA buffer's memory (an ``_xla_ffi.Buffer``: row-major; XLA keeps the
+    memory for the call)."""
+    key = (buffer.pointer, buffer.shape, buffer.dtype, buffer.device)
     view = _views.get(key)
     if view is None:
         import cupy
@@ -381,20 +383,6 @@ def _as_cupy(buffer):
         view = cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
         kept(_views, key, view, limit=1024)
     return view
-
-
-def _device_pointer(buffer) -> int:
-    """The buffer's device address: from __cuda_array_interface__, or (a dtype it has no code for,
-    bfloat16) from the DLTensor of its DLPack capsule, whose first field is the data pointer."""
-    try:
-        return int(buffer.__cuda_array_interface__["data"][0])
-    except Exception:   # noqa: BLE001 - jaxlib raises its own error types for unsupported typestrs
-        pass
-    capsule = buffer.__dlpack__()
-    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    tensor = get_pointer(capsule, b"dltensor")
-    return int(ctypes.c_void_p.from_address(tensor).value or 0)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -450,8 +438,8 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, **o
                *(jax.ShapeDtypeStruct(cache.shape, cache.dtype) for cache in caches))
     new = () if k_new is None else (k_new,) if head_dim_v is not None else (k_new, v_new)
     static = (tuple(sorted(options.items())), len(caches), len(new), tuple(arrays))
-    call = buffer_callback(functools.partial(_decode_callback, static), results,
-                           input_output_aliases={1 + i: 2 + i for i in range(len(caches))})
+    call = python_call(functools.partial(_decode_callback, static), results,
+                       input_output_aliases={1 + i: 2 + i for i in range(len(caches))})
     o, _, *caches = call(q, *caches, cache_seqlens, *new, *arrays.values())
     return o, caches[0], caches[1] if len(caches) > 1 else None
 
@@ -464,12 +452,13 @@ def _described(x):
     return described
 
 
-def _decode_callback(static, context, outputs, q, *rest):
+def _decode_callback(static, call):
     from .decode import flash_decode as decode
 
     options, caches, news, names = static   # caches: 1 (v the first columns of k) or 2, news: 0 to 2
-    o, lse, *cache_out = outputs   # the caches' memory (aliased to the inputs)
-    with _on_xla_stream(context, q):
+    o, lse, *cache_out = call.outputs_described()   # the caches' memory (aliased to the inputs)
+    q, *rest = call.inputs_described()
+    with _on_xla_stream(call):
         k_out, v_out = _as_cupy(cache_out[0]), _as_cupy(cache_out[1]) if caches == 2 else None
         cache_seqlens, rest = rest[caches], rest[caches + 1:]
         k_new, v_new = (tuple(_as_cupy(x) for x in rest[:news]) + (None, None))[:2]

@@ -114,9 +114,9 @@ def torch_on_gpu():
 
 
 def jax_on_gpu():
-    """JAX with buffer_callback, or a skip where it is absent or sees no GPU."""
+    """JAX with jax.ffi, or a skip where it is absent or sees no GPU."""
     jax = pytest.importorskip("jax")
-    pytest.importorskip("jax.experimental.buffer_callback")
+    pytest.importorskip("jax.ffi")
     if not any(device.platform == "gpu" for device in jax.devices()):
         pytest.skip("this JAX sees no GPU")
     return jax

@@ -85,6 +85,30 @@ def test_jax_vmap_folds_into_the_batch():
     assert bool((bitwise(_as_cupy(grads[1])) == bitwise(_as_cupy(single))).all())
 
 
+def test_jax_vmap_of_a_jitted_call_follows_the_shape():
+    """jax.vmap of an already jitted function runs the same traced custom calls with a batch axis in
+    front: the plans they keep must be told apart by shape."""
+    jax = jax_on_gpu()
+    import jax.numpy as jnp
+
+    from cupy_flash.jax_adapter import flash_attention
+
+    q, k, v, do = _jax_inputs(jax, (3, 2, 130, 2, 64), (3, 2, 77, 2, 64), jnp.bfloat16)
+    single = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True))
+    expected = [single(q[i], k[i], v[i]) for i in range(3)]   # plans kept for one element's shape
+    mapped = jax.jit(jax.vmap(single))(q, k, v)
+    for i in range(3):
+        assert bool((bitwise(_as_cupy(mapped[i])) == bitwise(_as_cupy(expected[i]))).all()), f"mapped element {i}"
+
+    grad = jax.jit(jax.grad(lambda q, k, v: flash_attention(q, k, v, deterministic=True).astype(jnp.float32).sum(),
+                            argnums=(0, 1, 2)))
+    expected = [grad(q[i], k[i], v[i]) for i in range(3)]
+    mapped = jax.jit(jax.vmap(grad))(q, k, v)
+    for i in range(3):
+        for name, ours, theirs in zip(("dq", "dk", "dv"), mapped, expected[i]):
+            assert bool((bitwise(_as_cupy(ours[i])) == bitwise(_as_cupy(theirs))).all()), f"{name} of element {i}"
+
+
 @pytest.mark.parametrize("bad", [
     dict(q=(1, 16, 2, 64), k=(1, 16, 2, 72)),          # head_dim differs
     dict(q=(1, 16, 3, 64), k=(1, 16, 2, 64)),          # heads not a multiple
