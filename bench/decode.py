@@ -16,8 +16,9 @@ With --mla, DeepSeek's MLA decoding instead: 128 query heads over one latent K/V
 columns in pages of 64 (shuffled), v the view of each row's first 512 (as FlashMLA reads it), one
 new token (two, causal, from batch 64: speculative decoding, the compute-bound shapes), from a
 bf16 and from an e4m3 cache, with v a separate bf16 array (the general decode kernel, where the
-MLA kernels do not apply; up to MLA_SEPARATE_V_KEYS cached keys in all), and the bf16 call under
-CUPY_FLASH_KERNELS=portable (the mma.sync MLA kernel, where the Hopper one runs it otherwise);
+MLA kernels do not apply; up to MLA_SEPARATE_V_KEYS cached keys in all), and the bf16 and e4m3
+calls under CUPY_FLASH_KERNELS=portable (the mma.sync MLA kernel, where the Hopper one runs them
+otherwise: "x mma" and "x" are its time over the default call's);
 GB/s counts the latent cache's bytes once, TFLOP/s FlashAttention's count (2 x rows x keys x
 (576 + 512)).
 
@@ -233,22 +234,24 @@ def mla_shape(batch, length, seqlen_q, copies):
         separate = [(k, cupy.ascontiguousarray(k[..., :MLA_D_V])) for k in caches[:max(1, copies // 2)]]
         replays["separate_v"] = cupy_graph(lambda c: cupy_flash.flash_decode(q, c[0], c[1], **options), separate)
 
-    def portable(k):   # the mma.sync MLA kernel (the setting is part of the plan's key)
+    def portable(k, **scales):   # the mma.sync MLA kernel (the setting is part of the plan's key)
         with families.use_kernels("portable"):
-            return cupy_flash.flash_decode(q, k, k[..., :MLA_D_V], **options)
+            return cupy_flash.flash_decode(q, k, k[..., :MLA_D_V], **scales, **options)
 
     replays["mla_portable"] = cupy_graph(portable, caches)
+    replays["mla_fp8_portable"] = cupy_graph(lambda k: portable(k, k_descale=descale, v_descale=descale), fp8)
     times = interleaved_ms(replays)
     flops = 2 * batch * seqlen_q * MLA_HEADS * length * (MLA_D + MLA_D_V)
     row = dict(batch=batch, cache_len=length, seqlen_q=seqlen_q, heads=MLA_HEADS)
     for name, ms in times.items():   # (bytes: the latent cache's, once)
-        cache_bytes = batch * length * MLA_D * (1 if name == "mla_fp8" else 2)
+        cache_bytes = batch * length * MLA_D * (1 if name.startswith("mla_fp8") else 2)
         row[f"{name}_us"] = 1e3 * ms
         row[f"{name}_gbs"] = cache_bytes / ms / 1e6
         row[f"{name}_tflops"] = flops / ms / 1e9
     row["fp8_speedup"] = times["mla"] / times["mla_fp8"]
     row["over_separate_v"] = times["separate_v"] / times["mla"] if "separate_v" in times else None
     row["over_portable"] = times["mla_portable"] / times["mla"]
+    row["fp8_over_portable"] = times["mla_fp8_portable"] / times["mla_fp8"]
     return row
 
 
@@ -258,7 +261,8 @@ def mla_table(batches, lengths, out):
     print(f"copy rate {copy:.0f} GB/s (read + write); MLA: {MLA_HEADS} heads, d {MLA_D} / v {MLA_D_V}, pages of {MLA_PAGE}",
           flush=True)
     print(f"{'batch':>5} {'cache':>7} {'s_q':>3} {'bf16 us':>8} {'GB/s':>6} {'of copy':>7} {'TFLOP/s':>7} "
-          f"{'fp8 us':>7} {'GB/s':>6} {'TFLOP/s':>7} {'fp8 x':>5} {'sep. v us':>9} {'x sep.':>6} {'mma us':>8} {'x mma':>5}")
+          f"{'fp8 us':>7} {'GB/s':>6} {'TFLOP/s':>7} {'fp8 x':>5} {'sep. v us':>9} {'x sep.':>6} {'mma us':>8} {'x mma':>5} "
+          f"{'fp8 mma us':>10} {'x':>5}")
     for batch in batches:
         for length in lengths:
             seqlen_q = 2 if batch >= 64 else 1
@@ -272,7 +276,8 @@ def mla_table(batches, lengths, out):
                         else f"{'-':>9} {'-':>6}")
             print(f"{batch:5d} {length:7d} {seqlen_q:3d} {row['mla_us']:8.1f} {row['mla_gbs']:6.0f} {row['mla_of_copy']:7.2f} "
                   f"{row['mla_tflops']:7.1f} {row['mla_fp8_us']:7.1f} {row['mla_fp8_gbs']:6.0f} {row['mla_fp8_tflops']:7.1f} "
-                  f"{row['fp8_speedup']:5.2f} {separate} {row['mla_portable_us']:8.1f} {row['over_portable']:5.2f}", flush=True)
+                  f"{row['fp8_speedup']:5.2f} {separate} {row['mla_portable_us']:8.1f} {row['over_portable']:5.2f} "
+                  f"{row['mla_fp8_portable_us']:10.1f} {row['fp8_over_portable']:5.2f}", flush=True)
             write_result(result, out, "decode-mla.json", quiet=True)   # the rows so far, should a time limit stop the run
             cupy.get_default_memory_pool().free_all_blocks()
     write_result(result, out, "decode-mla.json")

@@ -10,7 +10,8 @@ With `forward`, only the 16-bit forward's calls; with `backward`, only the backw
 forward's still run to give them O and lse); with `fp8`, only the FP8 calls' (the forward's, and
 the backward's: the dequantisation, then the bf16 backward); with `head_dim_v`, only calls whose v
 has a head_dim of its own (forward and backward); with `wide`, only the forward's 512 tile (v
-blocks); with `mla`, only MLA decoding (decode_sm90.cu: TMA tiles and the zero-filled last one).
+blocks); with `mla`, only MLA decoding (decode_sm90.cu: TMA tiles and the zero-filled last one, 16-bit
+and FP8 caches).
 """
 
 # ruff: noqa: E402 - the imports follow the help guard, which must run first
@@ -166,20 +167,24 @@ if part in ("all", "mla"):
     # MLA decoding (v the view of each latent row's first 576 - 64 columns): contiguous and paged
     # (pages of 16 and 128: boxes of a page's keys, and of a tile's), unsplit and split, 128 heads x 2
     # causal tokens and 80 heads x 1 (a part-empty row block); lengths that give whole tiles (TMA),
-    # a last tile by cp.async past three tiles, a split of one partial tile, and an empty sequence.
+    # a last tile by cp.async past three tiles, a split of one partial tile, and an empty sequence;
+    # 16-bit caches and FP8 ones (e4m3 bits, a descale per sequence: the tiles expanded in place).
     for dtype in (numpy.float16, ml_dtypes.bfloat16):
-        for page in (None, 16, 128):
-            for heads, seqlen_q, splits in ((128, 2, 1), (80, 1, 3)):
-                lengths = cupy.asarray([300, 64, 0, 5], dtype=cupy.int32)
-                q = array((4, seqlen_q, heads, 576), dtype)
-                if page is None:
-                    cache, table = array((4, 320, 1, 576), dtype), None
-                else:
-                    pages = 4 * -(-320 // page)
-                    cache = array((pages, page, 1, 576), dtype)
-                    table = cupy.asarray(rng.permutation(pages).astype(numpy.int32).reshape(4, -1))
-                cupy_flash.flash_decode(q, cache, cache[..., :512], cache_seqlens=lengths, block_table=table,
-                                        causal=seqlen_q > 1, num_splits=splits)
+        for fp8 in (False, True):
+            for page in (None, 16, 128):
+                for heads, seqlen_q, splits in ((128, 2, 1), (80, 1, 3)):
+                    lengths = cupy.asarray([300, 64, 0, 5], dtype=cupy.int32)
+                    q = array((4, seqlen_q, heads, 576), dtype)
+                    rows = (4, 320) if page is None else (4 * -(-320 // page), page)
+                    cache = array(rows + (1, 576), dtype)
+                    table = None if page is None else cupy.asarray(rng.permutation(rows[0]).astype(numpy.int32).reshape(4, -1))
+                    scales = {}
+                    if fp8:
+                        cache = cupy.asarray(rng.integers(0, 0x7E, cache.shape, dtype=numpy.uint8))
+                        scales = dict(k_descale=cupy.full((4, 1), 0.5, cupy.float32),
+                                      v_descale=cupy.full((4, 1), 0.25, cupy.float32))
+                    cupy_flash.flash_decode(q, cache, cache[..., :512], cache_seqlens=lengths, block_table=table,
+                                            causal=seqlen_q > 1, num_splits=splits, **scales)
 with families.use_kernels("experimental"):
     # Repeated plain calls on new arrays: the later ones take the kept plans (launches on new
     # addresses, tensor maps encoded for them, the backward's workspace).

@@ -22,7 +22,7 @@ FORWARD_MAPS_BYTES = 4 * MAP_BYTES
 # cuda.h enums
 DATA_TYPES = {"float16": 6, "bfloat16": 9, "float32": 7, "uint8": 0}   # uint8: e4m3 bits (the FP8 forward)
 INTERLEAVE_NONE = 0
-SWIZZLE_64B, SWIZZLE_128B = 2, 3
+SWIZZLE_NONE, SWIZZLE_64B, SWIZZLE_128B = 0, 2, 3
 L2_PROMOTION_128B = 2
 OOB_FILL_ZEROS = 0   # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: elements outside the tensor read as zero
 
@@ -96,14 +96,16 @@ def map_strides(x, packed: bool) -> tuple:
     return tuple(int(s) if n > 1 else row_bytes for n, s in zip(sizes, strides))
 
 
-def attention_map_at(address: int, layout: Layout, dtype: str, rows: int, packed: bool, row_bytes: int = SWIZZLE_BYTES) -> bytes:
+def attention_map_at(address: int, layout: Layout, dtype: str, rows: int, packed: bool, row_bytes: int = SWIZZLE_BYTES,
+                     swizzled: bool = True) -> bytes:
     """The map of q, k, v or o (batch, seqlen, heads, head_dim), or packed (total, heads, head_dim), of
     ``layout`` at ``address``, as a 4-D tensor (head_dim, seqlen, heads, batch) in boxes of 128 bytes
     of head_dim (64 elements of a 16-bit type, 32 of float32: the backward's dq_accum) x ``rows``
     rows of one head: what the Hopper kernels load (or store, or add) at once. Past the tensor's
     edges (head_dim, seqlen, batch) a load reads zeros and a store or add writes nothing.
     ``row_bytes`` 64: boxes of 64 bytes, 64-byte swizzled (e4m3 at d <= 64: operand_row_elements,
-    kernels_cu/sm90_mma.cuh)."""
+    kernels_cu/sm90_mma.cuh). ``swizzled`` False: boxes laid out as they are (an FP8 MLA cache's raw
+    rows of 64 bytes: kernels_cu/decode_sm90.cu)."""
     if packed:
         total, heads, head_dim = layout.shape
         dims = (head_dim, total, heads, 1)
@@ -111,7 +113,7 @@ def attention_map_at(address: int, layout: Layout, dtype: str, rows: int, packed
         batch, seqlen, heads, head_dim = layout.shape
         dims = (head_dim, seqlen, heads, batch)
     assert layout.strides[-1] == layout.itemsize
-    swizzle = {SWIZZLE_BYTES: SWIZZLE_128B, 64: SWIZZLE_64B}[row_bytes]
+    swizzle = {SWIZZLE_BYTES: SWIZZLE_128B, 64: SWIZZLE_64B}[row_bytes] if swizzled else SWIZZLE_NONE
     return encode_tiled(dtype, address, dims, map_strides(layout, packed), (row_bytes // layout.itemsize, rows, 1, 1), swizzle)
 
 

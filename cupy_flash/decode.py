@@ -179,8 +179,12 @@ class DecodePlan(_launch.OutputAndLse):
         if self.k_map is not None:
             dtype, box_keys, layout = self.k_map
             k_at = addresses[1]
+            # 64 columns a box: 128 swizzled bytes of a 16-bit cache, 64 raw bytes of an FP8 one
+            # (decode_sm90.cu expands those itself).
+            fp8 = dtype == "uint8"
             k_map = ctypes.create_string_buffer(_launch.cached(self._k_maps, k_at, lambda: _tma.attention_map_at(
-                k_at, layout, dtype, box_keys, packed=False)), _tma.MAP_BYTES)
+                k_at, layout, dtype, box_keys, packed=False, row_bytes=_tma.SWIZZLE_BYTES // (2 if fp8 else 1),
+                swizzled=not fp8)), _tma.MAP_BYTES)
         return _launch.Packed(tuple((launch.kernel, launch.grid, launch.threads, launch.smem,
                                      (record,) if launch.maps is None else (k_map, record), launch.early)
                                     for launch in self.launches), stream,
@@ -253,7 +257,7 @@ def decode_plan(q, k, v, shape, scale, variant, num_splits=None, *, cache=None) 
     k_map = None
     if mla_sm90:
         page_size = None if cache.get("block_table") is None else 1 << cache["page_shift"]
-        k_map = (shape.dtype, family.mla_sm90_box_keys(page_size), _tma.layout_of(k))
+        k_map = ("uint8" if variant.fp8_cache else shape.dtype, family.mla_sm90_box_keys(page_size), _tma.layout_of(k))
     record = PointerRecord(params, {name: name for name in _NAMES if name in arrays and arrays[name] is not None})
     held = tuple(x for x in variant.device_arrays() if x is not None)
     plain = all(arrays.get(name) is None for name in ("block_table", "k_new", "v_new", "k_descale", "v_descale"))

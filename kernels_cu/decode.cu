@@ -343,17 +343,6 @@ __device__ __forceinline__ void convert_fp8_rows(fa_f16* dst, const unsigned cha
     }
 }
 
-// The products' type of a decode block: T, but fp16 for bf16 calls on an FP8 cache, whose tiles then
-// convert in one instruction a pair (through float32 to bf16 they took four, and the conversion is
-// the FP8 path's serial work: docs/decisions.md, Decoding); Q's rows are scaled into fp16's
-// range first (scale_q_rows_to_f16).
-template <typename T, bool FP8_CACHE> struct DecodeProducts { using type = T; static constexpr bool q_to_f16 = false; };
-template <> struct DecodeProducts<fa_bf16, true> { using type = fa_f16; static constexpr bool q_to_f16 = true; };
-// (An FP8 cache's products are fp16 for either dtype: the converted stage is fa_f16.)
-
-// 2^n, exactly, for |n| <= 126.
-__device__ __forceinline__ float power_of_two(int n) { return __uint_as_float((unsigned)(127 + n) << 23); }
-
 // The block's bf16 Q rows (in shared memory) into fp16 in place, row r times 2^s_r with s_r putting
 // its largest magnitude at [2^14, 2^15) (exact but below 2^-10 of it, where fp16 turns
 // subnormal); row_unscale[r] = 2^-s_r, which the scores take back. Warp w: rows 4w .. 4w + 3.

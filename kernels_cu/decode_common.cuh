@@ -134,3 +134,14 @@ __device__ __forceinline__ void store_row_pair(const FlashParams& p, int split, 
         *reinterpret_cast<unsigned int*>(dst) = Mma<T>::pack(x, y);
     }
 }
+
+// The products' type of a decode block: T, but fp16 for bf16 calls on an FP8 cache, whose tiles then
+// convert in one instruction a pair (through float32 to bf16 they took four, and the conversion is
+// the FP8 path's serial work: docs/decisions.md, Decoding); Q's rows are scaled into fp16's
+// range first (scale_q_rows_to_f16).
+template <typename T, bool FP8_CACHE> struct DecodeProducts { using type = T; static constexpr bool q_to_f16 = false; };
+template <> struct DecodeProducts<fa_bf16, true> { using type = fa_f16; static constexpr bool q_to_f16 = true; };
+// (An FP8 cache's products are fp16 for either dtype: the converted stage is fa_f16.)
+
+// 2^n, exactly, for |n| <= 126.
+__device__ __forceinline__ float power_of_two(int n) { return __uint_as_float((unsigned)(127 + n) << 23); }

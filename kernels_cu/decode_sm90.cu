@@ -1,5 +1,5 @@
 // MLA decoding on Hopper (sm_90a, wgmma): DeepSeek's latent cache (k rows of MLA_SM90_D_TILE = 576
-// columns, v the first head_dim_v <= 512 of each, one K/V head), 16-bit caches.
+// columns, v the first head_dim_v <= 512 of each, one K/V head), 16-bit or FP8 (e4m3) caches.
 //
 //   flash_mla_decode_sm90_kernel  one block per (split, 64 rows, batch, K/V head), as
 //                                 flash_mla_decode_kernel's grid (decode.cu), so the plan, the
@@ -29,9 +29,17 @@
 // below; both waiting, from the two warpgroups' different code, is what compute-sanitizer's
 // synccheck calls divergent). V is the tile's first 512 columns, read N-major. Tiles are 128-byte
 // swizzled [rows][64 columns] chunks (sm90_mma.cuh), as TMA's 128-byte swizzle writes them.
+//
+// An FP8 cache (FP8_CACHE: e4m3 rows, a descale per (sequence, K/V head)): the products run in fp16
+// (DecodeProducts; a bf16 Q's rows scaled into fp16's range by warpgroup 1 once Q lands). A tile's
+// raw rows land unswizzled, chunk-major ([9 chunks][64 keys][64 bytes]), in the upper half of its
+// 16-bit stage, and warpgroup 1 expands them in place into the swizzled fp16 tile (exact: every
+// e4m3 value is an fp16) one tile ahead of its own P V, handing each over on the stage's
+// `converted` mbarrier. k's descale multiplies the scores, v's the output.
 
 #include "common.cuh"
 #include "decode_common.cuh"
+#include "fp8_values.cuh"
 #include "tensor_core.cuh"
 #include "sm90_mma.cuh"
 #include "sm90_wgmma_ops.cuh"
@@ -54,6 +62,14 @@ struct MlaSm90Shape {
     static constexpr int SYNC_Q_READY = 1;     // Q and the first two tiles' cp.async copies landed
     static constexpr int SYNC_TILE_FULL = 2;   // the last tile's cp.async copies landed (the third tile on)
     static constexpr int SYNC_STAGE_FREE = 3;  // warpgroup 0's products have read a stage
+    static constexpr int SYNC_COPIER = 4;      // warpgroup 1 alone (an FP8 tile's expansion)
+    // An FP8 tile's raw rows in its 16-bit stage: chunk c (64 bytes of each of the 64 keys) at
+    // RAW_OFFSET + c * RAW_CHUNK_BYTES. Expanding chunks 0-3 writes below RAW_OFFSET; chunks 4-8 are
+    // read whole before any of their fp16 chunks (which overlap raw chunks 0-8) is written.
+    static constexpr int RAW_CHUNK_BYTES = KEYS * SWIZZLE_ROW_ELEMENTS;
+    static constexpr int RAW_OFFSET = CHUNKS * CHUNK_BYTES - CHUNKS * RAW_CHUNK_BYTES;
+    static constexpr int RAW_FIRST_CHUNKS = 4;   // expanded straight through: 4 x CHUNK_BYTES <= RAW_OFFSET
+    static_assert(RAW_FIRST_CHUNKS * CHUNK_BYTES <= RAW_OFFSET, "the first chunks' fp16 rows below the raw ones");
     static_assert(THREADS == 256 && KEYS == ROWS, "two warpgroups; Q and key chunks of the same shape");
     static_assert(16 * MLA_DECODE_ROW_TILES == ROWS, "flash_mla_decode_kernel's grid (decode.py counts its blocks)");
     static_assert(D_TILE % SWIZZLE_ROW_ELEMENTS == 0 && GROUP_COLUMNS % SWIZZLE_ROW_ELEMENTS == 0, "whole chunks");
@@ -68,6 +84,8 @@ struct MlaSm90Shape {
         unsigned long long tile_full[2];   // per stage: its TMA copies landed
         unsigned long long p_full;         // a tile's P and factors written (warpgroup 0's 128 arrivals)
         unsigned long long p_empty;        // ... and read (warpgroup 1's 128 arrivals)
+        unsigned long long converted[2];   // FP8 cache: per stage, its tile expanded (warpgroup 1's 128 arrivals)
+        float row_unscale[ROWS];           // FP8 cache, bf16 Q: 2^-s of each row scaled into fp16's range
     };
 };
 
@@ -76,21 +94,36 @@ struct MlaSm90Shape {
 template <typename T>
 __device__ const unsigned int mla_decode_sm90_smem_bytes = sizeof(MlaSm90Shape::Storage<T>) + SWIZZLE_ATOM_BYTES;
 
-// 16-byte chunk `c` (of CHUNKS x 8) of row r of a swizzled [CHUNKS][64 rows][64] tile, as a shared
-// address.
-__device__ __forceinline__ unsigned int mla_chunk_address(unsigned int tile, int r, int c) {
-    return tile + (unsigned int)(c >> 3) * MlaSm90Shape::CHUNK_BYTES + swizzled_offset(r, (c & 7) * 8);
+// Byte offset of 16-byte chunk `c` (of CHUNKS x 8) of row r in a swizzled [CHUNKS][64 rows][64] tile.
+__device__ __forceinline__ unsigned int mla_chunk_offset(int r, int c) {
+    return (unsigned int)(c >> 3) * MlaSm90Shape::CHUNK_BYTES + swizzled_offset(r, (c & 7) * 8);
 }
 
-template <typename T, bool IS_CAUSAL>
+// The same chunk as a shared address.
+__device__ __forceinline__ unsigned int mla_chunk_address(unsigned int tile, int r, int c) {
+    return tile + mla_chunk_offset(r, c);
+}
+
+// 16 e4m3 values as 16 fp16, exactly: two 16-byte chunks.
+__device__ __forceinline__ void e4m3x16_to_f16(const uint4& bytes, uint4& lo, uint4& hi) {
+    lo = make_uint4(e4m3x2_to_f16x2(bytes.x), e4m3x2_to_f16x2(bytes.x >> 16), e4m3x2_to_f16x2(bytes.y),
+                    e4m3x2_to_f16x2(bytes.y >> 16));
+    hi = make_uint4(e4m3x2_to_f16x2(bytes.z), e4m3x2_to_f16x2(bytes.z >> 16), e4m3x2_to_f16x2(bytes.w),
+                    e4m3x2_to_f16x2(bytes.w >> 16));
+}
+
+template <typename T, bool IS_CAUSAL, bool FP8_CACHE>
 __global__ void __launch_bounds__(MLA_SM90_THREADS, 1)
 flash_mla_decode_sm90_kernel(const __grid_constant__ TensorMap k_map, const FlashParams p) {
     using Shape = MlaSm90Shape;
+    // The products' type: T, or fp16 on an FP8 cache (DecodeProducts).
+    using CT = typename DecodeProducts<T, FP8_CACHE>::type;
+    constexpr bool Q_TO_F16 = DecodeProducts<T, FP8_CACHE>::q_to_f16;
     constexpr int ROWS = Shape::ROWS, KEYS = Shape::KEYS, D_TILE = Shape::D_TILE, CHUNKS = Shape::CHUNKS;
     constexpr int GROUP_COLUMNS = Shape::GROUP_COLUMNS, CHUNK_BYTES = Shape::CHUNK_BYTES, THREADS = Shape::THREADS;
     constexpr int SYNC_Q_READY = Shape::SYNC_Q_READY, SYNC_TILE_FULL = Shape::SYNC_TILE_FULL;
-    constexpr int SYNC_STAGE_FREE = Shape::SYNC_STAGE_FREE;
-    using Tile = Shape::Storage<T>;
+    constexpr int SYNC_STAGE_FREE = Shape::SYNC_STAGE_FREE, SYNC_COPIER = Shape::SYNC_COPIER;
+    using Tile = Shape::Storage<CT>;
     static_assert(sizeof(Tile) + SWIZZLE_ATOM_BYTES <= SM90_BLOCK_SMEM_BYTES, "shared memory of one sm_90 block");
     require_dynamic_smem(sizeof(Tile) + SWIZZLE_ATOM_BYTES);
     extern __shared__ unsigned char smem_raw[];
@@ -108,6 +141,10 @@ flash_mla_decode_sm90_kernel(const __grid_constant__ TensorMap k_map, const Flas
         barrier_init(smem_addr(&smem.tile_full[1]), 1);
         barrier_init(smem_addr(&smem.p_full), 128);
         barrier_init(smem_addr(&smem.p_empty), 128);
+        if (FP8_CACHE) {
+            barrier_init(smem_addr(&smem.converted[0]), 128);
+            barrier_init(smem_addr(&smem.converted[1]), 128);
+        }
         barrier_init_fence();
     }
     __syncthreads();
@@ -131,6 +168,12 @@ flash_mla_decode_sm90_kernel(const __grid_constant__ TensorMap k_map, const Flas
     // last) by cp.async.
     auto whole = [&](int i) { return first_tile + (i + 1) * KEYS <= key_end; };
     auto tile_parity = [&](int i) { return (unsigned int)((i >> 1) & 1); };
+    float k_scale = 1.f, v_scale = 1.f;   // an FP8 cache's descales of this sequence's K/V head
+    if constexpr (FP8_CACHE) {
+        const long long at = b * (p.heads / p.group) + kv_head;   // (batch, heads_kv)
+        k_scale = p.k_descale[at];
+        v_scale = p.v_descale[at];
+    }
 
     float o[GROUP_COLUMNS / 2];   // this warpgroup's O columns
 #pragma unroll
@@ -147,6 +190,12 @@ flash_mla_decode_sm90_kernel(const __grid_constant__ TensorMap k_map, const Flas
         float s[KEYS / 2];
         unsigned int pa[KEYS / 16][4];
         if (tiles > 0) named_barrier_sync(SYNC_Q_READY, THREADS);
+        // FP8 cache: the scores' factors of this thread's rows (k's descale; a bf16 Q's row scales).
+        float score_factor[2] = {k_scale, k_scale};
+        if constexpr (Q_TO_F16) {
+            score_factor[0] *= smem.row_unscale[local_row];
+            score_factor[1] *= smem.row_unscale[local_row + 8];
+        }
 #pragma unroll 1
         for (int i = 0; i < tiles; ++i) {
             const int stage = i & 1, tile_start = first_tile + i * KEYS;
@@ -155,13 +204,18 @@ flash_mla_decode_sm90_kernel(const __grid_constant__ TensorMap k_map, const Flas
             warpgroup_wait<0>();
             hold_registers(o);
             if (i >= 1 && i + 1 < tiles) named_barrier_arrive(SYNC_STAGE_FREE, THREADS);   // tile i - 1's stage
-            if (whole(i)) barrier_wait(smem_addr(&smem.tile_full[stage]), tile_parity(i));
+            if (FP8_CACHE) barrier_wait(smem_addr(&smem.converted[stage]), tile_parity(i));
+            else if (whole(i)) barrier_wait(smem_addr(&smem.tile_full[stage]), tile_parity(i));
             else if (i >= 2) named_barrier_sync(SYNC_TILE_FULL, THREADS);
             warpgroup_arrive();
-            mma_k_major<T, KEYS, D_TILE>(s, q_tile, CHUNK_BYTES, stage_tile(stage), CHUNK_BYTES);
+            mma_k_major<CT, KEYS, D_TILE>(s, q_tile, CHUNK_BYTES, stage_tile(stage), CHUNK_BYTES);
             warpgroup_commit();
             warpgroup_wait<0>();
             hold_registers(s);
+            if constexpr (FP8_CACHE) {
+#pragma unroll
+                for (int j = 0; j < KEYS / 2; ++j) s[j] *= score_factor[accumulator_half(j)];
+            }
 
             // The mask (the split's keys, the causal band) and the rows' maxima over the tile.
             float tile_max[2] = {FLASH_NEG_INF, FLASH_NEG_INF};
@@ -202,7 +256,7 @@ flash_mla_decode_sm90_kernel(const __grid_constant__ TensorMap k_map, const Flas
                 }
                 row_sum[half] = row_sum[half] * (half ? rescale.y : rescale.x) + sum;
             }
-            accumulator_to_a<T, KEYS>(pa, s);
+            accumulator_to_a<CT, KEYS>(pa, s);
 
             // P and the factors for warpgroup 1, once its products have read the last ones: pa[kk]
             // is four 8 x 8 tiles, (rows + 0, + 8) x (keys 16kk, 16kk + 8); stmatrix writes tile
@@ -227,7 +281,7 @@ flash_mla_decode_sm90_kernel(const __grid_constant__ TensorMap k_map, const Flas
             warpgroup_arrive();
 #pragma unroll
             for (int kk = 0; kk < KEYS / 16; ++kk)
-                Wgmma<T, GROUP_COLUMNS>::template rs<1>(o, pa[kk], advance_descriptor(v_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
+                Wgmma<CT, GROUP_COLUMNS>::template rs<1>(o, pa[kk], advance_descriptor(v_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
             warpgroup_commit();
         }
         warpgroup_wait<0>();
@@ -240,7 +294,7 @@ flash_mla_decode_sm90_kernel(const __grid_constant__ TensorMap k_map, const Flas
             row_sum[half] += __shfl_xor_sync(0xffffffffu, row_sum[half], 1);
             row_sum[half] += __shfl_xor_sync(0xffffffffu, row_sum[half], 2);
             const float2 lse_inv = finish_row<0>(p, row_head[half], row_max[half], row_max_scaled[half], row_sum[half]);
-            row_inv[half] = lse_inv.y;
+            row_inv[half] = lse_inv.y * v_scale;   // (v_scale 1 but for an FP8 cache)
             if (t == 0 && local_row + 8 * half < row_count) store_row_lse(p, split, b, row_head[half], row_token[half], lse_inv.x);
         }
         if (tiles > 0) barrier_wait(smem_addr(&smem.p_empty), (unsigned int)((tiles - 1) & 1));
@@ -273,11 +327,12 @@ flash_mla_decode_sm90_kernel(const __grid_constant__ TensorMap k_map, const Flas
         // Keys of one TMA box: 64, or a page's where pages are shorter (cupy_flash/decode.py encodes
         // k_map's box so).
         const int box_keys = p.block_table != nullptr ? min(KEYS, 1 << p.page_shift) : KEYS;
-        // One thread's TMA copies of whole tile i into its stage.
+        // One thread's TMA copies of whole tile i into its stage (an FP8 tile's raw rows into the
+        // stage's upper half, chunk-major, unswizzled: k_map's boxes are 64 bytes wide).
         auto issue_tma = [&](int i) {
             const int stage = i & 1;
             const unsigned int dst = stage_tile(stage), bar = smem_addr(&smem.tile_full[stage]);
-            barrier_arrive_expect(bar, KEYS * D_TILE * (unsigned int)sizeof(T));
+            barrier_arrive_expect(bar, KEYS * D_TILE * (FP8_CACHE ? 1u : (unsigned int)sizeof(T)));
             for (int box = 0; box < KEYS; box += box_keys) {
                 const int key = first_tile + i * KEYS + box;
                 int row = key, outer = (int)b;   // a contiguous cache: (key, batch)
@@ -286,9 +341,11 @@ flash_mla_decode_sm90_kernel(const __grid_constant__ TensorMap k_map, const Flas
                     row = key & ((1 << p.page_shift) - 1);
                 }
 #pragma unroll
-                for (int c = 0; c < CHUNKS; ++c)
-                    tma_load_4d(dst + c * CHUNK_BYTES + box * 128, &k_map, bar, c * SWIZZLE_ROW_ELEMENTS, row, (int)kv_head,
-                                outer);
+                for (int c = 0; c < CHUNKS; ++c) {
+                    const unsigned int chunk = FP8_CACHE ? dst + Shape::RAW_OFFSET + c * Shape::RAW_CHUNK_BYTES + box * SWIZZLE_ROW_ELEMENTS
+                                                         : dst + c * CHUNK_BYTES + box * 128;
+                    tma_load_4d(chunk, &k_map, bar, c * SWIZZLE_ROW_ELEMENTS, row, (int)kv_head, outer);
+                }
             }
         };
         // Tile i into its stage: whole, by TMA (one thread); else every thread's cp.async copies
@@ -301,18 +358,73 @@ flash_mla_decode_sm90_kernel(const __grid_constant__ TensorMap k_map, const Flas
                 __syncwarp();   // the warp whole again before its next barrier
                 return;
             }
+            if constexpr (FP8_CACHE) {   // raw rows as TMA lays them out: thread part c takes 16-byte units c, c + 4, ...
+                const unsigned char* k8 = static_cast<const unsigned char*>(p.k);
+                const unsigned int raw = dst + Shape::RAW_OFFSET;
 #pragma unroll
-            for (int pass = 0; pass < KEYS / 32; ++pass) {
-                const int r = copy_row + 32 * pass, key = tile_start + r;
-                const bool key_valid = key < key_end;
-                const T* src = k + (key_valid ? cache_offset(p, p.k_strides, b, key, kv_head) : 0);
+                for (int pass = 0; pass < KEYS / 32; ++pass) {
+                    const int r = copy_row + 32 * pass, key = tile_start + r;
+                    const bool key_valid = key < key_end;
+                    const unsigned char* src = k8 + (key_valid ? cache_offset(p, p.k_strides, b, key, kv_head) : 0);
 #pragma unroll
-                for (int m = 0; m < ROW_CHUNKS / 4; ++m) {
-                    const int c = copy_part + 4 * m;
-                    const bool ok = key_valid && 8 * c < head_dim;
-                    cp_async_16_once(mla_chunk_address(dst, r, c), src + (ok ? 8 * c : 0), ok, read_once);
+                    for (int m = 0; m < D_TILE / 64; ++m) {
+                        const int u = copy_part + 4 * m;
+                        const bool ok = key_valid && 16 * u < head_dim;
+                        cp_async_16_once(raw + (u >> 2) * Shape::RAW_CHUNK_BYTES + r * SWIZZLE_ROW_ELEMENTS + (u & 3) * 16,
+                                         src + (ok ? 16 * u : 0), ok, read_once);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int pass = 0; pass < KEYS / 32; ++pass) {
+                    const int r = copy_row + 32 * pass, key = tile_start + r;
+                    const bool key_valid = key < key_end;
+                    const T* src = k + (key_valid ? cache_offset(p, p.k_strides, b, key, kv_head) : 0);
+#pragma unroll
+                    for (int m = 0; m < ROW_CHUNKS / 4; ++m) {
+                        const int c = copy_part + 4 * m;
+                        const bool ok = key_valid && 8 * c < head_dim;
+                        cp_async_16_once(mla_chunk_address(dst, r, c), src + (ok ? 8 * c : 0), ok, read_once);
+                    }
                 }
             }
+        };
+        // FP8 cache: tile i's raw rows expanded in place into the stage's fp16 tile, for both
+        // warpgroups' products (`converted`). Unit (thread + 128 m) of the raw tile: chunk m / 2,
+        // key thread / 4 + 32 (m % 2), 16 bytes at thread % 4; units of chunks 0 to RAW_FIRST_CHUNKS
+        // - 1 are expanded as read, the rest all read before any is written (Shape::RAW_OFFSET).
+        auto convert_tile = [&](int i) {
+            const int stage = i & 1;
+            if (whole(i)) {
+                barrier_wait(smem_addr(&smem.tile_full[stage]), tile_parity(i));
+            } else {   // the copies of every thread of this warpgroup
+                cp_async_wait<0>();
+                named_barrier_sync(SYNC_COPIER, 128);
+            }
+            unsigned char* tile = reinterpret_cast<unsigned char*>(&smem.k[stage][0][0][0]);
+            const int key = thread / 4, unit = thread % 4;
+            auto raw_unit = [&](int m) {
+                return *reinterpret_cast<const uint4*>(tile + Shape::RAW_OFFSET + (m >> 1) * Shape::RAW_CHUNK_BYTES +
+                                                       (key + 32 * (m & 1)) * SWIZZLE_ROW_ELEMENTS + unit * 16);
+            };
+            auto store_unit = [&](int m, const uint4& bytes) {
+                uint4 lo, hi;
+                e4m3x16_to_f16(bytes, lo, hi);
+                const int r = key + 32 * (m & 1), c = (m >> 1) * 8 + 2 * unit;   // c: the fp16 row's 16-byte chunk
+                *reinterpret_cast<uint4*>(tile + mla_chunk_offset(r, c)) = lo;
+                *reinterpret_cast<uint4*>(tile + mla_chunk_offset(r, c + 1)) = hi;
+            };
+            constexpr int FIRST_UNITS = 2 * Shape::RAW_FIRST_CHUNKS, UNITS = 2 * CHUNKS;
+#pragma unroll
+            for (int m = 0; m < FIRST_UNITS; ++m) store_unit(m, raw_unit(m));
+            uint4 held[UNITS - FIRST_UNITS];
+#pragma unroll
+            for (int m = FIRST_UNITS; m < UNITS; ++m) held[m - FIRST_UNITS] = raw_unit(m);
+            named_barrier_sync(SYNC_COPIER, 128);
+#pragma unroll
+            for (int m = FIRST_UNITS; m < UNITS; ++m) store_unit(m, held[m - FIRST_UNITS]);
+            fence_async_shared();   // the generic writes, before the products' async-proxy reads
+            barrier_arrive(smem_addr(&smem.converted[stage]));
         };
         // Q and a cp.async tile among the first two landed for this thread, visible to wgmma, then
         // for warpgroup 0.
@@ -320,23 +432,60 @@ flash_mla_decode_sm90_kernel(const __grid_constant__ TensorMap k_map, const Flas
         if (tiles > 1) load_tile(1);
         cp_async_commit();
         cp_async_wait<0>();
+        if constexpr (Q_TO_F16) {   // this thread's Q chunks into fp16, each row times 2^s (scale_q_rows_to_f16)
+            unsigned char* q_bytes = reinterpret_cast<unsigned char*>(&smem.q[0][0][0]);
+#pragma unroll 1
+            for (int pass = 0; pass < ROWS / 32; ++pass) {
+                const int r = copy_row + 32 * pass;
+                float largest = 0.f;
+#pragma unroll
+                for (int m = 0; m < ROW_CHUNKS / 4; ++m) {
+                    const uint4 v = *reinterpret_cast<const uint4*>(q_bytes + mla_chunk_offset(r, copy_part + 4 * m));
+                    const unsigned int words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        largest = fmaxf(largest, fmaxf(fabsf(__uint_as_float(words[e] << 16)),
+                                                       fabsf(__uint_as_float(words[e] & 0xffff0000u))));
+                }
+                largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 1));   // the row's 4 threads
+                largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 2));
+                const int exponent = largest > 0.f ? (int)((__float_as_uint(largest) >> 23) & 0xffu) - 127 : 14;
+                const int shift = 14 - exponent, first = shift / 2, second = shift - first;
+                const float scale_first = power_of_two(first), scale_second = power_of_two(second);
+                auto f16x2 = [&](unsigned int w) {
+                    const float lo = __uint_as_float(w << 16) * scale_first * scale_second;
+                    const float hi = __uint_as_float(w & 0xffff0000u) * scale_first * scale_second;
+                    return (unsigned int)from_float<fa_f16>(lo).bits | ((unsigned int)from_float<fa_f16>(hi).bits << 16);
+                };
+#pragma unroll
+                for (int m = 0; m < ROW_CHUNKS / 4; ++m) {
+                    uint4* chunk = reinterpret_cast<uint4*>(q_bytes + mla_chunk_offset(r, copy_part + 4 * m));
+                    const uint4 v = *chunk;
+                    *chunk = make_uint4(f16x2(v.x), f16x2(v.y), f16x2(v.z), f16x2(v.w));
+                }
+                if (copy_part == 0) smem.row_unscale[r] = power_of_two(-first) * power_of_two(-second);
+            }
+        }
         fence_async_shared();
         if (tiles > 0) named_barrier_arrive(SYNC_Q_READY, THREADS);
+        if (FP8_CACHE && tiles > 0) convert_tile(0);
         const unsigned long long p_desc = k_major_descriptor(p_tile);
 #pragma unroll 1
         for (int i = 0; i < tiles; ++i) {
             const int stage = i & 1;
+            if (FP8_CACHE && i + 1 < tiles) convert_tile(i + 1);   // while warpgroup 0 scores tile i
             barrier_wait(smem_addr(&smem.p_full), (unsigned int)(i & 1));
-            if (whole(i)) barrier_wait(smem_addr(&smem.tile_full[stage]), tile_parity(i));
+            if (FP8_CACHE) barrier_wait(smem_addr(&smem.converted[stage]), tile_parity(i));
+            else if (whole(i)) barrier_wait(smem_addr(&smem.tile_full[stage]), tile_parity(i));
             if (smem.moved[warp]) rescale_rows(o, make_float2(smem.row_scale[local_row], smem.row_scale[local_row + 8]));
             const unsigned long long v_desc = n_major_descriptor(stage_tile(stage) + v_offset, CHUNK_BYTES);
             warpgroup_arrive();
 #pragma unroll
             for (int kk = 0; kk < KEYS / 16; ++kk)
-                Wgmma<T, GROUP_COLUMNS>::template ss<1>(o, advance_descriptor(p_desc, kk * 32),
+                Wgmma<CT, GROUP_COLUMNS>::template ss<1>(o, advance_descriptor(p_desc, kk * 32),
                                                         advance_descriptor(v_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
             warpgroup_commit();
-            if (i + 1 >= 2 && i + 1 < tiles && !whole(i + 1)) {   // the last tile's cp.async copies, while the products run
+            if (!FP8_CACHE && i + 1 >= 2 && i + 1 < tiles && !whole(i + 1)) {   // the last tile's cp.async copies, while the products run
                 cp_async_wait<0>();
                 fence_async_shared();
                 named_barrier_arrive(SYNC_TILE_FULL, THREADS);

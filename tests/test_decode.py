@@ -182,9 +182,9 @@ def test_combine_launch_slices_wide_rows():
 
 
 def test_mla_sm90_dispatch():
-    """The Hopper MLA kernel takes 16-bit caches of MLA's tile on compute capability 9.0 whose k a
-    tensor map can read, unless the kernels setting is "portable"; its TMA boxes hold a tile's keys
-    or a page's where pages are shorter."""
+    """The Hopper MLA kernel takes 16-bit and FP8 caches of MLA's tile on compute capability 9.0
+    whose k a tensor map can read, unless the kernels setting is "portable"; its TMA boxes hold a
+    tile's keys or a page's where pages are shorter."""
     from types import SimpleNamespace
 
     from cupy_flash import _traits, families
@@ -196,7 +196,8 @@ def test_mla_sm90_dispatch():
     assert family.uses_mla_sm90(h100, shape, bf16, True, "auto")
     assert not family.uses_mla_sm90(h100, shape, bf16, False, "auto")         # k not TMA-readable
     assert not family.uses_mla_sm90(h100, shape, bf16, True, "portable")
-    assert not family.uses_mla_sm90(h100, shape, fp8, True, "auto")           # FP8: the mma.sync kernel
+    assert family.uses_mla_sm90(h100, shape, fp8, True, "auto")
+    assert not family.uses_mla_sm90(h100, shape, fp8, True, "portable")
     assert not family.uses_mla_sm90(a100, shape, bf16, True, "auto")
     assert not family.uses_mla_sm90(h100, SimpleNamespace(tile=512), bf16, True, "auto")
     assert [family.mla_sm90_box_keys(page) for page in (None, 16, 32, 64, 256)] == [64, 16, 32, 64, 64]
@@ -613,7 +614,7 @@ def check_mla_call(p, path: str, monkeypatch):
     with families.use_kernels(path):
         with poisoned_allocations():
             o, lse = cupy_flash.flash_decode(q, k_cache, v_cache, num_splits=num_splits, causal=causal, **cache)
-        hopper = path != "portable" and not p["fp8"] and families.current_device().compute_capability == 90
+        hopper = path != "portable" and families.current_device().compute_capability == 90
         kernel = "flash_mla_decode_sm90_kernel<" if hopper else "flash_mla_decode_kernel<"
         assert any(name.startswith(kernel) for name in launched), (kernel, launched)
         # v_cache=None with head_dim_v (what JAX passes) is the same call, bit for bit, cache included.

@@ -50,27 +50,29 @@ def mla_kernel(spec: ModuleSpec, causal: bool) -> str:
 MLA_SM90_TARGET = "sm90a"
 
 
-def mla_sm90_module_spec(dtype: str) -> ModuleSpec:
-    """The Hopper MLA kernels (decode_sm90.cu) of a 16-bit dtype, causal and not, and the device
-    variable holding their dynamic shared memory (sizeof their storage, stated in CUDA only)."""
-    spec = ModuleSpec("decode_sm90", dtype, _traits.MLA_SM90_D_TILE, MLA_SM90_TARGET)
-    return spec_with(spec, [template("flash_mla_decode_sm90_kernel", spec.ctype, causal) for causal in (False, True)],
+def mla_sm90_module_spec(dtype: str, fp8_cache: bool = False) -> ModuleSpec:
+    """The Hopper MLA kernels (decode_sm90.cu) of a 16-bit dtype, causal and not, on a cache of that
+    dtype or (``fp8_cache``) of e4m3 bits, and the device variable holding their dynamic shared
+    memory (sizeof their storage, stated in CUDA only; the same for every 16-bit product type)."""
+    spec = ModuleSpec("decode_sm90", dtype, _traits.MLA_SM90_D_TILE, MLA_SM90_TARGET,
+                      features=_features.FEATURE_FP8_CACHE if fp8_cache else 0)
+    return spec_with(spec, [template("flash_mla_decode_sm90_kernel", spec.ctype, causal, fp8_cache) for causal in (False, True)],
                      [template("&mla_decode_sm90_smem_bytes", spec.ctype)])
 
 
 def uses_mla_sm90(device, shape, variant, k_tma: bool, setting: str | None = None) -> bool:
     """Whether an MLA call (uses_mla_kernel) runs the Hopper kernel: compute capability 9.0 (whose
-    blocks take its shared memory: the kernel's static_assert), a 16-bit cache of MLA's tile that
-    TMA can read (``k_tma``: _tma.maps_supported), the kernels setting not "portable"."""
+    blocks take its shared memory: the kernel's static_assert), a 16-bit or FP8 cache of MLA's tile
+    that TMA can read (``k_tma``: _tma.maps_supported), the kernels setting not "portable"."""
     setting = kernels_setting() if setting is None else setting
-    return (setting != "portable" and device.compute_capability == 90 and not variant.fp8_cache and k_tma
-            and shape.tile == _traits.MLA_SM90_D_TILE)
+    return setting != "portable" and device.compute_capability == 90 and k_tma and shape.tile == _traits.MLA_SM90_D_TILE
 
 
 def mla_sm90_box_keys(page_size: int | None) -> int:
     """Keys of one box of the Hopper MLA kernel's k tensor map: a tile's, or a page's where pages
     are shorter (decode_sm90.cu reads the same)."""
     return _traits.MLA_SM90_KEYS if page_size is None else min(_traits.MLA_SM90_KEYS, page_size)
+
 
 
 def uses_mla_kernel(device, shape, variant, v_in_k: bool) -> bool:
@@ -145,7 +147,7 @@ def decode_launches(device, shape, variant, grid: int, num_splits: int, new_rows
     spec = module_spec(shape.dtype, shape.tile, variant.flags)
     maps = None
     if mla_sm90:
-        spec = mla_sm90_module_spec(shape.dtype)
+        spec = mla_sm90_module_spec(shape.dtype, variant.fp8_cache)
         smem, threads, name = device_value(spec, spec.variables[0]), _traits.MLA_SM90_THREADS, spec.kernels[variant.causal]
         maps = 0
     elif mla:
@@ -170,7 +172,7 @@ def module_specs(dtype: str, features) -> list:
     also reading an FP8 cache (FEATURE_FP8_CACHE), and the Hopper MLA kernels."""
     specs = [module_spec(dtype)]
     if dtype in TENSOR_CORE_DTYPES:
-        specs.append(mla_sm90_module_spec(dtype))
+        specs += [mla_sm90_module_spec(dtype, fp8) for fp8 in (False, True)]
         specs += [module_spec(dtype, tile, flags | (_features.FEATURE_CACHE_INDEX if flags else 0) | fp8)
                   for tile in _traits.HEAD_DIM_TILES + _traits.DECODE_ONLY_TILES for flags in features
                   for fp8 in (0, _features.FEATURE_FP8_CACHE)]
