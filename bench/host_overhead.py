@@ -235,10 +235,9 @@ def jax_rows(dtype_name, baseline=None):
 
 
 def profile(dtype):
-    q, k, v, do = (random(SHAPE, dtype, s) for s in range(4))
-    o, lse = cupy_flash.flash_forward(q, k, v, causal=True)
-    for label, call in (("flash_forward", lambda: cupy_flash.flash_forward(q, k, v, causal=True)),
-                        ("flash_backward", lambda: cupy_flash.flash_backward(do, q, k, v, o, lse, causal=True))):
+    for label, call in direct_calls(cupy_flash, dtype, 0, "").items():
+        for _ in range(5):   # warm: plans made, graphs captured
+            call()
         recorder = cProfile.Profile()
         recorder.enable()
         for _ in range(300):
