@@ -487,7 +487,8 @@ def shard_map(function, mesh, in_specs, out_specs):
     raise RuntimeError("no shard_map signature fits this JAX")
 
 
-def ring_attention(q, k, v, axis_name, *, causal=False, softmax_scale=None, deterministic=False):
+def ring_attention(q, k, v, axis_name, *, causal=False, softmax_scale=None, deterministic=False, window_size=None,
+                   softcap=0.0):
     """Exact attention over a sequence sharded along the mesh axis ``axis_name``, called inside
     ``jax.shard_map`` with q, k, v the rank's shard (batch, local_seqlen, heads, head_dim) and the
     sequence axis split over ``axis_name``; returns o of the shard's rows. The ring of
@@ -497,11 +498,18 @@ def ring_attention(q, k, v, axis_name, *, causal=False, softmax_scale=None, dete
     accumulators that arrive home summed; dQ stays local. With ``causal`` the shards must be in
     zigzag order (``distributed.zigzag_indices(seqlen, world)`` permutes the full sequence so that
     the mesh's contiguous split gives each rank chunks r and 2P - 1 - r), so that every rank does
-    the same work at every step (``distributed.ring_blocks``); local_seqlen is then even."""
+    the same work at every step (``distributed.ring_blocks``); local_seqlen is then even.
+    ``softcap`` caps every block's logits; ``window_size`` = (left, right) is a band over global
+    positions, as flash_forward's: shards in zigzag order too, and each step runs the blocks of its
+    chunk pairs that the band reaches (``distributed.ring_blocks``, chosen per rank by
+    ``jax.lax.switch``), so a step the band misses runs nothing."""
     static = _checks.check_traced_call("ring_attention (JAX)", q, k, v,
-                                       dict(softmax_scale=softmax_scale, causal=causal, deterministic=deterministic))
-    if dict(static)["causal"] and q.shape[-3] % 2:
-        raise ValueError(f"q has {q.shape[-3]} rows a shard; causal ring attention takes zigzag shards of two equal chunks")
+                                       dict(softmax_scale=softmax_scale, causal=causal, deterministic=deterministic,
+                                            window_size=window_size, softcap=softcap))
+    options = dict(static)
+    if (options["causal"] or _banded(options)) and q.shape[-3] % 2:
+        raise ValueError(f"q has {q.shape[-3]} rows a shard; causal or windowed ring attention takes zigzag shards of "
+                         "two equal chunks")
     if tuple(k.shape[-4:-2]) != tuple(q.shape[-4:-2]):
         raise ValueError(f"k has shape {tuple(k.shape)} but q has {tuple(q.shape)}; ring shards hold the same rows of q, k, v")
     return _ring(static, axis_name)(q, k, v)
@@ -513,13 +521,26 @@ def _axis_size(axis_name) -> int:
     return int(size(axis_name)) if size is not None else int(jax.lax.psum(1, axis_name))
 
 
+def _banded(options: dict) -> bool:
+    """Whether a ring call's window bounds it (ring_blocks' per-chunk-pair schedule)."""
+    window = options["window_size"]
+    return window is not None and (window[0] >= 0 or (window[1] >= 0 and not options["causal"]))
+
+
+def _with(static: tuple, **changed) -> tuple:
+    return tuple((name, changed.get(name, value)) for name, value in static)
+
+
 @functools.lru_cache(maxsize=64)
 def _ring(static: tuple, axis_name):
     """The custom_vjp ring function of q, k, v -> o for one set of options and mesh axis."""
+    from .distributed import ring_blocks
+
     options = dict(static)
-    causal = options["causal"]
-    full = _calls(tuple((n, False if n == "causal" else x) for n, x in static))      # no mask
-    masked = _calls(tuple((n, True if n == "causal" else x) for n, x in static))     # the own shard, causal
+    causal, window, banded = options["causal"], options["window_size"], _banded(options)
+    unbanded = _with(static, window_size=None)   # (a window the causal mask already is: none)
+    full = _calls(_with(unbanded, causal=False))      # no mask
+    masked = _calls(_with(unbanded, causal=True))     # the own shard, causal
     jnp = jax.numpy
 
     def world() -> int:
@@ -532,10 +553,59 @@ def _ring(static: tuple, axis_name):
     def as_f32(xs: tuple) -> tuple:
         return tuple(x.astype(jnp.float32) for x in xs)
 
+    def merge(o_acc, lse_acc, o, lse):
+        """Two partial (o, lse) of the same rows merged exactly through their logsumexp (float32)."""
+        merged = jnp.logaddexp(lse_acc, lse)
+        seen = jnp.isfinite(merged)
+        safe = jnp.where(seen, merged, 0.0)
+        weights = [jnp.where(seen, jnp.exp(x - safe), 0.0).transpose(0, 2, 1)[..., None] for x in (lse_acc, lse)]
+        return o_acc * weights[0] + o.astype(jnp.float32) * weights[1], merged
+
+    def block_calls(block):
+        return _calls(_with(unbanded, causal=block.causal, window_size=block.window))
+
+    def schedules(step, rows):
+        """Each rank's blocks at ``step`` (static: a jax.lax.switch branch a rank)."""
+        return [ring_blocks(r, world(), step, causal, rows, window) for r in range(world())]
+
+    def attend_banded(step, rank, q, k, v):
+        """(o, lse) in float32 of the blocks the band reaches at ``step`` (none: lse -inf)."""
+        batch, rows, heads = q.shape[:3]
+
+        def branch(blocks):
+            def run(q, k, v):
+                o_acc = jnp.zeros((batch, rows, heads, v.shape[-1]), jnp.float32)
+                lse_acc = jnp.full((batch, heads, rows), -jnp.inf, jnp.float32)
+                for b in blocks:
+                    o, lse = block_calls(b)[0](q[:, b.q_start:b.q_stop], k[:, b.k_start:b.k_stop], v[:, b.k_start:b.k_stop])
+                    o_full = jnp.zeros_like(o_acc).at[:, b.q_start:b.q_stop].set(o.astype(jnp.float32))
+                    lse_full = jnp.full_like(lse_acc, -jnp.inf).at[:, :, b.q_start:b.q_stop].set(lse)
+                    o_acc, lse_acc = merge(o_acc, lse_acc, o_full, lse_full)
+                return o_acc, lse_acc
+            return run
+        return jax.lax.switch(rank, [branch(blocks) for blocks in schedules(step, rows)], q, k, v)
+
+    def gradients_banded(step, rank, do, q, k, v, o, lse):
+        """(dq, dk, dv) in float32 of attend_banded's blocks."""
+        def branch(blocks):
+            def run(do, q, k, v, o, lse):
+                dq, dk, dv = (jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+                for b in blocks:
+                    rows, keys = slice(b.q_start, b.q_stop), slice(b.k_start, b.k_stop)
+                    parts = block_calls(b)[1](do[:, rows], q[:, rows], k[:, keys], v[:, keys], o[:, rows], lse[:, :, rows])
+                    dq = dq.at[:, rows].add(parts[0].astype(jnp.float32))
+                    dk = dk.at[:, keys].add(parts[1].astype(jnp.float32))
+                    dv = dv.at[:, keys].add(parts[2].astype(jnp.float32))
+                return dq, dk, dv
+            return run
+        return jax.lax.switch(rank, [branch(blocks) for blocks in schedules(step, q.shape[1])], do, q, k, v, o, lse)
+
     def attend(step, rank, q, k, v):
         """(o, lse) of the local queries against the K/V shard held at ``step``; rows a step does not
         see get lse -inf (ring_blocks: the own shard causal; an earlier rank's first chunk for every
         query; a later rank's whole shard for the second chunk of queries)."""
+        if banded:
+            return attend_banded(step, rank, q, k, v)
         if not causal:
             return full[0](q, k, v)
         if step == 0:
@@ -553,6 +623,8 @@ def _ring(static: tuple, axis_name):
 
     def gradients(step, rank, do, q, k, v, o, lse):
         """(dq, dk, dv) pieces of ``attend``'s calls, float32, of the local q's and the held shard's rows."""
+        if banded:
+            return gradients_banded(step, rank, do, q, k, v, o, lse)
         if not causal:
             return as_f32(full[1](do, q, k, v, o, lse))
         if step == 0:
@@ -577,12 +649,7 @@ def _ring(static: tuple, axis_name):
         for step in range(world()):
             coming = shift(held) if step + 1 < world() else None   # in flight while this shard is attended
             o, lse = attend(step, rank, q, *held)
-            merged = jnp.logaddexp(lse_acc, lse)
-            seen = jnp.isfinite(merged)
-            safe = jnp.where(seen, merged, 0.0)
-            weights = [jnp.where(seen, jnp.exp(x - safe), 0.0).transpose(0, 2, 1)[..., None] for x in (lse_acc, lse)]
-            o_acc = o_acc * weights[0] + o.astype(jnp.float32) * weights[1]
-            lse_acc = merged
+            o_acc, lse_acc = merge(o_acc, lse_acc, o, lse)
             held = coming
         return o_acc.astype(q.dtype), lse_acc
 

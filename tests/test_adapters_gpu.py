@@ -396,11 +396,15 @@ def _mesh_of_gpus(jax, axis: str):
     return Mesh(numpy.array(devices[:world]), (axis,)), world
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_jax_ring_attention_matches_the_reference(causal):
+RING_OPTIONS = [dict(causal=False), dict(causal=True), dict(causal=True, window_size=(300, 0), softcap=20.0),
+                dict(causal=False, window_size=(200, 150))]
+
+
+@pytest.mark.parametrize("options", RING_OPTIONS, ids=["full", "causal", "causal-window-softcap", "window"])
+def test_jax_ring_attention_matches_the_reference(options):
     """jax_adapter.ring_attention under jax.jit over a mesh of every GPU (2 or 4; zigzag shards, GQA):
     o and the gradients through the ring against the float64 reference of the unsplit sequence, with
-    the 2x / 3x rule."""
+    the 2x / 3x rule; windows over global positions (bands across chunks and ranks) and softcap."""
     jax = jax_on_gpu()
     import jax.numpy as jnp
     import ml_dtypes
@@ -412,27 +416,28 @@ def test_jax_ring_attention_matches_the_reference(causal):
 
     mesh, world = _mesh_of_gpus(jax, "ring")
     batch, seqlen, heads, heads_kv, d = 2, 512 * world, 4, 2, 64
-    rng = numpy.random.default_rng(world + causal)
+    causal = options["causal"]
+    rng = numpy.random.default_rng(world + len(options) + causal)
     q, k, v, w = (rng.standard_normal((batch, seqlen, h, d), dtype=numpy.float32).astype(ml_dtypes.bfloat16)
                   for h in (heads, heads_kv, heads_kv, heads))
-    index = zigzag_indices(seqlen, world) if causal else numpy.arange(seqlen)
+    index = zigzag_indices(seqlen, world) if len(options) > 1 or causal else numpy.arange(seqlen)
     back = numpy.argsort(index)
     sharding = NamedSharding(mesh, P(None, "ring"))
     qz, kz, vz, wz = (jax.device_put(jnp.asarray(x[:, index]), sharding) for x in (q, k, v, w))
     spec = P(None, "ring")
-    ring = shard_map(lambda q, k, v: ring_attention(q, k, v, "ring", causal=causal), mesh, (spec,) * 3, spec)
+    ring = shard_map(lambda q, k, v: ring_attention(q, k, v, "ring", **options), mesh, (spec,) * 3, spec)
     o = numpy.asarray(jax.jit(ring)(qz, kz, vz))[:, back]
 
     def loss(q, k, v):
         return (ring(q, k, v).astype(jnp.float32) * wz.astype(jnp.float32)).sum()
 
     grads = [numpy.asarray(g)[:, back] for g in jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qz, kz, vz)]
-    exact = attention_reference(q, k, v, causal=causal)[0]
-    low = attention_reference(q, k, v, causal=causal, upcast=False)[0]
-    context = f"world={world} causal={causal}"
+    exact = attention_reference(q, k, v, **options)[0]
+    low = attention_reference(q, k, v, upcast=False, **options)[0]
+    context = f"world={world} {options}"
     check_error_rule("ring o", o, exact, low, context)
-    exact_grads = attention_reference_backward(w, q, k, v, causal=causal)
-    low_grads = attention_reference_backward(w, q, k, v, causal=causal, upcast=False)
+    exact_grads = attention_reference_backward(w, q, k, v, **options)
+    low_grads = attention_reference_backward(w, q, k, v, upcast=False, **options)
     for name, ours, e, lo in zip(("dq", "dk", "dv"), grads, exact_grads, low_grads):
         check_error_rule(f"ring {name}", ours, e, lo, context, factor=3.0)
 

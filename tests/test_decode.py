@@ -573,8 +573,8 @@ def test_fp8_cache_descales_per_sequence(layout):
 
 
 # MLA's own kernels (v a view of k, 64 rows a block sharing each key tile): on compute capability
-# 9.0 the Hopper kernel for 16-bit caches (decode_sm90.cu), the mma.sync one for e4m3 caches and
-# under the "portable" setting. 128 heads in one or two row blocks, a last block part empty (48 and
+# 9.0 the Hopper kernel for 16-bit and e4m3 caches (decode_sm90.cu), the mma.sync one under the
+# "portable" setting. 128 heads in one or two row blocks, a last block part empty (48 and
 # 80 rows), pages of 16 (a tile crosses pages), head dims off the tile (520 / 136), splits, appends,
 # causal speculative rows. An e4m3 latent cache (saturating descales, per sequence or per head) in
 # both dtypes.
