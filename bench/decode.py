@@ -1,6 +1,6 @@
-"""Decoding benchmark: one new query token against a K/V cache (bf16, d=128, 32 query heads).
+"""Decoding benchmark: one new query token against a K/V cache (bf16, d=128, 32 query heads, or --heads).
 
-    python -m bench.decode [--out DIR] [--lengths 4096 16384 ...] [--batches 1 8 64]
+    python -m bench.decode [--out DIR] [--lengths 4096 16384 ...] [--batches 1 8 64] [--heads 64]
     python -m bench.decode --sweep auto 8 16 32 64 128 --batches 1 [--lengths ...]
     python -m bench.decode --mla [--batches 1 16 64 128] [--lengths 4096 16384 65536]
 
@@ -178,6 +178,7 @@ def one_shape(batch, length, heads_kv, copies):
     times = interleaved_ms(replays)
     for name, ms in times.items():
         row[f"{name}_gbs"] = kv_bytes / (2 if name == "ours_fp8" else 1) / ms / 1e6
+        row[f"{name}_us"] = 1e3 * ms
     row["fp8_speedup"] = times["ours"] / times["ours_fp8"]
     if "flash_gbs" in row:
         row["ours_over_flash"] = row["ours_gbs"] / row["flash_gbs"]
@@ -284,6 +285,7 @@ def mla_table(batches, lengths, out):
 
 
 def main():
+    global HEADS   # --heads: the table's query heads
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", nargs="+", type=int, default=[4096, 16384, 32768, 65536, 131072])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
@@ -292,7 +294,9 @@ def main():
                         help="instead of the table: GB/s at each num_splits N ('auto': the automatic choice) "
                              "for every batch, length and GQA 8:1 / 1:1")
     parser.add_argument("--mla", action="store_true", help="MLA decoding (576 / 512, 128 heads) instead of the table")
+    parser.add_argument("--heads", type=int, default=HEADS, help="query heads of the table (K/V heads: heads / 8 and heads)")
     args = parser.parse_args()
+    HEADS = args.heads
     if args.mla:
         mla_table(args.batches, args.lengths, args.out)
         return
@@ -310,8 +314,8 @@ def main():
     copy = copy_rate_gbs()
     result = dict(device=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), copy_gbs=copy, rows=[])
     print(f"copy rate {copy:.0f} GB/s (read + write)", flush=True)
-    print(f"{'batch':>5} {'cache':>7} {'gqa':>4} {'ours GB/s':>9} {'of copy':>7} {'paged':>7} {'fp8 GB/s':>8} {'fp8 x':>5} "
-          f"{'flash':>7} {'ours/flash':>10}")
+    print(f"{'batch':>5} {'cache':>7} {'gqa':>4} {'ours us':>8} {'ours GB/s':>9} {'of copy':>7} {'paged':>7} {'fp8 GB/s':>8} "
+          f"{'fp8 x':>5} {'flash':>7} {'ours/flash':>10}")
     for heads_kv in (HEADS // 8, HEADS):
         for batch in args.batches:
             for length in args.lengths:
@@ -322,7 +326,8 @@ def main():
                 row["ours_of_copy"] = row["ours_gbs"] / copy
                 result["rows"].append(row)
                 flash = row.get("flash_gbs")
-                print(f"{batch:5d} {length:7d} {row['gqa']:>4} {row['ours_gbs']:9.0f} {row['ours_of_copy']:7.2f} "
+                print(f"{batch:5d} {length:7d} {row['gqa']:>4} {row['ours_us']:8.2f} {row['ours_gbs']:9.0f} "
+                      f"{row['ours_of_copy']:7.2f} "
                       f"{row['ours_paged_gbs']:7.0f} {row['ours_fp8_gbs']:8.0f} {row['fp8_speedup']:5.2f} "
                       + (f"{flash:7.0f} {row['ours_over_flash']:10.2f}" if flash else
                                                           f"{'n/a':>7} {'':>10} {row['flash_error'][:60]}"), flush=True)
