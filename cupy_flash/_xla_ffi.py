@@ -12,8 +12,8 @@ backward 151.5 -> 141.9 (H200 host, one process; docs/decisions.md, Host path an
 One target per platform, ``cupy_flash_call``; an int64 attribute ``callback`` names the Python
 function (kept in ``_callbacks`` for the process's life, one per traced call).
 
-Layouts read (FFI API 0.1+; offsets are the C structs' on 64-bit hosts, checked against
-``struct_size`` where the frame gives one):
+Layouts read (FFI API 0.1+; offsets are the C structs' on 64-bit hosts; a frame whose
+``struct_size`` does not reach the attrs is refused with an error):
 - XLA_FFI_CallFrame: struct_size, extension_start, api, ctx, stage (int, padded), then the args,
   rets and attrs structs of 5 words each (struct_size, extension_start, size, types, pointers).
 - XLA_FFI_Buffer: struct_size, extension_start, dtype (int, padded), data, rank, dims.
@@ -119,6 +119,8 @@ def _make_handler(on_gpu: bool):
                 return _answer_metadata(words[1])
             if words[4] & 0xFFFFFFFF != _EXECUTE:
                 return None
+            if words[0] < _FRAME.size:
+                raise RuntimeError(f"XLA's call frame has {words[0]} bytes; cupy_flash reads {_FRAME.size} (its FFI API)")
             call = Call()
             call._frame, call._api, call._words = frame, words[2], (words[9], words[14])
             call.inputs = _data_pointers(words[9], words[7])
@@ -142,7 +144,9 @@ _ARRAYS: dict = {}
 
 
 def _words(address: int, count: int) -> tuple:
-    """``count`` 64-bit words at ``address``."""
+    """``count`` 64-bit words at ``address`` (none read where count is 0)."""
+    if not count:
+        return ()
     layout = _ARRAYS.get(count)
     if layout is None:
         layout = _ARRAYS[count] = struct.Struct(f"{count}Q")
@@ -154,7 +158,9 @@ _POINTER_LAYOUTS: dict = {}
 
 def _data_pointers(pointers: int, count: int) -> tuple:
     """The data addresses (each XLA_FFI_Buffer's fourth word) of the ``count`` buffers that the
-    array at ``pointers`` points to."""
+    array at ``pointers`` points to (none: the array may be NULL, which is not read)."""
+    if not count:
+        return ()
     layout = _POINTER_LAYOUTS.get(count)
     if layout is None:
         layout = _POINTER_LAYOUTS[count] = struct.Struct(f"{count}Q")
