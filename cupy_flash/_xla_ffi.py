@@ -9,8 +9,9 @@ Python a buffer object per operand, each asked for its address through
 ``__cuda_array_interface__``: the adapter's jitted forward 80.6 -> 76.0 us a call, forward +
 backward 151.5 -> 141.9 (H200 host, one process; docs/decisions.md, Host path and adapters).
 
-One target per platform, ``cupy_flash_call``; an int64 attribute ``callback`` names the Python
-function (kept in ``_callbacks`` for the process's life, one per traced call).
+One target, ``cupy_flash_call`` on CUDA (``cupy_flash_call_cpu`` on the host platform for tests);
+an int64 attribute ``callback`` names the Python function (kept in ``_callbacks`` for the
+process's life, one per traced call).
 
 Layouts read (FFI API 0.1+; offsets are the C structs' on 64-bit hosts; a frame whose
 ``struct_size`` does not reach the attrs is refused with an error):
@@ -81,29 +82,36 @@ class Call:
         return _described(self._words[1], len(self.outputs), self.device)
 
 
-def python_call(callback, results, *, input_output_aliases=None, vmap_method=None):
+def python_call(callback, results, *, input_output_aliases=None, vmap_method=None, platform: str = "CUDA"):
     """``jax.ffi.ffi_call`` of ``callback(call: Call)`` with ``results`` (ShapeDtypeStructs): a
-    function of the input arrays returning the outputs, as ``buffer_callback`` makes one."""
+    function of the input arrays returning the outputs, as ``buffer_callback`` makes one. The target
+    exists for ``platform`` alone ("CUDA"; "cpu": host buffers, for tests), so XLA refuses a call
+    placed elsewhere when it compiles it, before anything runs."""
     import jax
 
-    _register(jax)
+    target = _register(jax, platform)
     with _lock:
         index = len(_callbacks)
         _callbacks[index] = callback
-    call = jax.ffi.ffi_call(TARGET, results, input_output_aliases=input_output_aliases, vmap_method=vmap_method)
+    call = jax.ffi.ffi_call(target, results, input_output_aliases=input_output_aliases, vmap_method=vmap_method)
     attribute = numpy.int64(index)
     return lambda *arrays: call(*arrays, callback=attribute)
 
 
-def _register(jax) -> None:
-    for platform, on_gpu in (("CUDA", True), ("cpu", False)):
-        if platform in _registered:
-            continue
-        handler = _HANDLER(_make_handler(on_gpu))
-        _handlers.append(handler)
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(ctypes.cast(handler, ctypes.c_void_p)),
-                                    platform=platform)
-        _registered.add(platform)
+_TARGETS = {"CUDA": TARGET, "cpu": TARGET + "_cpu"}
+
+
+def _register(jax, platform: str) -> str:
+    """The target's name on ``platform``, its handler registered once."""
+    target = _TARGETS[platform]
+    with _lock:
+        if platform not in _registered:
+            handler = _HANDLER(_make_handler(platform == "CUDA"))
+            _handlers.append(handler)
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(ctypes.cast(handler, ctypes.c_void_p)),
+                                        platform=platform)
+            _registered.add(platform)
+    return target
 
 
 _HANDLER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)

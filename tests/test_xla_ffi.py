@@ -37,7 +37,7 @@ def test_custom_call_reads_the_frame(dtype):
     seen = []
     x = (jnp.arange(2 * 3 * 5) % 251).astype(dtype).reshape(2, 3, 5)
     results = (jax.ShapeDtypeStruct(x.shape, x.dtype),) * 2
-    copy = jax.jit(_xla_ffi.python_call(_copying(seen), results, vmap_method="broadcast_all"))
+    copy = jax.jit(_xla_ffi.python_call(_copying(seen), results, vmap_method="broadcast_all", platform="cpu"))
     with jax.default_device(jax.devices("cpu")[0]):
         y, z = copy(x)
         assert (numpy.asarray(y) == numpy.asarray(x)).all() and (numpy.asarray(z) == numpy.asarray(x)).all()
@@ -60,7 +60,7 @@ def test_custom_call_raises_the_callbacks_error():
         raise ValueError("q has a shape this call cannot take")
 
     x = jnp.ones((4,), jnp.float32)
-    call = jax.jit(_xla_ffi.python_call(failing, jax.ShapeDtypeStruct(x.shape, x.dtype)))
+    call = jax.jit(_xla_ffi.python_call(failing, jax.ShapeDtypeStruct(x.shape, x.dtype), platform="cpu"))
     with jax.default_device(jax.devices("cpu")[0]), pytest.raises(Exception, match="q has a shape this call cannot take"):
         call(x).block_until_ready()
 
@@ -78,7 +78,23 @@ def test_custom_calls_keep_their_own_callbacks():
         return fill
 
     x = jnp.zeros((3,), jnp.float32)
-    first, second = (_xla_ffi.python_call(filling(v), jax.ShapeDtypeStruct(x.shape, x.dtype)) for v in (1.0, 2.0))
+    first, second = (_xla_ffi.python_call(filling(v), jax.ShapeDtypeStruct(x.shape, x.dtype), platform="cpu") for v in (1.0, 2.0))
     with jax.default_device(jax.devices("cpu")[0]):
         total = jax.jit(lambda x: first(x) + 10 * second(x))(x)
         assert (numpy.asarray(total) == 21.0).all()
+
+
+def test_a_gpu_custom_call_placed_on_the_cpu_is_refused_before_it_runs():
+    """The kernels' target exists on CUDA alone: a call XLA places on the host fails when it is
+    compiled, and the callback never runs on host memory."""
+    jax = _cpu_jax()
+    import jax.numpy as jnp
+
+    from cupy_flash import _xla_ffi
+
+    ran = []
+    x = jnp.ones((4,), jnp.float32)
+    call = jax.jit(_xla_ffi.python_call(lambda call: ran.append(call), jax.ShapeDtypeStruct(x.shape, x.dtype)))
+    with jax.default_device(jax.devices("cpu")[0]), pytest.raises(Exception, match="cupy_flash_call"):
+        call(jax.device_put(x, jax.devices("cpu")[0])).block_until_ready()
+    assert not ran
