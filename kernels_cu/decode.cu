@@ -356,15 +356,13 @@ __device__ __forceinline__ void scale_q_rows_to_f16(fa_bf16* q_tile, float* row_
         float largest = 0.f;
         for (int c = lane; c < D_TILE; c += 32) largest = fmaxf(largest, fabsf(to_float(q_row[c])));
         for (int offset = 16; offset > 0; offset >>= 1) largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, offset));
-        const int exponent = largest > 0.f ? (int)((__float_as_uint(largest) >> 23) & 0xffu) - 127 : 14;
-        const int shift = 14 - exponent;            // -113 .. 141: applied as two powers of two
-        const int first = shift / 2, second = shift - first;
-        const float scale_first = power_of_two(first), scale_second = power_of_two(second);
+        const F16RowScale scale = f16_row_scale(largest);
+        const float scale_first = power_of_two(scale.first), scale_second = power_of_two(scale.second);
         for (int c = lane; c < D_TILE; c += 32) {
             const fa_f16 half = from_float<fa_f16>(to_float(q_row[c]) * scale_first * scale_second);
             reinterpret_cast<fa_f16*>(q_row)[c] = half;
         }
-        if (lane == 0) row_unscale[row] = power_of_two(-first) * power_of_two(-second);   // (a subnormal is exact)
+        if (lane == 0) row_unscale[row] = scale.unscale();
     }
 }
 
@@ -913,12 +911,11 @@ flash_mla_decode_kernel(const FlashParams p) {
             float largest = 0.f;
             for (int c = lane; c < D_TILE; c += 32) largest = fmaxf(largest, fabsf(to_float(q_row[c])));
             for (int offset = 16; offset > 0; offset >>= 1) largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, offset));
-            const int exponent = largest > 0.f ? (int)((__float_as_uint(largest) >> 23) & 0xffu) - 127 : 14;
-            const int shift = 14 - exponent, first = shift / 2, second = shift - first;
-            const float scale_first = power_of_two(first), scale_second = power_of_two(second);
+            const F16RowScale scale = f16_row_scale(largest);
+            const float scale_first = power_of_two(scale.first), scale_second = power_of_two(scale.second);
             for (int c = lane; c < D_TILE; c += 32)
                 reinterpret_cast<fa_f16*>(q_row)[c] = from_float<fa_f16>(to_float(q_row[c]) * scale_first * scale_second);
-            if (lane == 0) row_unscale[row] = power_of_two(-first) * power_of_two(-second);
+            if (lane == 0) row_unscale[row] = scale.unscale();
         }
         __syncthreads();
         score_factor[0] = k_scale * row_unscale[16 * row_tile + g];

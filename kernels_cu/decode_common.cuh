@@ -145,3 +145,17 @@ template <> struct DecodeProducts<fa_bf16, true> { using type = fa_f16; static c
 
 // 2^n, exactly, for |n| <= 126.
 __device__ __forceinline__ float power_of_two(int n) { return __uint_as_float((unsigned)(127 + n) << 23); }
+
+// A bf16 Q row into fp16's range (an FP8 cache's products, DecodeProducts): x * 2^first * 2^second
+// puts the row's largest magnitude at [2^14, 2^15), exactly but below 2^-10 of it, where fp16 turns
+// subnormal (the shift, -113 .. 141, as two powers of two); unscale() = 2^-shift, which the scores
+// take back (a subnormal is exact).
+struct F16RowScale {
+    int first, second;
+    __device__ __forceinline__ float unscale() const { return power_of_two(-first) * power_of_two(-second); }
+};
+__device__ __forceinline__ F16RowScale f16_row_scale(float largest) {
+    const int exponent = largest > 0.f ? (int)((__float_as_uint(largest) >> 23) & 0xffu) - 127 : 14;
+    const int shift = 14 - exponent;
+    return {shift / 2, shift - shift / 2};
+}

@@ -449,9 +449,8 @@ flash_mla_decode_sm90_kernel(const __grid_constant__ TensorMap k_map, const Flas
                 }
                 largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 1));   // the row's 4 threads
                 largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 2));
-                const int exponent = largest > 0.f ? (int)((__float_as_uint(largest) >> 23) & 0xffu) - 127 : 14;
-                const int shift = 14 - exponent, first = shift / 2, second = shift - first;
-                const float scale_first = power_of_two(first), scale_second = power_of_two(second);
+                const F16RowScale scale = f16_row_scale(largest);
+                const float scale_first = power_of_two(scale.first), scale_second = power_of_two(scale.second);
                 auto f16x2 = [&](unsigned int w) {
                     const float lo = __uint_as_float(w << 16) * scale_first * scale_second;
                     const float hi = __uint_as_float(w & 0xffff0000u) * scale_first * scale_second;
@@ -463,7 +462,7 @@ flash_mla_decode_sm90_kernel(const __grid_constant__ TensorMap k_map, const Flas
                     const uint4 v = *chunk;
                     *chunk = make_uint4(f16x2(v.x), f16x2(v.y), f16x2(v.z), f16x2(v.w));
                 }
-                if (copy_part == 0) smem.row_unscale[r] = power_of_two(-first) * power_of_two(-second);
+                if (copy_part == 0) smem.row_unscale[r] = scale.unscale();
             }
         }
         fence_async_shared();
