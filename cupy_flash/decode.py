@@ -209,8 +209,9 @@ def decode_plan(q, k, v, shape, scale, variant, num_splits=None, *, cache=None) 
     device = q.device.id
     # MLA's latent cache (v a view of k's first columns): its own kernel where it takes the call.
     v_in_k = cache is not None and v.data.ptr == k.data.ptr and tuple(v.strides) == tuple(k.strides)
-    mla = family.uses_mla_kernel(device_info(device), shape, variant, v_in_k)
-    mla_sm90 = mla and family.uses_mla_sm90(device_info(device), shape, variant, _tma.maps_supported(k))
+    info = device_info(device)
+    mla = family.uses_mla_kernel(info, shape, variant, v_in_k)
+    mla_sm90 = mla and family.uses_mla_sm90(info, shape, variant, _tma.maps_supported(k))
     rows = shape.group * shape.seqlen_q
     if mla:
         work_units = shape.batch * shape.heads_kv * -(-rows // _traits.MLA_DECODE_ROWS)
@@ -253,7 +254,7 @@ def decode_plan(q, k, v, shape, scale, variant, num_splits=None, *, cache=None) 
             params["page_shift"] = cache["page_shift"]
         params["cache_batch"] = k.shape[0]
     new_rows = 0 if cache is None or cache.get("k_new") is None else int(cache["k_new"].shape[1])
-    launches = family.decode_launches(device_info(device), shape, variant, grid, num_splits, new_rows, mla, mla_sm90)
+    launches = family.decode_launches(info, shape, variant, grid, num_splits, new_rows, mla, mla_sm90)
     k_map = None
     if mla_sm90:
         page_size = None if cache.get("block_table") is None else 1 << cache["page_shift"]

@@ -209,8 +209,8 @@ def ring_blocks(rank: int, world: int, step: int, causal: bool, local_seqlen: in
     _check_world(rank, world)
     if not 0 <= step < world:
         raise ValueError(f"step is {step}; expected 0 <= step < world = {world}")
-    left, right = check_window(window_size)
-    if left >= 0 or (right >= 0 and not causal):
+    if banded(causal, window_size):
+        left, right = check_window(window_size)
         if local_seqlen % 2:
             raise ValueError(f"local_seqlen is {local_seqlen}; zigzag shards hold two equal chunks")
         half = local_seqlen // 2
@@ -235,6 +235,13 @@ def ring_blocks(rank: int, world: int, step: int, causal: bool, local_seqlen: in
     if source < rank:   # its first chunk precedes both of ours; its second follows both
         return [RingBlock(0, local_seqlen, 0, half, False)]
     return [RingBlock(half, local_seqlen, 0, local_seqlen, False)]   # both of its chunks precede our second
+
+
+def banded(causal: bool, window_size) -> bool:
+    """Whether ``window_size`` bounds a ring call beyond its causal mask: ring_blocks then runs a
+    call per pair of chunks the band reaches."""
+    left, right = check_window(window_size)
+    return left >= 0 or (right >= 0 and not causal)
 
 
 def _band_block(size: int, offset: int, left: int, right: int):

@@ -506,8 +506,10 @@ def ring_attention(q, k, v, axis_name, *, causal=False, softmax_scale=None, dete
     static = _checks.check_traced_call("ring_attention (JAX)", q, k, v,
                                        dict(softmax_scale=softmax_scale, causal=causal, deterministic=deterministic,
                                             window_size=window_size, softcap=softcap))
+    from .distributed import banded
+
     options = dict(static)
-    if (options["causal"] or _banded(options)) and q.shape[-3] % 2:
+    if (options["causal"] or banded(options["causal"], options["window_size"])) and q.shape[-3] % 2:
         raise ValueError(f"q has {q.shape[-3]} rows a shard; causal or windowed ring attention takes zigzag shards of "
                          "two equal chunks")
     if tuple(k.shape[-4:-2]) != tuple(q.shape[-4:-2]):
@@ -521,12 +523,6 @@ def _axis_size(axis_name) -> int:
     return int(size(axis_name)) if size is not None else int(jax.lax.psum(1, axis_name))
 
 
-def _banded(options: dict) -> bool:
-    """Whether a ring call's window bounds it (ring_blocks' per-chunk-pair schedule)."""
-    window = options["window_size"]
-    return window is not None and (window[0] >= 0 or (window[1] >= 0 and not options["causal"]))
-
-
 def _with(static: tuple, **changed) -> tuple:
     return tuple((name, changed.get(name, value)) for name, value in static)
 
@@ -534,10 +530,11 @@ def _with(static: tuple, **changed) -> tuple:
 @functools.lru_cache(maxsize=64)
 def _ring(static: tuple, axis_name):
     """The custom_vjp ring function of q, k, v -> o for one set of options and mesh axis."""
-    from .distributed import ring_blocks
+    from .distributed import banded, ring_blocks
 
     options = dict(static)
-    causal, window, banded = options["causal"], options["window_size"], _banded(options)
+    causal, window = options["causal"], options["window_size"]
+    windowed = banded(causal, window)
     unbanded = _with(static, window_size=None)   # (a window the causal mask already is: none)
     full = _calls(_with(unbanded, causal=False))      # no mask
     masked = _calls(_with(unbanded, causal=True))     # the own shard, causal
@@ -604,7 +601,7 @@ def _ring(static: tuple, axis_name):
         """(o, lse) of the local queries against the K/V shard held at ``step``; rows a step does not
         see get lse -inf (ring_blocks: the own shard causal; an earlier rank's first chunk for every
         query; a later rank's whole shard for the second chunk of queries)."""
-        if banded:
+        if windowed:
             return attend_banded(step, rank, q, k, v)
         if not causal:
             return full[0](q, k, v)
@@ -623,7 +620,7 @@ def _ring(static: tuple, axis_name):
 
     def gradients(step, rank, do, q, k, v, o, lse):
         """(dq, dk, dv) pieces of ``attend``'s calls, float32, of the local q's and the held shard's rows."""
-        if banded:
+        if windowed:
             return gradients_banded(step, rank, do, q, k, v, o, lse)
         if not causal:
             return as_f32(full[1](do, q, k, v, o, lse))

@@ -74,7 +74,6 @@ def mla_sm90_box_keys(page_size: int | None) -> int:
     return _traits.MLA_SM90_KEYS if page_size is None else min(_traits.MLA_SM90_KEYS, page_size)
 
 
-
 def uses_mla_kernel(device, shape, variant, v_in_k: bool) -> bool:
     """Whether a decode call takes the MLA kernel: v a view of k's first columns, a module that has
     it (takes_mla), more query rows per K/V head than two of flash_decode_kernel's blocks hold (below,
