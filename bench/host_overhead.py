@@ -196,6 +196,7 @@ def jax_rows(dtype_name, baseline=None):
         return forward, forward_backward
 
     ours = attention_fns(lambda q, k, v: flash_attention(q, k, v, causal=True))
+    ours[0](q, k, v)   # its FFI target registered before a baseline's
     cudnn = attention_fns(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
     results = (jax.ShapeDtypeStruct(SHAPE, dtype), jax.ShapeDtypeStruct((SHAPE[0], SHAPE[2], SHAPE[1]), jnp.float32))
     nothing = _xla_ffi.python_call(lambda call: None, results)
@@ -221,6 +222,7 @@ def jax_rows(dtype_name, baseline=None):
 
             old = importlib.import_module(baseline.__name__ + ".jax_adapter").flash_attention
             old_fns = attention_fns(lambda q, k, v: old(q, k, v, causal=True))
+            old_fns[0](q, k, v)   # a tree whose FFI target has this one's name fails here, not in the timing
             calls["jax adapter (baseline): jit(flash_attention)"] = lambda: old_fns[0](q, k, v)
             calls["jax adapter (baseline): jit(vjp) forward + backward"] = lambda: old_fns[1](q, k, v, do)
         except Exception as error:   # noqa: BLE001 - a baseline without this adapter

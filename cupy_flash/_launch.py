@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import math
 import os
 import sys
 import threading
@@ -184,22 +185,22 @@ class CudaCalls:
 
 
 def new_array_maker(cupy):
-    """(shape, dtype) -> a new C-contiguous ``cupy.ndarray`` from CuPy's current allocator, what
-    ``cupy.ndarray(shape, dtype)`` makes. Since CuPy 13, ``cupy.ndarray`` is a Python subclass of
-    the Cython ``_ndarray_base`` whose ``__new__`` takes ``*args`` and calls ``_init``: calling the
-    two directly costs an output pair (o, lse) 3.35 us on the H100's host against 4.05 for
-    ``ndarray(shape, dtype, cupy.cuda.alloc(n))`` (which also measures the memory's bounds) and 5.35
-    for ``cupy.empty`` (docs/performance.md, host time). Where the layout is not that one (another
-    CuPy), ``cupy.ndarray(shape, dtype)``."""
+    """(shape, dtype, memptr=None) -> a new C-contiguous ``cupy.ndarray`` from CuPy's current
+    allocator (or over ``memptr``), what ``cupy.ndarray(shape, dtype, memptr)`` makes. Since CuPy
+    13, ``cupy.ndarray`` is a Python subclass of the Cython ``_ndarray_base`` whose ``__new__``
+    takes ``*args`` and calls ``_init``: calling the two directly costs an output pair (o, lse)
+    3.35 us on the H100's host against 4.05 for ``ndarray(shape, dtype, cupy.cuda.alloc(n))``
+    (which also measures the memory's bounds) and 5.35 for ``cupy.empty`` (docs/performance.md,
+    host time). Where the layout is not that one (another CuPy), ``cupy.ndarray``."""
     ndarray = cupy.ndarray
     base = getattr(getattr(cupy._core, "core", None), "_ndarray_base", None)
     new, init = getattr(base, "__new__", None), getattr(base, "_init", None)
     if base is None or init is None or ndarray.__mro__[1:2] != (base,) or "__array_finalize__" in vars(base):
         return ndarray
 
-    def empty(shape, dtype):
+    def empty(shape, dtype, memptr=None):
         array = new(ndarray)
-        init(array, shape, dtype)
+        init(array, shape, dtype, memptr)
         return array
 
     return empty
@@ -215,16 +216,21 @@ FLOAT32 = numpy.dtype(numpy.float32)
 
 class OutputAndLse:
     """Base of the forward's and decode's plans: their outputs, o (q's shape with v's head_dim, and
-    q's dtype) and lse
-    (float32), new from CuPy's allocator on each call (CudaCalls.empty)."""
+    q's dtype) and lse (float32), new on each call from one allocation of CuPy's (o, then lse at
+    the next 256 bytes): one pool call where two cost ~1 us more of host time (docs/decisions.md,
+    host path). Each holds the allocation until both are gone."""
 
     def plan_outputs(self, o, lse_shape: tuple) -> None:
         """``o``: an array (or stand-in) of o's shape and dtype."""
         self.o_shape, self.o_dtype, self.lse_shape = tuple(o.shape), o.dtype, lse_shape
+        self.lse_offset = -(-math.prod(self.o_shape) * numpy.dtype(o.dtype).itemsize // 256) * 256
+        self.outputs_bytes = self.lse_offset + 4 * math.prod(lse_shape)
 
     def outputs(self):
-        empty = self.cuda.empty
-        return empty(self.o_shape, self.o_dtype), empty(self.lse_shape, FLOAT32)
+        cuda = self.cuda
+        memory = cuda.alloc(self.outputs_bytes)
+        empty = cuda.empty
+        return empty(self.o_shape, self.o_dtype, memory), empty(self.lse_shape, FLOAT32, memory + self.lse_offset)
 
 
 def ready_stream(plan, stream: int | None = None) -> int | None:

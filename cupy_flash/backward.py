@@ -217,6 +217,13 @@ class BackwardPlan:
         self.first_names = _INPUTS + tuple(name for name, *_ in self.temporaries)
         self.names = self.first_names + ("dq", "dk", "dv")
         self.gradients = gradients       # (shape, dtype) of dq, dk, dv: q's, k's, v's
+        # dq, dk, dv in one allocation, each at a 256-byte boundary (as the forward's o and lse:
+        # _launch.OutputAndLse): their offsets and its bytes
+        self.gradient_offsets, offset = [], 0
+        for shape, dtype in gradients:
+            self.gradient_offsets.append(offset)
+            offset += -(-math.prod(shape) * numpy.dtype(dtype).itemsize // 256) * 256
+        self.gradients_bytes = offset
         self._encoded: dict = {}         # the Hopper tensor maps by the arrays' addresses
         self._counters = TileCounters(tile_counter_bytes)  # the Hopper kernel's tile counters
         self._launched: dict = {}        # the main launches, packed (packed_once)
@@ -232,8 +239,7 @@ class BackwardPlan:
         inputs = (do.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr)
         workspace, _owner = self.workspace_on(stream)   # held until the launches are out
         first = self.launch_first(inputs, workspace, stream, False)
-        empty = self.cuda.empty
-        gradients = tuple(empty(shape, dtype) for shape, dtype in self.gradients)
+        gradients = self.outputs()
         self.launch_rest(first + tuple(g.data.ptr for g in gradients), stream, False)
         return gradients
 
@@ -245,9 +251,13 @@ class BackwardPlan:
         return short_call_workspace(self.workspace_bytes, self.device, stream, allocate or self.cuda.alloc)
 
     def outputs(self):
-        """New (dq, dk, dv) from CuPy's allocator on the current stream."""
-        empty = self.cuda.empty
-        return tuple(empty(shape, dtype) for shape, dtype in self.gradients)
+        """New (dq, dk, dv) from one allocation of CuPy's on the current stream (each holds it until
+        all three are gone)."""
+        cuda = self.cuda
+        memory = cuda.alloc(self.gradients_bytes)
+        empty = cuda.empty
+        return tuple(empty(shape, dtype, memory + offset)
+                     for (shape, dtype), offset in zip(self.gradients, self.gradient_offsets))
 
     def run(self, inputs: dict, out=None):
         """Launch on ``inputs`` (do, q, k, v, o, lse: kernel-ready, of the planned shapes, strides

@@ -56,13 +56,20 @@ def flash_attn_func(q, k, v, *, sink=None, bias=None, deterministic=False, **opt
     """Exact attention with gradients through PyTorch's autograd; options as flash_forward's.
     FP8: torch.float8_e4m3fn q, k, v with ``q_descale``, ``k_descale``, ``v_descale`` (FlashAttention-3's
     keywords; docs/fp8.md), eager or under torch.compile, without gradients; O bfloat16."""
-    # A repeated plain call that records no autograd node: its kept plan, before any option parsing
-    # (the checks below cost ~3.5 us of host time; docs/performance.md, host time).
-    if (sink is None and bias is None and _SHORT_OPTIONS.issuperset(options) and not torch.compiler.is_compiling()
-            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
-        o = _forward_short(q, k, v, options.get("softmax_scale"), bool(options.get("causal", False)), want_lse=False)
-        if o is not None:
-            return o
+    # A repeated plain call: its kept plan, before any option parsing (the checks below cost ~3.5 us
+    # of host time; docs/performance.md, host time). Without a gradient to record, the launch alone;
+    # with one, the kept plan's own autograd node (_KeptAttention).
+    if (sink is None and bias is None and _SHORT_OPTIONS.issuperset(options) and type(q) is torch.Tensor
+            and not torch.compiler.is_compiling()):
+        softmax_scale, causal = options.get("softmax_scale"), bool(options.get("causal", False))
+        if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+            o = _forward_short(q, k, v, softmax_scale, causal, want_lse=False)
+            if o is not None:
+                return o
+        else:
+            kept = _forward_plans.get(_forward_key(q, k, v, softmax_scale, causal))
+            if kept is not None:
+                return _KeptAttention.apply(q, k, v, kept, (softmax_scale, causal, bool(deterministic)))
     if q.dtype == torch.float8_e4m3fn or any(options.get(name) is not None for name in _FP8_DESCALES):
         return _forward_fp8(q, k, v, sink, bias, deterministic, options)
     options = {name: value for name, value in options.items() if name not in _FP8_DESCALES or value is not None}
@@ -153,6 +160,59 @@ class _Attention(torch.autograd.Function):
         return (dq, dk, dv, dsink if sink is not None else None, dbias if want_dbias else None) + (None,) * 4
 
 
+class _KeptAttention(torch.autograd.Function):
+    """A repeated plain call's autograd node: the forward's kept plan (flash_attn_func found it by
+    the tensors) and the backward's, kept beside it by the first backward (``_Kept.backward``);
+    five saved tensors, where _Attention saves ten and its call parses the options first."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kept, static):
+        softmax_scale, causal, _deterministic = static
+        outputs = _forward_kept(kept, q, k, v)
+        if outputs is None:   # another current device, a capturing stream: the checked route
+            outputs = _forward(q, k, v, *_NO_TENSORS, None, None, softmax_scale, causal, None, 0.0)
+        o, lse = outputs
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.kept, ctx.static = kept, static
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        if torch.is_grad_enabled():   # create_graph=True: no gradients of gradients (once_differentiable)
+            return _kept_backward_once(ctx, do)
+        return _kept_backward(ctx, do)
+
+
+_NO_TENSORS = (None,) * 5   # sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k
+
+
+def _kept_backward(ctx, do):
+    """_KeptAttention's gradients: the backward plan kept beside the forward's (do, o and lse are
+    then as the first backward's: autograd gives do o's shape, dtype and device, contiguous() its
+    strides, and the forward made o and lse contiguous; only do's alignment is asked), else the
+    checked route, which keeps it."""
+    q, k, v, o, lse = ctx.saved_tensors
+    softmax_scale, causal, deterministic = ctx.static
+    do = do.contiguous()
+    aligned = not do.data_ptr() & 15
+    key = (deterministic, forward.families.kernels_setting())
+    backward_kept = ctx.kept.backward.get(key) if aligned else None
+    if backward_kept is not None:
+        grads = _backward_kept(backward_kept, do, q, k, v, o, lse)
+        if grads is not None:
+            return grads + (None, None)
+    dq, dk, dv, _, _ = _backward(do, q, k, v, o, lse, *_NO_TENSORS, None, None, softmax_scale, causal, None, 0.0,
+                                 deterministic, False)
+    if aligned and o.is_contiguous() and lse.is_contiguous():
+        backward_kept = _backward_plans.get(_backward_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic))
+        if backward_kept is not None:
+            ctx.kept.backward[key] = backward_kept
+    return dq, dk, dv, None, None
+
+
+_kept_backward_once = torch.autograd.function.once_differentiable(_kept_backward)
+
+
 # -------------------------------------------------------------------------------------------------
 # The implementations both routes share.
 
@@ -185,8 +245,11 @@ def _forward_short(q, k, v, softmax_scale, causal, want_lse: bool = True):
     if type(q) is not torch.Tensor:   # a traced or subclassed tensor: the op
         return None
     kept = _forward_plans.get(_forward_key(q, k, v, softmax_scale, causal))
-    if kept is None:
-        return None
+    return None if kept is None else _forward_kept(kept, q, k, v, want_lse)
+
+
+def _forward_kept(kept, q, k, v, want_lse: bool = True):
+    """_forward_short's launch on a kept plan found for q, k, v."""
     plan = kept.plan
     stream = _launch.ready_stream(plan, _raw_stream(plan.device))
     if stream is None:
@@ -211,17 +274,9 @@ def _backward(do, q, k, v, o, lse, sink, bias, alibi_slopes, cu_seqlens_q, cu_se
     if plain:
         key = _backward_key(do, q, k, v, o, lse, softmax_scale, causal, deterministic)
         kept = _backward_plans.get(key)
-        plan = None if kept is None else kept.plan
-        stream = None if plan is None else _launch.ready_stream(plan, _raw_stream(plan.device))
-        if stream is not None:
-            # Large: PyTorch's, on this stream
-            workspace, _owner = plan.workspace_on(stream, lambda nbytes: q.new_empty(nbytes, dtype=torch.uint8))
-            first = plan.launch_first((do.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
-                                       lse.data_ptr()), workspace, stream, False)
-            new = kept.new
-            dq, dk, dv = new(q), new(k), new(v)
-            plan.launch_rest(first + (dq.data_ptr(), dk.data_ptr(), dv.data_ptr()), stream, False)
-            return dq, dk, dv, None, None
+        grads = None if kept is None else _backward_kept(kept, do, q, k, v, o, lse)
+        if grads is not None:
+            return grads + (None, None)
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     features = _features(sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          softmax_scale, causal, window_size, softcap)
@@ -239,6 +294,23 @@ def _backward(do, q, k, v, o, lse, sink, bias, alibi_slopes, cu_seqlens_q, cu_se
     return dq, dk, dv, dsink, dbias
 
 
+def _backward_kept(kept, do, q, k, v, o, lse):
+    """(dq, dk, dv) of a repeated plain backward through its kept plan, or None (the plan cannot
+    launch as it is: another current device, a capturing stream)."""
+    plan = kept.plan
+    stream = _launch.ready_stream(plan, _raw_stream(plan.device))
+    if stream is None:
+        return None
+    # Large: PyTorch's, on this stream
+    workspace, _owner = plan.workspace_on(stream, lambda nbytes: q.new_empty(nbytes, dtype=torch.uint8))
+    first = plan.launch_first((do.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr()),
+                              workspace, stream, False)
+    new = kept.new
+    dq, dk, dv = new(q), new(k), new(v)
+    plan.launch_rest(first + (dq.data_ptr(), dk.data_ptr(), dv.data_ptr()), stream, False)
+    return dq, dk, dv
+
+
 def _plain(sink, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_size, softcap):
     """Whether a call has none of the options a plan's key leaves out (it may take the short path)."""
     return (sink is None and bias is None and alibi_slopes is None and cu_seqlens_q is None and cu_seqlens_k is None
@@ -250,10 +322,13 @@ class _Kept:
     shape and dtype, C-contiguous: ``torch.empty_like`` where the planned q, k, v are contiguous
     (1.9 us against ``new_empty``'s 2.75 on the H100's host, interleaved)."""
 
-    __slots__ = ("plan", "new", "new_o", "lse_bytes")
+    __slots__ = ("plan", "new", "new_o", "lse_bytes", "backward")
 
     def __init__(self, plan, inputs: tuple):
         self.plan = plan
+        # A forward's: the backward's _Kept for its outputs, by (deterministic, kernels setting)
+        # (_KeptAttention's backward)
+        self.backward = {}
         self.new = torch.empty_like if all(x.is_contiguous() for x in inputs) else _new_contiguous
         # o: q's shape with v's head_dim (a forward plan's o_shape)
         o_shape = getattr(plan, "o_shape", None)

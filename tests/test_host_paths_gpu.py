@@ -201,6 +201,9 @@ def test_torch_adapter_plans_hold_for_new_tensors_streams_and_views():
         with torch.no_grad():
             no_grad = flash_attn_func(q, k, v, causal=True)
         q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        # an atomic backward first: the deterministic call after it takes a plan of its own
+        flash_attn_func(q, k, v, causal=True).backward(do)
+        q.grad = k.grad = v.grad = None
         o = flash_attn_func(q, k, v, causal=True, deterministic=True)
         o.backward(do)
         assert torch.equal(no_grad, o.detach())
@@ -223,6 +226,28 @@ def test_torch_adapter_plans_hold_for_new_tensors_streams_and_views():
     q_off.copy_(q)
     for name, a, b in zip(("o", "dq", "dk", "dv"), ours(q_off, k, v, do), direct(q, k, v, do)):
         _same(a, b.view(cupy.uint16), f"{name} of a misaligned q")
+    do_off = flat[1:].view(do.shape)   # a misaligned gradient, after aligned ones kept the backward's plan
+    do_off.copy_(do)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), ours(q, k, v, do_off), direct(q, k, v, do)):
+        _same(a, b.view(cupy.uint16), f"{name} of a misaligned do")
+    # An eager step captured in a CUDA graph (the checked route under capture) replays the same bits
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    static_do = do.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flash_attn_func(q, k, v, causal=True, deterministic=True).backward(static_do)   # warm, outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    q.grad = k.grad = v.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = flash_attn_func(q, k, v, causal=True, deterministic=True)
+        o.backward(static_do)
+    graph.replay()
+    torch.cuda.synchronize()
+    got = [cupy.from_dlpack(x.detach().view(torch.int16)).view(cupy.uint16) for x in (o, q.grad, k.grad, v.grad)]
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, direct(q, k, v, do)):
+        _same(a, b.view(cupy.uint16), f"{name} of an eager step replayed from a CUDA graph")
 
 
 def test_torch_compiled_training_step_replays_bitwise_in_a_cuda_graph():

@@ -117,24 +117,33 @@ def test_packed_once_keeps_one_pack_per_addresses_stream_and_thread_but_none_und
 
 def test_forward_and_decode_plans_allocate_o_like_q_and_a_float32_lse():
     """_launch.OutputAndLse, the forward's and decode's plans' base: o of q's shape, dtype and bytes,
-    lse float32 of the plan's shape, each from one allocation of its size."""
+    lse float32 of the plan's shape, both from one allocation: o at its start, lse at the next
+    256-byte boundary past o's bytes."""
     from cupy_flash import decode, forward
     from cupy_flash._launch import OutputAndLse
 
     assert issubclass(forward.ForwardPlan, OutputAndLse) and issubclass(decode.DecodePlan, OutputAndLse)
     q = numpy.zeros((2, 5, 3, 40), numpy.float16)
 
+    allocated = []
+
     class Cuda:
         @staticmethod
-        def empty(shape, dtype):
-            return shape, numpy.dtype(dtype)
+        def alloc(nbytes):   # a stand-in address
+            allocated.append(nbytes)
+            return 1 << 20
+
+        @staticmethod
+        def empty(shape, dtype, memptr):
+            return shape, numpy.dtype(dtype), memptr
 
     plan = OutputAndLse()
     plan.cuda = Cuda()
     plan.plan_outputs(q, (2, 3, 5))
     o, lse = plan.outputs()
-    assert o == ((2, 5, 3, 40), numpy.dtype(numpy.float16))
-    assert lse == ((2, 3, 5), numpy.dtype(numpy.float32))
+    assert o == ((2, 5, 3, 40), numpy.dtype(numpy.float16), 1 << 20)
+    assert lse == ((2, 3, 5), numpy.dtype(numpy.float32), (1 << 20) + 2560)   # o: 2400 bytes
+    assert allocated == [2560 + 4 * 30]
 
 
 @pytest.mark.parametrize("dtype", [numpy.float16, ml_dtypes.bfloat16, numpy.float32, numpy.int32])
@@ -161,6 +170,12 @@ def test_new_arrays_are_what_cupy_ndarray_makes(shape, dtype):
     assert asked == [math.prod(shape) * dtype.itemsize] * 2
     assert type(made) is cupy.ndarray and made.base is None and made.data.ptr == 4096
     assert made.flags.owndata and made.flags.c_contiguous and made.flags.f_contiguous == expected.flags.f_contiguous
+    assert (made.shape, made.strides, made.dtype, made.size) == (expected.shape, expected.strides, expected.dtype, expected.size)
+    # over given memory (the outputs sharing one allocation): what cupy.ndarray(shape, dtype, memptr) makes
+    memory = allocate(256 + math.prod(shape) * dtype.itemsize)
+    made, expected = new_array_maker(cupy)(shape, dtype, memory + 256), cupy.ndarray(shape, dtype, memory + 256)
+    assert type(made) is cupy.ndarray and made.data.ptr == memory.ptr + 256 == expected.data.ptr
+    assert made.data.mem is memory.mem and made.flags.c_contiguous and made.flags.owndata == expected.flags.owndata
     assert (made.shape, made.strides, made.dtype, made.size) == (expected.shape, expected.strides, expected.dtype, expected.size)
 
 
