@@ -167,6 +167,7 @@ def torch_rows(dtype_name):
             "torch adapter: forward, autograd node": lambda: flash_attn_func(qg, kg, vg, causal=True),
             "SDPA cuDNN: forward, autograd node": lambda: sdpa(sqg, skg, svg, is_causal=True),
             "torch: a trivial autograd.Function": lambda: Identity.apply(qg),
+            "torch: a trivial autograd.Function, forward + backward()": lambda: Identity.apply(qg).backward(do),
             "torch adapter: forward + backward()": ours_both,
             "SDPA cuDNN: forward + backward()": cudnn_both,
         }).items())
