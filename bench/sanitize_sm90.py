@@ -91,8 +91,8 @@ if part in ("all", "fp8"):
             cupy_flash.flash_backward(o, q8, k8, k8, o, lse, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                                       q_descale=ones_q, k_descale=ones_k, v_descale=ones_k)
 # The Hopper backward (kernels_cu/backward_sm90.cu; opted into with CUPY_FLASH_KERNELS=experimental):
-# every head-dim tile (96 pads to 128, 192 to 256: the head-dim split), key blocks past the
-# sequence, GQA, a window, packed batches.
+# every head-dim tile (96 pads to 128; 192: its own tile, the product split), key blocks past the
+# sequence, GQA, a window (at d = 160: the 256 tile's head-dim split), packed batches.
 with families.use_kernels("experimental"):
     for dtype in (numpy.float16, ml_dtypes.bfloat16) if part in ("all", "backward") else ():
         for d in (64, 96, 128, 192, 256):
@@ -108,7 +108,7 @@ with families.use_kernels("experimental"):
         cupy_flash.flash_backward(array(q.shape, dtype), q, k, v, o, lse)
         # More key blocks than SMs: atomic calls' persistent blocks take several from the counter;
         # deterministic calls run a block per key block, each then finding the counter past the end.
-        for d in (64, 128, 256):
+        for d in (64, 128, 192, 256):
             q, k, v = array((1, 200, 160, d), dtype), array((1, 300, 160, d), dtype), array((1, 300, 160, d), dtype)
             for causal, deterministic in ((False, False), (True, True)):
                 o, lse = cupy_flash.flash_forward(q, k, v, causal=causal)
@@ -119,9 +119,10 @@ with families.use_kernels("experimental"):
             q, k, v = array((1, 300, 2, d), dtype), array((1, 2100, 2, d), dtype), array((1, 2100, 2, d), dtype)
             o, lse = cupy_flash.flash_forward(q, k, v, causal=causal)
             cupy_flash.flash_backward(array(q.shape, dtype), q, k, v, o, lse, causal=causal, deterministic=True)
-        q, k, v = array((1, 300, 2, 64), dtype), array((1, 260, 2, 64), dtype), array((1, 260, 2, 64), dtype)
-        o, lse = cupy_flash.flash_forward(q, k, v, window_size=(30, 5))
-        cupy_flash.flash_backward(array(q.shape, dtype), q, k, v, o, lse, window_size=(30, 5))
+        for d in (64, 160):
+            q, k, v = array((1, 300, 2, d), dtype), array((1, 260, 2, d), dtype), array((1, 260, 2, d), dtype)
+            o, lse = cupy_flash.flash_forward(q, k, v, window_size=(30, 5))
+            cupy_flash.flash_backward(array(q.shape, dtype), q, k, v, o, lse, window_size=(30, 5))
         lens_q, lens_k = [70, 0, 200], [45, 9, 130]
         cu_q, cu_k = (cupy.asarray(numpy.cumsum([0] + n), dtype=cupy.int32) for n in (lens_q, lens_k))
         for d in (128, 256):

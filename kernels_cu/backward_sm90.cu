@@ -113,7 +113,7 @@ __device__ const unsigned int backward_sm90_dq_box_rows = backward_sm90_dq_rows<
 // read from shared memory).
 template <int D_TILE, int FEATURES>
 struct BackwardSm90Registers {
-    static constexpr bool roomy_producer = D_TILE == 256 || (D_TILE == 64 && FEATURES == 0);
+    static constexpr bool roomy_producer = D_TILE > 128 || (D_TILE == 64 && FEATURES == 0);
     static constexpr int producer = roomy_producer ? 40 : 24, consumer = roomy_producer ? 232 : 240;
     static_assert(producer + BACKWARD_SM90_CONSUMERS * consumer <= (1 + BACKWARD_SM90_CONSUMERS) * 168,
                   "setmaxnreg split beyond the launch's registers: the block would hang");
@@ -1112,29 +1112,45 @@ __device__ __forceinline__ void backward_sm90_head_dim_split(BackwardSm90Storage
     store_key_gradients<T, COLUMNS, FEATURES>(dk, dv, p, at, first_key, column0, query_col);   // this consumer's columns
 }
 
-// The product split (d = 256 without dQ: ADDS_DQ false, the calls that take the dQ kernel). Each
-// consumer computes one of the block's two score products for all 64 queries, so each is a
-// 64 x 64 x 256 wgmma (the head-dim split's two 64 x 32 products a consumer read K or V from
-// shared memory once per 32 queries: a third more operand bytes):
+// The product split (d = 192 and 256 without dQ: ADDS_DQ false, the calls that take the dQ
+// kernel). Each consumer computes one of the block's two score products for all 64 queries, so
+// each is a 64 x 64 x D_TILE wgmma (the head-dim split's two 64 x 32 products a consumer read K or
+// V from shared memory once per 32 queries: a third more operand bytes):
 //   consumer 0: S^T = K Q^T, P^T in registers, written to shared memory as T;
 //   consumer 1: dP^T = V dO^T, P^T read back from there (ldmatrix: the fragments consumer 0 held),
 //               dS^T = P^T (dP^T - delta), written to shared memory as T.
-// Each then owns 128 head-dim columns of dK and dV: the one holding P^T (dS^T) in registers takes
-// it as the A operand of dV (dK), the other reads it from shared memory. dS^T uses P^T rounded to
-// T, as the operand of dV is (the dense reference's form rounds it too).
+// Each then owns whole 64-column chunks of dK and dV (product_split_columns): the one holding P^T
+// (dS^T) in registers takes it as the A operand of dV (dK), the other reads it from shared memory.
+// dS^T uses P^T rounded to T, as the operand of dV is (the dense reference's form rounds it too).
 // The consumers meet through named barriers in pairs, arrive on one side and sync on the other:
 // P_READY / DS_READY (written), P_FREE / DS_FREE (the other consumer's products of the last block
 // have read it; none before a tile's first block: the next tile's K / V wait covers the last).
+// Consumer 0's columns of dK and dV: half at d = 256; at 192 one chunk, consumer 1 two (a 96-column
+// half would start inside a swizzled 64-column chunk; consumer 0 also takes the exponentials).
+// One function with the role a runtime branch, as at 256 before d = 192 came: each role a template
+// of its own measured 0.95x at d = 256 causal (docs/decisions.md, "product split at d = 192").
+template <int D_TILE>
+constexpr int product_split_columns = D_TILE == 256 ? 128 : 64;
+
+// The first COLUMNS / 2 accumulators of a consumer's dK or dV (all of them where both own as many).
+template <int COLUMNS, int N>
+__device__ __forceinline__ float (&leading(float (&x)[N]))[COLUMNS / 2] {
+    static_assert(COLUMNS / 2 <= N, "a consumer's columns within the accumulators");
+    return reinterpret_cast<float (&)[COLUMNS / 2]>(x);
+}
+
 template <typename T, int D_TILE, int BLOCK_N, int BLOCK_M, int STAGES, bool IS_CAUSAL, int FEATURES>
 __device__ __forceinline__ void backward_sm90_product_split(BackwardSm90Storage<T, D_TILE, BLOCK_N, BLOCK_M, STAGES>& smem,
                                                             const FlashParams& p, const BackwardSm90Block& at, int round,
                                                             int& ring) {
     constexpr int CONSUMERS = BACKWARD_SM90_CONSUMERS;
-    constexpr int COLUMNS = D_TILE / CONSUMERS;   // a consumer's head-dim columns in dK and dV
+    constexpr int COLUMNS0 = product_split_columns<D_TILE>, COLUMNS1 = D_TILE - COLUMNS0;   // each one's dK, dV columns
+    constexpr int COLUMNS = COLUMNS0 > COLUMNS1 ? COLUMNS0 : COLUMNS1;   // the accumulators': the wider one's
     constexpr int P_READY = 1, DS_READY = 2, P_FREE = 3, DS_FREE = 4, PAIR = 128 * CONSUMERS;
     constexpr unsigned int K_CHUNK_BYTES = BLOCK_N * 128, Q_CHUNK_BYTES = BLOCK_M * 128;
-    static_assert(BLOCK_N == 64 && BLOCK_M == 64 && D_TILE == 256 && CONSUMERS == 2,
-                  "P^T and dS^T one 64 x 64 chunk each; 128 columns a consumer");
+    static_assert(BLOCK_N == 64 && BLOCK_M == 64 && (D_TILE == 192 || D_TILE == 256) && CONSUMERS == 2
+                      && COLUMNS0 % 64 == 0 && COLUMNS1 % 64 == 0,
+                  "P^T and dS^T one 64 x 64 chunk each; whole 64-column chunks a consumer");
     const int kv_start = at.kv_start;
     const Sequence& seq = at.seq;
     const Band& band = at.band;
@@ -1144,7 +1160,7 @@ __device__ __forceinline__ void backward_sm90_product_split(BackwardSm90Storage<
     const int thread = threadIdx.x % 128, warp = thread / 32, lane = thread % 32;
     const int first_key = kv_start + 16 * warp + lane / 4;   // this thread's keys: + 0 and + 8
     const int query_col = 2 * (lane % 4);           // and queries 8i + this (+1), or columns
-    const int column0 = COLUMNS * consumer;
+    const int column0 = COLUMNS0 * consumer;
     const unsigned int p_tile = smem_addr(&smem.ds[0][0][0][0]), ds_tile = smem_addr(&smem.ds[1][0][0][0]);
     // Lane L's row address of the 8 x 8 tiles of 16-query step kk (stmatrix_x4 / ldmatrix_x4): tile
     // L / 8 is (key rows + 0, + 8) x (queries + 0, + 8), the accumulator_to_a fragment's order.
@@ -1196,14 +1212,15 @@ __device__ __forceinline__ void backward_sm90_product_split(BackwardSm90Storage<
             warpgroup_arrive();
 #pragma unroll
             for (int kk = 0; kk < BLOCK_M / 16; ++kk)
-                Wgmma<T, COLUMNS>::template rs<1>(dv, a[kk], advance_descriptor(do_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
+                Wgmma<T, COLUMNS0>::template rs<1>(leading<COLUMNS0>(dv), a[kk],
+                                                   advance_descriptor(do_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
             warpgroup_commit();
             named_barrier_sync(DS_READY, PAIR);
             warpgroup_arrive();
 #pragma unroll
             for (int kk = 0; kk < BLOCK_M / 16; ++kk)
-                Wgmma<T, COLUMNS>::template ss<1>(dk, advance_descriptor(ds_desc, kk * 32),
-                                                  advance_descriptor(q_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
+                Wgmma<T, COLUMNS0>::template ss<1>(leading<COLUMNS0>(dk), advance_descriptor(ds_desc, kk * 32),
+                                                   advance_descriptor(q_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
             warpgroup_commit();
             warpgroup_wait<0>();
             if (!last) named_barrier_arrive(DS_FREE, PAIR);
@@ -1226,11 +1243,12 @@ __device__ __forceinline__ void backward_sm90_product_split(BackwardSm90Storage<
             warpgroup_arrive();
 #pragma unroll
             for (int kk = 0; kk < BLOCK_M / 16; ++kk)
-                Wgmma<T, COLUMNS>::template rs<1>(dk, a[kk], advance_descriptor(q_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
+                Wgmma<T, COLUMNS1>::template rs<1>(leading<COLUMNS1>(dk), a[kk],
+                                                   advance_descriptor(q_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
 #pragma unroll
             for (int kk = 0; kk < BLOCK_M / 16; ++kk)
-                Wgmma<T, COLUMNS>::template ss<1>(dv, advance_descriptor(p_desc, kk * 32),
-                                                  advance_descriptor(do_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
+                Wgmma<T, COLUMNS1>::template ss<1>(leading<COLUMNS1>(dv), advance_descriptor(p_desc, kk * 32),
+                                                   advance_descriptor(do_desc, kk * 2 * SWIZZLE_ATOM_BYTES), 1);
             warpgroup_commit();
             warpgroup_wait<0>();
             if (!last) named_barrier_arrive(P_FREE, PAIR);
@@ -1242,5 +1260,12 @@ __device__ __forceinline__ void backward_sm90_product_split(BackwardSm90Storage<
     barrier_arrive(smem_addr(&smem.kv_empty));   // K and V: last read by this tile's products
     ring += order.count();
 
-    store_key_gradients<T, COLUMNS, FEATURES>(dk, dv, p, at, first_key, column0, query_col);   // this consumer's columns
+    if constexpr (COLUMNS0 == COLUMNS1)   // this consumer's columns
+        store_key_gradients<T, COLUMNS, FEATURES>(dk, dv, p, at, first_key, column0, query_col);
+    else if (scores)
+        store_key_gradients<T, COLUMNS0, FEATURES>(leading<COLUMNS0>(dk), leading<COLUMNS0>(dv), p, at, first_key, 0,
+                                                   query_col);
+    else
+        store_key_gradients<T, COLUMNS1, FEATURES>(leading<COLUMNS1>(dk), leading<COLUMNS1>(dv), p, at, first_key,
+                                                   COLUMNS0, query_col);
 }

@@ -1069,7 +1069,8 @@ def test_calls_on_the_same_buffers_reuse_their_launch_parameters_only_there(path
 # The Hopper backward's sub-kernels, each named (kernels_cu/backward_sm90.cu; sm90.BACKWARD_SM90,
 # BACKWARD_SM90_DQ_APART_KEYS): (head_dim, causal, deterministic, keys, window, dQ apart, split).
 # "keys": the key split (two consumers, 64 keys each); "head_dim": d = 256's head-dim split;
-# "products": d = 256 without dQ adds, one consumer S^T, the other dP^T.
+# "products": d = 192 and 256 without dQ adds, one consumer S^T, the other dP^T (a window at
+# d = 192: the 256 tile's head-dim split).
 HOPPER_BACKWARD_KERNELS = [
     (64, False, False, 700, None, False, "keys"),
     (64, False, True, 700, None, True, "keys"),
@@ -1079,11 +1080,35 @@ HOPPER_BACKWARD_KERNELS = [
     (128, True, True, 700, None, True, "keys"),
     (128, True, True, 2500, None, False, "keys"),      # in turns
     (128, False, False, 700, (200, 50), False, "keys"),   # the variant tiles
+    (192, False, False, 700, None, True, "products"),
+    (192, True, True, 700, None, True, "products"),
+    (160, False, True, 700, (200, 50), False, "head_dim"),   # the 256 tile
     (256, False, False, 700, None, True, "products"),
     (256, True, True, 700, None, True, "products"),
     (256, True, False, 700, (200, -1), False, "head_dim"),
     (256, False, True, 700, (200, 50), False, "head_dim"),   # in turns
 ]
+
+
+@requires_hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_dim_v_backward_takes_the_192_tile(causal):
+    """DeepSeek's 192 / 128 (GQA 4:1, keys off the 64-key blocks) on the Hopper backward's 192 tile
+    (the product split, dQ apart; v's columns past 128 zero-filled): the error rule, outputs poisoned."""
+    rng = numpy.random.default_rng(3)
+    q, k, v, do = (random_array(rng, s, "bfloat16") for s in ((2, 640, 4, 192), (2, 700, 1, 192), (2, 700, 1, 128),
+                                                                (2, 640, 4, 128)))
+    o, lse = cupy_flash.flash_forward(q, k, v, causal=causal)
+    with kernel_path("hopper"), poisoned_allocations(), families.recording() as launched:
+        grads = cupy_flash.flash_backward(do, q, k, v, o, lse, causal=causal)
+    assert launched_family(launched) == "backward_sm90"
+    assert any(", 192, 64, 64, 2," in name for name in launched_kernels(launched)), launched_kernels(launched)
+    exact = attention_reference_backward(do, q, k, v, causal=causal)
+    low = low_precision_gradients(do, q, k, v, causal=causal)
+    scales = gradient_term_scales(do, q, k, v, o=o, causal=causal)
+    for name, ours, e, lo in zip(("dq", "dk", "dv"), grads, exact, low):
+        check_error_rule(name, ours, e, lo, "hopper backward 192 / 128", max_finite_abs(lse), scales[name],
+                         scales.get("delta:" + name, 0.0))
 
 
 @requires_hopper

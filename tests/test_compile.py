@@ -260,9 +260,12 @@ def test_generated_wgmma_operations_are_current_and_cover_the_tiles():
     for tile, (_, block_n, _) in list(sm90.FORWARD_SM90.items()) + list(sm90.FORWARD_SM90_PLAIN.items()):
         v_width = sm90.FORWARD_SM90_V_BLOCK if tile > _traits.WIDE_TILE else tile   # O += P V's N
         assert v_width in generator.WIDTHS and block_n in generator.WIDTHS, (tile, block_n)
-    # the key split's N; the head-dim split's halves, and the product split's whole query block
+    # the key split's N; the head-dim split's halves (d = 256), and the product split's whole query
+    # block and consumers' chunks of dK and dV (kernels_cu/backward_sm90.cu, product_split_columns:
+    # 128 each at 256, 64 and 128 at 192)
     for tile, (_, block_m, _) in list(sm90.BACKWARD_SM90.items()) + list(sm90.BACKWARD_SM90_PLAIN.items()):
-        halves = (tile // _traits.BACKWARD_SM90_CONSUMERS, block_m // _traits.BACKWARD_SM90_CONSUMERS, block_m)
+        columns = (tile // 2,) if tile == 256 else (64, tile - 64)
+        halves = (tile // _traits.BACKWARD_SM90_CONSUMERS, block_m // _traits.BACKWARD_SM90_CONSUMERS, block_m) + columns
         assert set((tile, block_m) if tile <= 128 else halves) <= set(generator.WIDTHS), tile
 
 

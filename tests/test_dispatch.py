@@ -7,7 +7,7 @@ from helpers import FakeGpuArray
 
 from cupy_flash import _traits, families
 from cupy_flash._checks import AttentionShape
-from cupy_flash._features import FEATURE_BIAS, FEATURE_SOFTCAP, FEATURE_VARLEN, FEATURE_WINDOW
+from cupy_flash._features import FEATURE_BIAS, FEATURE_HEAD_DIM_V, FEATURE_SOFTCAP, FEATURE_VARLEN, FEATURE_WINDOW
 from cupy_flash.families import sm90
 
 H100 = families.DeviceInfo(90, 227 * 1024, 132)
@@ -121,6 +121,22 @@ def test_the_hopper_backward_computes_dq_apart_where_it_measured_faster():
     assert sm90.backward_sm90_module_dq_apart(256, 0) == (sm90.BACKWARD_SM90_DQ_APART[256], False)
     assert sm90.backward_sm90_module_dq_apart(128, 0) == (sm90.BACKWARD_SM90_DQ_APART[128], True)
     assert sm90.backward_sm90_module_dq_apart(256, FEATURE_WINDOW) == (None, True)
+    # d = 192's tile: every call dQ apart (the product split only), so its modules hold no dQ adds
+    for causal in (False, True):
+        for deterministic in (False, True):
+            assert apart(192, 0, deterministic, causal, 16384) == sm90.BACKWARD_SM90_DQ_APART[192]
+    assert sm90.backward_sm90_module_dq_apart(192, 0) == (sm90.BACKWARD_SM90_DQ_APART[192], False)
+    assert sm90.backward_sm90_module_dq_apart(192, FEATURE_HEAD_DIM_V) == (sm90.BACKWARD_SM90_DQ_APART[192], False)
+
+
+def test_the_hopper_backward_tile_is_the_narrowest_that_compiles_the_call():
+    """sm90.backward_sm90_tile: d 129-192 take the 192 tile when plain (v's own head_dim too), the
+    256 tile with any other backward flag (BACKWARD_SM90_FEATURE_SETS: the 192 tile has no dQ adds)."""
+    tile = sm90.backward_sm90_tile
+    assert tile(64) == 64 and tile(128) == 128 and tile(129) == tile(192) == 192 and tile(200) == 256
+    assert tile(192, FEATURE_HEAD_DIM_V) == 192
+    for flags in (FEATURE_WINDOW, FEATURE_VARLEN, FEATURE_WINDOW | FEATURE_HEAD_DIM_V):
+        assert tile(160, flags) == tile(192, flags) == 256 and tile(128, flags) == 128
 
 
 def test_only_calls_that_add_dq_zero_a_float32_accumulator():

@@ -132,16 +132,20 @@ def describe_backward(device: DeviceInfo, setting: str | None = None) -> str:
 
 def describe_dq_apart() -> str:
     """Which Hopper backward calls compute dQ in a kernel of its own (sm90.BACKWARD_SM90_DQ_APART_KEYS)."""
-    parts = []
+    ranges = []   # [first head_dim, last head_dim, what], neighbouring tiles alike merged
     previous = 0
     for tile, keys in sorted(sm90.BACKWARD_SM90_DQ_APART_KEYS.items()):
-        dims = f"head_dim {previous + 1}-{tile}"
-        previous = tile
         kinds = []
         for (deterministic, causal), limit in sorted(keys.items()):
             kinds.append(f"{'deterministic' if deterministic else 'atomic'} {'causal' if causal else 'non-causal'}"
                          + (" (any length)" if limit is None else f" up to {limit} keys"))
         if sm90.backward_sm90_dq_apart_every_call(tile):
             kinds = ["every call"]
-        parts.append(f"{dims}: {', '.join(kinds)}")
+        what = ", ".join(kinds)
+        if ranges and ranges[-1][2] == what:
+            ranges[-1][1] = tile
+        else:
+            ranges.append([previous + 1, tile, what])
+        previous = tile
+    parts = [f"head_dim {first}-{last}: {what}" for first, last, what in ranges]
     return "dQ in a kernel of its own (no window, no packed batch): " + "; ".join(parts)

@@ -91,10 +91,13 @@ FORWARD_SM90_HEAD_DIM_V = {(192, 128): (128, 112, 2)}
 # dQ (BACKWARD_SM90_DQ_APART_KEYS) d = 256 splits the score products instead: consumer 0 S^T,
 # consumer 1 dP^T, each 64 keys x 64 queries (against 64 x 32 each: 1.02-1.06x, H100).
 # d = 64 takes 128 queries a block, so both consumers have a 64-row piece of dQ's product (with 64
-# queries its one 64-column chunk was consumer 0's alone).
-BACKWARD_SM90 = {64: (128, 128, 2), 128: (128, 64, 2), 256: (64, 64, 2)}
+# queries its one 64-column chunk was consumer 0's alone). d = 192 runs the product split alone
+# (every call computes dQ apart; consumer 0 owns one 64-column chunk of dK and dV, consumer 1 two):
+# plain calls and v's own head_dim (DeepSeek's 192 / 128), the others take the 256 tile.
+BACKWARD_SM90 = {64: (128, 128, 2), 128: (128, 64, 2), 192: (64, 64, 2), 256: (64, 64, 2)}
 _SM90_BACKWARD_FEATURES = _SM90_ALL & ~(FEATURE_SOFTCAP | FEATURE_ALIBI | FEATURE_SINK)
-BACKWARD_SM90_FEATURE_SETS = {tile: (_SM90_BACKWARD_FEATURES,) for tile in BACKWARD_SM90}
+BACKWARD_SM90_FEATURE_SETS = {tile: (FEATURE_HEAD_DIM_V,) if tile == 192 else (_SM90_BACKWARD_FEATURES,)
+                              for tile in BACKWARD_SM90}
 # Where the automatic setting runs it (measured, H100, bf16 and fp16, the Hopper backward against
 # the portable one interleaved on the same inputs: docs/results/h100_dispatch_short_*_20261124.json).
 # Atomic dQ: 1.04-1.19x from 256 keys at every head dim, 1.19-1.39x at 512; at 128 keys 0.90-1.09x,
@@ -102,8 +105,8 @@ BACKWARD_SM90_FEATURE_SETS = {tile: (_SM90_BACKWARD_FEATURES,) for tile in BACKW
 # causal deterministic backward visits query blocks last first (QueryOrder in backward_sm90.cu),
 # 1.09-1.17x at 256-512 keys at d <= 128 and 1.00x / 1.21x at 256 / 512 keys at d = 256 (before it,
 # d = 64 0.97-0.99x at 256-512 and d = 256 0.92-0.93x at 256, which had kept them portable).
-BACKWARD_SM90_MIN_KEYS = {64: 256, 128: 256, 256: 256}
-BACKWARD_SM90_DETERMINISTIC_MIN_KEYS = {64: 256, 128: 256, 256: 256}
+BACKWARD_SM90_MIN_KEYS = {64: 256, 128: 256, 192: 256, 256: 256}
+BACKWARD_SM90_DETERMINISTIC_MIN_KEYS = {64: 256, 128: 256, 192: 256, 256: 256}
 
 
 # Plain calls (no backward variant flags; causal or not, atomic or deterministic) take these tiles
@@ -119,7 +122,7 @@ BACKWARD_SM90_PLAIN = {128: (128, 80, 2)}
 # this tile (block_m, block_n, stages): each block holds BLOCK_M query rows' Q and dO and streams
 # the keys, so dQ takes no adds and the call is deterministic whether asked or not. It recomputes S
 # and dP: 7 products against 5.
-BACKWARD_SM90_DQ_APART = {64: (128, 128, 3), 128: (128, 64, 3), 256: (128, 32, 3)}
+BACKWARD_SM90_DQ_APART = {64: (128, 128, 3), 128: (128, 64, 3), 192: (128, 32, 3), 256: (128, 32, 3)}
 # Which calls take it: (deterministic, causal) -> up to how many keys (None: any); absent: none.
 # Measured (H200, bf16, 1k-16k, interleaved against the kernel that adds dQ, in
 # docs/decisions.md): d = 256 1.00-1.05x its atomic calls and 1.31-1.61x its deterministic
@@ -131,6 +134,7 @@ BACKWARD_SM90_DQ_APART = {64: (128, 128, 3), 128: (128, 64, 3), 256: (128, 32, 3
 BACKWARD_SM90_DQ_APART_KEYS = {
     64: {(True, False): 2048, (True, True): None},
     128: {(True, False): 2048, (True, True): 2048},
+    192: {(False, False): None, (False, True): None, (True, False): None, (True, True): None},
     256: {(False, False): None, (False, True): None, (True, False): None, (True, True): None},
 }
 
@@ -184,9 +188,11 @@ def forward_sm90_tile(head_dim: int) -> int:
     return next(tile for tile in FORWARD_SM90 if head_dim <= tile)
 
 
-def backward_sm90_tile(head_dim: int) -> int:
-    """The Hopper backward's head-dim tile for ``head_dim`` (<= 256)."""
-    return next(tile for tile in BACKWARD_SM90 if head_dim <= tile)
+def backward_sm90_tile(head_dim: int, flags: int = 0) -> int:
+    """The Hopper backward's head-dim tile for ``head_dim`` (<= 256) and backward variant ``flags``:
+    the narrowest that compiles them (BACKWARD_SM90_FEATURE_SETS), else the narrowest."""
+    tiles = [tile for tile in BACKWARD_SM90 if head_dim <= tile]
+    return next((tile for tile in tiles if sm90_supports_features(BACKWARD_SM90_FEATURE_SETS, tile, flags)), tiles[0])
 
 
 def forward_sm90_config(tile: int, flags: int = 0, causal: bool = False, seqlen_k: int = 0) -> tuple:
@@ -330,7 +336,7 @@ class Backward(Family):
 
     @staticmethod
     def call_spec(device, shape, flags: int) -> ModuleSpec:
-        return Backward.module_spec(shape.dtype, backward_sm90_tile(shape.widest_head_dim), flags)
+        return Backward.module_spec(shape.dtype, backward_sm90_tile(shape.widest_head_dim, flags), flags)
 
     @staticmethod
     def supports(device, shape, variant, setting: str, arrays=(), deterministic: bool = False) -> bool:
@@ -341,7 +347,7 @@ class Backward(Family):
         16-byte aligned: _checks.output_buffer)."""
         if not _runs_here(device, shape, setting, BACKWARD_SM90):
             return False
-        tile = backward_sm90_tile(shape.widest_head_dim)
+        tile = backward_sm90_tile(shape.widest_head_dim, variant.backward_flags)
         if setting == "auto":
             min_keys = (BACKWARD_SM90_DETERMINISTIC_MIN_KEYS if deterministic else BACKWARD_SM90_MIN_KEYS)[tile]
             if shape.seqlen_k < min_keys:
