@@ -7,7 +7,8 @@ so one long test does not share a shard with a full share of the others. Logs pe
 was in); a summary (passed / failed / skipped per shard, the FAILED lines) is printed last; exit
 status 1 on any failure or timeout.
 
-    python bench/gpu_suite.py tests/test_attention_gpu.py --shards 8 --timeout 420 --logs $OUT/suite
+    python bench/gpu_suite.py tests/test_attention_gpu.py tests/test_decode.py --shards 8 --timeout 420 --logs $OUT/suite
+    python bench/gpu_suite.py tests/test_attention_gpu.py -k "backward and hopper" --shards 8   # the selected ones dealt
 """
 
 from __future__ import annotations
@@ -41,23 +42,28 @@ def deal(ids: list[str], shards: int) -> list[list[str]]:
     return [group for group in groups if group]
 
 
-def collect(path: str) -> list[str]:
-    listing = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", path],
-                             capture_output=True, text=True, check=False).stdout
+def collect(paths: list[str], keyword: str | None = None) -> list[str]:
+    """The test ids pytest collects from ``paths`` (files, directories or ids), selected by ``-k
+    keyword`` here, so the shards share the selected tests (a -k given to each shard instead left
+    every selected test where the unselected ones had dealt it: one shard ran them all)."""
+    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *paths]
+    if keyword:
+        command += ["-k", keyword]
+    listing = subprocess.run(command, capture_output=True, text=True, check=False).stdout
     return [line.strip() for line in listing.splitlines() if "::" in line]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_suite", description=__doc__.splitlines()[0])
-    parser.add_argument("path")
+    parser.add_argument("paths", nargs="+", help="test files, directories or ids")
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds for all shards together")
     parser.add_argument("--logs", default="/tmp/gpu_suite")
-    parser.add_argument("-k", default=None, help="pytest -k expression, applied in each shard")
+    parser.add_argument("-k", default=None, help="pytest -k expression, applied when collecting")
     args = parser.parse_args()
-    ids = collect(args.path)
+    ids = collect(args.paths, args.k)
     if not ids:
-        print(f"no tests collected from {args.path}")
+        print(f"no tests collected from {' '.join(args.paths)}{f' with -k {args.k!r}' if args.k else ''}")
         return 1
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
@@ -65,8 +71,6 @@ def main() -> int:
     shards = []
     for n, group in enumerate(deal(ids, args.shards)):
         command = [sys.executable, "-m", "pytest", "-v", "--durations=0", "-p", "no:cacheprovider", *group]
-        if args.k:
-            command += ["-k", args.k]
         log = open(logs / f"shard{n}.log", "w")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         shards.append((n, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log))
