@@ -27,7 +27,8 @@ leave the GPU memory XLA does not use to CuPy, e.g. ``XLA_PYTHON_CLIENT_MEM_FRAC
 
 Options are flash_forward's: ``softmax_scale``, ``causal``, ``window_size``, ``softcap``, and
 ``deterministic`` (the backward's). They are static (Python values); the others (alibi_slopes,
-sink, bias, packed batches) are not offered here, and asking for them is a TypeError naming them.
+sink, bias, packed batches) are not offered here, and asking for them is a TypeError naming them
+(``ring_attention`` takes a sink).
 Argument errors are flash_forward's own, raised when the call is traced, before anything runs.
 """
 
@@ -488,7 +489,7 @@ def shard_map(function, mesh, in_specs, out_specs):
 
 
 def ring_attention(q, k, v, axis_name, *, causal=False, softmax_scale=None, deterministic=False, window_size=None,
-                   softcap=0.0):
+                   softcap=0.0, sink=None):
     """Exact attention over a sequence sharded along the mesh axis ``axis_name``, called inside
     ``jax.shard_map`` with q, k, v the rank's shard (batch, local_seqlen, heads, head_dim) and the
     sequence axis split over ``axis_name``; returns o of the shard's rows. The ring of
@@ -502,7 +503,10 @@ def ring_attention(q, k, v, axis_name, *, causal=False, softmax_scale=None, dete
     ``softcap`` caps every block's logits; ``window_size`` = (left, right) is a band over global
     positions, as flash_forward's: shards in zigzag order too, and each step runs the blocks of its
     chunk pairs that the band reaches (``distributed.ring_blocks``, chosen per rank by
-    ``jax.lax.switch``), so a step the band misses runs nothing."""
+    ``jax.lax.switch``), so a step the band misses runs nothing. ``sink``: a logit per query head
+    (heads,), replicated over the axis (``PartitionSpec()``), counted once in each row's softmax
+    (joined after the merge, as cupy_flash.distributed does); its gradient is the rank's rows' part,
+    which shard_map sums over the axis as it does for any replicated input."""
     static = _checks.check_traced_call("ring_attention (JAX)", q, k, v,
                                        dict(softmax_scale=softmax_scale, causal=causal, deterministic=deterministic,
                                             window_size=window_size, softcap=softcap))
@@ -514,7 +518,12 @@ def ring_attention(q, k, v, axis_name, *, causal=False, softmax_scale=None, dete
                          "two equal chunks")
     if tuple(k.shape[-4:-2]) != tuple(q.shape[-4:-2]):
         raise ValueError(f"k has shape {tuple(k.shape)} but q has {tuple(q.shape)}; ring shards hold the same rows of q, k, v")
-    return _ring(static, axis_name)(q, k, v)
+    if sink is None:
+        return _ring(static, axis_name)(q, k, v)
+    if getattr(sink, "shape", None) != (q.shape[-2],) or not jax.numpy.issubdtype(sink.dtype, jax.numpy.floating):
+        raise ValueError(f"sink must be a float array of shape ({q.shape[-2]},) (a logit per query head), got "
+                         f"{getattr(sink, 'dtype', type(sink).__name__)} of shape {tuple(getattr(sink, 'shape', ()))}")
+    return _ring(static, axis_name, True)(q, k, v, sink)
 
 
 def _axis_size(axis_name) -> int:
@@ -528,8 +537,9 @@ def _with(static: tuple, **changed) -> tuple:
 
 
 @functools.lru_cache(maxsize=64)
-def _ring(static: tuple, axis_name):
-    """The custom_vjp ring function of q, k, v -> o for one set of options and mesh axis."""
+def _ring(static: tuple, axis_name, with_sink: bool = False):
+    """The custom_vjp ring function of q, k, v (and the sink, ``with_sink``) -> o for one set of
+    options and mesh axis."""
     from .distributed import banded, ring_blocks
 
     options = dict(static)
@@ -637,7 +647,7 @@ def _ring(static: tuple, axis_name):
             return jnp.concatenate((jnp.zeros_like(dq), dq), axis=1), dk, dv
         return jax.lax.cond(rank >= step, earlier, later, do, q, k, v, o, lse)
 
-    def forward(q, k, v):
+    def forward(q, k, v, sink=None):
         rank = jax.lax.axis_index(axis_name)
         batch, rows, heads = q.shape[:3]
         o_acc = jnp.zeros((batch, rows, heads, v.shape[-1]), jnp.float32)
@@ -648,19 +658,15 @@ def _ring(static: tuple, axis_name):
             o, lse = attend(step, rank, q, *held)
             o_acc, lse_acc = merge(o_acc, lse_acc, o, lse)
             held = coming
+        if sink is not None:   # once, after the merge: lse takes exp(sink), o its share of the row
+            joined = jnp.logaddexp(lse_acc, sink.astype(jnp.float32)[None, :, None])
+            o_acc = o_acc * jnp.exp(lse_acc - joined).transpose(0, 2, 1)[..., None]
+            lse_acc = joined
         return o_acc.astype(q.dtype), lse_acc
 
-    @jax.custom_vjp
-    def ring(q, k, v):
-        return forward(q, k, v)[0]
-
-    def ring_forward(q, k, v):
-        o, lse = forward(q, k, v)
-        return o, (q, k, v, o, lse)
-
-    def ring_backward(saved, do):
-        q, k, v, o, lse = saved
-        do = do.astype(q.dtype)
+    def backward(q, k, v, o, lse, do):
+        """(dq, dk, dv) through the ring: the steps' blocks with the merged o and lse (the sink's
+        too, where there is one: its probability is then left out of every block's P)."""
         rank = jax.lax.axis_index(axis_name)
         dq = jnp.zeros(q.shape, jnp.float32)
         held = (k, v, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
@@ -672,6 +678,37 @@ def _ring(static: tuple, axis_name):
             held = (held[0], held[1], held[2] + dk_part, held[3] + dv_part)
         dk, dv = shift(held[2:])   # one more shift: home
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    def sink_gradient(do, o, lse, sink):
+        """This rank's rows' part of dsink: -sum over batch and rows of P_sink * rowsum(dO * O)."""
+        delta = (do.astype(jnp.float32) * o.astype(jnp.float32)).sum(-1).transpose(0, 2, 1)   # (batch, heads, rows)
+        return -(jnp.exp(sink.astype(jnp.float32)[None, :, None] - lse) * delta).sum(axis=(0, 2)).astype(sink.dtype)
+
+    if with_sink:
+        @jax.custom_vjp
+        def ring(q, k, v, sink):
+            return forward(q, k, v, sink)[0]
+
+        def ring_forward(q, k, v, sink):
+            o, lse = forward(q, k, v, sink)
+            return o, (q, k, v, o, lse, sink)
+
+        def ring_backward(saved, do):
+            q, k, v, o, lse, sink = saved
+            do = do.astype(q.dtype)
+            return backward(q, k, v, o, lse, do) + (sink_gradient(do, o, lse, sink),)
+    else:
+        @jax.custom_vjp
+        def ring(q, k, v):
+            return forward(q, k, v)[0]
+
+        def ring_forward(q, k, v):
+            o, lse = forward(q, k, v)
+            return o, (q, k, v, o, lse)
+
+        def ring_backward(saved, do):
+            q, k, v, o, lse = saved
+            return backward(q, k, v, o, lse, do.astype(q.dtype))
 
     ring.defvjp(ring_forward, ring_backward)
     return ring
