@@ -214,6 +214,22 @@ def cuda_calls() -> CudaCalls:
 FLOAT32 = numpy.dtype(numpy.float32)
 
 
+def aligned_offsets(sizes) -> tuple[tuple[int, ...], int]:
+    """Offsets of buffers of ``sizes`` bytes laid one after another in one allocation, each at a
+    256-byte boundary, and the bytes they span with the last one rounded up too (a plan's outputs,
+    the backward's temporaries, decode's partials)."""
+    offsets, total = [], 0
+    for nbytes in sizes:
+        offsets.append(total)
+        total += -(-nbytes // 256) * 256
+    return tuple(offsets), total
+
+
+def nbytes_of(shape, dtype) -> int:
+    """The bytes of a C-contiguous array of ``shape`` and ``dtype``."""
+    return math.prod(shape) * numpy.dtype(dtype).itemsize
+
+
 class OutputAndLse:
     """Base of the forward's and decode's plans: their outputs, o (q's shape with v's head_dim, and
     q's dtype) and lse (float32), new on each call from one allocation of CuPy's (o, then lse at
@@ -223,8 +239,9 @@ class OutputAndLse:
     def plan_outputs(self, o, lse_shape: tuple) -> None:
         """``o``: an array (or stand-in) of o's shape and dtype."""
         self.o_shape, self.o_dtype, self.lse_shape = tuple(o.shape), o.dtype, lse_shape
-        self.lse_offset = -(-math.prod(self.o_shape) * numpy.dtype(o.dtype).itemsize // 256) * 256
-        self.outputs_bytes = self.lse_offset + 4 * math.prod(lse_shape)
+        lse_bytes = nbytes_of(lse_shape, FLOAT32)
+        (_, self.lse_offset), _ = aligned_offsets((nbytes_of(self.o_shape, o.dtype), lse_bytes))
+        self.outputs_bytes = self.lse_offset + lse_bytes
 
     def outputs(self):
         cuda = self.cuda

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import math
 
 import numpy
 
@@ -14,10 +13,12 @@ from ._features import broadcast_strides
 from ._launch import (
     Packed,
     TileCounters,
+    aligned_offsets,
     cached,
     cuda_calls,
     current_stream,
     kept,
+    nbytes_of,
     packed_once,
     ready_stream,
     short_call_workspace,
@@ -205,13 +206,10 @@ class BackwardPlan:
         early = _launch.supports_early(self.device)
         self.launches = tuple(launch._replace(early=launch.early and early) for launch in launches)   # _launch.Launch
         # The temporaries in one workspace, each at a 256-byte boundary: (name, offset, shape, dtype, fill)
-        self.temporaries, offset = [], 0
-        for name, shape, dtype, fill in temporaries:
-            self.temporaries.append((name, offset, shape, numpy.dtype(dtype), fill))
-            offset += -(-math.prod(shape) * numpy.dtype(dtype).itemsize // 256) * 256
-        self.temporaries = tuple(self.temporaries)
-        self.workspace_bytes = offset
-        self.zeroed = tuple((offset, math.prod(shape) * dtype.itemsize)
+        offsets, self.workspace_bytes = aligned_offsets(nbytes_of(shape, dtype) for _, shape, dtype, _ in temporaries)
+        self.temporaries = tuple((name, offset, shape, numpy.dtype(dtype), fill)
+                                 for (name, shape, dtype, fill), offset in zip(temporaries, offsets))
+        self.zeroed = tuple((offset, nbytes_of(shape, dtype))
                             for _, offset, shape, dtype, fill in self.temporaries if fill == 0)
         # The names of a launch's addresses: the preprocess's (inputs and temporaries), then the rest's
         self.first_names = _INPUTS + tuple(name for name, *_ in self.temporaries)
@@ -219,11 +217,7 @@ class BackwardPlan:
         self.gradients = gradients       # (shape, dtype) of dq, dk, dv: q's, k's, v's
         # dq, dk, dv in one allocation, each at a 256-byte boundary (as the forward's o and lse:
         # _launch.OutputAndLse): their offsets and its bytes
-        self.gradient_offsets, offset = [], 0
-        for shape, dtype in gradients:
-            self.gradient_offsets.append(offset)
-            offset += -(-math.prod(shape) * numpy.dtype(dtype).itemsize // 256) * 256
-        self.gradients_bytes = offset
+        self.gradient_offsets, self.gradients_bytes = aligned_offsets(nbytes_of(*g) for g in gradients)
         self._encoded: dict = {}         # the Hopper tensor maps by the arrays' addresses
         self._counters = TileCounters(tile_counter_bytes)  # the Hopper kernel's tile counters
         self._launched: dict = {}        # the main launches, packed (packed_once)

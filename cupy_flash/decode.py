@@ -110,8 +110,8 @@ class DecodePlan(_launch.OutputAndLse):
         self.plan_outputs(o, lse_shape)
         # o_partial and lse_partial in one workspace (empty when the keys are not split): lse_partial
         # at this offset
-        self.lse_partial_offset = -(-partials[0] // 256) * 256 if partials else 0
-        self.workspace_bytes = sum(-(-n // 256) * 256 for n in partials)
+        offsets, self.workspace_bytes = _launch.aligned_offsets(partials)
+        self.lse_partial_offset = offsets[1] if partials else 0
         self.held = held                  # the variant's device arrays the record points at
         # Only q, the caches and cache_seqlens (no block table, new rows or descales): the short
         # path's addresses without a look at the rest.

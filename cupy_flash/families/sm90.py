@@ -131,11 +131,12 @@ BACKWARD_SM90_DQ_APART = {64: (128, 128, 3), 128: (128, 64, 3), 192: (128, 32, 3
 # 16k without a mask and 1.34 / 1.17 / 1.05 / 1.01x with one, d = 128 1.02 / 1.00 / 0.95 / 0.91x
 # and 1.15 / 1.02 / 0.95 / 0.88x. Stages: 3 against 2 at d = 256 1.06-1.09x, d = 64 0.96-1.00x
 # (its 2: neutral), d = 128 0.97-1.05x.
+_EVERY_CALL = {(deterministic, causal): None for deterministic in (False, True) for causal in (False, True)}
 BACKWARD_SM90_DQ_APART_KEYS = {
     64: {(True, False): 2048, (True, True): None},
     128: {(True, False): 2048, (True, True): 2048},
-    192: {(False, False): None, (False, True): None, (True, False): None, (True, True): None},
-    256: {(False, False): None, (False, True): None, (True, False): None, (True, True): None},
+    192: _EVERY_CALL,
+    256: _EVERY_CALL,
 }
 
 
