@@ -163,19 +163,11 @@ def _words(address: int, count: int) -> tuple:
     return layout.unpack_from(_MEMORY, address - 1)
 
 
-_POINTER_LAYOUTS: dict = {}
-
-
 def _data_pointers(pointers: int, count: int) -> tuple:
     """The data addresses (each XLA_FFI_Buffer's fourth word) of the ``count`` buffers that the
     array at ``pointers`` points to (none: the array may be NULL, which is not read)."""
-    if not count:
-        return ()
-    layout = _POINTER_LAYOUTS.get(count)
-    if layout is None:
-        layout = _POINTER_LAYOUTS[count] = struct.Struct(f"{count}Q")
     word, memory = _WORD.unpack_from, _MEMORY
-    return tuple([word(memory, buffer + 23)[0] for buffer in layout.unpack_from(memory, pointers - 1)])
+    return tuple([word(memory, buffer + 23)[0] for buffer in _words(pointers, count)])
 
 
 def _word(address: int) -> int:

@@ -523,7 +523,7 @@ def ring_attention(q, k, v, axis_name, *, causal=False, softmax_scale=None, dete
     if getattr(sink, "shape", None) != (q.shape[-2],) or not jax.numpy.issubdtype(sink.dtype, jax.numpy.floating):
         raise ValueError(f"sink must be a float array of shape ({q.shape[-2]},) (a logit per query head), got "
                          f"{getattr(sink, 'dtype', type(sink).__name__)} of shape {tuple(getattr(sink, 'shape', ()))}")
-    return _ring(static, axis_name, True)(q, k, v, sink)
+    return _ring(static, axis_name)(q, k, v, sink)
 
 
 def _axis_size(axis_name) -> int:
@@ -537,9 +537,9 @@ def _with(static: tuple, **changed) -> tuple:
 
 
 @functools.lru_cache(maxsize=64)
-def _ring(static: tuple, axis_name, with_sink: bool = False):
-    """The custom_vjp ring function of q, k, v (and the sink, ``with_sink``) -> o for one set of
-    options and mesh axis."""
+def _ring(static: tuple, axis_name):
+    """The custom_vjp ring function of q, k, v (and a sink) -> o for one set of options and mesh
+    axis."""
     from .distributed import banded, ring_blocks
 
     options = dict(static)
@@ -684,31 +684,19 @@ def _ring(static: tuple, axis_name, with_sink: bool = False):
         delta = (do.astype(jnp.float32) * o.astype(jnp.float32)).sum(-1).transpose(0, 2, 1)   # (batch, heads, rows)
         return -(jnp.exp(sink.astype(jnp.float32)[None, :, None] - lse) * delta).sum(axis=(0, 2)).astype(sink.dtype)
 
-    if with_sink:
-        @jax.custom_vjp
-        def ring(q, k, v, sink):
-            return forward(q, k, v, sink)[0]
+    # The sink, where there is one, is the function's fourth argument (``sink`` below: () or (it,)).
+    @jax.custom_vjp
+    def ring(q, k, v, *sink):
+        return forward(q, k, v, *sink)[0]
 
-        def ring_forward(q, k, v, sink):
-            o, lse = forward(q, k, v, sink)
-            return o, (q, k, v, o, lse, sink)
+    def ring_forward(q, k, v, *sink):
+        o, lse = forward(q, k, v, *sink)
+        return o, (q, k, v, o, lse, sink)
 
-        def ring_backward(saved, do):
-            q, k, v, o, lse, sink = saved
-            do = do.astype(q.dtype)
-            return backward(q, k, v, o, lse, do) + (sink_gradient(do, o, lse, sink),)
-    else:
-        @jax.custom_vjp
-        def ring(q, k, v):
-            return forward(q, k, v)[0]
-
-        def ring_forward(q, k, v):
-            o, lse = forward(q, k, v)
-            return o, (q, k, v, o, lse)
-
-        def ring_backward(saved, do):
-            q, k, v, o, lse = saved
-            return backward(q, k, v, o, lse, do.astype(q.dtype))
+    def ring_backward(saved, do):
+        q, k, v, o, lse, sink = saved
+        do = do.astype(q.dtype)
+        return backward(q, k, v, o, lse, do) + tuple(sink_gradient(do, o, lse, x) for x in sink)
 
     ring.defvjp(ring_forward, ring_backward)
     return ring
