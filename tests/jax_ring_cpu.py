@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from cupy_flash import attention_reference, attention_reference_backward, jax_adapter
 from cupy_flash.distributed import zigzag_indices
+from cupy_flash.reference import _visible
 
 jax.config.update("jax_enable_x64", False)
 
@@ -41,15 +42,9 @@ def dense_calls(static: tuple) -> tuple:
         if softcap:
             tanh = jnp.tanh(s / softcap)
             s = softcap * tanh
-        rows, keys = q.shape[1], k.shape[1]
-        offset = jnp.arange(keys)[None, :] - jnp.arange(rows)[:, None] - (keys - rows)
-        left, right = (-1, -1) if window is None else window
-        right = 0 if causal else right
-        visible = jnp.ones((rows, keys), bool)
-        if right >= 0:
-            visible &= offset <= right
-        if left >= 0:
-            visible &= offset >= -left
+        visible = _visible(q.shape[1], k.shape[1], causal, jnp, window)   # the reference's mask, or None
+        if visible is None:
+            visible = jnp.ones(s.shape[-2:], bool)
         return jnp.where(visible, s, -jnp.inf), visible, tanh, scale, group
 
     def forward(q, k, v):
